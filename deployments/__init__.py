@@ -1,0 +1,1 @@
+"""Ray Serve side: TP-group workers, deployments, controller, autoscaling, HTTP, client."""

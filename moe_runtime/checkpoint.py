@@ -1,0 +1,196 @@
+"""Read Kimi-K3-format safetensors checkpoints one layer, and one TP shard, at a time.
+
+Only the tensors (and, for split tensors, the slices) a rank needs are read, through
+safetensors' lazy slicing; nothing loads a whole file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import mxfp4
+from .config import LatentMoEConfig
+from .sharding import Split, TPShard
+from .weights import LayerWeights
+
+PREFIXES = ("language_model.layers.{i}.block_sparse_moe.", "model.layers.{i}.block_sparse_moe.")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class CheckpointReader:
+    """Maps tensor names to files and reads whole tensors or slices of them."""
+
+    def __init__(self, checkpoint: str | Path):
+        self.root = Path(checkpoint)
+        index = self.root / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index} is not a valid safetensors index: {exc}") from exc
+            self._file_of = {name: self.root / fname for name, fname in weight_map.items()}
+        elif (self.root / SINGLE_FILE).is_file():
+            path = self.root / SINGLE_FILE
+            with safe_open(path, "pt") as f:
+                self._file_of = {name: path for name in f.keys()}
+        else:
+            raise ValueError(f"{self.root} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self._handles: dict[Path, object] = {}
+        self.bytes_read = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def _handle(self, name: str):
+        if name not in self._file_of:
+            raise ValueError(f"checkpoint {self.root} has no tensor {name!r}")
+        path = self._file_of[name]
+        if path not in self._handles:
+            if not path.is_file():
+                raise ValueError(f"tensor {name!r} is mapped to {path.name}, which does not exist")
+            try:
+                self._handles[path] = safe_open(path, "pt")
+            except Exception as exc:
+                raise ValueError(f"cannot open {path}: {exc}") from exc
+        return self._handles[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Read ``name``, or only ``[start, stop)`` along ``dim`` when ``dim`` is given."""
+        view = self._handle(name).get_slice(name)
+        if dim is None:
+            t = view[:]
+        elif dim == 0:
+            t = view[start:stop]
+        else:
+            t = view[:, start:stop]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def layer_prefix(self, layer: int) -> str:
+        for pattern in PREFIXES:
+            prefix = pattern.format(i=layer)
+            if prefix + "gate.weight" in self:
+                return prefix
+        raise ValueError(
+            f"checkpoint {self.root} has no tensors for layer {layer} "
+            f"(looked for {' or '.join(p.format(i=layer) + 'gate.weight' for p in PREFIXES)})"
+        )
+
+
+class _LayerLoader:
+    """Reads one layer for one rank, checking every tensor's full shape first."""
+
+    def __init__(self, reader: CheckpointReader, cfg: LatentMoEConfig, layer: int, shard: TPShard, dtype: torch.dtype):
+        cfg.check_moe_layer(layer)
+        self.reader, self.cfg, self.shard, self.dtype = reader, cfg, shard, dtype
+        self.prefix = reader.layer_prefix(layer)
+
+    def _check_shape(self, name: str, expected: tuple[int, ...]) -> None:
+        found = self.reader.shape(name)
+        if found != expected:
+            raise ValueError(f"tensor {name!r} has shape {found}, expected {expected}")
+
+    def _span(self, key: str, full: tuple[int, ...], name: str) -> tuple[int | None, int, int | None]:
+        placement = self.shard.placement(key)
+        if placement is Split.REPLICATE:
+            return None, 0, None
+        dim = 0 if placement is Split.ROWS else 1
+        start, stop = self.shard.span(full[dim], f"dim {dim} of {name}")
+        return dim, start, stop
+
+    def dense(self, suffix: str, full: tuple[int, ...], key: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        name = self.prefix + suffix
+        self._check_shape(name, full)
+        dim, start, stop = self._span(key or suffix, full, name)
+        return self.reader.read(name, dim, start, stop).to(dtype or self.dtype)
+
+    def expert(self, e: int, which: str, full: tuple[int, int]) -> torch.Tensor:
+        """An expert matrix, dense or MXFP4-packed, sliced per the table and decoded."""
+        base = f"experts.{e}.{which}"
+        if self.prefix + base + ".weight" in self.reader:
+            return self.dense(base + ".weight", full, key=which)
+        packed_name, scale_name = self.prefix + base + ".weight_packed", self.prefix + base + ".weight_scale"
+        if packed_name not in self.reader:
+            raise ValueError(
+                f"checkpoint has neither {self.prefix + base + '.weight'!r} nor {packed_name!r}"
+            )
+        rows, cols = full
+        if cols % mxfp4.BLOCK:
+            raise ValueError(f"{packed_name}: input dim {cols} is not a multiple of {mxfp4.BLOCK}")
+        self._check_shape(packed_name, (rows, cols // 2))
+        self._check_shape(scale_name, (rows, cols // mxfp4.BLOCK))
+        dim, start, stop = self._span(which, full, base)
+        if dim == 1:
+            if start % mxfp4.BLOCK:
+                raise ValueError(
+                    f"{base} is MXFP4 with {mxfp4.BLOCK}-element blocks along dim 1, but this "
+                    f"rank's slice starts at {start} (= {cols} / TP {self.shard.world} * "
+                    f"{self.shard.rank}), not on a block boundary"
+                )
+            packed = self.reader.read(packed_name, 1, start // 2, stop // 2)
+            scale = self.reader.read(scale_name, 1, start // mxfp4.BLOCK, stop // mxfp4.BLOCK)
+        else:
+            packed = self.reader.read(packed_name, dim, start, stop)
+            scale = self.reader.read(scale_name, dim, start, stop)
+        return mxfp4.decode(packed, scale, self.dtype)
+
+
+def load_layer_weights(
+    checkpoint: str | Path | CheckpointReader,
+    cfg: LatentMoEConfig,
+    layer: int,
+    dtype: torch.dtype = torch.float32,
+    shard: TPShard | None = None,
+) -> LayerWeights:
+    """Load one MoE layer's tensors (this rank's slices only) in ``dtype``."""
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    ld = _LayerLoader(reader, cfg, layer, shard or TPShard(), dtype)
+    H, D, E, I, Is = (
+        cfg.hidden_size,
+        cfg.routed_expert_hidden_size,
+        cfg.num_experts,
+        cfg.moe_intermediate_size,
+        cfg.shared_intermediate_size,
+    )
+    w13, w2 = [], []
+    for e in range(E):
+        w13.append(torch.cat([ld.expert(e, "w1", (I, D)), ld.expert(e, "w3", (I, D))]))
+        w2.append(ld.expert(e, "w2", (D, I)))
+    shared = (None, None, None)
+    if cfg.num_shared_experts:
+        shared = (
+            ld.dense("shared_experts.gate_proj.weight", (Is, H)),
+            ld.dense("shared_experts.up_proj.weight", (Is, H)),
+            ld.dense("shared_experts.down_proj.weight", (H, Is)),
+        )
+    return LayerWeights(
+        gate_EH=ld.dense("gate.weight", (E, H), dtype=torch.float32),
+        bias_E=ld.dense("gate.e_score_correction_bias", (E,), dtype=torch.float32),
+        down_DH=ld.dense("routed_expert_down_proj.weight", (D, H)),
+        norm_D=(
+            ld.dense("routed_expert_norm.weight", (D,), dtype=torch.float32)
+            if cfg.latent_moe_use_norm
+            else None
+        ),
+        up_HD=ld.dense("routed_expert_up_proj.weight", (H, D)),
+        w13_EFD=torch.stack(w13),
+        w2_EDI=torch.stack(w2),
+        shared_gate_SH=shared[0],
+        shared_up_SH=shared[1],
+        shared_down_HS=shared[2],
+    )

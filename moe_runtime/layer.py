@@ -1,0 +1,105 @@
+"""The latent-MoE layer on one device (DESIGN §2): the truth every TP variant is tested against.
+
+The stages are separate functions so the TP runner composes the same math around its
+collectives instead of re-deriving it. Legend: T tokens, H hidden, D latent, E experts,
+K experts per token, S shared intermediate (local).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation import GatedActivation
+from .config import LatentMoEConfig
+from .experts import ExpertsBackend, get_backend
+from .router import route
+from .weights import LayerWeights
+
+
+def check_input(
+    x_TH: object,
+    cfg: LatentMoEConfig,
+    dtype: torch.dtype,
+    router_logits_TE: object = None,
+    max_tokens: int | None = None,
+) -> None:
+    """Raise ValueError naming what is wrong with a layer input."""
+    if not isinstance(x_TH, torch.Tensor):
+        raise ValueError(f"hidden_states must be a tensor, got {type(x_TH).__name__}")
+    H, E = cfg.hidden_size, cfg.num_experts
+    if x_TH.dim() != 2 or x_TH.shape[1] != H:
+        raise ValueError(f"hidden_states must have shape [T, {H}], got {list(x_TH.shape)}")
+    if x_TH.dtype != dtype:
+        raise ValueError(f"hidden_states dtype is {x_TH.dtype}, this layer runs in {dtype}")
+    T = x_TH.shape[0]
+    if T == 0:
+        raise ValueError("hidden_states has no tokens (T == 0)")
+    if max_tokens is not None and T > max_tokens:
+        raise ValueError(f"hidden_states has {T} tokens, more than the limit of {max_tokens}")
+    if not torch.isfinite(x_TH).all():
+        raise ValueError("hidden_states contains NaN or Inf")
+    if router_logits_TE is not None:
+        if not isinstance(router_logits_TE, torch.Tensor):
+            raise ValueError(f"router_logits must be a tensor, got {type(router_logits_TE).__name__}")
+        if tuple(router_logits_TE.shape) != (T, E):
+            raise ValueError(
+                f"router_logits must have shape [{T}, {E}] (T of hidden_states, num_experts), "
+                f"got {list(router_logits_TE.shape)}"
+            )
+        if not router_logits_TE.is_floating_point():
+            raise ValueError(f"router_logits must be floating point, got {router_logits_TE.dtype}")
+        if not torch.isfinite(router_logits_TE).all():
+            raise ValueError("router_logits contains NaN or Inf")
+
+
+def down_project(x_TH: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    """Routed input transform: ``h = x · Wdown^T``."""
+    return x_TH @ w.down_DH.t()
+
+
+def routed_experts(
+    x_TH: torch.Tensor,
+    h_TD: torch.Tensor,
+    w: LayerWeights,
+    cfg: LatentMoEConfig,
+    backend: ExpertsBackend,
+    act: GatedActivation,
+    router_logits_TE: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Steps 1, 3 and 4: route on ``x``, run experts on the latent ``h``; fp32 ``L_TD``
+    (a partial sum when the expert weights are TP shards)."""
+    ids_TK, weights_TK = route(x_TH, w.gate_EH, w.bias_E, cfg, router_logits_TE)
+    return backend(h_TD, ids_TK, weights_TK, w.w13_EFD, w.w2_EDI, act)
+
+
+def latent_norm(L_TD: torch.Tensor, w: LayerWeights, eps: float) -> torch.Tensor:
+    """RMSNorm of the fully summed latent in fp32 (identity when the norm is off)."""
+    L = L_TD.float()
+    if w.norm_D is None:
+        return L
+    return L * torch.rsqrt(L.pow(2).mean(-1, keepdim=True) + eps) * w.norm_D
+
+
+def shared_experts(x_TH: torch.Tensor, w: LayerWeights, act: GatedActivation) -> torch.Tensor | None:
+    """``S = act(x·Wsg^T, x·Wsu^T) · Wsd^T`` in the input dtype (partial under TP)."""
+    if not w.has_shared:
+        return None
+    a = act(x_TH @ w.shared_gate_SH.t(), x_TH @ w.shared_up_SH.t()).to(x_TH.dtype)
+    return a @ w.shared_down_HS.t()
+
+
+def moe_forward(
+    x_TH: torch.Tensor,
+    w: LayerWeights,
+    cfg: LatentMoEConfig,
+    backend: str | ExpertsBackend = "torch",
+    router_logits_TE: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out = R + S`` for one MoE layer on one device; ``[T, H]`` in the input dtype."""
+    be = get_backend(backend) if isinstance(backend, str) else backend
+    act = GatedActivation.from_config(cfg)
+    h_TD = down_project(x_TH, w)
+    L_TD = routed_experts(x_TH, h_TD, w, cfg, be, act, router_logits_TE)
+    R_TH = latent_norm(L_TD, w, cfg.rms_norm_eps).to(x_TH.dtype) @ w.up_HD.t()
+    S_TH = shared_experts(x_TH, w, act)
+    return R_TH if S_TH is None else R_TH + S_TH

@@ -1,0 +1,194 @@
+"""Tail choice: the shardability rule of the reference ROCm runner and per-batch tail plans.
+
+Everything here is pure (no process group), so every decision is unit-testable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .config import LatentMoEConfig
+
+TAILS = ("replicated", "overlap", "sharded", "single_allreduce", "sequence_parallel")
+REQUESTABLE_TAILS = ("auto", "replicated", "overlap", "sharded", "single_allreduce")
+
+
+@dataclass(frozen=True)
+class Shardability:
+    shardable: bool
+    reasons: tuple[str, ...]  # one entry per failed condition; empty when shardable
+
+    @property
+    def reason(self) -> str:
+        if self.shardable:
+            return "sharded tail is legal: every condition of the reference runner holds"
+        return "; ".join(self.reasons)
+
+
+def sharded_tail_shardability(
+    *,
+    has_up_proj: bool,
+    tp_size: int,
+    up_proj_rows: int,
+    preshard_up_proj: bool,
+    has_shared_experts: bool,
+    sequence_parallel: bool,
+    runner_scaling_factor: float,
+) -> Shardability:
+    """The reference runner's six conditions for the column-parallel (sharded) tail.
+
+    ``runner_scaling_factor`` is the factor the runner itself would still have to apply to
+    the routed output; our router folds ``routed_scaling_factor`` into the top-k weights,
+    as K3 does, so a runner built on it passes 1.0.
+    """
+    failed = []
+    if not has_up_proj:
+        failed.append("the layer has no routed up-projection")
+    if tp_size <= 1:
+        failed.append(f"TP size is {tp_size}: there is nothing to shard")
+    if not preshard_up_proj and tp_size > 0 and up_proj_rows % tp_size:
+        failed.append(
+            f"Wup is not pre-sharded and its {up_proj_rows} rows do not divide by TP size "
+            f"{tp_size} ({up_proj_rows} % {tp_size} = {up_proj_rows % tp_size})"
+        )
+    if not has_shared_experts:
+        failed.append(
+            "there are no shared experts (num_shared_experts = 0), so there is no shared "
+            "partial to fold the up-projection shard into"
+        )
+    if sequence_parallel:
+        failed.append("the deployment is sequence-parallel")
+    if runner_scaling_factor != 1.0:
+        failed.append(f"the runner-visible routed scaling factor is {runner_scaling_factor}, not 1.0")
+    return Shardability(not failed, tuple(failed))
+
+
+def shardability_for(
+    cfg: LatentMoEConfig, tp_size: int, preshard_up_proj: bool = False, sequence_parallel: bool = False
+) -> Shardability:
+    """The rule applied to a model config (our router applies the scaling factor)."""
+    return sharded_tail_shardability(
+        has_up_proj=True,
+        tp_size=tp_size,
+        up_proj_rows=cfg.hidden_size,
+        preshard_up_proj=preshard_up_proj,
+        has_shared_experts=cfg.num_shared_experts > 0,
+        sequence_parallel=sequence_parallel,
+        runner_scaling_factor=1.0,
+    )
+
+
+@dataclass(frozen=True)
+class TailTier:
+    """Use ``tail`` for batches of at most ``max_tokens`` tokens (None: no upper bound)."""
+
+    max_tokens: int | None
+    tail: str
+
+
+@dataclass(frozen=True)
+class TailPlan:
+    """Token-count ranges mapped to tails, ascending; the last tier has no bound."""
+
+    tiers: tuple[TailTier, ...]
+    reason: str
+    timings_ms: dict[str, dict[int, float]] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ValueError("a tail plan needs at least one tier")
+        bounds = [t.max_tokens for t in self.tiers]
+        if bounds[-1] is not None or any(b is None for b in bounds[:-1]):
+            raise ValueError(f"only the last tier may be unbounded, got bounds {bounds}")
+        if any(b < 1 for b in bounds[:-1]) or bounds[:-1] != sorted(set(bounds[:-1])):
+            raise ValueError(f"tier bounds must be positive and strictly ascending, got {bounds}")
+        for tier in self.tiers:
+            if tier.tail not in TAILS:
+                raise ValueError(f"unknown tail {tier.tail!r}; expected one of {TAILS}")
+
+    @classmethod
+    def single(cls, tail: str, reason: str) -> TailPlan:
+        return cls((TailTier(None, tail),), reason)
+
+    @property
+    def tails(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(t.tail for t in self.tiers))
+
+    def tail_for(self, num_tokens: int) -> str:
+        for tier in self.tiers:
+            if tier.max_tokens is None or num_tokens <= tier.max_tokens:
+                return tier.tail
+        raise AssertionError("unreachable: the last tier is unbounded")
+
+    def describe(self) -> str:
+        parts, low = [], 1
+        for tier in self.tiers:
+            high = "inf" if tier.max_tokens is None else tier.max_tokens
+            parts.append(f"T in [{low}, {high}] -> {tier.tail}")
+            low = (tier.max_tokens or math.inf) + 1
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict:
+        return {
+            "tiers": [{"max_tokens": t.max_tokens, "tail": t.tail} for t in self.tiers],
+            "reason": self.reason,
+            "describe": self.describe(),
+            "timings_ms": {tail: dict(v) for tail, v in self.timings_ms.items()},
+        }
+
+
+def legal_tails(
+    cfg: LatentMoEConfig, tp_size: int, preshard_up_proj: bool = False, sequence_parallel: bool = False
+) -> tuple[str, ...]:
+    """Every tail that may run for this deployment, in order of preference."""
+    if sequence_parallel:
+        return ("sequence_parallel",)
+    base = ("replicated", "overlap", "single_allreduce")
+    if shardability_for(cfg, tp_size, preshard_up_proj).shardable:
+        return ("sharded", *base)
+    return base
+
+
+def resolve_tail(
+    requested: str,
+    cfg: LatentMoEConfig,
+    tp_size: int,
+    preshard_up_proj: bool = False,
+    sequence_parallel: bool = False,
+) -> TailPlan:
+    """A static plan for a requested tail; ``ValueError`` when it is illegal here.
+
+    ``auto`` without measurements picks ``sharded`` when legal and otherwise falls back to
+    ``replicated`` with the rule's reason (the controller refines ``auto`` by timing).
+    """
+    if requested not in REQUESTABLE_TAILS:
+        raise ValueError(f"unknown tail {requested!r}; expected one of {REQUESTABLE_TAILS}")
+    if preshard_up_proj and cfg.hidden_size % tp_size:
+        raise ValueError(
+            f"cannot pre-shard Wup by rows: hidden_size {cfg.hidden_size} % TP size {tp_size} "
+            f"= {cfg.hidden_size % tp_size}"
+        )
+    if preshard_up_proj and sequence_parallel:
+        raise ValueError("a pre-sharded Wup needs the sharded tail, which sequence parallelism excludes")
+    if sequence_parallel:
+        if requested != "auto":
+            raise ValueError(
+                f"tail {requested!r} cannot run sequence-parallel; sequence-parallel deployments "
+                "use tail 'auto' (the sequence_parallel tail)"
+            )
+        return TailPlan.single("sequence_parallel", "sequence_parallel requested: reduce-scatter over tokens")
+    rule = shardability_for(cfg, tp_size, preshard_up_proj)
+    if preshard_up_proj and not rule.shardable:
+        raise ValueError(f"Wup is pre-sharded but the sharded tail is illegal: {rule.reason}")
+    if preshard_up_proj and requested not in ("auto", "sharded"):
+        raise ValueError(f"tail {requested!r} needs the full Wup on every rank; it is pre-sharded")
+    if requested == "sharded":
+        if not rule.shardable:
+            raise ValueError(f"tail 'sharded' is illegal here: {rule.reason}")
+        return TailPlan.single("sharded", rule.reason)
+    if requested == "auto":
+        if rule.shardable:
+            return TailPlan.single("sharded", f"auto: {rule.reason}")
+        return TailPlan.single("replicated", f"auto: falling back to replicated because {rule.reason}")
+    return TailPlan.single(requested, f"{requested} requested")
