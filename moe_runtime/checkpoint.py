@@ -69,7 +69,9 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         """Read ``name``, or only ``[start, stop)`` along ``dim`` when ``dim`` is given."""
         view = self._handle(name).get_slice(name)
         if dim is None:
@@ -95,7 +97,9 @@ class CheckpointReader:
 class _LayerLoader:
     """Reads one layer for one rank, checking every tensor's full shape first."""
 
-    def __init__(self, reader: CheckpointReader, cfg: LatentMoEConfig, layer: int, shard: TPShard, dtype: torch.dtype):
+    def __init__(
+        self, reader: CheckpointReader, cfg: LatentMoEConfig, layer: int, shard: TPShard, dtype: torch.dtype
+    ):
         cfg.check_moe_layer(layer)
         self.reader, self.cfg, self.shard, self.dtype = reader, cfg, shard, dtype
         self.prefix = reader.layer_prefix(layer)
@@ -113,7 +117,9 @@ class _LayerLoader:
         start, stop = self.shard.span(full[dim], f"dim {dim} of {name}")
         return dim, start, stop
 
-    def dense(self, suffix: str, full: tuple[int, ...], key: str | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dense(
+        self, suffix: str, full: tuple[int, ...], key: str | None = None, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         name = self.prefix + suffix
         self._check_shape(name, full)
         dim, start, stop = self._span(key or suffix, full, name)
@@ -126,9 +132,7 @@ class _LayerLoader:
             return self.dense(base + ".weight", full, key=which)
         packed_name, scale_name = self.prefix + base + ".weight_packed", self.prefix + base + ".weight_scale"
         if packed_name not in self.reader:
-            raise ValueError(
-                f"checkpoint has neither {self.prefix + base + '.weight'!r} nor {packed_name!r}"
-            )
+            raise ValueError(f"checkpoint has neither {self.prefix + base + '.weight'!r} nor {packed_name!r}")
         rows, cols = full
         if cols % mxfp4.BLOCK:
             raise ValueError(f"{packed_name}: input dim {cols} is not a multiple of {mxfp4.BLOCK}")

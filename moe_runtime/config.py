@@ -66,8 +66,7 @@ class LatentMoEConfig:
             raise ValueError(f"num_experts_per_token ({K}) > num_experts ({E})")
         if self.moe_router_activation_func not in ROUTER_FUNCS:
             raise ValueError(
-                f"moe_router_activation_func {self.moe_router_activation_func!r} is not one of "
-                f"{ROUTER_FUNCS}"
+                f"moe_router_activation_func {self.moe_router_activation_func!r} is not one of {ROUTER_FUNCS}"
             )
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not one of {ACTIVATIONS}")
@@ -87,8 +86,7 @@ class LatentMoEConfig:
             G, TG = self.num_expert_group, self.topk_group
             if E % G:
                 raise ValueError(
-                    f"num_experts ({E}) is not divisible by num_expert_group ({G}): "
-                    f"{E} % {G} = {E % G}"
+                    f"num_experts ({E}) is not divisible by num_expert_group ({G}): {E} % {G} = {E % G}"
                 )
             if TG > G:
                 raise ValueError(f"topk_group ({TG}) > num_expert_group ({G})")
@@ -133,9 +131,7 @@ class LatentMoEConfig:
         if isinstance(layer, bool) or not isinstance(layer, int):
             raise ValueError(f"layer must be an integer, got {layer!r}")
         if not 0 <= layer < self.num_hidden_layers:
-            raise ValueError(
-                f"unknown layer {layer}: the model has layers 0..{self.num_hidden_layers - 1}"
-            )
+            raise ValueError(f"unknown layer {layer}: the model has layers 0..{self.num_hidden_layers - 1}")
         if not self.is_moe_layer(layer):
             raise ValueError(
                 f"layer {layer} is not a MoE layer (first_k_dense_replace="

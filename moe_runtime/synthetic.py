@@ -32,16 +32,37 @@ _K3_COMMON: dict[str, Any] = {
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds to write; sizes divide TP 2/4/8 and MXFP4 blocks at TP 2.
-    "tiny": dict(_K3_COMMON, hidden_size=128, routed_expert_hidden_size=64, num_experts=8,
-                 num_experts_per_token=2, moe_intermediate_size=64, num_shared_experts=1,
-                 num_hidden_layers=3),
+    "tiny": dict(
+        _K3_COMMON,
+        hidden_size=128,
+        routed_expert_hidden_size=64,
+        num_experts=8,
+        num_experts_per_token=2,
+        moe_intermediate_size=64,
+        num_shared_experts=1,
+        num_hidden_layers=3,
+    ),
     # ~120 MB per MoE layer in bf16: CPU benchmarks with K3's H/D = 2 ratio.
-    "small": dict(_K3_COMMON, hidden_size=2048, routed_expert_hidden_size=1024, num_experts=32,
-                  num_experts_per_token=4, moe_intermediate_size=512, num_shared_experts=2,
-                  num_hidden_layers=2),
-    "kimi-k3": dict(_K3_COMMON, hidden_size=7168, routed_expert_hidden_size=3584, num_experts=896,
-                    num_experts_per_token=16, moe_intermediate_size=3072, num_shared_experts=2,
-                    num_hidden_layers=92),
+    "small": dict(
+        _K3_COMMON,
+        hidden_size=2048,
+        routed_expert_hidden_size=1024,
+        num_experts=32,
+        num_experts_per_token=4,
+        moe_intermediate_size=512,
+        num_shared_experts=2,
+        num_hidden_layers=2,
+    ),
+    "kimi-k3": dict(
+        _K3_COMMON,
+        hidden_size=7168,
+        routed_expert_hidden_size=3584,
+        num_experts=896,
+        num_experts_per_token=16,
+        moe_intermediate_size=3072,
+        num_shared_experts=2,
+        num_hidden_layers=92,
+    ),
 }
 
 
@@ -53,10 +74,16 @@ def preset_config(preset: str, **overrides: Any) -> dict[str, Any]:
     return raw
 
 
-def _layer_tensors(cfg: LatentMoEConfig, layer: int, prefix: str, dtype: torch.dtype,
-                   use_mxfp4: bool, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    H, D, E, I, Is = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
-                      cfg.moe_intermediate_size, cfg.shared_intermediate_size)
+def _layer_tensors(
+    cfg: LatentMoEConfig, layer: int, prefix: str, dtype: torch.dtype, use_mxfp4: bool, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    H, D, E, I, Is = (
+        cfg.hidden_size,
+        cfg.routed_expert_hidden_size,
+        cfg.num_experts,
+        cfg.moe_intermediate_size,
+        cfg.shared_intermediate_size,
+    )
 
     def rand(*shape: int, scale: float | None = None) -> torch.Tensor:
         std = scale if scale is not None else shape[-1] ** -0.5  # keeps activations O(1)
@@ -109,7 +136,9 @@ def write_checkpoint(
     (out / "config.json").write_text(json.dumps(doc, indent=2) + "\n")
     if config_only:
         return out
-    prefix = "model.layers.{i}.block_sparse_moe." if text_only else "language_model.layers.{i}.block_sparse_moe."
+    prefix = (
+        "model.layers.{i}.block_sparse_moe." if text_only else "language_model.layers.{i}.block_sparse_moe."
+    )
     dtype = torch_dtype(cfg.torch_dtype)
     layers = cfg.moe_layers
     if progress:

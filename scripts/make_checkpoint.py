@@ -27,9 +27,16 @@ def main(argv: list[str] | None = None) -> int:
         raw = preset_config(args.preset, **overrides)
     except ValueError as exc:
         ap.error(str(exc))
-    out = write_checkpoint(args.out, raw, use_mxfp4=args.mxfp4, seed=args.seed,
-                           single_file=args.single_file, text_only=args.text_only,
-                           config_only=args.config_only, progress=True)
+    out = write_checkpoint(
+        args.out,
+        raw,
+        use_mxfp4=args.mxfp4,
+        seed=args.seed,
+        single_file=args.single_file,
+        text_only=args.text_only,
+        config_only=args.config_only,
+        progress=True,
+    )
     what = "config.json" if args.config_only else "checkpoint"
     print(f"wrote {args.preset} {what} to {out}")
     return 0

@@ -1,0 +1,100 @@
+"""A thin, counted interface over a torch.distributed process group.
+
+gloo on CPU, nccl on GPUs (RCCL on ROCm). Every rendezvous and collective has a finite
+timeout, so a dead rank fails the call instead of hanging the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_group(
+    rank: int, world: int, master_addr: str, master_port: int, backend: str, timeout_s: float
+) -> None:
+    """Join the default process group with a finite timeout (rendezvous included)."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a process group")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+class Collectives:
+    """Sum-collectives over the default group (or a single rank when ``world == 1``).
+
+    ``counts`` records every call by name, so tests can assert each tail's collective cost.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1, device: torch.device | str = "cpu"):
+        if world > 1 and not dist.is_initialized():
+            raise RuntimeError(f"TP size {world} needs an initialised process group")
+        self.rank, self.world, self.device = rank, world, torch.device(device)
+        self.counts: Counter[str] = Counter()
+
+    @classmethod
+    def from_default_group(cls, device: torch.device | str = "cpu") -> Collectives:
+        return cls(dist.get_rank(), dist.get_world_size(), device)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.counts["all_reduce"] += 1
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def all_reduce_async(self, t: torch.Tensor):
+        """Start a sum all-reduce of ``t`` in place; call ``.wait()`` on the result."""
+        self.counts["all_reduce"] += 1
+        if self.world > 1:
+            return dist.all_reduce(t, async_op=True)
+        return _Done()
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks and keep this rank's ``1/world`` of dim 0 (divisible by world)."""
+        self.counts["reduce_scatter"] += 1
+        if self.world == 1:
+            return t
+        out = torch.empty((t.shape[0] // self.world, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_single(out, t.contiguous())
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``t`` along dim 0, in rank order."""
+        self.counts["all_gather"] += 1
+        if self.world == 1:
+            return t
+        out = torch.empty((t.shape[0] * self.world, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_single(out, t.contiguous())
+        return out
+
+    def barrier_check(self) -> None:
+        """A tiny all-reduce that proves every rank is alive (health checks)."""
+        probe = torch.ones(1, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(probe)
+        if probe.item() != self.world:
+            raise RuntimeError(f"health all-reduce summed to {probe.item()}, expected {self.world}")
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
