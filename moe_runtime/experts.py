@@ -7,6 +7,7 @@ rows stacked over up rows), I_local = intermediate rows this rank holds.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from typing import Protocol
 
@@ -98,11 +99,15 @@ def aiter_unavailable_reason() -> str | None:
         return "the aiter package (PyPI amd-aiter) is not installed"
     try:
         aiter = importlib.import_module("aiter")
+        fused_moe = importlib.import_module("aiter.fused_moe").fused_moe
     except Exception as exc:  # a broken ROCm install must not take the torch path down
         return f"import aiter failed: {exc}"
-    if not hasattr(aiter, "fused_moe"):
-        return "this aiter build has no fused_moe kernel"
-    return "this aiter build offers no SiTU activation for fused_moe"
+    if not hasattr(getattr(aiter, "ActivationType", None), "Situv2"):
+        return "this aiter build has no SiTU (ActivationType.Situv2) fused MoE"
+    params = inspect.signature(fused_moe).parameters
+    if not {"beta", "linear_beta"} <= params.keys():
+        return "this aiter build's fused_moe takes no SiTU beta / linear_beta"
+    return None
 
 
 def select_backend(requested: str) -> tuple[str, str]:

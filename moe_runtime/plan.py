@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from .config import LatentMoEConfig
+from .sharding import check_tp_size
 
 TAILS = ("replicated", "overlap", "sharded", "single_allreduce", "sequence_parallel")
 REQUESTABLE_TAILS = ("auto", "replicated", "overlap", "sharded", "single_allreduce")
@@ -164,11 +165,12 @@ def resolve_tail(
     """
     if requested not in REQUESTABLE_TAILS:
         raise ValueError(f"unknown tail {requested!r}; expected one of {REQUESTABLE_TAILS}")
-    if preshard_up_proj and cfg.hidden_size % tp_size:
-        raise ValueError(
-            f"cannot pre-shard Wup by rows: hidden_size {cfg.hidden_size} % TP size {tp_size} "
-            f"= {cfg.hidden_size % tp_size}"
-        )
+    check_tp_size(
+        tp_size,
+        cfg.moe_intermediate_size,
+        cfg.shared_intermediate_size,
+        cfg.hidden_size if preshard_up_proj else None,
+    )
     if preshard_up_proj and sequence_parallel:
         raise ValueError("a pre-sharded Wup needs the sharded tail, which sequence parallelism excludes")
     if sequence_parallel:

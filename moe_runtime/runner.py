@@ -47,17 +47,17 @@ class StageTimer:
 
     def start(self) -> None:
         if self.enabled:
-            self._sync()
+            self.sync()
             self._last = time.perf_counter()
 
     def mark(self, stage: str) -> None:
         if self.enabled:
-            self._sync()
+            self.sync()
             now = time.perf_counter()
             self.totals[stage] += now - self._last
             self._last = now
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -92,13 +92,17 @@ class LatentMoERunner:
         sequence_parallel = "sequence_parallel" in plan.tails
         if sequence_parallel and len(plan.tails) > 1:
             raise ValueError(f"sequence_parallel cannot share a plan with other tails: {plan.describe()}")
-        legal = legal_tails(cfg, shard.world, shard.preshard_up_proj, sequence_parallel)
+        rule = shardability_for(cfg, shard.world, shard.preshard_up_proj, sequence_parallel)
+        if shard.preshard_up_proj:
+            if not rule.shardable:
+                raise ValueError(f"Wup is pre-sharded but the sharded tail is illegal: {rule.reason}")
+            legal, why = ("sharded",), "Wup is pre-sharded, so only the sharded tail has the rows it needs"
+        else:
+            legal, why = legal_tails(cfg, shard.world, False, sequence_parallel), rule.reason
+        self.legal_tails = legal
         illegal = [t for t in plan.tails if t not in legal]
         if illegal:
-            why = shardability_for(cfg, shard.world, shard.preshard_up_proj, sequence_parallel).reason
             raise ValueError(f"tail(s) {illegal} are illegal here (legal: {list(legal)}): {why}")
-        if shard.preshard_up_proj and plan.tails != ("sharded",):
-            raise ValueError(f"a pre-sharded Wup runs only the sharded tail, plan is {plan.describe()}")
         self._check_shapes()
         self.backend_name = backend
         self.backend = get_backend(backend)
@@ -137,17 +141,30 @@ class LatentMoERunner:
 
     # -- forward --------------------------------------------------------------------------
 
-    def forward(self, x_TH: torch.Tensor, router_logits_TE: torch.Tensor | None = None) -> torch.Tensor:
-        """``out [T, H]`` (sequence-parallel: only this rank's rows, see ``sp_rows``)."""
+    def forward(
+        self, x_TH: torch.Tensor, router_logits_TE: torch.Tensor | None = None, tail: str | None = None
+    ) -> torch.Tensor:
+        """``out [T, H]`` (sequence-parallel: only this rank's rows, see ``sp_rows``).
+
+        ``tail`` overrides the plan for this call (tail measurement); it must be legal here.
+        """
         T = x_TH.shape[0]
-        tail = self.plan.tail_for(T)
+        if tail is None:
+            tail = self.plan.tail_for(T)
+        elif tail not in self.legal_tails:
+            raise ValueError(f"tail {tail!r} is not legal here; legal: {list(self.legal_tails)}")
         self.timer.start()
         h_TD = self.routed_input_latent(x_TH)
-        self.timer.mark("down_proj")
         L_TD = routed_experts(x_TH, h_TD, self.w, self.cfg, self.backend, self.act, router_logits_TE)
         S_TH = shared_experts(x_TH, self.w, self.act)
         self.timer.mark("experts")
-        out = self._tails[tail](L_TD, S_TH, x_TH.dtype)
+        return self.apply_tail(tail, L_TD, S_TH, x_TH.dtype)
+
+    def apply_tail(
+        self, tail: str, L_TD: torch.Tensor, S_TH: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Everything after the experts, from this rank's partials (which it may modify)."""
+        out = self._tails[tail](L_TD, S_TH, dtype)
         self.tail_counts[tail] += 1
         self.last_tail = tail
         return out
@@ -159,7 +176,9 @@ class LatentMoERunner:
         T, P = x_TH.shape[0], self.shard.world
         ri = self.routed_input
         if not ri.enabled or P == 1 or T < ri.min_sharded_tokens:
-            return down_project(x_TH, self.w)
+            h_TD = down_project(x_TH, self.w)
+            self.timer.mark("down_proj")
+            return h_TD
         start, stop = sp_rows(T, P, self.shard.rank)
         per_rank = -(-T // P)
         h_local = down_project(x_TH[start:stop], self.w)

@@ -61,3 +61,19 @@ class TPShard:
             )
         step = size // self.world
         return self.rank * step, (self.rank + 1) * step
+
+
+def check_tp_size(
+    tp_size: int, intermediate_size: int, shared_intermediate_size: int, hidden_size: int | None = None
+) -> None:
+    """Raise ValueError unless every split dimension divides by ``tp_size``."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"TP size must be a positive integer, got {tp_size!r}")
+    dims = {"moe_intermediate_size": intermediate_size, "shared intermediate size": shared_intermediate_size}
+    if hidden_size is not None:
+        dims["hidden_size (pre-sharded Wup)"] = hidden_size
+    for what, size in dims.items():
+        if size % tp_size:
+            raise ValueError(
+                f"TP size {tp_size} does not divide {what} {size}: {size} % {tp_size} = {size % tp_size}"
+            )
