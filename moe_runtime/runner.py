@@ -99,10 +99,8 @@ class LatentMoERunner:
             legal, why = ("sharded",), "Wup is pre-sharded, so only the sharded tail has the rows it needs"
         else:
             legal, why = legal_tails(cfg, shard.world, False, sequence_parallel), rule.reason
-        self.legal_tails = legal
-        illegal = [t for t in plan.tails if t not in legal]
-        if illegal:
-            raise ValueError(f"tail(s) {illegal} are illegal here (legal: {list(legal)}): {why}")
+        self.legal_tails, self._illegal_why = legal, why
+        self.set_plan(plan)
         self._check_shapes()
         self.backend_name = backend
         self.backend = get_backend(backend)
@@ -124,6 +122,15 @@ class LatentMoERunner:
                 f"tails {plan.describe()} ({plan.reason}), routed input "
                 f"{'token-sharded/' + self.routed_input.quant if self.routed_input.enabled else 'replicated'}"
             )
+
+    def set_plan(self, plan: TailPlan) -> None:
+        """Adopt a (e.g. measured) plan; every tail in it must be legal on this group."""
+        illegal = [t for t in plan.tails if t not in self.legal_tails]
+        if illegal:
+            raise ValueError(
+                f"tail(s) {illegal} are illegal here (legal: {list(self.legal_tails)}): {self._illegal_why}"
+            )
+        self.plan = plan
 
     def _check_shapes(self) -> None:
         cfg, P = self.cfg, self.shard.world
