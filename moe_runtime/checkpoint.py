@@ -140,11 +140,12 @@ class _LayerLoader:
         self._check_shape(scale_name, (rows, cols // mxfp4.BLOCK))
         dim, start, stop = self._span(which, full, base)
         if dim == 1:
-            if start % mxfp4.BLOCK:
+            width = stop - start
+            if width % mxfp4.BLOCK:
                 raise ValueError(
-                    f"{base} is MXFP4 with {mxfp4.BLOCK}-element blocks along dim 1, but this "
-                    f"rank's slice starts at {start} (= {cols} / TP {self.shard.world} * "
-                    f"{self.shard.rank}), not on a block boundary"
+                    f"{base} is MXFP4 with {mxfp4.BLOCK}-element blocks along dim 1, but each rank's "
+                    f"slice is {cols} / TP {self.shard.world} = {width} columns, not a multiple of "
+                    f"{mxfp4.BLOCK}: the slices do not fall on a block boundary"
                 )
             packed = self.reader.read(packed_name, 1, start // 2, stop // 2)
             scale = self.reader.read(scale_name, 1, start // mxfp4.BLOCK, stop // mxfp4.BLOCK)

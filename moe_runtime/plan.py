@@ -142,13 +142,18 @@ class TailPlan:
 def legal_tails(
     cfg: LatentMoEConfig, tp_size: int, preshard_up_proj: bool = False, sequence_parallel: bool = False
 ) -> tuple[str, ...]:
-    """Every tail that may run for this deployment, in order of preference."""
+    """Every tail that may run for this deployment, in order of preference.
+
+    A pre-sharded ``Wup`` leaves each rank only its row block, so only ``sharded`` can run
+    (and nothing when the sharded tail is illegal).
+    """
     if sequence_parallel:
         return ("sequence_parallel",)
+    shardable = shardability_for(cfg, tp_size, preshard_up_proj).shardable
+    if preshard_up_proj:
+        return ("sharded",) if shardable else ()
     base = ("replicated", "overlap", "single_allreduce")
-    if shardability_for(cfg, tp_size, preshard_up_proj).shardable:
-        return ("sharded", *base)
-    return base
+    return ("sharded", *base) if shardable else base
 
 
 def resolve_tail(

@@ -93,12 +93,12 @@ class LatentMoERunner:
         if sequence_parallel and len(plan.tails) > 1:
             raise ValueError(f"sequence_parallel cannot share a plan with other tails: {plan.describe()}")
         rule = shardability_for(cfg, shard.world, shard.preshard_up_proj, sequence_parallel)
+        legal = legal_tails(cfg, shard.world, shard.preshard_up_proj, sequence_parallel)
+        why = rule.reason
         if shard.preshard_up_proj:
-            if not rule.shardable:
+            if not legal:
                 raise ValueError(f"Wup is pre-sharded but the sharded tail is illegal: {rule.reason}")
-            legal, why = ("sharded",), "Wup is pre-sharded, so only the sharded tail has the rows it needs"
-        else:
-            legal, why = legal_tails(cfg, shard.world, False, sequence_parallel), rule.reason
+            why = "Wup is pre-sharded, so only the sharded tail has the rows it needs"
         self.legal_tails, self._illegal_why = legal, why
         self.set_plan(plan)
         self._check_shapes()
