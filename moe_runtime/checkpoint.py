@@ -40,6 +40,11 @@ class CheckpointReader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise ValueError(f"{index} is not a valid safetensors index: {exc}") from exc
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError(
+                    f"{index} is not a valid safetensors index: weight_map must map tensor names to "
+                    f"file names, got {str(weight_map)[:80]}"
+                )
             self._file_of = {name: self.root / fname for name, fname in weight_map.items()}
         elif (self.root / SINGLE_FILE).is_file():
             path = self.root / SINGLE_FILE

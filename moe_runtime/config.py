@@ -61,6 +61,21 @@ class LatentMoEConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"config field {name} must be an integer >= 0, got {value!r}")
+        for name in ("moe_renormalize", "use_grouped_topk", "latent_moe_use_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config field {name} must be true or false, got {getattr(self, name)!r}")
+        for name in (
+            "routed_scaling_factor",
+            "rms_norm_eps",
+            "activation_situ_beta",
+            "activation_situ_linear_beta",
+        ):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise ValueError(f"config field {name} must be a number, got {value!r}")
+        for name in ("moe_router_activation_func", "hidden_act", "torch_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"config field {name} must be a string, got {getattr(self, name)!r}")
         E, K = self.num_experts, self.num_experts_per_token
         if K > E:
             raise ValueError(f"num_experts_per_token ({K}) > num_experts ({E})")

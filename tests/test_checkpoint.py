@@ -1,0 +1,363 @@
+"""Checkpoint loader (DESIGN §3): layouts, per-layer reads, and clear errors on bad files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from moe_runtime.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader, load_layer_weights
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.sharding import TPShard
+from moe_runtime.synthetic import PRESETS
+
+REPO = Path(__file__).resolve().parents[1]
+K3 = "language_model.layers.{i}.block_sparse_moe."
+TEXT = "model.layers.{i}.block_sparse_moe."
+
+
+def raises(*fragments: str):
+    return pytest.raises(ValueError, match=".*".join(re.escape(f) for f in fragments))
+
+
+def assert_same_weights(a, b) -> None:
+    ta, tb = a.tensors(), b.tensors()
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype, name
+        assert torch.equal(ta[name], tb[name]), name
+
+
+def copy_ckpt(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_single_file(ckpt: Path, edit) -> None:
+    """Load every tensor of model.safetensors, let ``edit`` change the dict, save it back."""
+    path = ckpt / SINGLE_FILE
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def layer_bytes(ckpt: Path, prefix: str) -> tuple[int, int]:
+    """(bytes of the tensors under ``prefix``, bytes of all tensors) in a checkpoint."""
+    files = sorted(ckpt.glob("*.safetensors"))
+    mine = total = 0
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                n = f.get_slice(name)
+                shape, dtype = n.get_shape(), n.get_dtype()
+                size = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1}[dtype]
+                nbytes = size * int(torch.tensor(shape).prod().item()) if shape else size
+                total += nbytes
+                if name.startswith(prefix):
+                    mine += nbytes
+    return mine, total
+
+
+# --- layouts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_single_file_and_index_load_the_same_weights(make_ckpt, mxfp4: bool) -> None:
+    indexed = make_ckpt(mxfp4=mxfp4)
+    single = make_ckpt(mxfp4=mxfp4, single_file=True)
+    assert (indexed / INDEX_FILE).is_file() and not (indexed / SINGLE_FILE).exists()
+    assert (single / SINGLE_FILE).is_file() and not (single / INDEX_FILE).exists()
+    cfg = LatentMoEConfig.from_pretrained(indexed)
+    for layer in cfg.moe_layers:
+        assert_same_weights(load_layer_weights(indexed, cfg, layer), load_layer_weights(single, cfg, layer))
+
+
+def test_both_prefixes(make_ckpt) -> None:
+    k3 = make_ckpt()
+    text = make_ckpt(text_only=True)
+    assert "text_config" not in json.loads((text / "config.json").read_text())
+    assert CheckpointReader(k3).layer_prefix(1) == K3.format(i=1)
+    assert CheckpointReader(text).layer_prefix(2) == TEXT.format(i=2)
+    cfg = LatentMoEConfig.from_pretrained(text)
+    assert cfg == LatentMoEConfig.from_pretrained(k3)
+    assert_same_weights(load_layer_weights(k3, cfg, 2), load_layer_weights(text, cfg, 2))
+
+
+def test_loaded_shapes_and_dtypes(tiny_ckpt: Path) -> None:
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    H, D, E, I, Is = 128, 64, 8, 64, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        w = load_layer_weights(tiny_ckpt, cfg, 1, dtype=dtype)
+        assert w.shapes() == {
+            "gate_EH": (E, H), "bias_E": (E,), "down_DH": (D, H), "norm_D": (D,), "up_HD": (H, D),
+            "w13_EFD": (E, 2 * I, D), "w2_EDI": (E, D, I),
+            "shared_gate_SH": (Is, H), "shared_up_SH": (Is, H), "shared_down_HS": (H, Is),
+        }
+        # the router and the norm weight stay fp32; everything else is in the requested dtype
+        assert w.gate_EH.dtype == w.bias_E.dtype == w.norm_D.dtype == torch.float32
+        assert w.dtype == w.w13_EFD.dtype == w.shared_down_HS.dtype == dtype
+
+
+def test_w13_stacks_gate_rows_over_up_rows(tiny_ckpt: Path) -> None:
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    w = load_layer_weights(tiny_ckpt, cfg, 2, dtype=torch.bfloat16)
+    reader = CheckpointReader(tiny_ckpt)
+    p = K3.format(i=2)
+    torch.testing.assert_close(w.w13_EFD[5, :64], reader.read(p + "experts.5.w1.weight"), rtol=0, atol=0)
+    torch.testing.assert_close(w.w13_EFD[5, 64:], reader.read(p + "experts.5.w3.weight"), rtol=0, atol=0)
+    torch.testing.assert_close(w.w2_EDI[5], reader.read(p + "experts.5.w2.weight"), rtol=0, atol=0)
+
+
+def test_optional_tensors_absent(make_ckpt) -> None:
+    ckpt = make_ckpt(num_shared_experts=0, latent_moe_use_norm=False)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    w = load_layer_weights(ckpt, cfg, 1)
+    assert w.norm_D is None and not w.has_shared and w.shared_down_HS is None
+
+
+def test_mxfp4_checkpoint_decodes_experts(make_ckpt) -> None:
+    ckpt = make_ckpt(mxfp4=True)
+    reader = CheckpointReader(ckpt)
+    p = K3.format(i=1)
+    assert p + "experts.0.w1.weight_packed" in reader and p + "experts.0.w1.weight" not in reader
+    assert reader.shape(p + "experts.0.w2.weight_packed") == (64, 32)
+    assert reader.shape(p + "experts.0.w2.weight_scale") == (64, 2)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    w = load_layer_weights(ckpt, cfg, 1)
+    dense = load_layer_weights(make_ckpt(), cfg, 1)
+    # same seed, so the MXFP4 experts are the dense ones up to FP4 rounding (<= amax/12 or |x|/4)
+    assert w.w13_EFD.shape == dense.w13_EFD.shape
+    err = (w.w13_EFD.float() - dense.w13_EFD.float()).abs()
+    assert (err <= dense.w13_EFD.float().abs() / 4 + dense.w13_EFD.float().abs().amax() / 12).all()
+    assert torch.equal(w.gate_EH, dense.gate_EH)  # non-expert tensors stay dense
+
+
+# --- read only what is needed -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("single_file", [False, True])
+def test_reading_a_layer_reads_only_that_layer(make_ckpt, single_file: bool) -> None:
+    ckpt = make_ckpt(single_file=single_file, num_hidden_layers=5)  # MoE layers 1..4
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    mine, total = layer_bytes(ckpt, K3.format(i=1))
+    reader = CheckpointReader(ckpt)
+    load_layer_weights(reader, cfg, 1)
+    # every tensor of layer 1 is read once, in full, and nothing else: a quarter of the file(s)
+    assert reader.bytes_read == mine
+    assert reader.bytes_read <= total / 4 + 1
+    reader2 = CheckpointReader(ckpt)
+    load_layer_weights(reader2, cfg, 3)
+    assert reader2.bytes_read == mine  # every layer has the same size
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_tp_shard_reads_only_its_slices(make_ckpt, mxfp4: bool) -> None:
+    ckpt = make_ckpt(mxfp4=mxfp4)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    full_reader = CheckpointReader(ckpt)
+    full = load_layer_weights(full_reader, cfg, 1)
+    readers = [CheckpointReader(ckpt) for _ in range(2)]
+    shards = [load_layer_weights(readers[r], cfg, 1, shard=TPShard(r, 2)) for r in range(2)]
+    I = cfg.moe_intermediate_size
+    # the two ranks' slices stitch back into the full tensors (DESIGN §4 table)
+    w1 = torch.cat([s.w13_EFD[:, : I // 2] for s in shards], 1)
+    w3 = torch.cat([s.w13_EFD[:, I // 2 :] for s in shards], 1)
+    assert torch.equal(torch.cat([w1, w3], 1), full.w13_EFD)
+    assert torch.equal(torch.cat([s.w2_EDI for s in shards], 2), full.w2_EDI)
+    assert torch.equal(torch.cat([s.shared_down_HS for s in shards], 1), full.shared_down_HS)
+    assert torch.equal(shards[1].gate_EH, full.gate_EH)
+    # each rank reads the replicated tensors plus half of the split ones
+    split_elems = sum(t.numel() for t in (full.w13_EFD, full.w2_EDI, full.shared_gate_SH, full.shared_up_SH,
+                                          full.shared_down_HS))
+    for reader in readers:
+        assert reader.bytes_read < full_reader.bytes_read
+    assert readers[0].bytes_read == readers[1].bytes_read
+    if not mxfp4:  # bf16 on disk (2 bytes): each rank skips exactly half the split tensors' bytes
+        assert full_reader.bytes_read - readers[0].bytes_read == split_elems * 2 // 2
+
+
+# --- broken checkpoints -----------------------------------------------------------------------
+
+
+def test_missing_expert_tensor(make_ckpt, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(make_ckpt(single_file=True), tmp_path / "ckpt")
+    name = K3.format(i=1) + "experts.3.w2.weight"
+    rewrite_single_file(ckpt, lambda t: t.pop(name))
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    with raises("checkpoint has neither", name, "experts.3.w2.weight_packed"):
+        load_layer_weights(ckpt, cfg, 1)
+    load_layer_weights(ckpt, cfg, 2)  # the other layer is intact
+
+
+@pytest.mark.parametrize(
+    "suffix", ["gate.e_score_correction_bias", "routed_expert_norm.weight", "routed_expert_up_proj.weight",
+               "shared_experts.down_proj.weight"],
+)
+def test_missing_dense_tensor(make_ckpt, tmp_path: Path, suffix: str) -> None:
+    ckpt = copy_ckpt(make_ckpt(single_file=True), tmp_path / "ckpt")
+    name = K3.format(i=2) + suffix
+    rewrite_single_file(ckpt, lambda t: t.pop(name))
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    with raises(f"has no tensor '{name}'"):
+        load_layer_weights(ckpt, cfg, 2)
+
+
+def test_missing_router_means_missing_layer(make_ckpt, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(make_ckpt(single_file=True), tmp_path / "ckpt")
+    rewrite_single_file(ckpt, lambda t: t.pop(K3.format(i=1) + "gate.weight"))
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    with raises("has no tensors for layer 1", K3.format(i=1) + "gate.weight", TEXT.format(i=1) + "gate.weight"):
+        load_layer_weights(ckpt, cfg, 1)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "bad_shape", "expected"),
+    [
+        ("routed_expert_down_proj.weight", (64, 127), (64, 128)),
+        ("gate.e_score_correction_bias", (9,), (8,)),
+        ("experts.7.w1.weight", (64, 65), (64, 64)),
+        ("shared_experts.gate_proj.weight", (128, 64), (64, 128)),
+    ],
+)
+def test_wrong_shape(make_ckpt, tmp_path: Path, suffix: str, bad_shape, expected) -> None:
+    ckpt = copy_ckpt(make_ckpt(single_file=True), tmp_path / "ckpt")
+    name = K3.format(i=1) + suffix
+
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t[name] = torch.zeros(bad_shape, dtype=t[name].dtype)
+
+    rewrite_single_file(ckpt, edit)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    with raises(f"tensor '{name}' has shape {tuple(bad_shape)}, expected {tuple(expected)}"):
+        load_layer_weights(ckpt, cfg, 1)
+
+
+def test_wrong_mxfp4_scale_shape(make_ckpt, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(make_ckpt(single_file=True, mxfp4=True), tmp_path / "ckpt")
+    name = K3.format(i=1) + "experts.2.w2.weight_scale"
+    rewrite_single_file(ckpt, lambda t: t.__setitem__(name, torch.zeros(64, 4, dtype=torch.uint8)))
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    with raises(f"tensor '{name}' has shape (64, 4), expected (64, 2)"):
+        load_layer_weights(ckpt, cfg, 1)
+
+
+def test_index_points_to_missing_file(make_ckpt, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(make_ckpt(), tmp_path / "ckpt")
+    (ckpt / "model-layer-00002.safetensors").unlink()
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    load_layer_weights(ckpt, cfg, 1)  # layer 1 lives in another file
+    with raises("is mapped to model-layer-00002.safetensors, which does not exist"):
+        load_layer_weights(ckpt, cfg, 2)
+
+
+def test_index_names_a_file_that_was_never_written(make_ckpt, tmp_path: Path) -> None:
+    ckpt = copy_ckpt(make_ckpt(), tmp_path / "ckpt")
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    name = K3.format(i=1) + "routed_expert_up_proj.weight"
+    index["weight_map"][name] = "model-extra.safetensors"
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    with raises(f"tensor '{name}' is mapped to model-extra.safetensors, which does not exist"):
+        load_layer_weights(ckpt, cfg, 1)
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"metadata": {}}', "[1, 2]"])
+def test_corrupt_index(make_ckpt, tmp_path: Path, text: str) -> None:
+    ckpt = copy_ckpt(make_ckpt(), tmp_path / "ckpt")
+    (ckpt / INDEX_FILE).write_text(text)
+    with raises(INDEX_FILE, "is not a valid safetensors index"):
+        CheckpointReader(ckpt)
+
+
+def test_no_weights_at_all(tmp_path: Path) -> None:
+    with raises("holds neither model.safetensors nor model.safetensors.index.json"):
+        CheckpointReader(tmp_path)
+
+
+def test_unknown_and_dense_layers(tiny_ckpt: Path) -> None:
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    with raises("unknown layer 7", "0..2"):
+        load_layer_weights(tiny_ckpt, cfg, 7)
+    with raises("layer 0 is not a MoE layer", "MoE layers: [1, 2]"):
+        load_layer_weights(tiny_ckpt, cfg, 0)
+
+
+def test_layer_in_config_but_not_in_checkpoint(tiny_ckpt: Path) -> None:
+    cfg = LatentMoEConfig.from_dict({**PRESETS["tiny"], "num_hidden_layers": 4})
+    with raises("has no tensors for layer 3"):
+        load_layer_weights(tiny_ckpt, cfg, 3)
+
+
+def test_shard_that_does_not_divide(tiny_ckpt: Path) -> None:
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    with raises("cannot be split across TP size 3", "64 % 3 = 1"):
+        load_layer_weights(tiny_ckpt, cfg, 1, shard=TPShard(0, 3))
+
+
+# --- scripts/make_checkpoint.py ---------------------------------------------------------------
+
+
+def make_checkpoint(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_checkpoint.py"), *args],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+
+
+def test_cli_tiny_mxfp4(tmp_path: Path) -> None:
+    out = tmp_path / "tiny"
+    proc = make_checkpoint("--preset", "tiny", "--out", str(out), "--mxfp4", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote tiny checkpoint" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model-layer-00001.safetensors", "model-layer-00002.safetensors", INDEX_FILE,
+    ]
+    reader = CheckpointReader(out)
+    assert K3.format(i=2) + "experts.7.w3.weight_packed" in reader
+    assert K3.format(i=2) + "experts.7.w3.weight_scale" in reader
+    assert K3.format(i=2) + "experts.7.w3.weight" not in reader
+    cfg = LatentMoEConfig.from_pretrained(out)
+    w = load_layer_weights(reader, cfg, 2)
+    assert w.w13_EFD.shape == (8, 128, 64) and w.w2_EDI.shape == (8, 64, 64)
+
+
+def test_cli_config_only_kimi_k3(tmp_path: Path) -> None:
+    out = tmp_path / "k3"
+    proc = make_checkpoint("--preset", "kimi-k3", "--out", str(out), "--config-only")
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in out.iterdir()] == ["config.json"]
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert (text["hidden_size"], text["routed_expert_hidden_size"], text["num_experts"],
+            text["num_experts_per_token"], text["moe_intermediate_size"], text["num_shared_experts"],
+            text["num_hidden_layers"]) == (7168, 3584, 896, 16, 3072, 2, 92)
+    cfg = LatentMoEConfig.from_pretrained(out)
+    assert cfg.moe_layers[0] == 1 and len(cfg.moe_layers) == 91
+
+
+def test_cli_rejects_config_without_moe_layer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # argument errors need no subprocess: run the script's main() in this process
+    spec = importlib.util.spec_from_file_location("make_checkpoint", REPO / "scripts" / "make_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as info:
+        module.main(["--preset", "tiny", "--out", str(tmp_path / "x"), "--layers", "1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "no MoE layer" in err and "num_hidden_layers=1" in err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("text", ['{"weight_map": [1, 2]}', '{"weight_map": null}', '{"weight_map": {"a": 5}}'])
+def test_index_weight_map_of_the_wrong_type(tmp_path: Path, text: str) -> None:
+    (tmp_path / INDEX_FILE).write_text(text)
+    with raises(INDEX_FILE, "is not a valid safetensors index"):
+        CheckpointReader(tmp_path)
