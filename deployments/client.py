@@ -1,0 +1,244 @@
+"""Python clients of the MoE app: Serve handles (in the Ray cluster) and HTTP (anywhere).
+
+Both raise :class:`MoERequestError` (4xx: the request was wrong) or :class:`MoEServerError`
+(5xx: ours, e.g. a TP group being replaced) carrying the server's message and status.
+
+    client = MoEClient()                       # the app's ingress handle (app "default")
+    client = MoEClient.direct("decode")        # straight to a TP-group deployment (one hop less)
+    out = client.forward(x_TH, layer=1)        # numpy or torch in, the same kind out
+    out = await client.forward_async(x_TH, 1)
+    with HTTPMoEClient("http://127.0.0.1:8000") as http:
+        out = http.forward(x_TH, 1, deployment="prefill")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, NoReturn
+
+import httpx
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .errors import error_message, http_status, root_cause
+from .wire import WireTensor
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class MoEServeError(Exception):
+    """An error answer of the MoE app: ``message`` (the server's), ``status`` (HTTP code)."""
+
+    def __init__(self, message: str, status: int, kind: str | None = None):
+        super().__init__(f"[{status}{' ' + kind if kind else ''}] {message}")
+        self.message, self.status, self.kind = message, status, kind
+
+
+class MoERequestError(MoEServeError, ValueError):
+    """4xx: the request itself is wrong (shape, dtype, NaN, unknown layer, too large...)."""
+
+
+class MoEServerError(MoEServeError, RuntimeError):
+    """5xx: the server failed (TP group broken and being replaced, timeout, bug)."""
+
+
+def _raise(message: str, status: int, kind: str | None) -> NoReturn:
+    cls = MoERequestError if 400 <= status < 500 else MoEServerError
+    raise cls(message, status, kind) from None
+
+
+def _translate(exc: BaseException) -> NoReturn:
+    if isinstance(exc, MoEServeError):
+        raise exc
+    cause = root_cause(exc)
+    _raise(error_message(cause), http_status(cause), type(cause).__name__)
+
+
+class MoEClient:
+    """A small wrapper over a Serve handle: the app's ingress, or one TP-group deployment."""
+
+    def __init__(self, app_name: str = "default", *, handle: Any = None, deployment: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        from ray import serve
+
+        self.timeout_s = timeout_s
+        self._direct = False
+        self.handle = handle if handle is not None else serve.get_app_handle(app_name)
+        self.deployment = deployment  # only meaningful through the ingress
+
+    @classmethod
+    def direct(cls, deployment: str, app_name: str = "default",
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> MoEClient:
+        """Talk to TP-group deployment ``deployment`` without the ingress hop."""
+        from ray import serve
+
+        client = cls(app_name, handle=serve.get_deployment_handle(deployment, app_name), timeout_s=timeout_s)
+        client._direct = True
+        return client
+
+    def _forward_call(self, hidden_states: Any, layer: int, router_logits: Any):
+        # torch travels as WireTensor (zero-copy numpy for Ray); numpy and the rest as given.
+        if isinstance(hidden_states, torch.Tensor):
+            hidden_states = WireTensor.from_torch(hidden_states)
+        if isinstance(router_logits, torch.Tensor):
+            router_logits = WireTensor.from_torch(router_logits)
+        if self._direct:
+            return self.handle.forward.remote(hidden_states, layer, router_logits)
+        return self.handle.forward.remote(hidden_states, layer, router_logits, deployment=self.deployment)
+
+    def forward(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
+                router_logits: np.ndarray | torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
+        """``[T, H]`` output of MoE ``layer`` (blocking; not from inside an event loop)."""
+        try:
+            out = self._forward_call(hidden_states, layer, router_logits).result(timeout_s=self.timeout_s)
+        except Exception as e:
+            _translate(e)
+        return out.to_torch() if isinstance(out, WireTensor) else out
+
+    async def forward_async(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
+                            router_logits: np.ndarray | torch.Tensor | None = None) -> Any:
+        try:
+            call = self._forward_call(hidden_states, layer, router_logits)
+            out = await asyncio.wait_for(call, self.timeout_s)
+        except Exception as e:
+            _translate(e)
+        return out.to_torch() if isinstance(out, WireTensor) else out
+
+    def status(self) -> dict[str, Any]:
+        try:
+            return self.handle.status.remote().result(timeout_s=self.timeout_s)
+        except Exception as e:
+            _translate(e)
+
+    async def status_async(self) -> dict[str, Any]:
+        try:
+            return await asyncio.wait_for(self.handle.status.remote(), self.timeout_s)
+        except Exception as e:
+            _translate(e)
+
+
+# -- HTTP -----------------------------------------------------------------------------------
+
+
+def forward_path(layer: int, deployment: str | None = None) -> str:
+    return f"/v1/layers/{layer}/forward" if deployment is None else f"/v1/{deployment}/layers/{layer}/forward"
+
+
+def encode_request(hidden_states: np.ndarray | torch.Tensor,
+                   router_logits: np.ndarray | torch.Tensor | None = None) -> bytes:
+    """The safetensors body of a forward request (numpy is converted to torch first)."""
+    tensors = {"hidden_states": _as_torch(hidden_states)}
+    if router_logits is not None:
+        tensors["router_logits"] = _as_torch(router_logits)
+    return st_save({k: v.contiguous() for k, v in tensors.items()})
+
+
+def decode_response(response: httpx.Response, as_numpy: bool) -> np.ndarray | torch.Tensor:
+    if response.status_code != 200:
+        _raise_http(response)
+    try:
+        out = st_load(response.content)["output"]
+    except Exception as e:
+        raise MoEServerError(f"malformed response body: {e}", 502) from None
+    return out.float().numpy() if as_numpy else out
+
+
+def _as_torch(value: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    raise TypeError(f"expected a numpy array or torch tensor, got {type(value).__name__}")
+
+
+def _raise_http(response: httpx.Response) -> NoReturn:
+    try:
+        body = response.json()
+        message, kind = body.get("error", response.text), body.get("type")
+    except (json.JSONDecodeError, ValueError, AttributeError):
+        message, kind = response.text or response.reason_phrase, None
+    _raise(str(message), response.status_code, kind)
+
+
+class HTTPMoEClient:
+    """Blocking HTTP client (httpx); safetensors bodies, no pickle."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, deployment: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, client: httpx.Client | None = None):
+        self.deployment = deployment
+        self.client = client or httpx.Client(base_url=base_url, timeout=timeout_s)
+
+    def forward(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
+                router_logits: np.ndarray | torch.Tensor | None = None,
+                deployment: str | None = None) -> np.ndarray | torch.Tensor:
+        body = encode_request(hidden_states, router_logits)
+        try:
+            r = self.client.post(forward_path(layer, deployment or self.deployment), content=body,
+                                 headers={"content-type": "application/octet-stream"})
+        except httpx.HTTPError as e:
+            raise MoEServerError(f"HTTP request failed: {e!r}", 503) from None
+        return decode_response(r, isinstance(hidden_states, np.ndarray))
+
+    def status(self) -> dict[str, Any]:
+        return self._get_json("/v1/status")
+
+    def healthz(self) -> dict[str, Any]:
+        return self._get_json("/healthz")
+
+    def _get_json(self, path: str) -> dict[str, Any]:
+        try:
+            r = self.client.get(path)
+        except httpx.HTTPError as e:
+            raise MoEServerError(f"HTTP request failed: {e!r}", 503) from None
+        if r.status_code != 200:
+            _raise_http(r)
+        return r.json()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> HTTPMoEClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncHTTPMoEClient:
+    """The asyncio twin of :class:`HTTPMoEClient` (httpx.AsyncClient)."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, deployment: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, client: httpx.AsyncClient | None = None,
+                 max_connections: int = 64):
+        self.deployment = deployment
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self.client = client or httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits)
+
+    async def forward(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
+                      router_logits: np.ndarray | torch.Tensor | None = None,
+                      deployment: str | None = None) -> np.ndarray | torch.Tensor:
+        body = encode_request(hidden_states, router_logits)
+        try:
+            r = await self.client.post(forward_path(layer, deployment or self.deployment), content=body,
+                                       headers={"content-type": "application/octet-stream"})
+        except httpx.HTTPError as e:
+            raise MoEServerError(f"HTTP request failed: {e!r}", 503) from None
+        return decode_response(r, isinstance(hidden_states, np.ndarray))
+
+    async def status(self) -> dict[str, Any]:
+        r = await self.client.get("/v1/status")
+        if r.status_code != 200:
+            _raise_http(r)
+        return r.json()
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def __aenter__(self) -> AsyncHTTPMoEClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

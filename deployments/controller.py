@@ -1,0 +1,411 @@
+"""The controller (DESIGN §5.3): each deployment's tail plan and Serve options, and their record.
+
+Two halves:
+
+* :func:`decide` (pure, no Ray): for a table of deployment specs and a model config, the
+  tail decision of each deployment — legality by the shardability rule of
+  ``moe_runtime.plan`` first; a forced tail is kept when legal and refused (``ValueError``
+  with the rule's reason) when not; ``auto`` becomes either a static plan (TP 1, a single
+  legal candidate, or measurement turned off with ``auto_tune_tokens: []``) or
+  "measured at warm-up" over the legal candidates — plus the Serve options: placement-group
+  bundles and the autoscaling config (explicit ``target_ongoing_requests``, ``max_replicas``
+  clamped to the TP groups the cluster's MI300X GPUs can host, ``cluster_spec.max_tp_groups``).
+* Warm-up measurement (Ray): :func:`tune_group` has every rank of a fresh TP group time each
+  legal tail at ``auto_tune_tokens`` with ``moe_runtime.tuning.time_tails`` (same arguments on
+  every rank: the tails run collectives), builds the plan from rank 0's timings
+  (``plan_from_timings``: fastest tail per token range) and sets it on every rank and every
+  served layer (one layer's timings stand for all: the layers have the same shapes).
+
+The clock of the measurement is injectable (``tune_clock: "module:callable"``, resolved on the
+workers; default ``time.perf_counter``) so that tests are deterministic: while a tail is being
+timed, :func:`current_measurement` returns ``(tail, tokens)``, which a fake clock may read.
+
+Decisions are logged once, returned by the replicas' ``status()`` (``GET /v1/status``) and
+exported as Ray metrics (``deployments.metrics``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.plan import Shardability, TailPlan, legal_tails, shardability_for
+from moe_runtime.tuning import plan_from_timings, time_tails
+
+from . import logger
+from .spec import DeploymentSpec, resolve_deployment
+
+Clock = Callable[[], float]
+Timings = dict[str, dict[int, float]]
+AUTO_MEASURED = "auto: measured at warm-up"
+
+_logged: set[str] = set()
+_measuring: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "moe_tail_measurement", default=None
+)
+
+
+def _log_once(message: str, level: int = logging.INFO) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How ``auto`` is measured at warm-up: token counts, repetitions, clock import path."""
+
+    token_counts: tuple[int, ...]
+    reps: int
+    clock: str | None = None  # "module:callable"; None: time.perf_counter
+
+    def __post_init__(self) -> None:
+        if not self.token_counts or any(t < 1 for t in self.token_counts):
+            raise ValueError(f"token_counts must be positive token counts, got {list(self.token_counts)}")
+        if self.reps < 1:
+            raise ValueError(f"reps must be >= 1, got {self.reps}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_counts": list(self.token_counts), "reps": self.reps,
+                "clock": self.clock or "time:perf_counter"}
+
+
+@dataclass(frozen=True)
+class TailDecision:
+    """The controller's tail decision for one deployment.
+
+    ``plan`` is what the replicas run: the static plan, or — once :func:`tune_group` has run —
+    the measured one. ``measure`` is set when ``auto`` is to be (or was) measured.
+    """
+
+    requested: str
+    tp_size: int
+    sequence_parallel: bool
+    preshard_up_proj: bool
+    candidates: tuple[str, ...]  # legal tails, in order of preference
+    shardability: Shardability
+    plan: TailPlan
+    measure: MeasureSettings | None = None
+    measured: bool = False
+    why_static: str | None = None  # auto without measurement: why
+
+    @property
+    def pending(self) -> bool:
+        """``auto`` whose plan is still to be measured on the TP group."""
+        return self.measure is not None and not self.measured
+
+    @property
+    def choice(self) -> str:
+        return AUTO_MEASURED if self.pending else self.plan.describe()
+
+    @property
+    def reason(self) -> str:
+        if self.pending:
+            tokens = ", ".join(str(t) for t in self.measure.token_counts)
+            return (
+                f"{AUTO_MEASURED}: the fastest of the legal tails {list(self.candidates)} per token "
+                f"range, timed at T = {tokens} on the TP {self.tp_size} group "
+                f"(sharded tail: {self.shardability.reason})"
+            )
+        return self.plan.reason
+
+    def with_measurement(self, plan: TailPlan) -> TailDecision:
+        return replace(self, plan=plan, measured=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able record (status(), GET /v1/status, logs)."""
+        return {
+            "requested_tail": self.requested,
+            "tp_size": self.tp_size,
+            "sequence_parallel": self.sequence_parallel,
+            "preshard_up_proj": self.preshard_up_proj,
+            "candidates": list(self.candidates),
+            "sharded_legal": self.shardability.shardable,
+            "shardability": self.shardability.reason,
+            "choice": self.choice,
+            "reason": self.reason,
+            "measured": self.measured,
+            "measure": None if self.measure is None else self.measure.to_dict(),
+            "plan": None if self.pending else self.plan.to_dict(),
+            "timings_ms": {t: {str(k): round(v, 4) for k, v in per.items()}
+                           for t, per in self.plan.timings_ms.items()},
+        }
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Everything the controller decides for one deployment."""
+
+    deployment: str
+    role: str | None
+    tail: TailDecision
+    capacity: int | None  # TP groups of this size the cluster can host (None: unknown)
+    options: dict[str, Any]  # keyword arguments of Deployment.options
+
+    @property
+    def plan(self) -> TailPlan | str:
+        """The plan, or ``AUTO_MEASURED`` while it is to be measured at warm-up."""
+        return AUTO_MEASURED if self.tail.pending else self.tail.plan
+
+    @property
+    def reason(self) -> str:
+        return self.tail.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        options = self.options
+        return {
+            "deployment": self.deployment,
+            "role": self.role,
+            **self.tail.to_dict(),
+            "cluster_capacity_tp_groups": self.capacity,
+            "placement_group_bundles": options["placement_group_bundles"],
+            "placement_group_strategy": options["placement_group_strategy"],
+            "num_replicas": options.get("num_replicas"),
+            "autoscaling_config": options.get("autoscaling_config"),
+        }
+
+    def describe(self) -> str:
+        scale = options_scale(self.options)
+        return (
+            f"deployment {self.deployment!r}: TP {self.tail.tp_size}, tail {self.tail.choice} "
+            f"({self.reason}); {scale}"
+        )
+
+
+def options_scale(options: Mapping[str, Any]) -> str:
+    auto = options.get("autoscaling_config")
+    if auto is None:
+        return f"{options.get('num_replicas', 1)} replica(s)"
+    return (
+        f"replicas {auto['min_replicas']}..{auto['max_replicas']}, "
+        f"target_ongoing_requests {auto['target_ongoing_requests']}"
+    )
+
+
+# -- the pure half -----------------------------------------------------------------------------
+
+
+def measure_settings(spec: DeploymentSpec) -> MeasureSettings | None:
+    """The warm-up measurement of ``spec``'s tokens/reps/clock (None: measurement turned off)."""
+    if not spec.auto_tune_tokens:
+        return None
+    return MeasureSettings(tuple(spec.auto_tune_tokens), spec.auto_tune_reps, spec.tune_clock)
+
+
+def tail_decision(spec: DeploymentSpec, cfg: LatentMoEConfig) -> TailDecision:
+    """Legality first (ValueError when a forced tail is illegal), then auto: static or measured."""
+    P = spec.tp_size
+    static = resolve_deployment(spec, "<config>", cfg).plan  # raises with the deployment's name
+    candidates = legal_tails(cfg, P, spec.preshard_up_proj, spec.sequence_parallel)
+    rule = shardability_for(cfg, P, spec.preshard_up_proj, spec.sequence_parallel)
+    base = TailDecision(spec.tail, P, spec.sequence_parallel, spec.preshard_up_proj, candidates, rule, static)
+    if spec.tail != "auto":
+        return base
+    settings = measure_settings(spec)
+    why = None
+    if P == 1:
+        why = "TP 1: no collectives, so the tails do not differ"
+    elif len(candidates) == 1:
+        why = f"{candidates[0]} is the only legal tail"
+    elif settings is None:
+        why = "measurement is off (auto_tune_tokens is empty)"
+    if why is not None:
+        return replace(base, why_static=why, plan=replace(static, reason=f"{static.reason} ({why})"))
+    return replace(base, measure=settings)
+
+
+def cluster_tp_groups(cluster: Mapping[str, Any] | str | Path | None, tp_size: int) -> int | None:
+    """TP groups of ``tp_size`` a cluster-launcher config (dict or YAML path) can host."""
+    if cluster is None:
+        return None
+    from .cluster_spec import load_cluster_config, max_tp_groups
+
+    config = load_cluster_config(cluster) if isinstance(cluster, str | Path) else dict(cluster)
+    return max_tp_groups(config, tp_size)
+
+
+def decide(
+    deployments: Sequence[DeploymentSpec | Mapping[str, Any]],
+    model: LatentMoEConfig | Mapping[str, Any],
+    cluster: Mapping[str, Any] | str | Path | None = None,
+) -> dict[str, Decision]:
+    """The controller's decision for every deployment of a table, by name (pure, no Ray).
+
+    ``model``: the checkpoint's config (``LatentMoEConfig`` or a ``config.json`` dict).
+    ``cluster``: a cluster-launcher config (dict, or a YAML path, validated) whose MI300X
+    capacity caps ``max_replicas``; None uses each spec's ``autoscaling.cluster_config`` file,
+    if any. A fixed ``num_replicas`` above the capacity is an error, as is a forced tail that
+    the shardability rule (or a pre-sharded Wup) makes illegal.
+    """
+    from .options import deployment_options
+
+    cfg = model if isinstance(model, LatentMoEConfig) else LatentMoEConfig.from_dict(dict(model))
+    decisions: dict[str, Decision] = {}
+    for raw in deployments:
+        spec = raw if isinstance(raw, DeploymentSpec) else DeploymentSpec.model_validate(dict(raw))
+        if spec.name in decisions:
+            raise ValueError(f"deployment names must be unique, {spec.name!r} repeats")
+        tail = tail_decision(spec, cfg)
+        try:
+            capacity = cluster_tp_groups(cluster, spec.tp_size)
+        except ValueError as e:
+            raise ValueError(f"deployment {spec.name!r}: {e}") from None
+        if capacity is not None and spec.autoscaling is None and (spec.num_replicas or 1) > capacity:
+            raise ValueError(
+                f"deployment {spec.name!r}: num_replicas {spec.num_replicas or 1} > {capacity} TP groups "
+                f"of {spec.tp_size} GPUs the cluster can host"
+            )
+        try:
+            options = deployment_options(spec, capacity)
+        except ValueError as e:
+            raise ValueError(f"deployment {spec.name!r}: {e}") from None
+        file = spec.autoscaling.cluster_config if spec.autoscaling is not None else None
+        if capacity is None and file:
+            capacity = cluster_tp_groups(file, spec.tp_size)
+        decision = Decision(spec.name, spec.role, tail, capacity, options)
+        _log_once(f"controller: {decision.describe()}")
+        decisions[spec.name] = decision
+    return decisions
+
+
+# -- the measurement (Ray) -----------------------------------------------------------------------
+
+
+def current_measurement() -> tuple[str, int] | None:
+    """``(tail, tokens)`` while :func:`measure_on_rank` times that pair, else None (fake clocks)."""
+    return _measuring.get()
+
+
+def resolve_clock(path: str | None) -> Clock:
+    """``"module:callable"`` -> the callable (a zero-argument clock in seconds)."""
+    if path is None:
+        return time.perf_counter
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"tune_clock must look like 'module:callable', got {path!r}")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"tune_clock {path!r} cannot be imported: {e}") from None
+    if not callable(obj):
+        raise ValueError(f"tune_clock {path!r} is not callable")
+    return obj
+
+
+def measure_on_rank(runners: Mapping[int, Any], settings: MeasureSettings, tails: Sequence[str]) -> Timings:
+    """Worker side: time ``tails`` at every token count on this rank (every rank calls this).
+
+    ``runners``: layer -> ``LatentMoERunner``; the lowest layer is timed for all.
+    """
+    import torch
+
+    if not runners:
+        raise ValueError("no runners to measure")
+    runner = runners[min(runners)]
+    clock = resolve_clock(settings.clock)
+    timings: Timings = {tail: {} for tail in tails}
+    with torch.inference_mode():
+        for T in settings.token_counts:
+            for tail in tails:
+                token = _measuring.set((tail, T))
+                try:
+                    timings[tail][T] = time_tails(runner, [T], [tail], settings.reps, clock)[tail][T]
+                finally:
+                    _measuring.reset(token)
+    return timings
+
+
+def apply_plan_on_rank(runners: Mapping[int, Any], plan: TailPlan) -> None:
+    """Worker side: every served layer's runner adopts ``plan`` (raises if a tail is illegal)."""
+    for runner in runners.values():
+        runner.set_plan(plan)
+
+
+def measured_plan(decision: TailDecision, timings: Timings) -> TailPlan:
+    """The per-range plan of rank 0's ``timings``, restricted to the decision's candidates."""
+    unknown = sorted(set(timings) - set(decision.candidates))
+    if unknown:
+        raise ValueError(
+            f"timings for tails {unknown} that are not legal candidates {list(decision.candidates)}"
+        )
+    return plan_from_timings(
+        timings, reason=f"auto: measured at warm-up on the TP {decision.tp_size} group over {list(timings)}"
+    )
+
+
+def tune_group(workers: Sequence[Any], decision: TailDecision, name: str, timeout_s: float) -> TailDecision:
+    """Replica side: measure a pending ``auto`` decision on the group's workers and apply it.
+
+    ``workers``: the rank-ordered ``TPWorker`` actor handles (methods ``measure_tails`` and
+    ``set_plan``). Returns the decision unchanged when nothing is to be measured.
+    """
+    if not decision.pending:
+        return decision
+    import ray
+
+    refs = [w.measure_tails.remote(decision.measure, list(decision.candidates)) for w in workers]
+    timings = ray.get(refs, timeout=timeout_s)[0]  # rank 0's: every rank must adopt one plan
+    plan = measured_plan(decision, timings)
+    ray.get([w.set_plan.remote(plan) for w in workers], timeout=timeout_s)
+    measured = decision.with_measurement(plan)
+    _log_once(f"controller: deployment {name!r}: tail {plan.describe()} ({plan.reason})")
+    return measured
+
+
+# -- observation ---------------------------------------------------------------------------------
+
+
+def tp_group_placement(deployment: str | None = None, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Where every live TP group's ranks run, from the named worker actors (needs ``ray.init``).
+
+    Returns ``{replica_id: {"deployment": name, "nodes": [node id of rank 0, rank 1, ...]}}``;
+    a rank that does not answer (its node is gone) shows as None.
+    """
+    import ray
+
+    from .workers import WORKER_NAMESPACE
+
+    ranks: dict[str, dict[int, str]] = {}
+    owners: dict[str, str] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != WORKER_NAMESPACE:
+            continue
+        name, _, rank = entry["name"].rpartition(":rank")
+        dep, _, replica = name.partition(":")
+        if not rank.isdigit() or (deployment is not None and dep != deployment):
+            continue
+        owners[replica] = dep
+        ranks.setdefault(replica, {})[int(rank)] = entry["name"]
+
+    def node_of(actor_name: str):
+        with contextlib.suppress(Exception):  # gone between the listing and the lookup
+            handle = ray.get_actor(actor_name, namespace=WORKER_NAMESPACE)
+            return handle.__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id())
+        return None
+
+    refs = {(rep, r): node_of(n) for rep, by_rank in ranks.items() for r, n in by_rank.items()}
+    live = [ref for ref in refs.values() if ref is not None]
+    ready, _ = ray.wait(live, num_returns=len(live), timeout=timeout_s) if live else ([], [])
+    ready_set = set(ready)
+    placement: dict[str, dict[str, Any]] = {}
+    for replica, by_rank in sorted(ranks.items()):
+        nodes = []
+        for r in range(max(by_rank) + 1):
+            ref = refs.get((replica, r))
+            node = None
+            if ref is not None and ref in ready_set:
+                with contextlib.suppress(Exception):
+                    node = ray.get(ref)
+            nodes.append(node)
+        placement[replica] = {"deployment": owners[replica], "nodes": nodes}
+    return placement

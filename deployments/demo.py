@@ -1,0 +1,162 @@
+"""End-to-end local run (``scripts/run.sh``): start a local Ray instance with logical GPUs, run
+a Serve config, exercise it through the handle and HTTP against the single-device reference,
+and shut down everything this process started.
+
+    python -m deployments.demo [--config deployments/configs/local.yaml] [--serve]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from moe_runtime.checkpoint import load_layer_weights, torch_dtype
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import moe_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_serve_config(path: Path, checkpoint: str | None, port: int | None) -> dict[str, Any]:
+    """The Serve config file, with the checkpoint (made absolute) and port optionally replaced."""
+    config = yaml.safe_load(path.read_text())
+    if not isinstance(config, dict) or not config.get("applications"):
+        raise ValueError(f"{path} is not a Serve config with applications")
+    for app in config["applications"]:
+        args = app.setdefault("args", {})
+        if checkpoint is not None:
+            args["checkpoint"] = checkpoint
+        if "checkpoint" in args and not Path(args["checkpoint"]).is_absolute():
+            args["checkpoint"] = str((ROOT / args["checkpoint"]).resolve())
+    if port is not None:
+        config.setdefault("http_options", {})["port"] = port
+    return config
+
+
+def gpus_needed(resolved: list) -> int:
+    return sum(r.spec.tp_size * (r.spec.num_replicas or 1) for r in resolved)
+
+
+def _ms(samples: list[float]) -> str:
+    return f"{statistics.median(samples) * 1e3:7.2f} ms"
+
+
+def exercise(app_name: str, base_url: str, resolved: list, repeats: int) -> bool:
+    """Every deployment and layer at T = 1, 33, 300 through the handle and HTTP vs the reference."""
+    from .client import HTTPMoEClient, MoEClient
+
+    ok = True
+    status = MoEClient(app_name).status()
+    for name, st in status["deployments"].items():
+        print(f"[{name}] TP {st['tp_size']} on {st['device']}/{st['backend']}, layers {st['layers']}, "
+              f"tail: {st['tail_plan']['describe']} -- {st['tail_reason']}")
+    with HTTPMoEClient(base_url) as http:
+        print(f"{'deployment':>12} {'layer':>5} {'T':>5} {'path':>6} {'max|diff|':>10} {'latency p50':>12}")
+        for r in resolved:
+            cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
+            dtype = torch_dtype(r.spec.dtype)
+            # fp32: only the TP reduction order differs from the reference; bf16: bf16 rounding.
+            tol = 1e-4 if dtype == torch.float32 else 5e-2
+            handle = MoEClient(app_name, deployment=r.spec.name)
+            for layer in r.layers:
+                weights = load_layer_weights(r.checkpoint, cfg, layer, dtype)
+                for T in (1, 33, 300):
+                    if T > r.spec.max_tokens_per_request:
+                        continue
+                    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(dtype)
+                    ref = moe_forward(x, weights, cfg).float()
+                    for path in ("handle", "http"):
+                        times, out = [], None
+                        for _ in range(repeats):
+                            start = time.perf_counter()
+                            if path == "handle":
+                                out = handle.forward(x, layer)
+                            else:
+                                out = http.forward(x, layer, deployment=r.spec.name)
+                            times.append(time.perf_counter() - start)
+                        diff = (out.float() - ref).abs().max().item()
+                        ok &= diff <= tol
+                        print(f"{r.spec.name:>12} {layer:>5} {T:>5} {path:>6} {diff:10.2e} {_ms(times):>12}")
+    return ok
+
+
+async def concurrent_burst(app_name: str, deployment: str, layer: int, hidden: int, n: int = 32) -> None:
+    """n concurrent 16-token requests: shows the token-budget batching in the counters."""
+    from .client import MoEClient
+
+    client = MoEClient.direct(deployment, app_name)
+    before = (await client.status_async())["counters"]
+    xs = [torch.randn(16, hidden) for _ in range(n)]
+    start = time.perf_counter()
+    await asyncio.gather(*(client.forward_async(x, layer) for x in xs))
+    elapsed = time.perf_counter() - start
+    after = (await client.status_async())["counters"]
+    forwards = after["forwards"] - before["forwards"]
+    print(f"[{deployment}] {n} concurrent 16-token requests: {forwards} forward(s), "
+          f"{n * 16 / elapsed:.0f} tokens/s, batch tokens {after['batch_tokens']['recent'][-forwards:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=ROOT / "deployments/configs/local.yaml")
+    ap.add_argument("--checkpoint", help="override the config's checkpoint folder")
+    ap.add_argument("--port", type=int, help="override the config's HTTP port")
+    ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray instance")
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls per (layer, T, path)")
+    ap.add_argument("--serve", action="store_true", help="keep serving after the checks until Ctrl-C")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    import ray
+    from ray import serve
+
+    from .app import build_app, plan_app
+
+    config = load_serve_config(args.config, args.checkpoint, args.port)
+    apps = config["applications"]
+    resolved_by_app = {a["name"]: plan_app(a["args"])[1] for a in apps}  # fail fast, before Ray
+    gpus = sum(gpus_needed(r) for r in resolved_by_app.values())
+    http_options = dict(config.get("http_options") or {})
+    base_url = f"http://{http_options.get('host', '127.0.0.1')}:{http_options.get('port', 8000)}"
+
+    # A private local instance: logical GPUs on a CPU machine; ray.shutdown() stops all of it.
+    ray.init(address="local", num_cpus=args.num_cpus, num_gpus=gpus, include_dashboard=False,
+             namespace="serve")
+    ok = False
+    try:
+        serve.start(http_options=http_options)
+        for a in apps:
+            start = time.perf_counter()
+            serve.run(build_app(a["args"]), name=a["name"], route_prefix=a.get("route_prefix", "/"))
+            print(f"application {a['name']!r} up in {time.perf_counter() - start:.1f} s at {base_url}")
+        ok = True
+        for a in apps:
+            resolved = resolved_by_app[a["name"]]
+            ok &= exercise(a["name"], base_url, resolved, args.repeats)
+            first = resolved[0]
+            asyncio.run(concurrent_burst(a["name"], first.spec.name, first.layers[0], first.hidden_size))
+        print("all outputs match the single-device reference" if ok else "MISMATCH against the reference")
+        if args.serve:
+            print(f"serving at {base_url} (POST /v1/layers/{{layer}}/forward, GET /v1/status); Ctrl-C stops")
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        print("interrupted")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,372 @@
+"""The TP-group deployment (DESIGN §5.2): one replica = one TP group serving MoE layers.
+
+Handle API: ``forward(hidden_states, layer, router_logits=None)`` and ``status()``.
+
+Input kinds: a torch tensor must already have the deployment's dtype (so must a
+:class:`~deployments.wire.WireTensor`, the faster internal form the clients send). A numpy array must be
+float32 (numpy has no bfloat16): a float32 deployment takes it as is, a bfloat16 deployment
+rounds it to bfloat16 on the replica (round-to-nearest-even, as ``torch.Tensor.to`` does).
+The output comes back in the kind that came in: a torch tensor in the deployment dtype, or a
+float32 numpy array (bfloat16 results widened exactly). Router logits may be any floating
+dtype (the router works in fp32).
+
+Batching: concurrent requests for the same layer wait in that layer's queue (``@serve.batch``
+with a token-counting ``batch_size_fn``) for up to ``batch_wait_timeout_s`` and run as one
+forward of at most ``max_batch_tokens`` tokens; each caller gets exactly its rows back.
+Requests that arrive while the TP group is busy wait at an admission gate and are released
+together when it frees up (continuous batching), so they fill the next batch instead of
+trickling into small ones. A request larger than ``max_batch_tokens`` (but within
+``max_tokens_per_request``) runs alone. Layers never share a forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from ray import serve
+
+from moe_runtime.checkpoint import torch_dtype
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import check_input
+
+from . import logger
+from .autoscaling import QUEUED_TOKENS, TOKENS_PER_S
+from .controller import tail_decision, tune_group
+from .errors import ServeInputError, TooLargeError, UnknownLayerError, http_status
+from .metrics import ReplicaMetrics
+from .spec import ResolvedDeployment, format_layers
+from .wire import WireTensor
+from .workers import TPGroup
+
+RATE_WINDOW_S = 10.0  # tokens/s reported to the autoscaler is measured over this window
+RECENT_BATCHES = 256
+
+
+@dataclass
+class LayerRequest:
+    """One validated request, ready to be merged into a batch."""
+
+    layer: int
+    x_TH: torch.Tensor  # deployment dtype
+    router_logits_TE: torch.Tensor | None  # float32
+    kind: str  # what came in and goes back out: "torch", "numpy" or "wire" (WireTensor)
+
+    @property
+    def tokens(self) -> int:
+        return self.x_TH.shape[0]
+
+
+def count_tokens(requests: list[LayerRequest]) -> int:
+    """``batch_size_fn`` of the layer queues: a batch's size is its token count."""
+    return sum(r.tokens for r in requests)
+
+
+def to_tensor(value: Any, what: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """numpy -> torch per the module's rules; ``dtype`` None: any float (router logits)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, WireTensor):
+        return value.to_torch()
+    if isinstance(value, np.ndarray):
+        if dtype is None:
+            if value.dtype.kind != "f":
+                raise ServeInputError(f"{what} must be floating point, got numpy {value.dtype}")
+            return torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
+        if value.dtype != np.float32:
+            raise ServeInputError(
+                f"numpy {what} must be float32 (numpy has no bfloat16; a bfloat16 deployment "
+                f"rounds float32 input), got {value.dtype}"
+            )
+        # Ray hands over read-only arrays; torch wants a writable buffer.
+        return torch.from_numpy(np.array(value, copy=True)).to(dtype)
+    raise ServeInputError(f"{what} must be a numpy array or a torch tensor, got {type(value).__name__}")
+
+
+class Stats:
+    """Replica-side counters reported by ``status()`` and to the autoscaler."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.tokens = 0
+        self.forwards = 0
+        self.forward_tokens = 0
+        self.solo_oversize = 0
+        self.client_errors = 0
+        self.server_errors = 0
+        self.queued_tokens = 0  # admitted, not yet answered
+        self.batch_hist: Counter[int] = Counter()  # power-of-two upper bound -> forwards
+        self.recent_batches: deque[int] = deque(maxlen=RECENT_BATCHES)
+        self.recent_forward_ms: deque[float] = deque(maxlen=RECENT_BATCHES)
+        self.forward_s = 0.0  # wall time of TP-group forwards, as the replica sees them
+        self.by_layer: dict[int, Counter[str]] = {}
+        self.tails: Counter[str] = Counter()
+        self.max_batch_tokens_seen = 0
+        self._done: deque[tuple[float, int]] = deque()
+
+    def forward_done(self, layer: int, tokens: int, requests: int, tail: str, seconds: float) -> None:
+        self.forwards += 1
+        self.forward_s += seconds
+        self.recent_forward_ms.append(round(seconds * 1e3, 2))
+        self.forward_tokens += tokens
+        self.batch_hist[1 << max(0, (tokens - 1).bit_length())] += 1
+        self.recent_batches.append(tokens)
+        self.max_batch_tokens_seen = max(self.max_batch_tokens_seen, tokens)
+        self.tails[tail] += 1
+        c = self.by_layer.setdefault(layer, Counter())
+        c["forwards"] += 1
+        c["requests"] += requests
+        c["tokens"] += tokens
+        now = time.monotonic()
+        self._done.append((now, tokens))
+
+    def tokens_per_s(self) -> float:
+        now = time.monotonic()
+        while self._done and now - self._done[0][0] > RATE_WINDOW_S:
+            self._done.popleft()
+        return sum(t for _, t in self._done) / RATE_WINDOW_S
+
+    def to_dict(self) -> dict[str, Any]:
+        recent = list(self.recent_batches)
+        return {
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "forwards": self.forwards,
+            "forward_tokens": self.forward_tokens,
+            "solo_oversize_requests": self.solo_oversize,
+            "errors": {"client": self.client_errors, "server": self.server_errors},
+            "queued_tokens": self.queued_tokens,
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "batch_tokens": {
+                "count": self.forwards,
+                "mean": round(self.forward_tokens / self.forwards, 2) if self.forwards else None,
+                "max": self.max_batch_tokens_seen,
+                "histogram": {f"<={k}": v for k, v in sorted(self.batch_hist.items())},
+                "recent": recent,
+            },
+            "forward_ms": {
+                "mean": round(self.forward_s * 1e3 / self.forwards, 2) if self.forwards else None,
+                "recent": list(self.recent_forward_ms),
+            },
+            "tails": dict(self.tails),
+            "by_layer": {str(k): dict(v) for k, v in sorted(self.by_layer.items())},
+        }
+
+
+class _TokenBudgetWarningFilter(logging.Filter):
+    """``@serve.batch`` warns when ``max_batch_size`` exceeds ``max_ongoing_requests``, as if
+    both counted requests; here ``max_batch_size`` counts tokens, so the warning is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is larger than `max_ongoing_requests`" not in record.getMessage()
+
+
+class MoEGroupDeployment:
+    """One replica: a TP group of ``tp_size`` workers serving the deployment's layers."""
+
+    def __init__(self, resolved: ResolvedDeployment):
+        spec = resolved.spec
+        self.resolved, self.spec = resolved, spec
+        self.cfg = LatentMoEConfig.from_pretrained(resolved.checkpoint)
+        self.dtype = torch_dtype(spec.dtype)
+        ctx = serve.get_replica_context()
+        self.replica = ctx.replica_id.unique_id if ctx is not None else "local"
+        self.group = TPGroup.start(resolved, tag=f"{spec.name}:{self.replica}")
+        try:
+            # The controller's tail decision; "auto" is measured on this group now (warm-up).
+            self.decision = tune_group(
+                self.group.workers, tail_decision(spec, self.cfg), spec.name, spec.startup_timeout_s
+            )
+        except BaseException:
+            self.group.shutdown()
+            raise
+        self.plan = self.decision.plan
+        self.stats = Stats()
+        self.metrics = ReplicaMetrics(spec.name, self.replica)
+        self.metrics.decision(self.plan)
+        logging.getLogger("ray.serve").addFilter(_TokenBudgetWarningFilter())
+        self._queues = {layer: self._layer_queue(layer) for layer in resolved.layers}
+        # Admission gate of the batch queues: open while the group is idle (see forward()).
+        self._group_idle = asyncio.Event()
+        self._group_idle.set()
+        self.group.busy_listeners.append(self._on_group_busy)
+        logger.info(
+            "replica %s of deployment %r: TP %d, layers %s, tail %s (%s); max_batch_tokens %d, "
+            "max_tokens_per_request %d, wait %.3f s",
+            self.replica, spec.name, spec.tp_size, format_layers(resolved.layers), self.plan.describe(),
+            self.plan.reason, spec.max_batch_tokens, spec.max_tokens_per_request, spec.batch_wait_timeout_s,
+        )
+
+    def _layer_queue(self, layer: int):
+        # One @serve.batch queue per layer: layers never share a forward.
+        async def run_layer_batch(requests: list[LayerRequest]) -> list[torch.Tensor]:
+            return await self._run_batch(layer, requests)
+
+        run_layer_batch.__name__ = f"layer_{layer}_batch"
+        return serve.batch(
+            max_batch_size=self.spec.max_batch_tokens,
+            batch_wait_timeout_s=self.spec.batch_wait_timeout_s,
+            batch_size_fn=count_tokens,
+        )(run_layer_batch)
+
+    def _on_group_busy(self, busy: bool) -> None:
+        if busy:
+            self._group_idle.clear()
+        else:
+            self._group_idle.set()
+
+    # -- validation -----------------------------------------------------------------------
+
+    def _validate(self, hidden_states: Any, layer: Any, router_logits: Any) -> LayerRequest:
+        if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+            raise UnknownLayerError(f"layer must be an integer, got {layer!r}")
+        layer = int(layer)
+        try:
+            self.cfg.check_moe_layer(layer)
+        except ValueError as e:
+            raise UnknownLayerError(str(e)) from None
+        if layer not in self._queues:
+            raise UnknownLayerError(
+                f"layer {layer} is not served by deployment {self.spec.name!r} "
+                f"(it serves layers {list(self.resolved.layers)})"
+            )
+        x = to_tensor(hidden_states, "hidden_states", self.dtype)
+        logits = None if router_logits is None else to_tensor(router_logits, "router_logits", None)
+        limit = self.spec.max_tokens_per_request
+        if x.dim() == 2 and x.shape[0] > limit:
+            raise TooLargeError(
+                f"hidden_states has {x.shape[0]} tokens, more than max_tokens_per_request = {limit} "
+                f"of deployment {self.spec.name!r}; split the request"
+            )
+        try:
+            check_input(x, self.cfg, self.dtype, logits, max_tokens=limit)
+        except ValueError as e:
+            raise ServeInputError(str(e)) from None
+        if x.device.type != "cpu":
+            x = x.cpu()
+        if logits is not None:
+            logits = logits.float().cpu()
+        kind = "numpy" if isinstance(hidden_states, np.ndarray) else "torch"
+        if isinstance(hidden_states, WireTensor):
+            kind = "wire"
+        return LayerRequest(layer, x, logits, kind)
+
+    # -- handle API -----------------------------------------------------------------------
+
+    async def forward(self, hidden_states: Any, layer: int, router_logits: Any = None) -> Any:
+        """``[T, H]`` output of MoE ``layer`` on ``hidden_states`` (same kind as the input)."""
+        self.stats.requests += 1
+        try:
+            req = self._validate(hidden_states, layer, router_logits)
+        except ServeInputError:
+            self.stats.client_errors += 1
+            self.metrics.error("client")
+            raise
+        self.stats.queued_tokens += req.tokens
+        self.metrics.queued_tokens(self.stats.queued_tokens)
+        try:
+            if req.tokens > self.spec.max_batch_tokens:
+                self.stats.solo_oversize += 1
+                out = (await self._run_batch(req.layer, [req]))[0]
+            else:
+                # Continuous batching: ``@serve.batch`` seals a batch ``batch_wait_timeout_s``
+                # after its first request, even while the group is still busy; requests
+                # arriving later would wait a whole extra forward. So requests queue for the
+                # layer batchers only while the group is idle: those that arrive during a
+                # forward are released together when it ends and fill the next batch.
+                await self._group_idle.wait()
+                out = await self._queues[req.layer](req)
+        except Exception as e:
+            kind = "server" if http_status(e) >= 500 else "client"
+            if kind == "server":
+                self.stats.server_errors += 1
+            else:
+                self.stats.client_errors += 1
+            self.metrics.error(kind)
+            raise
+        finally:
+            self.stats.queued_tokens -= req.tokens
+            self.metrics.queued_tokens(self.stats.queued_tokens)
+        self.stats.tokens += req.tokens
+        if req.kind == "numpy":
+            return out.float().numpy()
+        return WireTensor.from_torch(out) if req.kind == "wire" else out
+
+    async def _run_batch(self, layer: int, requests: list[LayerRequest]) -> list[torch.Tensor]:
+        """One forward per router-logits kind (given or computed), split back per request."""
+        results: list[torch.Tensor | None] = [None] * len(requests)
+        for with_logits in (False, True):
+            idx = [i for i, r in enumerate(requests) if (r.router_logits_TE is not None) == with_logits]
+            if not idx:
+                continue
+            part = [requests[i] for i in idx]
+            x = part[0].x_TH if len(part) == 1 else torch.cat([r.x_TH for r in part])
+            logits = None
+            if with_logits:
+                logits = part[0].router_logits_TE if len(part) == 1 else torch.cat(
+                    [r.router_logits_TE for r in part]
+                )
+            start = time.perf_counter()
+            out, tail = await self.group.forward(layer, x, logits)
+            seconds = time.perf_counter() - start
+            self.stats.forward_done(layer, x.shape[0], len(part), tail, seconds)
+            self.metrics.forward_done(layer, x.shape[0], tail, seconds)
+            if len(part) == 1:
+                results[idx[0]] = out
+                continue
+            # clone: a view would carry the whole batch's storage back to every caller.
+            for i, rows in zip(idx, torch.split(out, [r.tokens for r in part]), strict=True):
+                results[i] = rows.clone()
+        return results
+
+    async def status(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            "deployment": spec.name,
+            "role": spec.role,
+            "replica": self.replica,
+            "healthy": self.group.broken is None,
+            "broken_reason": self.group.broken,
+            "tp_size": spec.tp_size,
+            "tail": spec.tail,
+            "sequence_parallel": spec.sequence_parallel,
+            "preshard_up_proj": spec.preshard_up_proj,
+            "tail_plan": self.plan.to_dict(),
+            "tail_reason": self.plan.reason,
+            "controller": self.decision.to_dict(),
+            "layers": list(self.resolved.layers),
+            "dtype": spec.dtype,
+            "device": self.group.infos[0]["device"],
+            "backend": self.group.infos[0]["backend"],
+            "experts_backend": self.group.infos[0]["experts_backend"],
+            "checkpoint": self.resolved.checkpoint,
+            "max_batch_tokens": spec.max_batch_tokens,
+            "max_tokens_per_request": spec.max_tokens_per_request,
+            "batch_wait_timeout_s": spec.batch_wait_timeout_s,
+            "collective_timeout_s": spec.collective_timeout_s,
+            "workers": [dict(info, name=name) for info, name in zip(self.group.infos, self.group.names,
+                                                                     strict=True)],
+            "counters": self.stats.to_dict(),
+        }
+
+    async def check_health(self) -> None:
+        """Serve's health probe: every worker alive and the group able to run a collective."""
+        await self.group.health_check()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Token-level load for the token-aware autoscaling policy (``deployments.autoscaling``)."""
+        return {QUEUED_TOKENS: float(self.stats.queued_tokens), TOKENS_PER_S: self.stats.tokens_per_s()}
+
+    def __del__(self) -> None:
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.shutdown()
+
+
+MoEGroup = serve.deployment(MoEGroupDeployment)

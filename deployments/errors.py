@@ -1,0 +1,78 @@
+"""Error classes shared by the deployments, the HTTP ingress and the client.
+
+Client faults derive from ``ValueError`` and carry a 4xx HTTP status; our faults carry a
+5xx. Ray wraps an exception raised in a replica in a ``RayTaskError`` that is also an
+instance of the original class, so ``isinstance`` checks keep working across hops, and
+:func:`root_cause` recovers the original (clean) message.
+"""
+
+from __future__ import annotations
+
+
+class ServeInputError(ValueError):
+    """A bad request: malformed body, missing tensor, wrong shape or dtype, NaN/Inf, ..."""
+
+    status = 400
+
+
+class UnknownLayerError(ServeInputError):
+    """The layer is not a MoE layer of the checkpoint, or this deployment does not serve it."""
+
+    status = 404
+
+
+class UnknownDeploymentError(ServeInputError):
+    status = 404
+
+
+class TooLargeError(ServeInputError):
+    """More tokens than ``max_tokens_per_request``, or an HTTP body over the size limit."""
+
+    status = 413
+
+
+class GroupUnavailableError(RuntimeError):
+    """The TP group failed (a worker died or a collective failed); the replica is unhealthy
+    and Serve replaces it. Retry after the replacement."""
+
+    status = 503
+
+
+class GroupTimeoutError(GroupUnavailableError):
+    """A TP-group call outlived the collective timeout plus its margin."""
+
+    status = 504
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """Unwrap Ray's task-error wrappers (possibly nested across hops) to the original error."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException) and cause is not exc:
+            exc = cause
+            continue
+        break
+    return exc
+
+
+def error_message(exc: BaseException) -> str:
+    """The clean, one-line message of an error (no Ray traceback)."""
+    cause = root_cause(exc)
+    if cause.args and isinstance(cause.args[0], str):
+        return cause.args[0]
+    return str(cause) or type(cause).__name__
+
+
+def http_status(exc: BaseException) -> int:
+    """4xx for client faults, 5xx for ours."""
+    cause = root_cause(exc)
+    status = getattr(cause, "status", None)
+    if isinstance(status, int):
+        return status
+    if isinstance(cause, ValueError):
+        return 400
+    if isinstance(cause, TimeoutError):
+        return 504
+    return 500

@@ -1,0 +1,109 @@
+"""Serve deployment options as pure functions of the validated arguments (no cluster needed).
+
+A TP-group replica owns a placement group of ``1 + P`` bundles packed on one node:
+bundle 0 (``{"CPU": c}``) holds the replica actor, which asks for no GPU; bundle ``1 + r``
+(``{"GPU": 1}``, plus a sliver of the accelerator-type resource when one is pinned) holds the
+worker of rank ``r``. ``STRICT_PACK`` keeps a TP group on one node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .spec import AutoscalingSpec, DeploymentSpec
+
+# Ray's convention for "must run on this accelerator type" (what ``accelerator_type=`` sets).
+ACCELERATOR_FRACTION = 0.001
+
+
+def accelerator_resource(accelerator_type: str) -> str:
+    return f"accelerator_type:{accelerator_type}"
+
+
+def worker_resources(spec: DeploymentSpec) -> dict[str, Any]:
+    """What one worker actor asks for; it must fit in its bundle (see :func:`placement_bundles`)."""
+    extra = {}
+    if spec.accelerator_type:
+        extra[accelerator_resource(spec.accelerator_type)] = ACCELERATOR_FRACTION
+    return {"num_cpus": 0, "num_gpus": 1, "resources": extra}
+
+
+def placement_bundles(spec: DeploymentSpec) -> list[dict[str, float]]:
+    """``[{"CPU": c}] + [{"GPU": 1, ...}] * P``: the replica's bundle, then one per rank."""
+    gpu_bundle: dict[str, float] = {"GPU": 1}
+    if spec.accelerator_type:
+        gpu_bundle[accelerator_resource(spec.accelerator_type)] = ACCELERATOR_FRACTION
+    return [{"CPU": spec.replica_cpus}] + [dict(gpu_bundle) for _ in range(spec.tp_size)]
+
+
+def autoscaling_config(spec: DeploymentSpec, capacity: int | None = None) -> dict[str, Any]:
+    """Ray's ``autoscaling_config`` dict, via the project's token-aware builder.
+
+    ``capacity``: TP groups of this size the cluster can host (None: unknown); it caps
+    ``max_replicas``.
+    """
+    from .autoscaling import TokenScalingParams, build_autoscaling_config
+
+    a: AutoscalingSpec = spec.autoscaling or AutoscalingSpec()
+    params = TokenScalingParams(
+        target_queued_tokens_per_replica=a.target_queued_tokens_per_replica,
+        target_tokens_per_s_per_replica=a.target_tokens_per_s_per_replica,
+        upscale_delay_s=a.upscale_delay_s,
+        downscale_delay_s=a.downscale_delay_s,
+    )
+    config = build_autoscaling_config(
+        min_replicas=a.min_replicas,
+        max_replicas=a.max_replicas,
+        capacity=capacity,
+        target_ongoing_requests=a.target_ongoing_requests,
+        params=params,
+        token_aware=a.token_aware,
+        look_back_period_s=a.look_back_period_s,
+    )
+    if a.metrics_interval_s is not None:
+        config["metrics_interval_s"] = a.metrics_interval_s
+    if a.initial_replicas is not None:
+        config["initial_replicas"] = min(a.initial_replicas, config["max_replicas"])
+    return config
+
+
+def cluster_capacity(spec: DeploymentSpec) -> int | None:
+    """TP groups the autoscaling spec's cluster config can host, or None without one."""
+    if spec.autoscaling is None or spec.autoscaling.cluster_config is None:
+        return None
+    from .cluster_spec import load_cluster_config, max_tp_groups
+
+    return max_tp_groups(load_cluster_config(spec.autoscaling.cluster_config), spec.tp_size)
+
+
+def deployment_options(spec: DeploymentSpec, capacity: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``Deployment.options`` for one TP-group deployment."""
+    options: dict[str, Any] = {
+        "name": spec.name,
+        "ray_actor_options": {"num_cpus": spec.replica_cpus, "num_gpus": 0},
+        "placement_group_bundles": placement_bundles(spec),
+        "placement_group_strategy": "STRICT_PACK",
+        "max_ongoing_requests": spec.max_ongoing_requests,
+        "health_check_period_s": spec.health_check_period_s,
+        "health_check_timeout_s": spec.effective_health_check_timeout_s,
+        "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "logging_config": {"enable_access_log": spec.access_log},
+    }
+    if spec.autoscaling is not None:
+        if capacity is None:
+            capacity = cluster_capacity(spec)
+        options["autoscaling_config"] = autoscaling_config(spec, capacity)
+    else:
+        options["num_replicas"] = spec.num_replicas or 1
+    return options
+
+
+def ingress_options(cpus: float = 0.1, max_ongoing_requests: int = 256) -> dict[str, Any]:
+    """The HTTP/app-handle ingress: one light replica that forwards to the TP groups."""
+    return {
+        "name": "ingress",
+        "ray_actor_options": {"num_cpus": cpus, "num_gpus": 0},
+        "max_ongoing_requests": max_ongoing_requests,
+        "num_replicas": 1,
+    }

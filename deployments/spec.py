@@ -1,0 +1,345 @@
+"""Typed, validated arguments of the Serve application (``deployments.app:build_app``).
+
+Two layers, both pure (no Ray):
+
+* :class:`AppArgs` / :class:`DeploymentSpec` (pydantic): field-level validation of what a user
+  writes on the ``serve run`` command line or under ``args:`` in a Serve config. Top-level
+  deployment fields are the defaults of every entry of ``deployments:``; without a
+  ``deployments:`` list they describe the one deployment of the app.
+* :func:`resolve_app`: the checks that need the checkpoint's ``config.json`` (layers exist and
+  are MoE layers, the TP size divides the split dimensions, the requested tail is legal), with
+  the arithmetic in the ``ValueError``; it returns one :class:`ResolvedDeployment` per spec,
+  holding the tail plan every replica of that deployment runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from moe_runtime.checkpoint import torch_dtype
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.plan import TailPlan, resolve_tail
+from moe_runtime.sharding import check_tp_size
+
+Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
+DType = Literal["float32", "bfloat16"]
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
+DEFAULT_DEPLOYMENT = "moe"
+RAY_METRICS_INTERVAL_S = 10.0  # Ray Serve's default AutoscalingConfig.metrics_interval_s
+
+
+class AutoscalingSpec(BaseModel):
+    """Replica bounds and targets; turned into Ray's ``autoscaling_config`` by ``options.py``.
+
+    ``token_aware`` uses the token-based policy of ``deployments.autoscaling`` (replicas report
+    queued tokens and tokens/s); otherwise Ray's request-count policy with
+    ``target_ongoing_requests``. ``cluster_config``: a cluster-launcher YAML whose MI300X
+    capacity caps ``max_replicas`` (GPUs / tp_size, counting nodes the launcher may add).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    token_aware: bool = True
+    target_queued_tokens_per_replica: float = Field(8192.0, gt=0)
+    target_tokens_per_s_per_replica: float | None = Field(None, gt=0)
+    upscale_delay_s: float = Field(0.0, ge=0)
+    downscale_delay_s: float = Field(300.0, ge=0)
+    # Ray's windows: replicas push metrics every metrics_interval_s (None: Ray's default, 10 s);
+    # the policy sees them aggregated over look_back_period_s, which must span several pushes.
+    look_back_period_s: float = Field(30.0, gt=0)
+    metrics_interval_s: float | None = Field(None, gt=0)
+    cluster_config: str | None = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas {self.max_replicas} < min_replicas {self.min_replicas}")
+        interval = self.metrics_interval_s if self.metrics_interval_s is not None else RAY_METRICS_INTERVAL_S
+        if self.look_back_period_s <= interval:
+            raise ValueError(
+                f"look_back_period_s {self.look_back_period_s} must exceed the metrics push interval "
+                f"{interval} (metrics_interval_s)"
+            )
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError(
+                f"initial_replicas {self.initial_replicas} is outside "
+                f"[min_replicas {self.min_replicas}, max_replicas {self.max_replicas}]"
+            )
+        return self
+
+
+class DeploymentSpec(BaseModel):
+    """One TP-group deployment: which layers, how they are sharded, batched and scaled."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = DEFAULT_DEPLOYMENT
+    role: str | None = None  # informational (e.g. "prefill", "decode"); shown in status()
+    tp_size: int = Field(1, ge=1)
+    tail: Tail = "auto"
+    sequence_parallel: bool = False
+    preshard_up_proj: bool = False
+    layers: list[int] | None = None  # None: every MoE layer of the checkpoint
+    dtype: DType = "float32"
+    backend: str = "torch"  # experts backend: torch | aiter | auto
+    max_batch_tokens: int = Field(2048, ge=1)
+    max_tokens_per_request: int = Field(8192, ge=1)
+    batch_wait_timeout_s: float = Field(0.002, ge=0, le=1.0)
+    collective_timeout_s: float = Field(60.0, gt=0)
+    # How long a TP-group call may run beyond the collective timeout (the forward's compute).
+    call_margin_s: float = Field(30.0, gt=0)
+    # tail "auto" with several legal tails at TP > 1: the controller times each on the group at
+    # warm-up at these token counts and keeps the fastest per range (deployments.controller);
+    # [] turns the measurement off (auto is then the static rule: sharded when legal).
+    auto_tune_tokens: list[int] = Field(default_factory=lambda: [1, 16, 128, 1024])
+    auto_tune_reps: int = Field(3, ge=1)
+    tune_clock: str | None = None  # "module:callable" clock of the measurement (tests)
+    # Workers start, join the group and load their shards within this bound (replica start).
+    startup_timeout_s: float = Field(900.0, gt=0)
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling: AutoscalingSpec | None = None
+    max_ongoing_requests: int = Field(64, ge=1)
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float | None = Field(None, gt=0)
+    graceful_shutdown_timeout_s: float = Field(5.0, ge=0)
+    replica_cpus: float = Field(1.0, gt=0)  # bundle 0: the replica itself
+    accelerator_type: str | None = None  # e.g. "AMD-Instinct-MI300X-OAM": pins workers to it
+    # CPU-only serving, where ranks and the request path share cores: run the ranks this much
+    # nicer than the replica, so the replica's event loop keeps receiving requests (and
+    # forming the next batch) while the ranks compute. Ignored on GPUs.
+    worker_nice_increment: int = Field(0, ge=0, le=19)
+    # Serve writes one access-log line per call; a layer tier is called once per model layer
+    # per step, so that log costs real replica CPU at high request rates. Off unless asked.
+    access_log: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(
+                f"deployment name {v!r} must start with a letter and use only letters, digits, '_' or '-'"
+            )
+        return v
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _layers(cls, v: Any) -> Any:
+        # The CLI gives strings: layers=1,2 or layers="[1, 2]"; a single int is one layer.
+        if isinstance(v, int) and not isinstance(v, bool):
+            return [v]
+        if isinstance(v, str):
+            return parse_layers(v)
+        return v
+
+    @field_validator("auto_tune_tokens", mode="before")
+    @classmethod
+    def _tune_tokens(cls, v: Any) -> Any:
+        if isinstance(v, str):  # CLI: auto_tune_tokens=1,64,512 (or "" / none: off)
+            body = v.strip().strip("[]").replace(" ", "")
+            if body.lower() in ("", "none", "off"):
+                return []
+            try:
+                return [int(p) for p in body.split(",") if p]
+            except ValueError:
+                raise ValueError(f"auto_tune_tokens must be comma-separated integers, got {v!r}") from None
+        return v
+
+    @field_validator("auto_tune_tokens")
+    @classmethod
+    def _positive_tokens(cls, v: list[int]) -> list[int]:
+        if any(t < 1 for t in v):
+            raise ValueError(f"auto_tune_tokens must be positive token counts, got {v}")
+        return sorted(set(v))
+
+    @field_validator("layers")
+    @classmethod
+    def _unique_layers(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("layers is empty; omit it to serve every MoE layer")
+        dupes = sorted({x for x in v if v.count(x) > 1})
+        if dupes:
+            raise ValueError(f"layers lists {dupes} more than once")
+        return sorted(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DeploymentSpec:
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError("give either num_replicas or autoscaling bounds, not both")
+        if self.sequence_parallel and self.tail != "auto":
+            raise ValueError(
+                f"tail {self.tail!r} cannot run sequence-parallel; sequence-parallel deployments "
+                "use tail 'auto' (the sequence_parallel tail)"
+            )
+        if self.health_check_timeout_s is not None and self.health_check_timeout_s < 1:
+            raise ValueError(f"health_check_timeout_s {self.health_check_timeout_s} is below 1 s")
+        return self
+
+    @property
+    def call_timeout_s(self) -> float:
+        """Upper bound of any single TP-group call (a forward or a health collective)."""
+        return self.collective_timeout_s + self.call_margin_s
+
+    @property
+    def effective_health_check_timeout_s(self) -> float:
+        # The health collective waits at most the collective timeout; leave room for it.
+        return self.health_check_timeout_s or self.collective_timeout_s + 10.0
+
+
+_DEPLOYMENT_FIELDS = set(DeploymentSpec.model_fields)
+
+
+def parse_layers(text: str) -> list[int] | None:
+    """``"1,2"``, ``"[1, 2]"``, ``"1-23,30"`` -> sorted ints; ``"all"`` / empty -> None (every layer)."""
+    body = text.strip().strip("[]").replace(" ", "")
+    if not body or body.lower() in ("all", "none"):
+        return None
+    layers: list[int] = []
+    try:
+        for part in filter(None, body.split(",")):
+            low, sep, high = part.partition("-")
+            if sep:
+                if int(high) < int(low):
+                    raise ValueError(part)
+                layers.extend(range(int(low), int(high) + 1))
+            else:
+                layers.append(int(part))
+    except ValueError:
+        raise ValueError(
+            f"layers must be integers or ranges separated by commas (e.g. 1,2 or 1-23), got {text!r}"
+        ) from None
+    return layers
+
+
+def format_layers(layers: list[int] | tuple[int, ...]) -> str:
+    """Compact ranges: [1, 2, 3, 7] -> "1-3,7"."""
+    runs: list[list[int]] = []
+    for x in sorted(layers):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+class AppArgs(BaseModel):
+    """Arguments of ``build_app``: a checkpoint and one or more deployment specs.
+
+    Every top-level deployment field is a default for each entry of ``deployments``; without
+    ``deployments`` they describe the single deployment (named ``moe`` unless ``name`` is set).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str
+    deployments: list[DeploymentSpec]
+    http_max_body_bytes: int | None = Field(None, ge=1024)
+    ingress_cpus: float = Field(0.1, gt=0)
+    # Bound of an ingress -> deployment call (HTTP and app-handle paths); None: derived.
+    request_timeout_s: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_defaults(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        raw = dict(raw)
+        defaults = {k: raw.pop(k) for k in list(raw) if k in _DEPLOYMENT_FIELDS}
+        entries = raw.get("deployments")
+        if entries is None:
+            raw["deployments"] = [defaults]
+        elif isinstance(entries, list):
+            merged = []
+            for i, entry in enumerate(entries):
+                if isinstance(entry, DeploymentSpec):
+                    entry = entry.model_dump(exclude_unset=True)
+                if not isinstance(entry, dict):
+                    raise ValueError(f"deployments[{i}] must be a mapping, got {type(entry).__name__}")
+                if "name" not in entry:
+                    raise ValueError(f"deployments[{i}] needs a name (e.g. prefill, decode)")
+                merged.append({**defaults, **entry})
+            raw["deployments"] = merged
+        return raw
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> AppArgs:
+        if not self.deployments:
+            raise ValueError("deployments is empty: an app needs at least one deployment")
+        names = [d.name for d in self.deployments]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"deployment names must be unique, {dupes} repeat")
+        return self
+
+    @property
+    def default_deployment(self) -> str:
+        """The deployment behind ``/v1/layers/{layer}/forward`` and the app handle's default."""
+        return self.deployments[0].name
+
+
+@dataclass(frozen=True)
+class ResolvedDeployment:
+    """A deployment spec checked against the checkpoint, with the tail plan its replicas run."""
+
+    spec: DeploymentSpec
+    checkpoint: str
+    layers: tuple[int, ...]
+    plan: TailPlan
+    hidden_size: int
+    num_experts: int
+
+    def describe(self) -> str:
+        return (
+            f"deployment {self.spec.name!r}: TP {self.spec.tp_size}, layers {format_layers(self.layers)}, "
+            f"dtype {self.spec.dtype}, tail {self.plan.describe()} ({self.plan.reason})"
+        )
+
+
+def resolve_deployment(spec: DeploymentSpec, checkpoint: str, cfg: LatentMoEConfig) -> ResolvedDeployment:
+    """Check ``spec`` against the model config; ValueError with the arithmetic when it cannot run."""
+    where = f"deployment {spec.name!r}"
+    try:
+        torch_dtype(spec.dtype)
+        if spec.layers is None:
+            layers = tuple(cfg.moe_layers)
+        else:
+            for layer in spec.layers:
+                cfg.check_moe_layer(layer)
+            layers = tuple(spec.layers)
+        check_tp_size(
+            spec.tp_size,
+            cfg.moe_intermediate_size,
+            cfg.shared_intermediate_size,
+            cfg.hidden_size if spec.preshard_up_proj else None,
+        )
+        plan = resolve_tail(spec.tail, cfg, spec.tp_size, spec.preshard_up_proj, spec.sequence_parallel)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return ResolvedDeployment(spec, checkpoint, layers, plan, cfg.hidden_size, cfg.num_experts)
+
+
+def resolve_app(args: AppArgs | dict[str, Any]) -> tuple[AppArgs, list[ResolvedDeployment]]:
+    """Validate ``args`` and check every deployment against the checkpoint's config.json."""
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
+    checkpoint = str(Path(args.checkpoint).expanduser().resolve())
+    cfg = LatentMoEConfig.from_pretrained(checkpoint)
+    return args, [resolve_deployment(spec, checkpoint, cfg) for spec in args.deployments]
+
+
+def default_max_body_bytes(resolved: list[ResolvedDeployment]) -> int:
+    """Room for the largest legal request: fp32 hidden states and router logits, plus headers."""
+    worst = max(r.spec.max_tokens_per_request * (r.hidden_size + r.num_experts) * 4 for r in resolved)
+    return worst + (1 << 16)

@@ -1,0 +1,41 @@
+"""Tensors on the wire between Ray processes.
+
+Ray serialises numpy arrays out of band (pickle protocol 5, no copy into the pickle stream)
+but torch tensors through their generic pickle path, several times slower for large
+activations (a 16 MB fp32 [2048, 2048] batch: ~4x on the round trip). Internal hops
+(client -> replica -> workers and back) therefore carry a :class:`WireTensor`: the tensor's
+bytes as a numpy array plus its torch dtype (bfloat16, which numpy lacks, travels as int16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_VIEW_AS = {torch.bfloat16: torch.int16}
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    array: np.ndarray
+    dtype: str  # torch dtype name without the "torch." prefix
+
+    @classmethod
+    def from_torch(cls, t: torch.Tensor) -> WireTensor:
+        t = t.detach().cpu().contiguous()
+        view = _VIEW_AS.get(t.dtype)
+        array = (t.view(view) if view is not None else t).numpy()
+        return cls(array, str(t.dtype).removeprefix("torch."))
+
+    def to_torch(self) -> torch.Tensor:
+        """A torch tensor over the bytes; copied when Ray handed a read-only buffer."""
+        array = self.array if self.array.flags.writeable else self.array.copy()
+        t = torch.from_numpy(array)
+        dtype = getattr(torch, self.dtype)
+        return t.view(dtype) if dtype in _VIEW_AS else t
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)

@@ -1,0 +1,408 @@
+"""Serving benchmark: closed-loop load on a local Serve app vs the in-process TP runner.
+
+One run starts a local Ray instance (CPU, TP groups on logical GPUs), deploys two TP-2
+deployments of the same checkpoint -- ``batched`` (max_batch_tokens = --max-batch-tokens) and
+``unbatched`` (max_batch_tokens = 16) -- and drives them with N concurrent closed-loop clients
+(each sends its next request when the previous answer arrives) through
+
+* ``handle``: a DeploymentHandle straight to the TP-group deployment (``MoEClient.direct``);
+* ``app``:    the app's ingress handle (one more hop);
+* ``http``:   HTTP with safetensors bodies (``AsyncHTTPMoEClient``).
+
+It measures tokens/s, requests/s and p50/p99 latency, and runs the same batch sizes on the
+in-process runner (``moe_runtime`` only: ``local_group`` ranks joined by gloo, no Ray) in the
+same run for the served / in-process ratio. Results: JSON + PNG under --out, and the
+"## Serving (scripts/bench_serve.py)" section of docs/benchmarks.md (--docs).
+
+    python scripts/bench_serve.py                    # small preset, a few minutes on 2 cores
+    python scripts/bench_serve.py --quick            # shorter windows, fewer scenarios
+
+Targets: handle path at 2048-token requests >= 0.8 x in-process throughput; 32 concurrent
+16-token clients with batching >= 3 x the throughput of max_batch_tokens = 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from moe_runtime.collectives import Collectives  # noqa: E402
+from moe_runtime.config import LatentMoEConfig  # noqa: E402
+from moe_runtime.local_group import run_local_group  # noqa: E402
+from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+
+APP = "bench"
+SECTION = "## Serving (scripts/bench_serve.py)"
+LAYER = 1
+
+
+# -- in-process baseline ----------------------------------------------------------------------
+
+
+def _inprocess_rank(comm: Collectives, checkpoint: str, tail: str, dtype: str, sizes: list[int],
+                    min_time_s: float) -> dict[int, float]:
+    """Seconds per forward at each T on this rank (identical iteration counts on every rank)."""
+    from moe_runtime.checkpoint import torch_dtype
+    from moe_runtime.plan import resolve_tail
+    from moe_runtime.runner import build_rank_runners
+
+    cfg = LatentMoEConfig.from_pretrained(checkpoint)
+    plan = resolve_tail(tail, cfg, comm.world)
+    runner = build_rank_runners(checkpoint, cfg, [LAYER], comm, plan, dtype=torch_dtype(dtype))[LAYER]
+    out = {}
+    with torch.inference_mode():
+        for T in sizes:
+            gen = torch.Generator().manual_seed(T)
+            x = torch.randn(T, cfg.hidden_size, generator=gen).to(torch_dtype(dtype))
+            runner.forward(x)  # warm-up
+            start = time.perf_counter()
+            runner.forward(x)
+            once = comm.all_reduce(torch.tensor([time.perf_counter() - start])).item() / comm.world
+            iters = max(3, math.ceil(min_time_s / max(once, 1e-6)))
+            start = time.perf_counter()
+            for _ in range(iters):
+                runner.forward(x)
+            out[T] = (time.perf_counter() - start) / iters
+    return out
+
+
+def inprocess_baseline(checkpoint: str, tp: int, tail: str, dtype: str, sizes: list[int],
+                       min_time_s: float) -> dict[int, dict[str, float]]:
+    per_rank = run_local_group(tp, _inprocess_rank, checkpoint, tail, dtype, sizes, min_time_s,
+                               timeout_s=1800)
+    result = {}
+    for T in sizes:
+        s = max(r[T] for r in per_rank)
+        result[T] = {"forward_ms": s * 1e3, "tokens_per_s": T / s}
+    return result
+
+
+# -- closed-loop load -------------------------------------------------------------------------
+
+
+async def closed_loop(call, make_input, clients: int, duration_s: float, warmup: int = 1) -> dict[str, Any]:
+    """``clients`` tasks each calling ``await call(x)`` back to back for ``duration_s``."""
+    inputs = [make_input(i) for i in range(clients)]
+    for i in range(min(warmup, clients)):
+        await call(inputs[i])
+    latencies: list[float] = []
+    tokens = 0
+    deadline = time.perf_counter() + duration_s
+
+    async def client(x):
+        nonlocal tokens
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            await call(x)
+            latencies.append(time.perf_counter() - start)
+            tokens += x.shape[0]
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(x) for x in inputs))
+    elapsed = time.perf_counter() - start
+    lat = sorted(latencies)
+    return {
+        "requests": len(lat),
+        "duration_s": round(elapsed, 3),
+        "tokens_per_s": tokens / elapsed,
+        "requests_per_s": len(lat) / elapsed,
+        "p50_ms": statistics.median(lat) * 1e3,
+        "p99_ms": lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)] * 1e3,
+    }
+
+
+def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: int, duration_s: float,
+                 hidden: int, base_url: str) -> dict[str, Any]:
+    from deployments.client import AsyncHTTPMoEClient, MoEClient
+
+    def make_input(i: int) -> torch.Tensor:
+        return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(i))
+
+    direct = MoEClient.direct(deployment, APP, timeout_s=600)
+    before = direct.status()["counters"]
+
+    async def go() -> dict[str, Any]:
+        if path == "http":
+            async with AsyncHTTPMoEClient(base_url, deployment=deployment, timeout_s=600,
+                                          max_connections=clients) as http:
+                return await closed_loop(lambda x: http.forward(x, LAYER), make_input, clients, duration_s)
+        client = direct if path == "handle" else MoEClient(APP, deployment=deployment, timeout_s=600)
+        return await closed_loop(lambda x: client.forward_async(x, LAYER), make_input, clients, duration_s)
+
+    result = asyncio.run(go())
+    after = direct.status()["counters"]
+    forwards = after["forwards"] - before["forwards"]
+    batch_tokens = after["forward_tokens"] - before["forward_tokens"]
+    result.update(
+        scenario=name, path=path, deployment=deployment, clients=clients, tokens_per_request=tokens,
+        forwards=forwards, mean_batch_tokens=batch_tokens / forwards if forwards else None,
+    )
+    print(f"  {name:<10} {path:<6} {deployment:<9} clients {clients:>3} x {tokens:>5} tok: "
+          f"{result['tokens_per_s']:9.0f} tok/s {result['requests_per_s']:7.1f} req/s "
+          f"p50 {result['p50_ms']:8.1f} ms p99 {result['p99_ms']:8.1f} ms ({result['requests']} req, "
+          f"{forwards} fwd, mean batch {result['mean_batch_tokens'] or 0:.0f} tok)", flush=True)
+    return result
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    big = [r for r in results["scenarios"] if r["scenario"] == "large"]
+    T = big[0]["tokens_per_request"] if big else None
+    names = ["in-process"] + [r["path"] for r in big]
+    values = [results["inprocess"][str(T)]["tokens_per_s"] if T else 0] + [r["tokens_per_s"] for r in big]
+    ax1.bar(names, values, color=["gray"] + ["C0"] * len(big))
+    ax1.set_title(f"{T}-token requests, TP {results['env']['tp_size']}")
+    ax1.set_ylabel("tokens/s")
+    small = [r for r in results["scenarios"] if r["scenario"] == "batching"]
+    ax2.bar([f"{r['deployment']}\n{r['path']}" for r in small], [r["tokens_per_s"] for r in small],
+            color=["C1" if r["deployment"] == "batched" else "C3" for r in small])
+    ax2.set_title("32 concurrent 16-token clients")
+    ax2.set_ylabel("tokens/s")
+    fig.suptitle(f"latent-MoE serving, {results['env']['preset']} preset, {results['env']['cpus']} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    env, t = results["env"], results["targets"]
+    lines = [
+        SECTION,
+        "",
+        f"Run: `{' '.join(['python scripts/bench_serve.py', *results['argv']])}` -- "
+        f"{env['date']}, {env['cpus']} CPUs ({env['machine']}), torch {env['torch']}, Ray {env['ray']}, "
+        f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on logical "
+        f"GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, TP ranks "
+        f"+{env['worker_nice_increment']}. "
+        f"Closed loop: each client sends its next request when the previous answer arrives; "
+        f"{env['duration_s']} s per row. 1-minute load average before the run: "
+        f"{env['loadavg_1min_before']} (anything else running skews every number). "
+        f"Raw data: `{json_path}`, plot: `{png_path}`.",
+        "",
+        "In-process runner (moe_runtime `local_group`, no Ray), same TP size and batch sizes:",
+        "",
+        "| T (tokens/forward) | forward ms | tokens/s |",
+        "|---:|---:|---:|",
+    ]
+    for T, r in results["inprocess"].items():
+        lines.append(f"| {T} | {r['forward_ms']:.1f} | {r['tokens_per_s']:.0f} |")
+    lines += [
+        "",
+        "Served (through Serve):",
+        "",
+        "| scenario | path | deployment (max_batch_tokens) | clients x tokens | tokens/s | req/s | p50 ms "
+        "| p99 ms | forwards | mean batch |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    mbt = results["max_batch_tokens"]
+    for r in results["scenarios"]:
+        lines.append(
+            f"| {r['scenario']} | {r['path']} | {r['deployment']} ({mbt[r['deployment']]}) | "
+            f"{r['clients']} x {r['tokens_per_request']} | {r['tokens_per_s']:.0f} | "
+            f"{r['requests_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['forwards']} | "
+            f"{r['mean_batch_tokens'] or 0:.0f} |"
+        )
+    verdict = {True: "met", False: "**missed**", None: "not measured"}
+    lines += [
+        "",
+        "Targets:",
+        "",
+        f"- handle path at {t['large_tokens']}-token requests / in-process: "
+        f"**{t['handle_vs_inprocess']:.2f}** (target >= 0.8: {verdict[t['handle_vs_inprocess'] >= 0.8]}); "
+        f"app handle {t['app_vs_inprocess']:.2f}, HTTP {t['http_vs_inprocess']:.2f}.",
+        f"- 32 concurrent 16-token clients, batching / max_batch_tokens = 16: "
+        f"**{t['batching_speedup']:.1f}x** (target >= 3: {verdict[t['batching_speedup'] >= 3]}) with the "
+        f"ranks at worker_nice_increment {env['worker_nice_increment']}"
+        + (f"; {t['batching_speedup_nice0']:.1f}x with the ranks at the replica's priority "
+           "(rows `batching-nice0`)." if "batching_speedup_nice0" in t else "."),
+        "",
+        "Notes: the load generator runs in the driver process on the same CPUs as the TP ranks, so "
+        "on a small machine every served number pays for it; the in-process baseline has the CPUs "
+        "to itself. Ray worker niceness is set to the driver's (0), so Ray's default of 15 does not "
+        "starve the served side. With 16-token requests the request path (driver router, replica "
+        "event loop, raylet) needs about as much CPU as the forwards; when the ranks take every "
+        "core, requests reach the replica late and batches stay small -- hence "
+        "`worker_nice_increment` for CPU-only deployments (no effect on GPUs). HTTP moves "
+        "safetensors bodies through the proxy and the ingress (extra copies of T x H x 4 bytes each "
+        "way). Batches form continuously: requests that arrive during a forward are released "
+        "together when it ends, so with a closed loop the 32 clients settle into two cohorts that "
+        "alternate (mean batch about half of 32 x 16 tokens).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def update_docs(docs: Path, section: str) -> None:
+    """Replace (or append) only our section of docs/benchmarks.md."""
+    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(text.rstrip("\n") + "\n")
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small", choices=["tiny", "small"])
+    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/bench-<preset> (generated once)")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tail", default="sharded")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--large-tokens", type=int, default=2048)
+    ap.add_argument("--large-clients", type=int, default=2)
+    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds per closed-loop row")
+    ap.add_argument("--worker-niceness", type=int, default=0,
+                    help="niceness of every Ray worker (Ray's default is 15; the driver and the "
+                         "in-process baseline run at 0)")
+    ap.add_argument("--worker-nice-increment", type=int, default=10,
+                    help="DeploymentSpec.worker_nice_increment of the TP ranks (CPU serving); the "
+                         "batching pair is measured again at 0 for comparison")
+    ap.add_argument("--quick", action="store_true", help="short windows; only the two target scenarios")
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_serve")
+    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.duration = min(args.duration, 5.0)
+
+    ckpt = args.checkpoint or ROOT / f"checkpoints/bench-{args.preset}"
+    if not (ckpt / "config.json").is_file():
+        print(f"writing the {args.preset} checkpoint to {ckpt}", flush=True)
+        write_checkpoint(ckpt, preset_config(args.preset), seed=0)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    H = cfg.hidden_size
+    cpus = len(os.sched_getaffinity(0))
+    load_before = os.getloadavg()[0]  # other work on the machine skews every number below
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from moe_runtime.collectives import free_port
+
+    mbt = {"batched": args.max_batch_tokens, "unbatched": 16}
+    results: dict[str, Any] = {
+        "argv": argv,
+        "env": {
+            "date": time.strftime("%Y-%m-%d"), "cpus": cpus, "machine": platform.machine(),
+            "torch": torch.__version__, "ray": ray.__version__, "preset": args.preset, "hidden_size": H,
+            "dtype": args.dtype, "tp_size": args.tp, "tail": args.tail, "duration_s": args.duration,
+            "worker_niceness": args.worker_niceness, "worker_nice_increment": args.worker_nice_increment,
+            "loadavg_1min_before": round(load_before, 2),
+        },
+        "max_batch_tokens": mbt,
+        "scenarios": [],
+    }
+
+    sizes = sorted({16, 512, args.large_tokens})
+    ray.init(address="local", num_cpus=4, num_gpus=4 * args.tp, include_dashboard=False, namespace="serve",
+             log_to_driver=False, _system_config={"worker_niceness": args.worker_niceness})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base_url = f"http://127.0.0.1:{port}"
+        common = {"tp_size": args.tp, "tail": args.tail, "dtype": args.dtype, "layers": [LAYER],
+                  "max_tokens_per_request": max(args.large_tokens, 4096), "max_ongoing_requests": 128,
+                  "worker_nice_increment": args.worker_nice_increment}
+        app_args = {
+            "checkpoint": str(ckpt), **common,
+            "deployments": [
+                {"name": "batched", "max_batch_tokens": mbt["batched"], "batch_wait_timeout_s": 0.005},
+                {"name": "unbatched", "max_batch_tokens": mbt["unbatched"], "batch_wait_timeout_s": 0.0},
+            ],
+        }
+        start = time.perf_counter()
+        serve.run(build_app(app_args), name=APP, route_prefix="/")
+        print(f"app up in {time.perf_counter() - start:.1f} s; in-process baseline at T = {sizes}",
+              flush=True)
+        results["inprocess"] = {
+            str(T): v for T, v in inprocess_baseline(
+                str(ckpt), args.tp, args.tail, args.dtype, sizes, min(args.duration, 5.0)
+            ).items()
+        }
+        for T, v in results["inprocess"].items():
+            print(f"  in-process T={T:>5}: {v['forward_ms']:8.1f} ms/forward {v['tokens_per_s']:9.0f} tok/s")
+
+        plan = [("large", p, "batched", args.large_clients, args.large_tokens)
+                for p in ("handle", "app", "http")]
+        plan += [("batching", "handle", d, 32, 16) for d in ("batched", "unbatched")]
+        if not args.quick:
+            plan += [("batching", "http", "batched", 32, 16), ("mid", "handle", "batched", 8, 512),
+                     ("latency", "handle", "batched", 1, 16), ("latency", "http", "batched", 1, 16)]
+        for name, path, dep, clients, tokens in plan:
+            results["scenarios"].append(
+                run_scenario(name, path, dep, clients, tokens, args.duration, H, base_url)
+            )
+        if args.worker_nice_increment:
+            print("redeploying with worker_nice_increment 0", flush=True)
+            serve.run(build_app({**app_args, "worker_nice_increment": 0}), name=APP, route_prefix="/")
+            for dep in ("batched", "unbatched"):
+                results["scenarios"].append(
+                    run_scenario("batching-nice0", "handle", dep, 32, 16, args.duration, H, base_url)
+                )
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    def find(scenario: str, path: str, dep: str) -> dict[str, Any]:
+        return next(r for r in results["scenarios"]
+                    if (r["scenario"], r["path"], r["deployment"]) == (scenario, path, dep))
+
+    inproc = results["inprocess"][str(args.large_tokens)]["tokens_per_s"]
+    results["targets"] = {
+        "large_tokens": args.large_tokens,
+        "handle_vs_inprocess": find("large", "handle", "batched")["tokens_per_s"] / inproc,
+        "app_vs_inprocess": find("large", "app", "batched")["tokens_per_s"] / inproc,
+        "http_vs_inprocess": find("large", "http", "batched")["tokens_per_s"] / inproc,
+        "batching_speedup": find("batching", "handle", "batched")["tokens_per_s"]
+        / find("batching", "handle", "unbatched")["tokens_per_s"],
+    }
+    if args.worker_nice_increment:
+        results["targets"]["batching_speedup_nice0"] = (
+            find("batching-nice0", "handle", "batched")["tokens_per_s"]
+            / find("batching-nice0", "handle", "unbatched")["tokens_per_s"]
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out / "bench_serve.json", args.out / "bench_serve.png"
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, png_path)
+    rel = {p: str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in (json_path, png_path)}
+    section = markdown(results, rel[json_path], rel[png_path])
+    print("\n" + section)
+    if args.docs:
+        update_docs(Path(args.docs), section)
+        print(f"updated {args.docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""Client helpers and the HTTP body codec, without a cluster (httpx.MockTransport).
+
+The same clients against a live app are exercised in tests/test_serve.py.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from deployments.client import (
+    HTTPMoEClient,
+    MoERequestError,
+    MoEServerError,
+    _translate,
+    encode_request,
+    forward_path,
+)
+from deployments.errors import (
+    GroupUnavailableError,
+    ServeInputError,
+    TooLargeError,
+    UnknownDeploymentError,
+    UnknownLayerError,
+    error_message,
+    http_status,
+    root_cause,
+)
+from deployments.http import choose_deployment, decode_body, encode_body
+
+
+def test_request_codec_round_trip():
+    x = torch.randn(3, 8)
+    logits = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    hidden, router = decode_body(encode_request(x, logits))
+    torch.testing.assert_close(hidden, x, rtol=0, atol=0)
+    torch.testing.assert_close(router, torch.from_numpy(logits), rtol=0, atol=0)
+    hidden, router = decode_body(encode_request(x.numpy()))
+    assert router is None and hidden.dtype == torch.float32
+    out = np.ones((2, 3), np.float32)  # numpy answers (F32 requests) are encoded as F32
+    assert st_load(encode_body({"output": out}))["output"].dtype == torch.float32
+    bf16 = torch.randn(2, 3).bfloat16()
+    assert st_load(encode_body({"output": bf16}))["output"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"", "empty body"),
+        (b"\x00" * 7 + b"garbage", "not a valid safetensors"),
+        (st_save({"router_logits": torch.zeros(1, 4)}), "missing tensor 'hidden_states'"),
+        (st_save({"hidden_states": torch.zeros(1, 4), "extra": torch.zeros(1)}), "unexpected tensor"),
+    ],
+)
+def test_decode_body_rejects_bad_bodies(body, message):
+    with pytest.raises(ServeInputError, match=message):
+        decode_body(body)
+
+
+def test_forward_paths_and_routing():
+    assert forward_path(3) == "/v1/layers/3/forward"
+    assert forward_path(3, "decode") == "/v1/decode/layers/3/forward"
+    layers = {"a": [1, 2], "b": [3, 4]}
+    assert choose_deployment(layers, "a", None, 2) == "a"
+    assert choose_deployment(layers, "a", None, 4) == "b"  # layer-split apps route by layer
+    assert choose_deployment(layers, "a", None, 9) == "a"  # the default explains the error
+    assert choose_deployment(layers, "a", "b", 1) == "b"  # explicit names win (b then says no)
+    with pytest.raises(UnknownDeploymentError, match="unknown deployment 'c'"):
+        choose_deployment(layers, "a", "c", 1)
+
+
+class _Wrapped(Exception):
+    """Stands in for Ray's RayTaskError: the original error under ``.cause``."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__("Traceback ... noise")
+        self.cause = cause
+
+
+def test_error_helpers_unwrap_ray_wrappers():
+    inner = TooLargeError("hidden_states has 9 tokens, more than max_tokens_per_request = 8")
+    wrapped = _Wrapped(_Wrapped(inner))
+    assert root_cause(wrapped) is inner
+    assert error_message(wrapped) == inner.args[0]
+    assert http_status(wrapped) == 413
+    assert http_status(UnknownLayerError("x")) == 404
+    assert http_status(ValueError("x")) == 400
+    assert http_status(GroupUnavailableError("x")) == 503
+    assert http_status(RuntimeError("x")) == 500
+
+
+def test_translate_raises_client_or_server_errors():
+    with pytest.raises(MoERequestError, match="layer 0 is not a MoE layer") as info:
+        _translate(_Wrapped(UnknownLayerError("layer 0 is not a MoE layer")))
+    assert info.value.status == 404 and info.value.kind == "UnknownLayerError"
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(MoEServerError, match="broken") as info:
+        _translate(_Wrapped(GroupUnavailableError("TP group broken")))
+    assert info.value.status == 503
+
+
+def _mock_client(handler) -> HTTPMoEClient:
+    return HTTPMoEClient(client=httpx.Client(transport=httpx.MockTransport(handler), base_url="http://test"))
+
+
+def test_http_client_success_keeps_the_input_kind():
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["path"] = request.url.path
+        x, _ = decode_body(request.content)
+        return httpx.Response(200, content=st_save({"output": x * 2}))
+
+    with _mock_client(handler) as client:
+        out = client.forward(torch.ones(2, 4), 1)
+        assert isinstance(out, torch.Tensor) and torch.equal(out, torch.full((2, 4), 2.0))
+        out = client.forward(np.ones((2, 4), np.float32), 2, deployment="decode")
+        assert isinstance(out, np.ndarray) and seen["path"] == "/v1/decode/layers/2/forward"
+
+
+@pytest.mark.parametrize(
+    ("status", "cls"), [(400, MoERequestError), (404, MoERequestError), (413, MoERequestError),
+                        (503, MoEServerError), (500, MoEServerError)]
+)
+def test_http_client_errors_carry_the_server_message(status, cls):
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json={"error": f"server says {status}", "type": "X", "status": status})
+
+    with _mock_client(handler) as client, pytest.raises(cls, match=f"server says {status}") as info:
+        client.forward(torch.ones(1, 4), 1)
+    assert info.value.status == status and info.value.message == f"server says {status}"
+
+
+def test_http_client_non_json_error_and_connection_failure():
+    bad_gateway = _mock_client(lambda r: httpx.Response(502, text="bad gateway"))
+    with bad_gateway as client, pytest.raises(MoEServerError, match="bad gateway"):
+        client.status()
+
+    def refuse(request):
+        raise httpx.ConnectError("refused")
+
+    with _mock_client(refuse) as client, pytest.raises(MoEServerError, match="HTTP request failed"):
+        client.healthz()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wire_tensor_round_trip(dtype):
+    import pickle
+
+    from deployments.wire import WireTensor
+
+    x = torch.randn(5, 7).to(dtype)
+    w = WireTensor.from_torch(x)
+    assert isinstance(w.array, np.ndarray) and w.shape == (5, 7) and w.dtype == str(dtype).split(".")[1]
+    back = pickle.loads(pickle.dumps(w, protocol=5)).to_torch()
+    assert back.dtype == dtype and torch.equal(back, x)
+    readonly = WireTensor(w.array.copy(), w.dtype)
+    readonly.array.flags.writeable = False  # what Ray hands over: copied before torch sees it
+    assert torch.equal(readonly.to_torch(), x)

@@ -1,0 +1,100 @@
+"""Smoke tests of the `serve run` command line: the local config file and the import-path form.
+
+Each test starts `serve run` in a subprocess; it starts its own local Ray instance, given two
+logical GPUs through RAY_OVERRIDE_RESOURCES (this is a CPU machine). The test stops only the
+process it started, by PID (SIGINT: `serve run` shuts Serve down and its Ray instance exits
+with it), with finite timeouts everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from deployments.client import HTTPMoEClient, MoEServeError
+from moe_runtime.checkpoint import load_layer_weights
+from moe_runtime.collectives import free_port
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import moe_forward
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVE = Path(sys.executable).parent / "serve"
+READY_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 60.0
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, measured: bool = False) -> None:
+    # RAY_ADDRESS=local: `serve run` starts its own instance, never joins one found on the machine.
+    env = dict(os.environ, RAY_OVERRIDE_RESOURCES=json.dumps({"GPU": 2}), RAY_ADDRESS="local")
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=30) as http:
+            while True:
+                assert proc.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"
+                try:
+                    if http.healthz()["ok"]:
+                        break
+                except MoEServeError:
+                    pass
+                assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
+                time.sleep(2)
+            status = http.status()["deployments"]["moe"]
+            assert status["tp_size"] == 2
+            if measured:  # tail auto: the controller timed the legal tails on the group at warm-up
+                decision = status["controller"]
+                assert decision["measured"] and decision["requested_tail"] == "auto"
+                assert {t["tail"] for t in status["tail_plan"]["tiers"]} <= set(decision["candidates"])
+                assert set(decision["timings_ms"]) == set(decision["candidates"])
+            else:
+                assert status["tail_plan"]["tiers"] == [{"max_tokens": None, "tail": "sharded"}]
+            cfg = LatentMoEConfig.from_pretrained(ckpt)
+            x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+            ref = moe_forward(x, load_layer_weights(ckpt, cfg, 1), cfg)
+            # fp32, TP-2 reduction order only (see tests/test_serve.py)
+            torch.testing.assert_close(http.forward(x, 1), ref, rtol=1e-5, atol=1e-5)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def test_serve_run_local_config(tiny_ckpt, tmp_path):
+    config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    config["applications"][0]["args"]["checkpoint"] = str(tiny_ckpt)
+    path = tmp_path / "local.yaml"
+    path.write_text(yaml.safe_dump(config))
+    _run_and_check([str(SERVE), "run", str(path)], port, tiny_ckpt, tmp_path / "serve.log")
+
+
+def test_serve_run_import_path(tiny_ckpt, tmp_path):
+    if _port_in_use(8000):  # the import-path form always serves HTTP on Serve's default port
+        pytest.skip("port 8000 is taken; `serve run <import path>` cannot choose another")
+    # tail=auto: also exercises the controller's warm-up measurement and CLI string coercion.
+    cmd = [str(SERVE), "run", "deployments.app:build_app", f"checkpoint={tiny_ckpt}", "tp_size=2",
+           "tail=auto", "auto_tune_tokens=1,64", "layers=1-2", "max_batch_tokens=64"]
+    _run_and_check(cmd, 8000, tiny_ckpt, tmp_path / "serve.log", measured=True)
