@@ -1,9 +1,10 @@
 """App builder: ``serve run deployments.app:build_app checkpoint=DIR tp_size=2 tail=sharded``
 or ``serve run deployments/configs/local.yaml``.
 
-Layers: arguments (:mod:`deployments.spec`) -> options (:mod:`deployments.options`, pure) ->
-deployments (:mod:`deployments.deployment`, :mod:`deployments.http`). Every check that can
-fail before a replica starts (bad field, layer, TP size, illegal tail, autoscaling bounds)
+Layers: arguments (:mod:`deployments.spec`) -> the controller's decisions (tail plan and Serve
+options per deployment, :mod:`deployments.controller`, pure) -> deployments
+(:mod:`deployments.deployment`, :mod:`deployments.http`). Every check that can fail before a
+replica starts (bad field, layer, TP size, illegal tail, autoscaling bounds, cluster capacity)
 raises ``ValueError`` here, at build time.
 """
 
@@ -13,20 +14,30 @@ from typing import Any
 
 from ray.serve import Application
 
+from moe_runtime.config import LatentMoEConfig
+
 from . import logger
+from .controller import Decision, decide
 from .deployment import MoEGroup
 from .http import Ingress
-from .options import deployment_options, ingress_options
+from .options import ingress_options
 from .spec import AppArgs, ResolvedDeployment, default_max_body_bytes, resolve_app
+
+
+def decide_app(args: AppArgs | dict[str, Any]) -> tuple[AppArgs, list[ResolvedDeployment], list[Decision]]:
+    """Validated arguments, resolved deployments and the controller's decision for each."""
+    args, resolved = resolve_app(args)
+    cfg = LatentMoEConfig.from_pretrained(resolved[0].checkpoint)
+    decisions = decide(args.deployments, cfg)
+    return args, resolved, [decisions[r.spec.name] for r in resolved]
 
 
 def plan_app(
     args: AppArgs | dict[str, Any],
 ) -> tuple[AppArgs, list[ResolvedDeployment], list[dict[str, Any]]]:
     """Validated arguments, resolved deployments and their Serve options; no Ray needed."""
-    args, resolved = resolve_app(args)
-    options = [deployment_options(r.spec) for r in resolved]
-    return args, resolved, options
+    args, resolved, decisions = decide_app(args)
+    return args, resolved, [d.options for d in decisions]
 
 
 def build_app(args: AppArgs) -> Application:
@@ -35,11 +46,11 @@ def build_app(args: AppArgs) -> Application:
     Serve converts the ``args`` dict of ``serve run`` / a config file into :class:`AppArgs`
     (the annotation); a plain dict works too when called from Python.
     """
-    args, resolved, options = plan_app(args)
+    args, resolved, decisions = decide_app(args)  # the controller logs each decision once
     groups = {}
-    for r, opts in zip(resolved, options, strict=True):
-        logger.info("building %s; options %s", r.describe(), opts)
-        groups[r.spec.name] = MoEGroup.options(**opts).bind(r)
+    for r, decision in zip(resolved, decisions, strict=True):
+        logger.info("building deployment %r; options %s", r.spec.name, decision.options)
+        groups[r.spec.name] = MoEGroup.options(**decision.options).bind(r, decision)
     max_body = args.http_max_body_bytes or default_max_body_bytes(resolved)
     timeout = args.request_timeout_s or max(r.spec.call_timeout_s for r in resolved) + 30.0
     layers = {r.spec.name: list(r.layers) for r in resolved}

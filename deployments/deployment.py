@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,7 @@ from moe_runtime.layer import check_input
 
 from . import logger
 from .autoscaling import QUEUED_TOKENS, TOKENS_PER_S
-from .controller import tail_decision, tune_group
+from .controller import Decision, tail_decision, tune_group
 from .errors import ServeInputError, TooLargeError, UnknownLayerError, http_status
 from .metrics import ReplicaMetrics
 from .spec import ResolvedDeployment, format_layers
@@ -170,7 +170,9 @@ class _TokenBudgetWarningFilter(logging.Filter):
 class MoEGroupDeployment:
     """One replica: a TP group of ``tp_size`` workers serving the deployment's layers."""
 
-    def __init__(self, resolved: ResolvedDeployment):
+    def __init__(self, resolved: ResolvedDeployment, decision: Decision | None = None):
+        """``decision``: the controller's, made at build time (None: made here, without the
+        Serve options); a pending ``auto`` plan is measured on this replica's group now."""
         spec = resolved.spec
         self.resolved, self.spec = resolved, spec
         self.cfg = LatentMoEConfig.from_pretrained(resolved.checkpoint)
@@ -180,13 +182,15 @@ class MoEGroupDeployment:
         self.group = TPGroup.start(resolved, tag=f"{spec.name}:{self.replica}")
         try:
             # The controller's tail decision; "auto" is measured on this group now (warm-up).
-            self.decision = tune_group(
-                self.group.workers, tail_decision(spec, self.cfg), spec.name, spec.startup_timeout_s
-            )
+            tail = decision.tail if decision is not None else tail_decision(spec, self.cfg)
+            self.decision = tune_group(self.group.workers, tail, spec.name, spec.startup_timeout_s)
         except BaseException:
             self.group.shutdown()
             raise
         self.plan = self.decision.plan
+        # What status() reports: the build-time decision (options, capacity) with this
+        # replica's tail decision (measured when auto).
+        self.serve_decision = None if decision is None else replace(decision, tail=self.decision)
         self.stats = Stats()
         self.metrics = ReplicaMetrics(spec.name, self.replica)
         self.metrics.decision(self.plan)
@@ -339,7 +343,7 @@ class MoEGroupDeployment:
             "preshard_up_proj": spec.preshard_up_proj,
             "tail_plan": self.plan.to_dict(),
             "tail_reason": self.plan.reason,
-            "controller": self.decision.to_dict(),
+            "controller": (self.serve_decision or self.decision).to_dict(),
             "layers": list(self.resolved.layers),
             "dtype": spec.dtype,
             "device": self.group.infos[0]["device"],

@@ -153,6 +153,7 @@ def test_one_replica_one_gpu_node(sim):
     assert node in sim.gpu_node_ids and node != sim.head_id
     status = sim.client.status()
     assert [w["node_id"] for w in status["workers"]] == placement[0]  # status() tells the same
+    assert status["controller"]["autoscaling_config"]["max_replicas"] == MAX_REPLICAS
     check_forward(sim)
     # What the token-aware policy is fed: nothing queued now, the forward's tokens in the rate.
     stats = sim.client.handle.record_autoscaling_stats.remote().result(timeout_s=30)
