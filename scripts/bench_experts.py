@@ -1,0 +1,356 @@
+"""Benchmark the routed-experts stage (DESIGN §2 steps 3-4) of the ``torch`` experts backend.
+
+For each token count T it times, in one run and on the same inputs:
+
+* ``torch``: ``moe_runtime.experts.get_backend("torch")`` on the router's ids/weights
+  (``router.route``) and the down-projected latent ``h`` (``layer.down_project``);
+* ``naive``: a Python loop over tokens and slots (one GEMV pair per token-slot); for large T
+  only the first ``--naive-max-tokens`` tokens are timed and the time is scaled by T / n;
+* ``dense``: two plain GEMMs with the same FLOPs, ``[T*K, D] x [D, 2I]`` then
+  ``[T*K, I] x [I, D]`` (no gather, no activation, no combine): the roofline the grouped
+  expert loop is measured against.
+
+FLOPs of the stage: ``2 * T * K * (2I * D + I * D) = 6 * T * K * D * I`` (the activation and
+the weighted combine are not counted). ``torch`` and ``dense`` are called in turn (interleaved)
+so that a shared machine slows both alike; times are medians (the best-of ratio is kept too).
+Writes ``results.json``, ``experts.png`` and ``table.md`` to ``--out``.
+Legend: T tokens, D latent, K experts per token, I intermediate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_runtime.activation import GatedActivation  # noqa: E402
+from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
+from moe_runtime.config import LatentMoEConfig  # noqa: E402
+from moe_runtime.experts import get_backend  # noqa: E402
+from moe_runtime.layer import down_project  # noqa: E402
+from moe_runtime.router import route  # noqa: E402
+from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+
+TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stats(times: list[float]) -> dict:
+    return {"median_s": statistics.median(times), "min_s": min(times), "reps": len(times)}
+
+
+def timeit(fn: Callable[[], object], device: torch.device, min_time: float, min_reps: int) -> dict:
+    """Median / min seconds of ``fn`` after one warm-up call; at least ``min_reps`` calls and
+    at least ``min_time`` seconds of calls."""
+    fn()
+    sync(device)
+    times: list[float] = []
+    while len(times) < min_reps or sum(times) < min_time:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return _stats(times)
+
+
+def timeit_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, min_time: float,
+                       min_reps: int) -> dict[str, dict]:
+    """Like ``timeit`` for several functions, calling them in turn so that a busy (shared)
+    machine slows them alike and their ratio stays meaningful."""
+    for fn in fns.values():
+        fn()
+    sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    while min(len(t) for t in times.values()) < min_reps or min(sum(t) for t in times.values()) < min_time:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: _stats(t) for name, t in times.items()}
+
+
+def naive_experts(h_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, act: GatedActivation) -> torch.Tensor:
+    """One token, one slot at a time: the textbook loop, same math and dtypes as the backend."""
+    T, K = ids_TK.shape
+    I = w2_EDI.shape[2]
+    out = torch.zeros(T, w2_EDI.shape[1], dtype=torch.float32, device=h_TD.device)
+    ids, weights = ids_TK.tolist(), weights_TK.tolist()
+    for t in range(T):
+        for k in range(K):
+            e = ids[t][k]
+            gate_up = w13_EFD[e] @ h_TD[t]
+            a = act(gate_up[:I], gate_up[I:]).to(h_TD.dtype)
+            out[t] += weights[t][k] * (w2_EDI[e] @ a).float()
+    return out
+
+
+def bench_one(cfg: LatentMoEConfig, w, T: int, dtype: torch.dtype, device: torch.device, args) -> dict:
+    H, D, E, K, I = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
+                     cfg.num_experts_per_token, cfg.moe_intermediate_size)
+    gen = torch.Generator().manual_seed(T)
+    x_TH = torch.randn(T, H, generator=gen).to(dtype).to(device)
+    h_TD = down_project(x_TH, w)
+    ids_TK, weights_TK = route(x_TH, w.gate_EH, w.bias_E, cfg)
+    act = GatedActivation.from_config(cfg)
+    backend = get_backend("torch")
+    flops = 6 * T * K * D * I
+
+    def run_backend():
+        return backend(h_TD, ids_TK, weights_TK, w.w13_EFD, w.w2_EDI, act)
+
+    # dense GEMMs of the same shape-product: M = T*K rows through one [2I, D] and one [D, I]
+    hr_MD = torch.randn(T * K, D, generator=gen).to(dtype).to(device)
+    a_MI = torch.randn(T * K, I, generator=gen).to(dtype).to(device)
+    w13_FD, w2_DI = w.w13_EFD[0].contiguous(), w.w2_EDI[0].contiguous()
+
+    def run_dense():
+        return hr_MD @ w13_FD.t(), a_MI @ w2_DI.t()
+
+    n_naive = min(T, args.naive_max_tokens)
+
+    def run_naive():
+        return naive_experts(h_TD[:n_naive], ids_TK[:n_naive], weights_TK[:n_naive], w.w13_EFD, w.w2_EDI, act)
+
+    timed = timeit_interleaved({"torch": run_backend, "dense": run_dense}, device,
+                               args.min_time, args.min_reps)
+    t_backend, t_dense = timed["torch"], timed["dense"]
+    t_naive = timeit(run_naive, device, args.min_time, 1)
+
+    # sanity: the backend and the naive loop agree on the tokens the loop ran
+    out_b, out_n = run_backend()[:n_naive], run_naive()
+    scale = out_n.abs().max().item() or 1.0
+    max_rel_diff = (out_b - out_n).abs().max().item() / scale
+
+    backend_s = t_backend["median_s"]
+    dense_s = t_dense["median_s"]
+    naive_s = t_naive["median_s"] * T / n_naive
+    active = int(torch.bincount(ids_TK.reshape(-1), minlength=E).gt(0).sum())
+    return {
+        "T": T, "dtype": str(dtype).removeprefix("torch."), "slots": T * K, "active_experts": active,
+        "flops": flops,
+        "torch_ms": 1e3 * backend_s, "dense_ms": 1e3 * dense_s, "naive_ms": 1e3 * naive_s,
+        "naive_tokens_timed": n_naive, "naive_scaled": n_naive < T,
+        "torch_gflops": flops / backend_s / 1e9, "dense_gflops": flops / dense_s / 1e9,
+        "naive_gflops": flops / naive_s / 1e9,
+        "torch_vs_dense": dense_s / backend_s, "torch_vs_dense_best": t_dense["min_s"] / t_backend["min_s"],
+        "torch_vs_naive": naive_s / backend_s,
+        "reps": {"torch": t_backend["reps"], "dense": t_dense["reps"], "naive": t_naive["reps"]},
+        "min_ms": {"torch": 1e3 * t_backend["min_s"], "dense": 1e3 * t_dense["min_s"]},
+        "backend_vs_naive_max_rel_diff": max_rel_diff,
+    }
+
+
+def describe(r: dict) -> str:
+    note = f" (naive timed on {r['naive_tokens_timed']} tokens, scaled)" if r["naive_scaled"] else ""
+    return (
+        f"{r['dtype']:>8} T={r['T']:5d}: "
+        f"torch {r['torch_ms']:9.2f} ms {r['torch_gflops']:7.1f} GFLOP/s | "
+        f"dense {r['dense_ms']:8.2f} ms {r['dense_gflops']:7.1f} GFLOP/s | "
+        f"naive {r['naive_ms']:10.1f} ms {r['naive_gflops']:6.2f} GFLOP/s{note} | "
+        f"torch/dense {100 * r['torch_vs_dense']:5.1f}% (best-of {100 * r['torch_vs_dense_best']:5.1f}%)  "
+        f"torch vs naive {r['torch_vs_naive']:6.1f}x  "
+        f"(max rel diff vs naive {r['backend_vs_naive_max_rel_diff']:.1e})"
+    )
+
+
+def cpu_snapshot() -> tuple[float, float, float] | None:
+    """(wall s, busy CPU-s of the whole machine, CPU-s of this process), Linux only."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.time(), (sum(fields[:8]) - idle) / tick, usage.ru_utime + usage.ru_stime
+
+
+def other_load(start, end) -> float | None:
+    """Fraction of the machine's CPU time used by *other* processes between two snapshots:
+    the benchmark is only trustworthy when this is near 0."""
+    if start is None or end is None:
+        return None
+    wall = end[0] - start[0]
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    return max(0.0, others / (wall * (os.cpu_count() or 1)))
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "device": str(device),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| dtype | T | slots T·K | active experts | torch ms | dense ms | naive ms | torch GFLOP/s "
+            "| dense GFLOP/s | naive GFLOP/s | torch / dense (median; best) | torch vs naive |")
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        naive = f"{r['naive_ms']:.1f}" + ("*" if r["naive_scaled"] else "")
+        lines.append(
+            f"| {r['dtype']} | {r['T']} | {r['slots']} | {r['active_experts']} | {r['torch_ms']:.2f} "
+            f"| {r['dense_ms']:.2f} | {naive} | {r['torch_gflops']:.1f} | {r['dense_gflops']:.1f} "
+            f"| {r['naive_gflops']:.2f} | {100 * r['torch_vs_dense']:.0f}%; "
+            f"{100 * r['torch_vs_dense_best']:.0f}% | {r['torch_vs_naive']:.1f}x |"
+        )
+    if any(r["naive_scaled"] for r in rows):
+        lines.append("")
+        lines.append("\\* naive loop timed on the first tokens only and scaled by T / n "
+                     "(see `naive_tokens_timed` in results.json).")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in rows}, key=list(DTYPES).index)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.2), squeeze=False)
+    for ax, dt in zip(axes[0], dtypes, strict=True):
+        sub = [r for r in rows if r["dtype"] == dt]
+        xs = range(len(sub))
+        width = 0.27
+        for i, (key, label) in enumerate((("dense_gflops", "dense GEMM (same FLOPs)"),
+                                          ("torch_gflops", "torch backend"),
+                                          ("naive_gflops", "naive per-token loop"))):
+            vals = [r[key] for r in sub]
+            bars = ax.bar([x + (i - 1) * width for x in xs], vals, width, label=label)
+            ax.bar_label(bars, labels=[f"{v:.1f}" for v in vals], fontsize=7)
+        ax.set_xticks(list(xs), [f"T={r['T']}" for r in sub])
+        ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high * 30)  # headroom for the legend above the bars
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"{dt}")
+        ax.legend(fontsize=8, loc="upper left", ncols=3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path,
+                    help="checkpoint folder (generated there from --preset if it does not exist; "
+                         "default: a temporary folder, deleted afterwards)")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--layer", type=int, help="MoE layer to load (default: the first)")
+    ap.add_argument("--tokens", default="16,512,4096", help="comma-separated token counts")
+    ap.add_argument("--dtypes", default="float32", help=f"comma-separated, from {list(DTYPES)}")
+    ap.add_argument("--naive-max-tokens", type=int, default=256,
+                    help="time the naive loop on at most this many tokens and scale by T / n")
+    ap.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per measurement")
+    ap.add_argument("--min-reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", type=Path, default=Path("artifacts/bench_experts"))
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    try:
+        dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
+    except KeyError as exc:
+        ap.error(f"unknown dtype {exc}; choose from {list(DTYPES)}")
+
+    tmp = None
+    ckpt = args.checkpoint
+    if ckpt is None:
+        tmp = Path(tempfile.mkdtemp(prefix="bench_experts_"))
+        ckpt = tmp / args.preset
+    try:
+        if not (ckpt / "config.json").is_file():
+            t0 = time.perf_counter()
+            write_checkpoint(ckpt, preset_config(args.preset), seed=0)
+            print(f"generated {args.preset} checkpoint in {ckpt} ({time.perf_counter() - t0:.1f} s)")
+        cfg = LatentMoEConfig.from_pretrained(ckpt)
+        layer = args.layer if args.layer is not None else cfg.moe_layers[0]
+        info = machine_info(device)
+        info["loadavg_start"] = os.getloadavg()
+        print(f"machine: {info.get('cpu_model', info['processor'])}, {info['cpu_count']} CPUs, "
+              f"torch {info['torch']} with {info['torch_threads']} threads, device {device}, "
+              f"load average {info['loadavg_start'][0]:.2f}")
+        print(f"preset {args.preset}: D={cfg.routed_expert_hidden_size} E={cfg.num_experts} "
+              f"K={cfg.num_experts_per_token} I={cfg.moe_intermediate_size}; layer {layer}; "
+              f"FLOPs = 6*T*K*D*I")
+        rows = []
+        snap0 = cpu_snapshot()
+        for dtype in dtypes:
+            w = load_layer_weights(ckpt, cfg, layer, dtype=dtype).to(device)
+            for T in tokens:
+                r = bench_one(cfg, w, T, dtype, device, args)
+                rows.append(r)
+                print(describe(r), flush=True)
+        info["loadavg_end"] = os.getloadavg()
+        info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    busy = info["other_processes_cpu_fraction"]
+    if busy is not None:
+        print(f"other processes used {100 * busy:.0f}% of the machine's CPU time during the run"
+              + (" -- the numbers are disturbed, rerun on an idle machine" if busy > 0.1 else ""))
+    verdicts = []
+    for r in rows:
+        if r["T"] == 4096:
+            ok = r["torch_vs_dense"] >= TARGET_FRACTION
+            verdicts.append({"dtype": r["dtype"], "T": 4096, "torch_vs_dense": r["torch_vs_dense"],
+                             "target": TARGET_FRACTION, "met": ok})
+            print(f"target ({r['dtype']}, T=4096): torch backend at {100 * r['torch_vs_dense']:.1f}% "
+                  f"of dense GEMM GFLOP/s, target {100 * TARGET_FRACTION:.0f}%: {'MET' if ok else 'MISSED'}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/bench_experts.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {"command": command.strip(), "preset": args.preset, "layer": layer, "config": cfg.to_dict(),
+              "machine": info, "rows": rows, "target": verdicts}
+    (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    table = markdown_table(rows)
+    (args.out / "table.md").write_text(table + "\n")
+    plot(rows, args.out / "experts.png",
+         f"routed experts, preset {args.preset} (D={cfg.routed_expert_hidden_size}, E={cfg.num_experts}, "
+         f"K={cfg.num_experts_per_token}, I={cfg.moe_intermediate_size}), {info['torch_threads']} threads")
+    print()
+    print(table)
+    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'}, {args.out / 'experts.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
