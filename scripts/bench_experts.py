@@ -238,7 +238,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     dtypes = sorted({r["dtype"] for r in rows}, key=list(DTYPES).index)
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.8 * len(dtypes), 4.2), squeeze=False)
     for ax, dt in zip(axes[0], dtypes, strict=True):
         sub = [r for r in rows if r["dtype"] == dt]
         xs = range(len(sub))
@@ -255,7 +255,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_ylim(low, high * 30)  # headroom for the legend above the bars
         ax.set_ylabel("GFLOP/s")
         ax.set_title(f"{dt}")
-        ax.legend(fontsize=8, loc="upper left", ncols=3)
+        ax.legend(fontsize=7, loc="upper left", ncols=3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
