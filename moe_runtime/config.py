@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,10 @@ class LatentMoEConfig:
             "activation_situ_linear_beta",
         ):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-                raise ValueError(f"config field {name} must be a number, got {value!r}")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            ):
+                raise ValueError(f"config field {name} must be a finite number, got {value!r}")
         for name in ("moe_router_activation_func", "hidden_act", "torch_dtype"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"config field {name} must be a string, got {getattr(self, name)!r}")

@@ -29,6 +29,8 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
             f"MXFP4 scale shape {tuple(scale.shape)} does not match packed shape "
             f"{tuple(packed.shape)}: expected last dim {n} / {BLOCK} = {n // BLOCK}"
         )
+    if scale.numel() and int(scale.max()) == 255:
+        raise ValueError("MXFP4 scale byte 255 encodes NaN in E8M0; the checkpoint's scales are corrupt")
     lut = _lut(packed.device)
     low = lut[(packed & 0x0F).long()]
     high = lut[(packed >> 4).long()]

@@ -262,3 +262,9 @@ def test_non_numeric_float_fields(field: str) -> None:
 def test_non_boolean_flags(field: str) -> None:
     with raises(field):
         cfg(**{field: "false"})
+
+
+@pytest.mark.parametrize("field", ["rms_norm_eps", "routed_scaling_factor", "activation_situ_beta"])
+def test_non_finite_float_fields(field: str) -> None:
+    with raises(field):
+        cfg(**{field: float("inf")})

@@ -164,3 +164,9 @@ def test_encode_handles_smaller_maxima_exactly() -> None:
         x = torch.tensor([row[:32]], dtype=torch.float32) * 2.0**-3
         q = mxfp4.decode(*mxfp4.encode(x))
         torch.testing.assert_close(q, x, rtol=0, atol=0)
+
+
+def test_nan_scale_byte_is_rejected() -> None:
+    packed = torch.zeros(1, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="255 encodes NaN"):
+        mxfp4.decode(packed, torch.full((1, 1), 255, dtype=torch.uint8))
