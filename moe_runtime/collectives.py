@@ -13,6 +13,11 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+# Newer torch names these *_single and deprecates the old names; the ROCm image of
+# cluster.yaml ships an older torch that has only the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
@@ -74,7 +79,7 @@ class Collectives:
         if self.world == 1:
             return t
         out = torch.empty((t.shape[0] // self.world, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_single(out, t.contiguous())
+        _reduce_scatter(out, t.contiguous())
         return out
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -83,7 +88,7 @@ class Collectives:
         if self.world == 1:
             return t
         out = torch.empty((t.shape[0] * self.world, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_single(out, t.contiguous())
+        _all_gather(out, t.contiguous())
         return out
 
     def barrier_check(self) -> None:
