@@ -43,11 +43,6 @@ def register_backend(name: str) -> Callable:
     return wrap
 
 
-def available_backends() -> dict[str, str | None]:
-    """Map every registered backend to None when usable here, else the reason it is not."""
-    return {name: unavailable_reason(name) for name in _REGISTRY}
-
-
 def unavailable_reason(name: str) -> str | None:
     if name not in _REGISTRY:
         return f"unknown experts backend {name!r}; known: {sorted(_REGISTRY)}"
