@@ -4,12 +4,15 @@ or ``serve run deployments/configs/local.yaml``.
 Layers: arguments (:mod:`deployments.spec`) -> the controller's decisions (tail plan and Serve
 options per deployment, :mod:`deployments.controller`, pure) -> deployments
 (:mod:`deployments.deployment`, :mod:`deployments.http`). Every check that can fail before a
-replica starts (bad field, layer, TP size, illegal tail, autoscaling bounds, cluster capacity)
-raises ``ValueError`` here, at build time.
+replica starts (bad field, layer, TP size, illegal tail, autoscaling bounds, cluster capacity,
+resources no node of the Ray cluster can provide) raises ``ValueError`` here, at build time.
+``build_app`` also resolves each deployment's ``accelerator`` (``auto`` -> gpu or cpu) on the
+Ray cluster it is about to run on (:mod:`deployments.placement`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ray.serve import Application
@@ -21,15 +24,28 @@ from .controller import Decision, decide
 from .deployment import MoEGroup
 from .http import Ingress
 from .options import ingress_options
+from .placement import ClusterView, current_cluster_view, launcher_configs, place_app
 from .spec import AppArgs, ResolvedDeployment, default_max_body_bytes, resolve_app
 
 
-def decide_app(args: AppArgs | dict[str, Any]) -> tuple[AppArgs, list[ResolvedDeployment], list[Decision]]:
-    """Validated arguments, resolved deployments and the controller's decision for each."""
+def decide_app(
+    args: AppArgs | dict[str, Any], cluster: ClusterView | None = None
+) -> tuple[AppArgs, list[ResolvedDeployment], list[Decision]]:
+    """Validated arguments, resolved deployments and the controller's decision for each.
+
+    ``cluster``: the Ray cluster to place on; each ``accelerator`` is resolved on it and the
+    app refused when it cannot be placed. None (pure use, no Ray): ``auto`` keeps the GPU layout.
+    """
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    reasons: dict[str, str] = {}
+    if cluster is not None:
+        args, reasons = place_app(args, cluster)
     args, resolved = resolve_app(args)
     cfg = LatentMoEConfig.from_pretrained(resolved[0].checkpoint)
     decisions = decide(args.deployments, cfg)
-    return args, resolved, [decisions[r.spec.name] for r in resolved]
+    return args, resolved, [
+        replace(decisions[r.spec.name], accelerator_reason=reasons.get(r.spec.name)) for r in resolved
+    ]
 
 
 def plan_app(
@@ -46,7 +62,9 @@ def build_app(args: AppArgs) -> Application:
     Serve converts the ``args`` dict of ``serve run`` / a config file into :class:`AppArgs`
     (the annotation); a plain dict works too when called from Python.
     """
-    args, resolved, decisions = decide_app(args)  # the controller logs each decision once
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    cluster = current_cluster_view(launcher_configs(args.deployments))
+    args, resolved, decisions = decide_app(args, cluster)  # the controller logs each decision once
     groups = {}
     for r, decision in zip(resolved, decisions, strict=True):
         logger.info("building deployment %r; options %s", r.spec.name, decision.options)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from importlib import resources
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources as importlib_resources
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ class NodeTypeCapacity:
     min_workers: int
     max_workers: int
     is_head: bool = False
+    resources: Mapping[str, float] = field(default_factory=dict, compare=False)  # per node
 
     @property
     def max_nodes(self) -> int:
@@ -41,7 +43,7 @@ class NodeTypeCapacity:
 
 def ray_schema() -> dict[str, Any]:
     """The installed Ray's cluster-launcher schema (``ray/autoscaler/ray-schema.json``)."""
-    text = resources.files("ray.autoscaler").joinpath("ray-schema.json").read_text()
+    text = importlib_resources.files("ray.autoscaler").joinpath("ray-schema.json").read_text()
     return json.loads(text)
 
 
@@ -90,12 +92,12 @@ def node_capacities(config: dict[str, Any]) -> list[NodeTypeCapacity]:
         if not isinstance(worker_resources, dict):
             raise ValueError(
                 "an on-prem (local provider) config must record each worker's resources under "
-                "metadata.worker_resources, e.g. {'GPU': 8, '" + MI300X_RESOURCE + "': 8}"
+                "metadata.worker_resources, e.g. {'GPU': 8, '" + MI300X_RESOURCE + "': 1}"
             )
         n = len(config["provider"].get("worker_ips", []))
         n = min(n, config.get("max_workers", n))
         return [NodeTypeCapacity(LOCAL_NODE_TYPE, int(worker_resources.get("GPU", 0)),
-                                 _is_mi300x(worker_resources), n, n)]
+                                 _is_mi300x(worker_resources), n, n, resources=dict(worker_resources))]
 
     head = config.get("head_node_type")
     capacities = []
@@ -112,18 +114,16 @@ def node_capacities(config: dict[str, Any]) -> list[NodeTypeCapacity]:
             min_workers=int(spec.get("min_workers", 0)),
             max_workers=int(max_workers),
             is_head=name == head,
+            resources=dict(spec["resources"]),
         ))
     return capacities
 
 
-def max_tp_groups(config: dict[str, Any], tp_size: int) -> int:
-    """How many TP groups of ``tp_size`` GPUs the cluster's MI300X nodes can host at most.
+def _mi300x_nodes(config: dict[str, Any], tp_size: int) -> list[tuple[NodeTypeCapacity, int]]:
+    """MI300X node types and how many nodes of each the cluster may run, most groups per node first.
 
-    A TP group never spans nodes, so a node of G GPUs hosts floor(G / tp_size) groups, and
-    the total is the sum over MI300X node types of max nodes x floor(G / tp_size) — the
-    nodes the launcher may add included. The top-level ``max_workers`` caps the workers of
-    all types together; when it binds, the node types hosting most groups per node are
-    counted first.
+    The top-level ``max_workers`` caps the workers of all types together; when it binds, the
+    node types hosting most TP groups of ``tp_size`` per node are counted first.
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -136,11 +136,94 @@ def max_tp_groups(config: dict[str, Any], tp_size: int) -> int:
             f"a TP group of {tp_size} cannot fit on a node with {largest.gpus_per_node} GPUs "
             f"(node type {largest.name!r}, the largest MI300X node); a TP group never spans nodes"
         )
-
     workers_left = config.get("max_workers", math.inf)
-    groups = 0
+    counted = []
     for c in sorted(mi300x, key=lambda c: c.gpus_per_node // tp_size, reverse=True):
         workers = min(c.max_workers, workers_left)
         workers_left -= workers
-        groups += (workers + int(c.is_head)) * (c.gpus_per_node // tp_size)
-    return groups
+        counted.append((c, int(workers) + int(c.is_head)))
+    return counted
+
+
+def max_tp_groups(config: dict[str, Any], tp_size: int) -> int:
+    """How many TP groups of ``tp_size`` GPUs the cluster's MI300X nodes can host at most.
+
+    A TP group never spans nodes, so a node of G GPUs hosts floor(G / tp_size) groups, and
+    the total is the sum over MI300X node types of max nodes x floor(G / tp_size) — the
+    nodes the launcher may add included.
+    """
+    return sum(n * (c.gpus_per_node // tp_size) for c, n in _mi300x_nodes(config, tp_size))
+
+
+def mi300x_gpus(config: dict[str, Any]) -> tuple[int, str]:
+    """The cluster's MI300X GPUs at most (nodes the launcher may add included) and the sum spelled out."""
+    counted = _mi300x_nodes(config, 1)
+    gpus = sum(n * c.gpus_per_node for c, n in counted)
+    return gpus, " + ".join(f"{n} {c.name} x {c.gpus_per_node}" for c, n in counted)
+
+
+@dataclass(frozen=True)
+class GroupDemand:
+    """One deployment's claim on the cluster: TP groups of ``tp_size`` GPUs, min..max of them."""
+
+    name: str
+    tp_size: int
+    min_replicas: int
+    max_replicas: int
+
+
+@dataclass(frozen=True)
+class Share:
+    """A deployment's part of the shared budget: its maximum replicas, and why when clamped."""
+
+    max_replicas: int
+    reason: str | None = None
+
+
+def share_gpus(demands: Sequence[GroupDemand], config: dict[str, Any]) -> dict[str, Share]:
+    """The shared capacity budget of an app's deployments on one cluster (DESIGN §5.5).
+
+    Deployments share nodes, so their TP groups together must fit the cluster's MI300X GPUs:
+    the minimums (sum of min_replicas x tp_size) must fit, or ValueError with the arithmetic;
+    when the maximums do not, each deployment keeps its minimum and the GPUs left are shared in
+    proportion to what each may add (whole TP groups, leftovers in table order), and the
+    clamped ones get the reason. Each is also capped by the groups of its size the nodes can
+    host (a group never spans nodes).
+    """
+    total, spelled = mi300x_gpus(config)
+    caps = {d.name: max_tp_groups(config, d.tp_size) for d in demands}
+    wanted = {d.name: min(d.max_replicas, caps[d.name]) for d in demands}
+    floor_gpus = sum(d.min_replicas * d.tp_size for d in demands)
+    terms = " + ".join(f"{d.name} {d.min_replicas} x {d.tp_size}" for d in demands)
+    if floor_gpus > total:
+        raise ValueError(
+            f"the app's minimum TP groups need {floor_gpus} GPUs ({terms}), but the cluster's MI300X "
+            f"nodes offer at most {total} ({spelled}, nodes the launcher may add included); lower "
+            "min_replicas / num_replicas or raise the launcher's max_workers"
+        )
+    ceiling = sum(wanted[d.name] * d.tp_size for d in demands)
+    shares = {d.name: Share(wanted[d.name], None if wanted[d.name] == d.max_replicas else
+                            f"max_replicas {d.max_replicas} -> {wanted[d.name]}: the nodes host at most "
+                            f"{caps[d.name]} TP groups of {d.tp_size}") for d in demands}
+    if ceiling <= total:
+        return shares
+    spare = total - floor_gpus
+    extra = {d.name: (wanted[d.name] - d.min_replicas) * d.tp_size for d in demands}
+    want_extra = sum(extra.values())
+    grant = {d.name: int(spare * extra[d.name] / want_extra) // d.tp_size for d in demands}
+    left = spare - sum(grant[d.name] * d.tp_size for d in demands)
+    for d in demands:  # leftovers: one more group where it still fits, in table order
+        if d.min_replicas + grant[d.name] < wanted[d.name] and d.tp_size <= left:
+            grant[d.name] += 1
+            left -= d.tp_size
+    asked = " + ".join(f"{d.name} {wanted[d.name]} x {d.tp_size}" for d in demands)
+    for d in demands:
+        limit = d.min_replicas + grant[d.name]
+        if limit < d.max_replicas:
+            shares[d.name] = Share(max(limit, 1), (
+                f"max_replicas {d.max_replicas} -> {max(limit, 1)}: the app's deployments share the "
+                f"cluster's {total} MI300X GPUs ({spelled}); together their maximums ask {ceiling} "
+                f"({asked}), their minimums take {floor_gpus}, and the {spare} GPUs left are shared in "
+                "proportion to what each deployment may add"
+            ))
+    return shares

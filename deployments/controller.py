@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.plan import Shardability, TailPlan, legal_tails, shardability_for
@@ -42,6 +42,9 @@ from moe_runtime.tuning import plan_from_timings, time_tails
 
 from . import logger
 from .spec import DeploymentSpec, resolve_deployment
+
+if TYPE_CHECKING:
+    from .cluster_spec import GroupDemand, Share
 
 Clock = Callable[[], float]
 Timings = dict[str, dict[int, float]]
@@ -149,6 +152,11 @@ class Decision:
     tail: TailDecision
     capacity: int | None  # TP groups of this size the cluster can host (None: unknown)
     options: dict[str, Any]  # keyword arguments of Deployment.options
+    # Set when the app's shared capacity budget lowered max_replicas (cluster_spec.share_gpus).
+    budget_reason: str | None = None
+    # Where the ranks run (gpu | cpu) and why (deployments.placement); None: not resolved.
+    accelerator: str | None = None
+    accelerator_reason: str | None = None
 
     @property
     def plan(self) -> TailPlan | str:
@@ -166,6 +174,9 @@ class Decision:
             "role": self.role,
             **self.tail.to_dict(),
             "cluster_capacity_tp_groups": self.capacity,
+            "capacity_budget": self.budget_reason,
+            "accelerator": self.accelerator,
+            "accelerator_reason": self.accelerator_reason,
             "placement_group_bundles": options["placement_group_bundles"],
             "placement_group_strategy": options["placement_group_strategy"],
             "num_replicas": options.get("num_replicas"),
@@ -174,9 +185,10 @@ class Decision:
 
     def describe(self) -> str:
         scale = options_scale(self.options)
+        budget = f" ({self.budget_reason})" if self.budget_reason else ""
         return (
             f"deployment {self.deployment!r}: TP {self.tail.tp_size}, tail {self.tail.choice} "
-            f"({self.reason}); {scale}"
+            f"({self.reason}); {scale}{budget}"
         )
 
 
@@ -232,6 +244,42 @@ def cluster_tp_groups(cluster: Mapping[str, Any] | str | Path | None, tp_size: i
     return max_tp_groups(config, tp_size)
 
 
+def _demand(spec: DeploymentSpec) -> GroupDemand:
+    from .cluster_spec import GroupDemand
+
+    if spec.autoscaling is None:
+        n = spec.num_replicas or 1
+        return GroupDemand(spec.name, spec.tp_size, n, n)
+    a = spec.autoscaling
+    return GroupDemand(spec.name, spec.tp_size, a.min_replicas, a.max_replicas)
+
+
+def shared_budget(
+    specs: Sequence[DeploymentSpec], cluster: Mapping[str, Any] | str | Path | None
+) -> dict[str, Share]:
+    """The shared capacity budget of the deployments that count against a cluster config:
+    ``cluster`` for all of them, else each one's ``autoscaling.cluster_config`` (deployments
+    naming the same file share it). Deployments without a cluster are not budgeted."""
+    from .cluster_spec import load_cluster_config, share_gpus
+
+    groups: dict[str, tuple[dict[str, Any], list[DeploymentSpec]]] = {}
+    for spec in specs:
+        source = cluster
+        if source is None and spec.autoscaling is not None:
+            source = spec.autoscaling.cluster_config
+        if source is None:
+            continue
+        key = "<given>" if cluster is not None else str(source)
+        if key not in groups:
+            config = load_cluster_config(source) if isinstance(source, str | Path) else dict(source)
+            groups[key] = (config, [])
+        groups[key][1].append(spec)
+    shares: dict[str, Share] = {}
+    for config, members in groups.values():
+        shares.update(share_gpus([_demand(s) for s in members], config))
+    return shares
+
+
 def decide(
     deployments: Sequence[DeploymentSpec | Mapping[str, Any]],
     model: LatentMoEConfig | Mapping[str, Any],
@@ -242,20 +290,25 @@ def decide(
     ``model``: the checkpoint's config (``LatentMoEConfig`` or a ``config.json`` dict).
     ``cluster``: a cluster-launcher config (dict, or a YAML path, validated) whose MI300X
     capacity caps ``max_replicas``; None uses each spec's ``autoscaling.cluster_config`` file,
-    if any. A fixed ``num_replicas`` above the capacity is an error, as is a forced tail that
-    the shardability rule (or a pre-sharded Wup) makes illegal.
+    if any. The deployments counted against one cluster share its GPUs: minimums that do not
+    fit together are refused, maximums that do not are clamped with the reason
+    (:func:`shared_budget`). A fixed ``num_replicas`` above the capacity is an error, as is a
+    forced tail that the shardability rule (or a pre-sharded Wup) makes illegal.
     """
     from .options import deployment_options
 
     cfg = model if isinstance(model, LatentMoEConfig) else LatentMoEConfig.from_dict(dict(model))
-    decisions: dict[str, Decision] = {}
+    specs: list[DeploymentSpec] = []
+    tails: dict[str, TailDecision] = {}
+    capacities: dict[str, int | None] = {}
     for raw in deployments:
         spec = raw if isinstance(raw, DeploymentSpec) else DeploymentSpec.model_validate(dict(raw))
-        if spec.name in decisions:
+        if spec.name in tails:
             raise ValueError(f"deployment names must be unique, {spec.name!r} repeats")
-        tail = tail_decision(spec, cfg)
+        tails[spec.name] = tail_decision(spec, cfg)
+        file = spec.autoscaling.cluster_config if spec.autoscaling is not None else None
         try:
-            capacity = cluster_tp_groups(cluster, spec.tp_size)
+            capacity = cluster_tp_groups(cluster if cluster is not None else file, spec.tp_size)
         except ValueError as e:
             raise ValueError(f"deployment {spec.name!r}: {e}") from None
         if capacity is not None and spec.autoscaling is None and (spec.num_replicas or 1) > capacity:
@@ -263,14 +316,24 @@ def decide(
                 f"deployment {spec.name!r}: num_replicas {spec.num_replicas or 1} > {capacity} TP groups "
                 f"of {spec.tp_size} GPUs the cluster can host"
             )
+        if capacity is not None and spec.autoscaling is not None and spec.autoscaling.min_replicas > capacity:
+            raise ValueError(
+                f"deployment {spec.name!r}: min_replicas {spec.autoscaling.min_replicas} > {capacity} TP "
+                f"groups of {spec.tp_size} GPUs the cluster can host"
+            )
+        specs.append(spec)
+        capacities[spec.name] = capacity
+    shares = shared_budget(specs, cluster)
+    decisions: dict[str, Decision] = {}
+    for spec in specs:
+        share = shares.get(spec.name)
         try:
-            options = deployment_options(spec, capacity)
+            options = deployment_options(spec, share.max_replicas if share else capacities[spec.name])
         except ValueError as e:
             raise ValueError(f"deployment {spec.name!r}: {e}") from None
-        file = spec.autoscaling.cluster_config if spec.autoscaling is not None else None
-        if capacity is None and file:
-            capacity = cluster_tp_groups(file, spec.tp_size)
-        decision = Decision(spec.name, spec.role, tail, capacity, options)
+        decision = Decision(spec.name, spec.role, tails[spec.name], capacities[spec.name], options,
+                            budget_reason=share.reason if share else None,
+                            accelerator=None if spec.accelerator == "auto" else spec.accelerator)
         _log_once(f"controller: {decision.describe()}")
         decisions[spec.name] = decision
     return decisions

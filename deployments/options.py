@@ -2,8 +2,10 @@
 
 A TP-group replica owns a placement group of ``1 + P`` bundles packed on one node:
 bundle 0 (``{"CPU": c}``) holds the replica actor, which asks for no GPU; bundle ``1 + r``
-(``{"GPU": 1}``, plus a sliver of the accelerator-type resource when one is pinned) holds the
-worker of rank ``r``. ``STRICT_PACK`` keeps a TP group on one node.
+holds the worker of rank ``r``: ``{"GPU": 1}`` (plus a sliver of the accelerator-type resource
+when one is pinned) on GPUs, ``{"CPU": worker_cpus}`` when ``accelerator`` is ``cpu``.
+``STRICT_PACK`` keeps a TP group on one node. An ``accelerator: auto`` not yet resolved against
+a cluster (``deployments.placement`` does that at build time) gets the GPU layout.
 """
 
 from __future__ import annotations
@@ -13,27 +15,41 @@ from typing import Any
 from .spec import AutoscalingSpec, DeploymentSpec
 
 # Ray's convention for "must run on this accelerator type" (what ``accelerator_type=`` sets).
+# Ray gives the resource 1 per node, so P ranks of a node ask P x 0.001 of it together.
 ACCELERATOR_FRACTION = 0.001
+CPU_RANK_CPUS = 0.25  # default worker_cpus of a CPU rank (see DeploymentSpec.worker_cpus)
 
 
 def accelerator_resource(accelerator_type: str) -> str:
     return f"accelerator_type:{accelerator_type}"
 
 
-def worker_resources(spec: DeploymentSpec) -> dict[str, Any]:
-    """What one worker actor asks for; it must fit in its bundle (see :func:`placement_bundles`)."""
-    extra = {}
+def uses_gpus(spec: DeploymentSpec) -> bool:
+    return spec.accelerator != "cpu"
+
+
+def rank_bundle(spec: DeploymentSpec) -> dict[str, float]:
+    """The placement-group bundle of one rank."""
+    if not uses_gpus(spec):
+        return {"CPU": spec.worker_cpus or CPU_RANK_CPUS}
+    bundle: dict[str, float] = {"GPU": 1}
+    if spec.worker_cpus:
+        bundle["CPU"] = spec.worker_cpus
     if spec.accelerator_type:
-        extra[accelerator_resource(spec.accelerator_type)] = ACCELERATOR_FRACTION
-    return {"num_cpus": 0, "num_gpus": 1, "resources": extra}
+        bundle[accelerator_resource(spec.accelerator_type)] = ACCELERATOR_FRACTION
+    return bundle
+
+
+def worker_resources(spec: DeploymentSpec) -> dict[str, Any]:
+    """What one worker actor asks for: exactly its bundle (see :func:`placement_bundles`)."""
+    bundle = rank_bundle(spec)
+    extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0), "resources": extra}
 
 
 def placement_bundles(spec: DeploymentSpec) -> list[dict[str, float]]:
-    """``[{"CPU": c}] + [{"GPU": 1, ...}] * P``: the replica's bundle, then one per rank."""
-    gpu_bundle: dict[str, float] = {"GPU": 1}
-    if spec.accelerator_type:
-        gpu_bundle[accelerator_resource(spec.accelerator_type)] = ACCELERATOR_FRACTION
-    return [{"CPU": spec.replica_cpus}] + [dict(gpu_bundle) for _ in range(spec.tp_size)]
+    """``[{"CPU": c}] + [rank bundle] * P``: the replica's bundle, then one per rank."""
+    return [{"CPU": spec.replica_cpus}] + [rank_bundle(spec) for _ in range(spec.tp_size)]
 
 
 def autoscaling_config(spec: DeploymentSpec, capacity: int | None = None) -> dict[str, Any]:

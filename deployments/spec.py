@@ -28,6 +28,11 @@ from moe_runtime.sharding import check_tp_size
 
 Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
 DType = Literal["float32", "bfloat16"]
+Accelerator = Literal["auto", "gpu", "cpu"]
+# Relative ``cluster_config`` paths are resolved against the repository root (the directory that
+# holds ``deployments/``: ``~/latent-moe-serve`` on cluster nodes), never against the working
+# directory, which differs between ``serve run`` and the task in which Serve builds the app.
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
 DEFAULT_DEPLOYMENT = "moe"
 RAY_METRICS_INTERVAL_S = 10.0  # Ray Serve's default AutoscalingConfig.metrics_interval_s
@@ -39,7 +44,8 @@ class AutoscalingSpec(BaseModel):
     ``token_aware`` uses the token-based policy of ``deployments.autoscaling`` (replicas report
     queued tokens and tokens/s); otherwise Ray's request-count policy with
     ``target_ongoing_requests``. ``cluster_config``: a cluster-launcher YAML whose MI300X
-    capacity caps ``max_replicas`` (GPUs / tp_size, counting nodes the launcher may add).
+    capacity caps ``max_replicas`` (GPUs / tp_size, counting nodes the launcher may add), shared
+    by all deployments of the app that name it; absolute, or relative to the repository root.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -58,6 +64,20 @@ class AutoscalingSpec(BaseModel):
     look_back_period_s: float = Field(30.0, gt=0)
     metrics_interval_s: float | None = Field(None, gt=0)
     cluster_config: str | None = None
+
+    @field_validator("cluster_config")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        path = Path(v).expanduser()
+        path = path if path.is_absolute() else PROJECT_ROOT / path
+        if not path.is_file():
+            raise ValueError(
+                f"cluster_config {v!r}: no file at {path} (relative paths are resolved against the "
+                f"repository root {PROJECT_ROOT}, not the working directory; give an absolute path otherwise)"
+            )
+        return str(path)
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSpec:
@@ -114,6 +134,15 @@ class DeploymentSpec(BaseModel):
     health_check_timeout_s: float | None = Field(None, gt=0)
     graceful_shutdown_timeout_s: float = Field(5.0, ge=0)
     replica_cpus: float = Field(1.0, gt=0)  # bundle 0: the replica itself
+    # Where the ranks run. gpu: one {"GPU": 1} bundle per rank, NCCL/RCCL (logical GPUs on a CPU
+    # machine run on CPU with gloo). cpu: one {"CPU": worker_cpus} bundle per rank, gloo.
+    # auto: gpu when the Ray cluster has GPUs or its launcher can add a node type with GPUs,
+    # else cpu; decided and logged once at build time (deployments.placement).
+    accelerator: Accelerator = "auto"
+    # Ray CPUs each rank reserves: None = 0 beside a GPU, 0.25 on CPU bundles (a scheduling
+    # token so that a small machine holds a TP group; a rank's torch threads come from the
+    # node's cores, deployments.workers.cpu_threads).
+    worker_cpus: float | None = Field(None, gt=0)
     accelerator_type: str | None = None  # e.g. "AMD-Instinct-MI300X-OAM": pins workers to it
     # CPU-only serving, where ranks and the request path share cores: run the ranks this much
     # nicer than the replica, so the replica's event loop keeps receiving requests (and
@@ -182,6 +211,11 @@ class DeploymentSpec(BaseModel):
             raise ValueError(
                 f"tail {self.tail!r} cannot run sequence-parallel; sequence-parallel deployments "
                 "use tail 'auto' (the sequence_parallel tail)"
+            )
+        if self.accelerator == "cpu" and self.accelerator_type:
+            raise ValueError(
+                f"accelerator 'cpu' runs the ranks on CPU bundles, but accelerator_type "
+                f"{self.accelerator_type!r} pins them to a GPU type; drop one of the two"
             )
         if self.health_check_timeout_s is not None and self.health_check_timeout_s < 1:
             raise ValueError(f"health_check_timeout_s {self.health_check_timeout_s} is below 1 s")

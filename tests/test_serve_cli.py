@@ -40,23 +40,28 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def wait_ready(proc: subprocess.Popen, port: int, log: Path) -> HTTPMoEClient:
+    """An HTTP client of the app once `serve run` (``proc``) answers /healthz; fails if it exits."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    http = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=30)
+    while True:
+        assert proc.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"
+        try:
+            if http.healthz()["ok"]:
+                return http
+        except MoEServeError:
+            pass
+        assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
+        time.sleep(2)
+
+
 def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, measured: bool = False) -> None:
     # RAY_ADDRESS=local: `serve run` starts its own instance, never joins one found on the machine.
     env = dict(os.environ, RAY_OVERRIDE_RESOURCES=json.dumps({"GPU": 2}), RAY_ADDRESS="local")
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        with HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=30) as http:
-            while True:
-                assert proc.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"
-                try:
-                    if http.healthz()["ok"]:
-                        break
-                except MoEServeError:
-                    pass
-                assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
-                time.sleep(2)
+        with wait_ready(proc, port, log) as http:
             status = http.status()["deployments"]["moe"]
             assert status["tp_size"] == 2
             if measured:  # tail auto: the controller timed the legal tails on the group at warm-up
@@ -72,13 +77,18 @@ def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, measured: b
             # fp32, TP-2 reduction order only (see tests/test_serve.py)
             torch.testing.assert_close(http.forward(x, 1), ref, rtol=1e-5, atol=1e-5)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT (`serve run` shuts Serve and its Ray down), then kill after a bound."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 def test_serve_run_local_config(tiny_ckpt, tmp_path):

@@ -1,0 +1,205 @@
+"""Where TP groups run (``accelerator``), and apps Ray could never place refused at build time.
+
+Pure half: the accelerator choice and the placement check on hand-made cluster views, and the
+view ``serve run`` gets before it has started Ray (this machine, ``RAY_OVERRIDE_RESOURCES``).
+Ray half: on a fresh local Ray with no GPU, the bare app (TP 2, ``accelerator`` left at
+``auto``) serves on CPU ranks and matches the single-device forward, an explicit ``gpu``
+deployment is refused at once with the missing resources and the command that provides them,
+and ``serve run`` with no Ray running serves too (it used to wait forever for GPU bundles).
+
+Tolerance (float32): TP 2 differs from the single-device forward only by the order of the
+reductions (two partial sums, then an all-reduce), a few fp32 ulps on O(1) values; ``1e-5``
+leaves a ~10x margin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import yaml
+
+from deployments.options import placement_bundles, worker_resources
+from deployments.placement import (
+    ClusterView,
+    NodeType,
+    check_placeable,
+    choose_accelerator,
+    current_cluster_view,
+    launcher_node_types,
+    place_app,
+)
+from deployments.spec import AppArgs, DeploymentSpec
+from moe_runtime.checkpoint import load_layer_weights
+from moe_runtime.collectives import free_port
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import moe_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+MI300X = "accelerator_type:AMD-Instinct-MI300X-OAM"
+FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
+CPU_ONLY = ClusterView("a 2-CPU test cluster", ({"CPU": 2.0},))
+
+
+def app(**fields) -> AppArgs:
+    return AppArgs.model_validate({"checkpoint": "unused", "tp_size": 2, **fields})
+
+
+# -- pure: the choice and the check ----------------------------------------------------------
+
+
+def test_auto_is_cpu_without_gpus_and_sizes_cpu_bundles():
+    args, reasons = place_app(app(), CPU_ONLY)
+    (spec,) = args.deployments
+    assert spec.accelerator == "cpu"
+    assert "has no GPU and no node type the launcher can add has one" in reasons["moe"]
+    # 1 replica CPU + 2 ranks x 0.25: a TP-2 group fits a 2-core machine, next to the ingress.
+    assert placement_bundles(spec) == [{"CPU": 1.0}, {"CPU": 0.25}, {"CPU": 0.25}]
+    assert worker_resources(spec) == {"num_cpus": 0.25, "num_gpus": 0, "resources": {}}
+
+
+@pytest.mark.parametrize(
+    ("view", "choice", "why"),
+    [
+        (ClusterView("c", ({"CPU": 4, "GPU": 2},)), "gpu", "has 2 GPU(s)"),
+        (ClusterView("c", ({"CPU": 4},), (NodeType("mi300x", {"CPU": 96, "GPU": 8}, 2),)), "gpu",
+         "the launcher can add node type 'mi300x' with 8 GPU(s)"),
+        (ClusterView("c", ({"CPU": 4},), (NodeType("mi300x", {"CPU": 96, "GPU": 8}, 0),)), "cpu", "no GPU"),
+        (None, "gpu", "could not be inspected"),
+    ],
+)
+def test_auto_choice(view, choice, why):
+    got, reason = choose_accelerator(DeploymentSpec(tp_size=2), view)
+    assert got == choice and why in reason
+
+
+def test_explicit_choice_is_kept():
+    assert choose_accelerator(DeploymentSpec(accelerator="cpu"), ClusterView("c", ({"GPU": 8},)))[0] == "cpu"
+    with pytest.raises(ValueError, match="accelerator 'cpu' runs the ranks on CPU bundles, but accelerator_type"):
+        DeploymentSpec(accelerator="cpu", accelerator_type="AMD-Instinct-MI300X-OAM")
+
+
+def test_gpu_on_a_cpu_only_cluster_names_what_is_missing_and_the_command():
+    with pytest.raises(ValueError) as e:
+        place_app(app(accelerator="gpu"), CPU_ONLY)
+    message = str(e.value)
+    assert "deployment 'moe' cannot be placed" in message
+    assert "one node with {CPU: 1, GPU: 2}" in message and "missing {GPU: 2}" in message
+    assert "`ray start --head --num-cpus 2 --num-gpus 2`" in message
+    assert "accelerator=cpu" in message
+
+
+def test_missing_accelerator_type_and_cpus():
+    view = ClusterView("c", ({"CPU": 16, "GPU": 8},))
+    with pytest.raises(ValueError, match=rf"missing \{{{MI300X}: 0.008\}}.*ray up cluster.yaml"):
+        check_placeable(app(tp_size=8, accelerator="gpu", accelerator_type="AMD-Instinct-MI300X-OAM"), view)
+    with pytest.raises(ValueError, match=r"missing \{CPU: 1\}.*lower replica_cpus / worker_cpus"):
+        check_placeable(app(accelerator="cpu", replica_cpus=2.5), CPU_ONLY)
+
+
+def test_a_node_the_launcher_can_add_makes_it_placeable():
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    view = ClusterView("c", ({"CPU": 16.0},), tuple(launcher_node_types(cluster)))
+    args, _ = place_app(app(tp_size=8, accelerator_type="AMD-Instinct-MI300X-OAM", replica_cpus=2), view)
+    assert args.deployments[0].accelerator == "gpu"
+
+
+def test_minimums_must_fit_the_cluster_total():
+    view = ClusterView("c", ({"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 2}))
+    two = [{"name": "a", "num_replicas": 2}, {"name": "b", "autoscaling": {"min_replicas": 1, "max_replicas": 3}}]
+    with pytest.raises(ValueError, match=r"minimum replicas need GPU 6 \(a 2 x 2 \+ b 1 x 2\), but c has at most 4"):
+        check_placeable(app(deployments=two), view)
+    check_placeable(app(deployments=two[1:]), view)
+
+
+def test_view_before_serve_run_starts_ray(monkeypatch):
+    # `serve run <import path>` builds the app before ray.init: with RAY_ADDRESS=local it will
+    # start a fresh instance with this machine's resources, as Ray detects them.
+    assert not ray.is_initialized()
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
+    view = current_cluster_view()
+    assert view.fresh_local and view.nodes[0]["CPU"] >= 1
+    if not torch.cuda.is_available():
+        assert view.gpus() == 0 and choose_accelerator(DeploymentSpec(), view)[0] == "cpu"
+    monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", json.dumps({"GPU": 2}))
+    assert current_cluster_view().gpus() == 2  # logical GPUs, as tests/test_serve_cli.py gives them
+
+
+# -- Ray: a fresh local instance without GPUs ------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_bare_app_serves_on_cpu_and_gpu_fails_fast(tiny_ckpt):
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.client import MoEClient
+
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, namespace="serve",
+             log_to_driver=False)
+    try:
+        bare = {"checkpoint": str(tiny_ckpt), "tp_size": 2, "tail": "sharded", "dtype": "float32"}
+        with pytest.raises(ValueError, match=r"missing \{GPU: 2\}.*ray start --head --num-cpus 2 --num-gpus 2"):
+            build_app({**bare, "accelerator": "gpu"})  # refused at build time: nothing waits
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        serve.run(build_app(bare), name="bare", route_prefix="/")
+        client = MoEClient("bare", timeout_s=60)
+        status = client.status()["deployments"]["moe"]
+        assert status["controller"]["accelerator"] == "cpu"
+        assert "no GPU" in status["controller"]["accelerator_reason"]
+        assert [w["device"] for w in status["workers"]] == ["cpu", "cpu"] and status["backend"] == "gloo"
+        cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+        x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+        ref = moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1), cfg)
+        torch.testing.assert_close(client.forward(x, layer=1), ref, **FP32_TOL)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_serve_run_without_ray_running_serves_on_cpu(tiny_ckpt, tmp_path):
+    """`serve run` with no Ray: it starts its own (no GPU here), auto picks cpu, it serves."""
+    from test_serve_cli import SERVE, _port_in_use, stop, wait_ready
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: auto rightly picks gpu")
+    args = [f"checkpoint={tiny_ckpt}", "tp_size=2", "tail=sharded", "dtype=float32"]
+    if not _port_in_use(8000):  # the form of the issue; it can only serve on port 8000
+        port, cmd = 8000, [str(SERVE), "run", "deployments.app:build_app", *args]
+    else:  # same app from a config file on a free port (the builder then runs in a Ray task)
+        port = free_port()
+        config = {"http_options": {"host": "127.0.0.1", "port": port}, "applications": [{
+            "name": "default", "route_prefix": "/", "import_path": "deployments.app:build_app",
+            "args": dict(a.split("=", 1) for a in args)}]}
+        (tmp_path / "bare.yaml").write_text(yaml.safe_dump(config))
+        cmd = [str(SERVE), "run", str(tmp_path / "bare.yaml")]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_OVERRIDE_RESOURCES"}
+    env["RAY_ADDRESS"] = "local"  # never join another `ray start` cluster of this machine
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        http = wait_ready(proc, port, log)
+        with http:
+            status = http.status()["deployments"]["moe"]
+            assert status["controller"]["accelerator"] == "cpu", log.read_text()[-3000:]
+            cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+            x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+            ref = moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1), cfg)
+            torch.testing.assert_close(http.forward(x, 1), ref, **FP32_TOL)
+    finally:
+        stop(proc)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
