@@ -212,10 +212,14 @@ def share_gpus(demands: Sequence[GroupDemand], config: dict[str, Any]) -> dict[s
     want_extra = sum(extra.values())
     grant = {d.name: int(spare * extra[d.name] / want_extra) // d.tp_size for d in demands}
     left = spare - sum(grant[d.name] * d.tp_size for d in demands)
-    for d in demands:  # leftovers: one more group where it still fits, in table order
-        if d.min_replicas + grant[d.name] < wanted[d.name] and d.tp_size <= left:
-            grant[d.name] += 1
-            left -= d.tp_size
+    added = True
+    while added:  # leftovers: one more group at a time where it still fits, in table order
+        added = False
+        for d in demands:
+            if d.min_replicas + grant[d.name] < wanted[d.name] and d.tp_size <= left:
+                grant[d.name] += 1
+                left -= d.tp_size
+                added = True
     asked = " + ".join(f"{d.name} {wanted[d.name]} x {d.tp_size}" for d in demands)
     for d in demands:
         limit = d.min_replicas + grant[d.name]

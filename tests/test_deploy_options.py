@@ -158,7 +158,7 @@ def test_shipped_configs_plan(tiny_ckpt, k3_config_dir):
 
     from deployments.demo import ROOT
 
-    for name, ckpt, gpus in (("local.yaml", tiny_ckpt, 2), ("mi300x.yaml", k3_config_dir, 32)):
+    for name, ckpt, gpus in (("local.yaml", tiny_ckpt, 2), ("mi300x.yaml", k3_config_dir, 16)):
         config = yaml.safe_load((ROOT / "deployments/configs" / name).read_text())
         args = dict(config["applications"][0]["args"], checkpoint=str(ckpt))
         if name == "mi300x.yaml":
