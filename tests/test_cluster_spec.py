@@ -91,7 +91,7 @@ def test_rocm_container_and_start_commands(path: Path) -> None:
     docker = config["docker"]
     assert docker["image"].startswith("rocm/pytorch:rocm") and ":latest" not in docker["image"]
     assert docker["head_image"] == "rayproject/ray:2.60.0-py312-cpu"  # same Ray and Python as workers
-    assert "py3.12" in docker["image"] and 'ray[default,serve]==2.60.0' in config["setup_commands"][0]
+    assert "py3.12" in docker["image"] and 'pip install "ray[default,serve]==2.60.0"' in config["setup_commands"]
     for opt in ["--device=/dev/kfd", "--device=/dev/dri", "--group-add video",
                 "--cap-add=SYS_PTRACE", "--security-opt seccomp=unconfined"]:
         assert opt in docker["worker_run_options"]
