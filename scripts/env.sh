@@ -1,6 +1,12 @@
 # Sourced by run.sh and test.sh: create (once) and activate the project virtualenv.
-# torch is pinned to the CPU wheel this fleet keeps on disk; an unpinned torch would pull
-# a multi-GB CUDA build.
+#
+# torch: by default the 2.13.0 CPU wheel this fleet keeps on disk (pip finds it there). On a
+# machine where `pip install torch` would fetch the multi-GB CUDA build, pick the CPU build:
+#   LMS_TORCH_INDEX=https://download.pytorch.org/whl/cpu scripts/test.sh     # PyTorch's CPU index
+#   LMS_TORCH=/path/to/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl scripts/test.sh
+# (LMS_TORCH is any pip requirement or wheel path; default torch==2.13.0.) They apply when the
+# venv is (re)built: delete .venv to switch. ruff is pinned in pyproject.toml's `test` extra, so
+# a new ruff release cannot change what `ruff check .` reports.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${LMS_VENV:-$ROOT/.venv}"
@@ -12,7 +18,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0" "ray[serve]==2.60.*"
+  "$VENV/bin/python" -m pip install -q "${LMS_TORCH:-torch==2.13.0}" \
+    ${LMS_TORCH_INDEX:+--index-url "$LMS_TORCH_INDEX"}
+  "$VENV/bin/python" -m pip install -q "ray[serve]==2.60.*"
   "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
   touch "$STAMP"
 fi
