@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from . import logger
 from .options import placement_bundles, uses_gpus
 from .spec import AppArgs, DeploymentSpec
@@ -76,19 +78,22 @@ class ClusterView:
         return [*self.nodes, *(t.resources for t in self.addable if t.max_nodes > 0)]
 
     def totals(self) -> Resources:
-        """Per resource: what the cluster holds at most (now, or once the launcher has added
-        every node it may; a launcher's maximum includes the nodes already up)."""
-        live: Resources = {}
-        for node in self.nodes:
+        """Per resource: what the cluster holds at most, now or once the launcher has added every
+        node it may. A node type's maximum includes its nodes already up, so live nodes of a
+        launcher shape are not counted twice; the others (the head) are added to it."""
+        def add(into: Resources, node: Mapping[str, float], times: float = 1) -> None:
             for k, v in node.items():
-                live[k] = live.get(k, 0) + v
+                into[k] = into.get(k, 0) + v * times
+
+        live: Resources = {}
         launched: Resources = {}
+        shapes = [dict(t.resources) for t in self.addable]
+        for node in self.nodes:
+            add(live, node)
+            if self.addable and not any(node.get("GPU", 0) == s.get("GPU", 0) for s in shapes):
+                add(launched, node)
         for t in self.addable:
-            for k, v in t.resources.items():
-                launched[k] = launched.get(k, 0) + v * t.max_nodes
-        head = max(self.nodes, key=lambda n: n.get("CPU", 0), default={}) if self.addable else {}
-        for k, v in head.items():  # the head is not among the node types the launcher adds
-            launched[k] = launched.get(k, 0) + v
+            add(launched, t.resources, t.max_nodes)
         return {k: max(live.get(k, 0), launched.get(k, 0)) for k in {*live, *launched}}
 
 
@@ -159,8 +164,8 @@ def current_cluster_view(launcher_configs: Iterable[str | Path] = ()) -> Cluster
             address = ray.get_runtime_context().gcs_address
             if not addable:
                 addable = _gcs_node_types()
-            if not addable and BOOTSTRAP_CONFIG.is_file():
-                addable = launcher_node_types(load_cluster_config(BOOTSTRAP_CONFIG))
+            if not addable and BOOTSTRAP_CONFIG.is_file():  # filled out by the launcher: no schema check
+                addable = launcher_node_types(yaml.safe_load(BOOTSTRAP_CONFIG.read_text()))
             return ClusterView(f"the Ray cluster at {address}", tuple(nodes), tuple(addable))
         from ray._private.services import canonicalize_bootstrap_address
 

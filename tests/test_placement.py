@@ -110,6 +110,19 @@ def test_a_node_the_launcher_can_add_makes_it_placeable():
     assert args.deployments[0].accelerator == "gpu"
 
 
+def test_launcher_totals_count_live_nodes_once():
+    # cluster.yaml: up to 4 MI300X workers (one already up) besides the CPU head.
+    cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    worker = {"CPU": 96.0, "GPU": 8.0, MI300X: 1.0}
+    view = ClusterView("c", ({"CPU": 16.0}, worker), tuple(launcher_node_types(cluster)))
+    assert view.totals() == {"CPU": 16 + 4 * 96, "GPU": 4 * 8, MI300X: 4}
+    args = yaml.safe_load((ROOT / "deployments/configs/mi300x.yaml").read_text())["applications"][0]["args"]
+    place_app(AppArgs.model_validate({**args, "checkpoint": "unused"}), view)  # 2 groups of 8 fit
+    args["autoscaling"] = {**args["autoscaling"], "min_replicas": 3, "max_replicas": 3}
+    with pytest.raises(ValueError, match=r"need GPU 48 \(layers-01-46 3 x 8 \+ layers-47-91 3 x 8\), but c has at most 32"):
+        place_app(AppArgs.model_validate({**args, "checkpoint": "unused"}), view)
+
+
 def test_minimums_must_fit_the_cluster_total():
     view = ClusterView("c", ({"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 2}))
     two = [{"name": "a", "num_replicas": 2}, {"name": "b", "autoscaling": {"min_replicas": 1, "max_replicas": 3}}]
