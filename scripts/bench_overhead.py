@@ -260,6 +260,20 @@ def paths_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def compare_table(runs: list[dict[str, Any]]) -> str:
+    """p50 ms per (TP, T, path) side by side for several runs (before/after tables)."""
+    labels = [r["label"] for r in runs]
+    lines = ["| TP | T | path | " + " | ".join(labels) + " |", "|---|---|---|" + "---:|" * len(runs)]
+    for tp in TPS:
+        for T in SIZES:
+            for path in ("inprocess", "floor", "direct", "app", "http", "direct_over_floor",
+                         "app_over_direct", "http_over_direct"):
+                vals = [next(r for r in run["overheads"] if (r["tp"], r["T"]) == (tp, T))[f"{path}_ms"]
+                        for run in runs]
+                lines.append(f"| {tp} | {T} | {path} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
+    return "\n".join(lines)
+
+
 def verdicts(results: dict[str, Any]) -> list[str]:
     out = []
     for r in results["overheads"]:
@@ -316,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nload average before {env['loadavg_before']}, after {env['loadavg_after']}")
     print(paths_table(results) + "\n\n" + table(results) + "\n")
     print("\n".join(verdicts(results)))
+    if args.compare:
+        print("\n" + compare_table(runs))
     print(f"\nwrote {json_path} and {png_path}")
     return 0
 
