@@ -72,6 +72,6 @@ def build_app(args: AppArgs) -> Application:
     max_body = args.http_max_body_bytes or default_max_body_bytes(resolved)
     timeout = args.request_timeout_s or max(r.spec.call_timeout_s for r in resolved) + 30.0
     layers = {r.spec.name: list(r.layers) for r in resolved}
-    return Ingress.options(**ingress_options(args.ingress_cpus)).bind(
+    return Ingress.options(**ingress_options(args.ingress_cpus, args.ingress_replicas)).bind(
         groups, layers, args.default_deployment, max_body, timeout
     )

@@ -1,10 +1,13 @@
 """Python clients of the MoE app: Serve handles (in the Ray cluster) and HTTP (anywhere).
 
 Both raise :class:`MoERequestError` (4xx: the request was wrong) or :class:`MoEServerError`
-(5xx: ours, e.g. a TP group being replaced) carrying the server's message and status.
+(5xx: ours, e.g. a TP group being replaced) carrying the server's message and status; a
+request refused because the deployment's queue is full (``max_queued_requests``) raises
+:class:`MoEOverloadedError` (503, ``retry_after_s``).
 
-    client = MoEClient()                       # the app's ingress handle (app "default")
-    client = MoEClient.direct("decode")        # straight to a TP-group deployment (one hop less)
+    client = MoEClient()                       # app "default": routed by layer, straight to the groups
+    client = MoEClient.direct("decode")        # bound to one TP-group deployment
+    client = MoEClient(via_ingress=True)       # through the app's ingress (one hop more)
     out = client.forward(x_TH, layer=1)        # numpy or torch in, the same kind out
     out = await client.forward_async(x_TH, 1)
     with HTTPMoEClient("http://127.0.0.1:8000") as http:
@@ -20,10 +23,11 @@ from typing import Any, NoReturn
 import httpx
 import numpy as np
 import torch
+from ray.serve.exceptions import BackPressureError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .errors import error_message, http_status, root_cause
+from .errors import UnknownDeploymentError, error_message, http_status, retryable, root_cause
 from .wire import WireTensor
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -45,6 +49,15 @@ class MoEServerError(MoEServeError, RuntimeError):
     """5xx: the server failed (TP group broken and being replaced, timeout, bug)."""
 
 
+class MoEOverloadedError(MoEServerError):
+    """503: refused at once because the deployment's queue is full; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, status: int, kind: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message, status, kind)
+        self.retry_after_s = retry_after_s
+
+
 def _raise(message: str, status: int, kind: str | None) -> NoReturn:
     cls = MoERequestError if 400 <= status < 500 else MoEServerError
     raise cls(message, status, kind) from None
@@ -54,30 +67,66 @@ def _translate(exc: BaseException) -> NoReturn:
     if isinstance(exc, MoEServeError):
         raise exc
     cause = root_cause(exc)
+    if isinstance(cause, BackPressureError):
+        raise MoEOverloadedError(error_message(cause), http_status(cause), type(cause).__name__,
+                                 cause.retry_after_s) from None
     _raise(error_message(cause), http_status(cause), type(cause).__name__)
 
 
-class MoEClient:
-    """A small wrapper over a Serve handle: the app's ingress, or one TP-group deployment."""
+def choose_deployment(layers: dict[str, list[int]], default: str, deployment: str | None, layer: Any) -> str:
+    """The deployment to call: the named one, else the default when it serves ``layer``, else
+    the first that does (apps split by layer ranges), else the default (which says what is wrong)."""
+    if deployment is not None:
+        if deployment not in layers:
+            raise UnknownDeploymentError(f"unknown deployment {deployment!r}; this app serves {list(layers)}")
+        return deployment
+    if layer in layers[default]:
+        return default
+    return next((name for name, served in layers.items() if layer in served), default)
 
-    def __init__(self, app_name: str = "default", *, handle: Any = None, deployment: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+
+class MoEClient:
+    """Serve-handle client of the MoE app.
+
+    Forwards go straight to the TP-group deployment that serves the layer (the app's routing
+    table is fetched from the ingress once), so only HTTP pays the ingress hop;
+    ``via_ingress=True`` sends them through the ingress instead. ``status()`` asks the ingress
+    (every deployment). A forward that meets a broken TP group (503, the replica is being
+    replaced) is retried once: forwards are idempotent, and Serve routes away from a broken
+    replica (``deployments.routing``).
+    """
+
+    def __init__(self, app_name: str = "default", *, deployment: str | None = None, via_ingress: bool = False,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, handle: Any = None):
         from ray import serve
 
+        self.app_name, self.deployment, self.via_ingress = app_name, deployment, via_ingress
         self.timeout_s = timeout_s
-        self._direct = False
-        self.handle = handle if handle is not None else serve.get_app_handle(app_name)
-        self.deployment = deployment  # only meaningful through the ingress
+        self.handle = handle if handle is not None else serve.get_app_handle(app_name)  # the ingress
+        self._routing: dict[str, Any] | None = None
+        self._groups: dict[str, Any] = {}  # deployment -> its DeploymentHandle
 
     @classmethod
     def direct(cls, deployment: str, app_name: str = "default",
                timeout_s: float = DEFAULT_TIMEOUT_S) -> MoEClient:
-        """Talk to TP-group deployment ``deployment`` without the ingress hop."""
+        """Bound to TP-group deployment ``deployment``: forwards and ``status()`` go to it."""
         from ray import serve
 
-        client = cls(app_name, handle=serve.get_deployment_handle(deployment, app_name), timeout_s=timeout_s)
-        client._direct = True
+        client = cls(app_name, deployment=deployment, timeout_s=timeout_s,
+                     handle=serve.get_deployment_handle(deployment, app_name))
+        client._routing = {"default": deployment, "layers": None}
+        client._groups[deployment] = client.handle
         return client
+
+    def _group(self, layer: int):
+        routing = self._routing
+        name = routing["default"] if routing["layers"] is None else choose_deployment(
+            routing["layers"], routing["default"], self.deployment, layer)
+        if name not in self._groups:
+            from ray import serve
+
+            self._groups[name] = serve.get_deployment_handle(name, self.app_name)
+        return self._groups[name]
 
     def _forward_call(self, hidden_states: Any, layer: int, router_logits: Any):
         # torch travels as WireTensor (zero-copy numpy for Ray); numpy and the rest as given.
@@ -85,15 +134,24 @@ class MoEClient:
             hidden_states = WireTensor.from_torch(hidden_states)
         if isinstance(router_logits, torch.Tensor):
             router_logits = WireTensor.from_torch(router_logits)
-        if self._direct:
-            return self.handle.forward.remote(hidden_states, layer, router_logits)
-        return self.handle.forward.remote(hidden_states, layer, router_logits, deployment=self.deployment)
+        if self.via_ingress:
+            return self.handle.forward.remote(hidden_states, layer, router_logits, deployment=self.deployment)
+        return self._group(layer).forward.remote(hidden_states, layer, router_logits)
 
     def forward(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
                 router_logits: np.ndarray | torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
         """``[T, H]`` output of MoE ``layer`` (blocking; not from inside an event loop)."""
         try:
-            out = self._forward_call(hidden_states, layer, router_logits).result(timeout_s=self.timeout_s)
+            if self._routing is None and not self.via_ingress:
+                self._routing = self.handle.routing.remote().result(timeout_s=self.timeout_s)
+            for attempt in range(2):
+                try:
+                    call = self._forward_call(hidden_states, layer, router_logits)
+                    out = call.result(timeout_s=self.timeout_s)
+                    break
+                except Exception as e:
+                    if attempt or not retryable(e):
+                        raise
         except Exception as e:
             _translate(e)
         return out.to_torch() if isinstance(out, WireTensor) else out
@@ -101,8 +159,16 @@ class MoEClient:
     async def forward_async(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
                             router_logits: np.ndarray | torch.Tensor | None = None) -> Any:
         try:
-            call = self._forward_call(hidden_states, layer, router_logits)
-            out = await asyncio.wait_for(call, self.timeout_s)
+            if self._routing is None and not self.via_ingress:
+                self._routing = await asyncio.wait_for(self.handle.routing.remote(), self.timeout_s)
+            for attempt in range(2):
+                try:
+                    call = self._forward_call(hidden_states, layer, router_logits)
+                    out = await asyncio.wait_for(call, self.timeout_s)
+                    break
+                except Exception as e:
+                    if attempt or not retryable(e):
+                        raise
         except Exception as e:
             _translate(e)
         return out.to_torch() if isinstance(out, WireTensor) else out
@@ -160,6 +226,9 @@ def _raise_http(response: httpx.Response) -> NoReturn:
         message, kind = body.get("error", response.text), body.get("type")
     except (json.JSONDecodeError, ValueError, AttributeError):
         message, kind = response.text or response.reason_phrase, None
+    retry = response.headers.get("retry-after")
+    if response.status_code in (429, 503) and retry is not None and retry.isdigit():
+        raise MoEOverloadedError(str(message), response.status_code, kind, float(retry)) from None
     _raise(str(message), response.status_code, kind)
 
 

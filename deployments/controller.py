@@ -11,14 +11,15 @@ Two halves:
   bundles and the autoscaling config (explicit ``target_ongoing_requests``, ``max_replicas``
   clamped to the TP groups the cluster's MI300X GPUs can host, ``cluster_spec.max_tp_groups``).
 * Warm-up measurement (Ray): :func:`tune_group` has every rank of a fresh TP group time each
-  legal tail at ``auto_tune_tokens`` with ``moe_runtime.tuning.time_tails`` (same arguments on
-  every rank: the tails run collectives), builds the plan from rank 0's timings
+  legal tail at ``auto_tune_tokens`` (the workers run ``moe_runtime.tuning.measure_runners``,
+  same arguments on every rank: the tails run collectives), builds the plan from rank 0's timings
   (``plan_from_timings``: fastest tail per token range) and sets it on every rank and every
   served layer (one layer's timings stand for all: the layers have the same shapes).
 
 The clock of the measurement is injectable (``tune_clock: "module:callable"``, resolved on the
 workers; default ``time.perf_counter``) so that tests are deterministic: while a tail is being
-timed, :func:`current_measurement` returns ``(tail, tokens)``, which a fake clock may read.
+timed, ``moe_runtime.tuning.current_measurement()`` returns ``(tail, tokens)``, which a fake
+clock may read.
 
 Decisions are logged once, returned by the replicas' ``status()`` (``GET /v1/status``) and
 exported as Ray metrics (``deployments.metrics``).
@@ -27,18 +28,15 @@ exported as Ray metrics (``deployments.metrics``).
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import importlib
-import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.plan import Shardability, TailPlan, legal_tails, shardability_for
-from moe_runtime.tuning import plan_from_timings, time_tails
+from moe_runtime.runner import log_once
+from moe_runtime.tuning import plan_from_timings
 
 from . import logger
 from .spec import DeploymentSpec, resolve_deployment
@@ -46,20 +44,9 @@ from .spec import DeploymentSpec, resolve_deployment
 if TYPE_CHECKING:
     from .cluster_spec import GroupDemand, Share
 
-Clock = Callable[[], float]
 Timings = dict[str, dict[int, float]]
 AUTO_MEASURED = "auto: measured at warm-up"
 
-_logged: set[str] = set()
-_measuring: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
-    "moe_tail_measurement", default=None
-)
-
-
-def _log_once(message: str, level: int = logging.INFO) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.log(level, message)
 
 
 @dataclass(frozen=True)
@@ -307,7 +294,7 @@ def decide(
             raise ValueError(f"deployment names must be unique, {spec.name!r} repeats")
         tails[spec.name] = tail_decision(spec, cfg)
         file = spec.autoscaling.cluster_config if spec.autoscaling is not None else None
-        try:
+        try:  # once per decision: the options below reuse it
             capacity = cluster_tp_groups(cluster if cluster is not None else file, spec.tp_size)
         except ValueError as e:
             raise ValueError(f"deployment {spec.name!r}: {e}") from None
@@ -334,64 +321,12 @@ def decide(
         decision = Decision(spec.name, spec.role, tails[spec.name], capacities[spec.name], options,
                             budget_reason=share.reason if share else None,
                             accelerator=None if spec.accelerator == "auto" else spec.accelerator)
-        _log_once(f"controller: {decision.describe()}")
+        log_once(f"controller: {decision.describe()}", logger)
         decisions[spec.name] = decision
     return decisions
 
 
 # -- the measurement (Ray) -----------------------------------------------------------------------
-
-
-def current_measurement() -> tuple[str, int] | None:
-    """``(tail, tokens)`` while :func:`measure_on_rank` times that pair, else None (fake clocks)."""
-    return _measuring.get()
-
-
-def resolve_clock(path: str | None) -> Clock:
-    """``"module:callable"`` -> the callable (a zero-argument clock in seconds)."""
-    if path is None:
-        return time.perf_counter
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"tune_clock must look like 'module:callable', got {path!r}")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"tune_clock {path!r} cannot be imported: {e}") from None
-    if not callable(obj):
-        raise ValueError(f"tune_clock {path!r} is not callable")
-    return obj
-
-
-def measure_on_rank(runners: Mapping[int, Any], settings: MeasureSettings, tails: Sequence[str]) -> Timings:
-    """Worker side: time ``tails`` at every token count on this rank (every rank calls this).
-
-    ``runners``: layer -> ``LatentMoERunner``; the lowest layer is timed for all.
-    """
-    import torch
-
-    if not runners:
-        raise ValueError("no runners to measure")
-    runner = runners[min(runners)]
-    clock = resolve_clock(settings.clock)
-    timings: Timings = {tail: {} for tail in tails}
-    with torch.inference_mode():
-        for T in settings.token_counts:
-            for tail in tails:
-                token = _measuring.set((tail, T))
-                try:
-                    timings[tail][T] = time_tails(runner, [T], [tail], settings.reps, clock)[tail][T]
-                finally:
-                    _measuring.reset(token)
-    return timings
-
-
-def apply_plan_on_rank(runners: Mapping[int, Any], plan: TailPlan) -> None:
-    """Worker side: every served layer's runner adopts ``plan`` (raises if a tail is illegal)."""
-    for runner in runners.values():
-        runner.set_plan(plan)
 
 
 def measured_plan(decision: TailDecision, timings: Timings) -> TailPlan:
@@ -421,7 +356,7 @@ def tune_group(workers: Sequence[Any], decision: TailDecision, name: str, timeou
     plan = measured_plan(decision, timings)
     ray.get([w.set_plan.remote(plan) for w in workers], timeout=timeout_s)
     measured = decision.with_measurement(plan)
-    _log_once(f"controller: deployment {name!r}: tail {plan.describe()} ({plan.reason})")
+    log_once(f"controller: deployment {name!r}: tail {plan.describe()} ({plan.reason})", logger)
     return measured
 
 

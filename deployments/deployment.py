@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -39,14 +38,14 @@ from moe_runtime.layer import check_input
 from . import logger
 from .autoscaling import QUEUED_TOKENS, TOKENS_PER_S
 from .controller import Decision, tail_decision, tune_group
-from .errors import ServeInputError, TooLargeError, UnknownLayerError, http_status
-from .metrics import ReplicaMetrics
-from .spec import ResolvedDeployment, format_layers
+from .errors import ServeInputError, TooLargeError, UnknownLayerError, http_status, retryable
+from .metrics import ReplicaStats
+from .routing import ROUTING_STATS_PERIOD_S
+from .spec import ResolvedDeployment, format_layers, with_batching
 from .wire import WireTensor
 from .workers import TPGroup
 
-RATE_WINDOW_S = 10.0  # tokens/s reported to the autoscaler is measured over this window
-RECENT_BATCHES = 256
+BROKEN_ANSWER_DELAY_S = 3 * ROUTING_STATS_PERIOD_S
 
 
 @dataclass
@@ -89,76 +88,6 @@ def to_tensor(value: Any, what: str, dtype: torch.dtype | None) -> torch.Tensor:
     raise ServeInputError(f"{what} must be a numpy array or a torch tensor, got {type(value).__name__}")
 
 
-class Stats:
-    """Replica-side counters reported by ``status()`` and to the autoscaler."""
-
-    def __init__(self) -> None:
-        self.requests = 0
-        self.tokens = 0
-        self.forwards = 0
-        self.forward_tokens = 0
-        self.solo_oversize = 0
-        self.client_errors = 0
-        self.server_errors = 0
-        self.queued_tokens = 0  # admitted, not yet answered
-        self.batch_hist: Counter[int] = Counter()  # power-of-two upper bound -> forwards
-        self.recent_batches: deque[int] = deque(maxlen=RECENT_BATCHES)
-        self.recent_forward_ms: deque[float] = deque(maxlen=RECENT_BATCHES)
-        self.forward_s = 0.0  # wall time of TP-group forwards, as the replica sees them
-        self.by_layer: dict[int, Counter[str]] = {}
-        self.tails: Counter[str] = Counter()
-        self.max_batch_tokens_seen = 0
-        self._done: deque[tuple[float, int]] = deque()
-
-    def forward_done(self, layer: int, tokens: int, requests: int, tail: str, seconds: float) -> None:
-        self.forwards += 1
-        self.forward_s += seconds
-        self.recent_forward_ms.append(round(seconds * 1e3, 2))
-        self.forward_tokens += tokens
-        self.batch_hist[1 << max(0, (tokens - 1).bit_length())] += 1
-        self.recent_batches.append(tokens)
-        self.max_batch_tokens_seen = max(self.max_batch_tokens_seen, tokens)
-        self.tails[tail] += 1
-        c = self.by_layer.setdefault(layer, Counter())
-        c["forwards"] += 1
-        c["requests"] += requests
-        c["tokens"] += tokens
-        now = time.monotonic()
-        self._done.append((now, tokens))
-
-    def tokens_per_s(self) -> float:
-        now = time.monotonic()
-        while self._done and now - self._done[0][0] > RATE_WINDOW_S:
-            self._done.popleft()
-        return sum(t for _, t in self._done) / RATE_WINDOW_S
-
-    def to_dict(self) -> dict[str, Any]:
-        recent = list(self.recent_batches)
-        return {
-            "requests": self.requests,
-            "tokens": self.tokens,
-            "forwards": self.forwards,
-            "forward_tokens": self.forward_tokens,
-            "solo_oversize_requests": self.solo_oversize,
-            "errors": {"client": self.client_errors, "server": self.server_errors},
-            "queued_tokens": self.queued_tokens,
-            "tokens_per_s": round(self.tokens_per_s(), 1),
-            "batch_tokens": {
-                "count": self.forwards,
-                "mean": round(self.forward_tokens / self.forwards, 2) if self.forwards else None,
-                "max": self.max_batch_tokens_seen,
-                "histogram": {f"<={k}": v for k, v in sorted(self.batch_hist.items())},
-                "recent": recent,
-            },
-            "forward_ms": {
-                "mean": round(self.forward_s * 1e3 / self.forwards, 2) if self.forwards else None,
-                "recent": list(self.recent_forward_ms),
-            },
-            "tails": dict(self.tails),
-            "by_layer": {str(k): dict(v) for k, v in sorted(self.by_layer.items())},
-        }
-
-
 class _TokenBudgetWarningFilter(logging.Filter):
     """``@serve.batch`` warns when ``max_batch_size`` exceeds ``max_ongoing_requests``, as if
     both counted requests; here ``max_batch_size`` counts tokens, so the warning is noise."""
@@ -191,21 +120,37 @@ class MoEGroupDeployment:
         # What status() reports: the build-time decision (options, capacity) with this
         # replica's tail decision (measured when auto).
         self.serve_decision = None if decision is None else replace(decision, tail=self.decision)
-        self.stats = Stats()
-        self.metrics = ReplicaMetrics(spec.name, self.replica)
-        self.metrics.decision(self.plan)
+        self.stats = ReplicaStats()
+        self.stats.decision(self.plan)
         logging.getLogger("ray.serve").addFilter(_TokenBudgetWarningFilter())
         self._queues = {layer: self._layer_queue(layer) for layer in resolved.layers}
         # Admission gate of the batch queues: open while the group is idle (see forward()).
         self._group_idle = asyncio.Event()
         self._group_idle.set()
         self.group.busy_listeners.append(self._on_group_busy)
+        self._in_flight = 0  # requests admitted and not yet answered, every layer
         logger.info(
-            "replica %s of deployment %r: TP %d, layers %s, tail %s (%s); max_batch_tokens %d, "
-            "max_tokens_per_request %d, wait %.3f s",
+            "replica %s of deployment %r: TP %d, layers %s, tail %s (%s); %s",
             self.replica, spec.name, spec.tp_size, format_layers(resolved.layers), self.plan.describe(),
-            self.plan.reason, spec.max_batch_tokens, spec.max_tokens_per_request, spec.batch_wait_timeout_s,
+            self.plan.reason, self._batching(),
         )
+
+    def _batching(self) -> str:
+        s = self.spec
+        return (f"max_batch_tokens {s.max_batch_tokens}, max_tokens_per_request {s.max_tokens_per_request}, "
+                f"batch wait {s.batch_wait_timeout_s:.3f} s (none for a lone request on an idle group)")
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's ``user_config`` hook: apply new batching knobs (``spec.BATCHING_KNOBS``) to the
+        running replica -- no restart, no reload; a bad value raises ``ValueError``."""
+        spec = with_batching(self.spec, user_config)
+        if spec == self.spec:
+            return
+        self.spec = spec
+        for queue in self._queues.values():
+            queue.set_max_batch_size(spec.max_batch_tokens)
+            queue.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
+        logger.info("replica %s of deployment %r reconfigured: %s", self.replica, spec.name, self._batching())
 
     def _layer_queue(self, layer: int):
         # One @serve.batch queue per layer: layers never share a forward.
@@ -265,18 +210,22 @@ class MoEGroupDeployment:
 
     async def forward(self, hidden_states: Any, layer: int, router_logits: Any = None) -> Any:
         """``[T, H]`` output of MoE ``layer`` on ``hidden_states`` (same kind as the input)."""
-        self.stats.requests += 1
         try:
             req = self._validate(hidden_states, layer, router_logits)
         except ServeInputError:
-            self.stats.client_errors += 1
-            self.metrics.error("client")
+            self.stats.error("client")
             raise
-        self.stats.queued_tokens += req.tokens
-        self.metrics.queued_tokens(self.stats.queued_tokens)
+        # A lone request on an idle group runs at once: nothing could join its batch, so
+        # waiting batch_wait_timeout_s would be pure latency (a decode step's single call).
+        alone = self._in_flight == 0 and self._group_idle.is_set()
+        self._in_flight += 1
+        self.stats.admitted(req.tokens)
+        answered = False
         try:
             if req.tokens > self.spec.max_batch_tokens:
                 self.stats.solo_oversize += 1
+                out = (await self._run_batch(req.layer, [req]))[0]
+            elif alone:
                 out = (await self._run_batch(req.layer, [req]))[0]
             else:
                 # Continuous batching: ``@serve.batch`` seals a batch ``batch_wait_timeout_s``
@@ -286,18 +235,20 @@ class MoEGroupDeployment:
                 # forward are released together when it ends and fill the next batch.
                 await self._group_idle.wait()
                 out = await self._queues[req.layer](req)
+            answered = True
         except Exception as e:
-            kind = "server" if http_status(e) >= 500 else "client"
-            if kind == "server":
-                self.stats.server_errors += 1
-            else:
-                self.stats.client_errors += 1
-            self.metrics.error(kind)
+            self.stats.error("server" if http_status(e) >= 500 else "client")
+            if self.group.broken is not None:
+                self.stats.group_broken()
+                if retryable(e):
+                    # The router learns of the broken group within ROUTING_STATS_PERIOD_S
+                    # (record_routing_stats); answering after that lets the caller's one
+                    # retry (forwards are idempotent) land on a usable replica.
+                    await asyncio.sleep(BROKEN_ANSWER_DELAY_S)
             raise
         finally:
-            self.stats.queued_tokens -= req.tokens
-            self.metrics.queued_tokens(self.stats.queued_tokens)
-        self.stats.tokens += req.tokens
+            self._in_flight -= 1
+            self.stats.released(req.tokens, answered)
         if req.kind == "numpy":
             return out.float().numpy()
         return WireTensor.from_torch(out) if req.kind == "wire" else out
@@ -320,7 +271,6 @@ class MoEGroupDeployment:
             out, tail = await self.group.forward(layer, x, logits)
             seconds = time.perf_counter() - start
             self.stats.forward_done(layer, x.shape[0], len(part), tail, seconds)
-            self.metrics.forward_done(layer, x.shape[0], tail, seconds)
             if len(part) == 1:
                 results[idx[0]] = out
                 continue
@@ -359,9 +309,22 @@ class MoEGroupDeployment:
             "counters": self.stats.to_dict(),
         }
 
+    def health(self) -> dict[str, Any]:
+        """Cheap health view for the ingress's ``/healthz`` (no collective)."""
+        broken = self.group.broken
+        return {"healthy": broken is None, "replica": self.replica, "broken_reason": broken}
+
     async def check_health(self) -> None:
         """Serve's health probe: every worker alive and the group able to run a collective."""
-        await self.group.health_check()
+        try:
+            await self.group.health_check()
+        except Exception:
+            self.stats.group_broken()
+            raise
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Read by ``deployments.routing.HealthyReplicaRouter``: route around a broken group."""
+        return {"healthy": self.group.broken is None}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Token-level load for the token-aware autoscaling policy (``deployments.autoscaling``)."""

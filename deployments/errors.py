@@ -57,6 +57,19 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def retry_after_s(exc: BaseException) -> float | None:
+    """Seconds after which a refused request may be retried (Serve's backpressure), or None."""
+    value = getattr(root_cause(exc), "retry_after_s", None)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def retryable(exc: BaseException) -> bool:
+    """A forward that met a broken TP group: another replica can answer it (not a timeout,
+    which may have run, and not backpressure, which a retry would only add to)."""
+    cause = root_cause(exc)
+    return isinstance(cause, GroupUnavailableError) and not isinstance(cause, GroupTimeoutError)
+
+
 def error_message(exc: BaseException) -> str:
     """The clean, one-line message of an error (no Ray traceback)."""
     cause = root_cause(exc)
@@ -66,11 +79,12 @@ def error_message(exc: BaseException) -> str:
 
 
 def http_status(exc: BaseException) -> int:
-    """4xx for client faults, 5xx for ours."""
+    """4xx for client faults, 5xx for ours (Serve's ``BackPressureError``: its own, 503 or 429)."""
     cause = root_cause(exc)
-    status = getattr(cause, "status", None)
-    if isinstance(status, int):
-        return status
+    for attr in ("status", "status_code"):
+        status = getattr(cause, attr, None)
+        if isinstance(status, int):
+            return status
     if isinstance(cause, ValueError):
         return 400
     if isinstance(cause, TimeoutError):

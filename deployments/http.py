@@ -9,15 +9,18 @@ Routes:
   answer: safetensors with ``output [T, H]``. ``hidden_states`` is F32 (any deployment: it
   takes the numpy path of the handle API, so a bfloat16 deployment rounds it and answers F32)
   or BF16 (bfloat16 deployments only; answered in BF16).
-* ``GET /v1/status``: JSON status of every deployment. ``GET /healthz``: liveness.
+* ``GET /v1/status``: JSON status of every deployment. ``GET /healthz``: 200 when every
+  deployment answers with a usable TP group, 503 otherwise (JSON details either way).
 
 Errors are JSON ``{"error": message, "type": class, "status": code}``: 400 malformed body /
 missing or unexpected tensor / bad shape, dtype or values, 404 unknown layer, deployment or
 route, 413 too many tokens or a body over ``max_body_bytes``; 5xx are ours (503: the TP group
-broke and its replica is being replaced; 504: a call outlived its bound).
+broke and its replica is being replaced, or the deployment's queue is full
+(``max_queued_requests``; with a ``Retry-After`` header); 504: a call outlived its bound).
 """
 
 import asyncio
+import math
 from typing import Any
 
 import numpy as np
@@ -33,14 +36,16 @@ from safetensors.torch import save as st_save
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import logger
+from .client import choose_deployment
 from .errors import (
     GroupTimeoutError,
     ServeInputError,
     TooLargeError,
-    UnknownDeploymentError,
     UnknownLayerError,
     error_message,
     http_status,
+    retry_after_s,
+    retryable,
     root_cause,
 )
 from .spec import format_layers
@@ -48,6 +53,7 @@ from .wire import WireTensor
 
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 INPUT_TENSORS = ("hidden_states", "router_logits")
+HEALTH_TIMEOUT_S = 5.0
 
 api = FastAPI(title="latent-moe-serve", docs_url=None, redoc_url=None)
 
@@ -55,8 +61,10 @@ api = FastAPI(title="latent-moe-serve", docs_url=None, redoc_url=None)
 def error_response(exc: BaseException) -> JSONResponse:
     cause = root_cause(exc)
     status = http_status(cause)
+    retry = retry_after_s(cause)
+    headers = None if retry is None else {"Retry-After": str(max(0, math.ceil(retry)))}
     return JSONResponse({"error": error_message(cause), "type": type(cause).__name__, "status": status},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -104,18 +112,6 @@ def parse_layer(layer: str) -> int:
         raise UnknownLayerError(f"layer must be an integer, got {layer!r}") from None
 
 
-def choose_deployment(layers: dict[str, list[int]], default: str, deployment: str | None, layer: Any) -> str:
-    """The deployment to call: the named one, else the default when it serves ``layer``, else
-    the first that does (apps split by layer ranges), else the default (which says what is wrong)."""
-    if deployment is not None:
-        if deployment not in layers:
-            raise UnknownDeploymentError(f"unknown deployment {deployment!r}; this app serves {list(layers)}")
-        return deployment
-    if layer in layers[default]:
-        return default
-    return next((name for name, served in layers.items() if layer in served), default)
-
-
 @serve.ingress(api)
 class MoEIngress:
     """Routes HTTP and app-handle calls to the TP-group deployments by name."""
@@ -154,11 +150,38 @@ class MoEIngress:
         self, hidden_states: Any, layer: int, router_logits: Any = None, deployment: str | None = None
     ) -> Any:
         try:
-            name = self.route(deployment, layer)
-            response = self.groups[name].forward.remote(hidden_states, layer, router_logits)
-            return await self._call(f"layer {layer} of {name!r}", response)
+            return await self._forward(self.route(deployment, layer), hidden_states, layer, router_logits)
         except Exception as e:
             raise root_cause(e) from None
+
+    async def _forward(self, name: str, hidden_states: Any, layer: int, router_logits: Any) -> Any:
+        # Once more when the first replica's TP group broke (forwards are idempotent; the
+        # router has learnt by then to send the retry to a usable replica).
+        for attempt in range(2):
+            try:
+                response = self.groups[name].forward.remote(hidden_states, layer, router_logits)
+                return await self._call(f"layer {layer} of {name!r}", response)
+            except Exception as e:
+                if attempt or not retryable(e):
+                    raise
+
+    def routing(self) -> dict[str, Any]:
+        """What direct clients need to route by layer themselves (``MoEClient``)."""
+        return {"default": self.default, "layers": self.layers}
+
+    async def health(self) -> dict[str, Any]:
+        """Each deployment's group health, as one of its replicas reports it."""
+
+        async def one(name: str, handle) -> tuple[str, dict]:
+            try:
+                return name, await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
+            except Exception as e:
+                return name, {"healthy": False, "error": error_message(e)}
+
+        results = dict(await asyncio.gather(*(one(n, h) for n, h in self.groups.items())))
+        deployments = {n: {"layers": format_layers(self.layers[n]), **r} for n, r in results.items()}
+        return {"ok": all(r["healthy"] for r in results.values()), "default": self.default,
+                "deployments": deployments}
 
     async def status(self) -> dict[str, Any]:
         """Every deployment's ``status()``; with several replicas, whichever replica the handle
@@ -196,9 +219,7 @@ class MoEIngress:
             hidden = x.numpy() if x.dtype == torch.float32 else WireTensor.from_torch(x)
             if logits is not None:
                 logits = WireTensor.from_torch(logits)
-            out = await self._call(
-                f"layer {layer_id} of {name!r}", self.groups[name].forward.remote(hidden, layer_id, logits)
-            )
+            out = await self._forward(name, hidden, layer_id, logits)
             if isinstance(out, WireTensor):
                 out = out.to_torch()
             return Response(encode_body({"output": out}), media_type=SAFETENSORS_MEDIA_TYPE)
@@ -221,8 +242,9 @@ class MoEIngress:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        return JSONResponse({"ok": True, "default": self.default,
-                             "deployments": {n: format_layers(v) for n, v in self.layers.items()}})
+        """200 when every deployment answers with a usable TP group, else 503 with the details."""
+        health = await self.health()
+        return JSONResponse(health, status_code=200 if health["ok"] else 503)
 
 
 Ingress = serve.deployment(MoEIngress)

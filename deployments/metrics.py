@@ -1,95 +1,183 @@
-"""Ray metrics of a TP-group replica (DESIGN §5.3): what ran, how long, and what was decided.
+"""What a TP-group replica counts: one object feeds ``status()`` and the Serve metrics.
 
-Every metric carries the tags ``deployment`` and ``replica``; per-forward metrics add
-``layer`` and ``tail``. Ray exports them on its Prometheus endpoint (every node's metrics
-agent, ``_metrics_export_port`` / ``--metrics-export-port``) with a ``ray_`` prefix, e.g.
-``ray_moe_forward_latency_ms_bucket{deployment="decode",layer="1",tail="sharded",...}``.
+:class:`ReplicaStats` is updated once per event (request admitted, forward done, error) and
+keeps both the counters ``status()["counters"]`` reports (and the autoscaler reads) and the
+metrics exported through ``ray.serve.metrics``, which tag every series with ``deployment``,
+``replica`` and ``application`` themselves. Ray exports them on its Prometheus endpoint with
+a ``ray_`` prefix (counters also get ``_total``), e.g.
+``ray_moe_forward_latency_ms_bucket{deployment="decode",layer="1",tail="sharded",...}``;
+``deployments/dashboards/moe_tier.json`` is a Grafana dashboard over them.
 
-* ``moe_forward_latency_ms`` (histogram): wall time of one TP-group forward as the replica
-  sees it (submission to rank 0's answer).
-* ``moe_batch_tokens`` (histogram): tokens per forward (the token-budget batcher's result).
-* ``moe_tail_batches`` (counter): forwards per tail actually run (per-range plans mix tails).
-* ``moe_queued_tokens`` (gauge): tokens admitted and not yet answered, the autoscaler's signal.
-* ``moe_errors`` (counter): failed requests, ``kind`` = ``client`` (4xx) or ``server`` (5xx).
-* ``moe_tail_plan`` (gauge, 1 per tier): the controller's decision, one series per tier of the
-  deployment's tail plan (``tail``, ``max_tokens`` = the tier's upper bound or ``inf``).
-* ``moe_tail_timing_ms`` (gauge): the warm-up measurement behind an ``auto`` plan, per
-  ``tail`` and ``tokens``.
+* ``moe_requests`` / ``moe_tokens`` (counters): answered requests and their tokens (tokens/s).
+* ``moe_forward_latency_ms`` (histogram, ``layer``, ``tail``): one TP-group forward as the
+  replica sees it (submission to rank 0's answer).
+* ``moe_batch_tokens`` (histogram, ``layer``): tokens per forward (the batcher's result).
+* ``moe_tail_batches`` (counter, ``layer``, ``tail``): forwards per tail actually run.
+* ``moe_queued_tokens`` (gauge): tokens admitted and not yet answered (the autoscaler's signal).
+* ``moe_errors`` (counter, ``kind`` = ``client`` (4xx) or ``server`` (5xx)).
+* ``moe_group_healthy`` (gauge): 1 while the replica's TP group is usable, 0 once broken.
+* ``moe_tail_plan`` (gauge, 1 per tier, ``tail``, ``max_tokens``) and ``moe_tail_timing_ms``
+  (gauge, ``tail``, ``tokens``): the controller's decision and the warm-up timings behind it.
 """
 
 from __future__ import annotations
 
-from ray.util import metrics
+import time
+from collections import Counter, deque
+from typing import Any
+
+from ray.serve import metrics
 
 from moe_runtime.plan import TailPlan
 
 LATENCY_BOUNDARIES_MS = [0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
 TOKEN_BOUNDARIES = [float(2**i) for i in range(17)]  # 1 .. 65536
+RATE_WINDOW_S = 10.0  # tokens/s reported to the autoscaler is measured over this window
+RECENT_BATCHES = 256
 
+REQUESTS = "moe_requests"
+TOKENS = "moe_tokens"
 FORWARD_LATENCY = "moe_forward_latency_ms"
 BATCH_TOKENS = "moe_batch_tokens"
 TAIL_BATCHES = "moe_tail_batches"
 QUEUED_TOKENS = "moe_queued_tokens"
 ERRORS = "moe_errors"
+GROUP_HEALTHY = "moe_group_healthy"
 TAIL_PLAN = "moe_tail_plan"
 TAIL_TIMING = "moe_tail_timing_ms"
-METRIC_NAMES = (FORWARD_LATENCY, BATCH_TOKENS, TAIL_BATCHES, QUEUED_TOKENS, ERRORS, TAIL_PLAN, TAIL_TIMING)
+METRIC_NAMES = (REQUESTS, TOKENS, FORWARD_LATENCY, BATCH_TOKENS, TAIL_BATCHES, QUEUED_TOKENS, ERRORS,
+                GROUP_HEALTHY, TAIL_PLAN, TAIL_TIMING)
 
-_BASE = ("deployment", "replica")
 
+class ReplicaStats:
+    """Counters of one replica and its Serve metrics, updated together."""
 
-class ReplicaMetrics:
-    """The metrics of one replica of ``deployment`` (created once, in the replica's __init__)."""
+    def __init__(self) -> None:
+        self.requests = 0
+        self.tokens = 0
+        self.forwards = 0
+        self.forward_tokens = 0
+        self.solo_oversize = 0
+        self.errors: Counter[str] = Counter()
+        self.queued_tokens = 0  # admitted, not yet answered
+        self.batch_hist: Counter[int] = Counter()  # power-of-two upper bound -> forwards
+        self.recent_batches: deque[int] = deque(maxlen=RECENT_BATCHES)
+        self.recent_forward_ms: deque[float] = deque(maxlen=RECENT_BATCHES)
+        self.forward_s = 0.0
+        self.by_layer: dict[int, Counter[str]] = {}
+        self.tails: Counter[str] = Counter()
+        self.max_batch_tokens_seen = 0
+        self._done: deque[tuple[float, int]] = deque()
 
-    def __init__(self, deployment: str, replica: str) -> None:
-        base = {"deployment": deployment, "replica": replica}
-        self.forward_latency = metrics.Histogram(
+        self._requests = metrics.Counter(REQUESTS, description="Answered forward requests")
+        self._tokens = metrics.Counter(TOKENS, description="Tokens of answered forward requests")
+        self._latency = metrics.Histogram(
             FORWARD_LATENCY, description="Wall time of one TP-group forward (ms)",
-            boundaries=LATENCY_BOUNDARIES_MS, tag_keys=(*_BASE, "layer", "tail"),
+            boundaries=LATENCY_BOUNDARIES_MS, tag_keys=("layer", "tail"),
         )
-        self.batch_tokens = metrics.Histogram(
-            BATCH_TOKENS, description="Tokens per TP-group forward",
-            boundaries=TOKEN_BOUNDARIES, tag_keys=(*_BASE, "layer"),
+        self._batch_tokens = metrics.Histogram(
+            BATCH_TOKENS, description="Tokens per TP-group forward", boundaries=TOKEN_BOUNDARIES,
+            tag_keys=("layer",),
         )
-        self.tail_batches = metrics.Counter(
-            TAIL_BATCHES, description="TP-group forwards per tail run", tag_keys=(*_BASE, "layer", "tail")
+        self._tail_batches = metrics.Counter(
+            TAIL_BATCHES, description="TP-group forwards per tail run", tag_keys=("layer", "tail")
         )
-        self.queued = metrics.Gauge(
-            QUEUED_TOKENS, description="Tokens admitted and not yet answered", tag_keys=_BASE
+        self._queued = metrics.Gauge(QUEUED_TOKENS, description="Tokens admitted and not yet answered")
+        self._errors = metrics.Counter(
+            ERRORS, description="Failed requests (client: 4xx, server: 5xx)", tag_keys=("kind",)
         )
-        self.errors = metrics.Counter(
-            ERRORS, description="Failed requests (client: 4xx, server: 5xx)", tag_keys=(*_BASE, "kind")
-        )
-        self.tail_plan = metrics.Gauge(
+        self._healthy = metrics.Gauge(GROUP_HEALTHY, description="1 while the replica's TP group is usable")
+        self._tail_plan = metrics.Gauge(
             TAIL_PLAN, description="Controller decision: 1 per tier of the tail plan",
-            tag_keys=(*_BASE, "tail", "max_tokens"),
+            tag_keys=("tail", "max_tokens"),
         )
-        self.tail_timing = metrics.Gauge(
+        self._tail_timing = metrics.Gauge(
             TAIL_TIMING, description="Warm-up timing of a tail at a token count (ms)",
-            tag_keys=(*_BASE, "tail", "tokens"),
+            tag_keys=("tail", "tokens"),
         )
-        for metric in (self.forward_latency, self.batch_tokens, self.tail_batches, self.queued,
-                       self.errors, self.tail_plan, self.tail_timing):
-            metric.set_default_tags(base)
-        self.queued.set(0)
+        self._queued.set(0)
+        self._healthy.set(1)
 
-    def forward_done(self, layer: int, tokens: int, tail: str, seconds: float) -> None:
-        tags = {"layer": str(layer), "tail": tail}
-        self.forward_latency.observe(seconds * 1e3, tags=tags)
-        self.tail_batches.inc(tags=tags)
-        self.batch_tokens.observe(tokens, tags={"layer": str(layer)})
+    # -- events ---------------------------------------------------------------------------
 
-    def queued_tokens(self, tokens: int) -> None:
-        self.queued.set(tokens)
+    def admitted(self, tokens: int) -> None:
+        self.requests += 1
+        self.queued_tokens += tokens
+        self._queued.set(self.queued_tokens)
+
+    def released(self, tokens: int, answered: bool) -> None:
+        self.queued_tokens -= tokens
+        self._queued.set(self.queued_tokens)
+        if answered:
+            self.tokens += tokens
+            self._requests.inc()
+            self._tokens.inc(tokens)
 
     def error(self, kind: str) -> None:
-        self.errors.inc(tags={"kind": kind})
+        """``kind``: ``client`` (4xx) or ``server`` (5xx)."""
+        self.errors[kind] += 1
+        self._errors.inc(tags={"kind": kind})
+
+    def group_broken(self) -> None:
+        self._healthy.set(0)
+
+    def forward_done(self, layer: int, tokens: int, requests: int, tail: str, seconds: float) -> None:
+        self.forwards += 1
+        self.forward_s += seconds
+        self.recent_forward_ms.append(round(seconds * 1e3, 2))
+        self.forward_tokens += tokens
+        self.batch_hist[1 << max(0, (tokens - 1).bit_length())] += 1
+        self.recent_batches.append(tokens)
+        self.max_batch_tokens_seen = max(self.max_batch_tokens_seen, tokens)
+        self.tails[tail] += 1
+        c = self.by_layer.setdefault(layer, Counter())
+        c["forwards"] += 1
+        c["requests"] += requests
+        c["tokens"] += tokens
+        self._done.append((time.monotonic(), tokens))
+        tags = {"layer": str(layer), "tail": tail}
+        self._latency.observe(seconds * 1e3, tags=tags)
+        self._tail_batches.inc(tags=tags)
+        self._batch_tokens.observe(tokens, tags={"layer": str(layer)})
 
     def decision(self, plan: TailPlan) -> None:
         """Export the plan the replica runs (once, after warm-up) and its measurements."""
         for tier in plan.tiers:
             bound = "inf" if tier.max_tokens is None else str(tier.max_tokens)
-            self.tail_plan.set(1, tags={"tail": tier.tail, "max_tokens": bound})
+            self._tail_plan.set(1, tags={"tail": tier.tail, "max_tokens": bound})
         for tail, per_count in plan.timings_ms.items():
             for tokens, ms in per_count.items():
-                self.tail_timing.set(ms, tags={"tail": tail, "tokens": str(tokens)})
+                self._tail_timing.set(ms, tags={"tail": tail, "tokens": str(tokens)})
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def tokens_per_s(self) -> float:
+        now = time.monotonic()
+        while self._done and now - self._done[0][0] > RATE_WINDOW_S:
+            self._done.popleft()
+        return sum(t for _, t in self._done) / RATE_WINDOW_S
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "forwards": self.forwards,
+            "forward_tokens": self.forward_tokens,
+            "solo_oversize_requests": self.solo_oversize,
+            "errors": {"client": self.errors["client"], "server": self.errors["server"]},
+            "queued_tokens": self.queued_tokens,
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "batch_tokens": {
+                "count": self.forwards,
+                "mean": round(self.forward_tokens / self.forwards, 2) if self.forwards else None,
+                "max": self.max_batch_tokens_seen,
+                "histogram": {f"<={k}": v for k, v in sorted(self.batch_hist.items())},
+                "recent": list(self.recent_batches),
+            },
+            "forward_ms": {
+                "mean": round(self.forward_s * 1e3 / self.forwards, 2) if self.forwards else None,
+                "recent": list(self.recent_forward_ms),
+            },
+            "tails": dict(self.tails),
+            "by_layer": {str(k): dict(v) for k, v in sorted(self.by_layer.items())},
+        }

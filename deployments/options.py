@@ -12,12 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import AutoscalingSpec, DeploymentSpec
+from .routing import ROUTER_CLASS, ROUTING_STATS_PERIOD_S
+from .spec import BATCHING_KNOBS, AutoscalingSpec, DeploymentSpec, with_batching
 
 # Ray's convention for "must run on this accelerator type" (what ``accelerator_type=`` sets).
 # Ray gives the resource 1 per node, so P ranks of a node ask P x 0.001 of it together.
 ACCELERATOR_FRACTION = 0.001
 CPU_RANK_CPUS = 0.25  # default worker_cpus of a CPU rank (see DeploymentSpec.worker_cpus)
+# A replica whose constructor fails (bad checkpoint path, placement) is retried this many times
+# before the deploy fails; Serve's default (20, with backoff) takes far longer to say so.
+MAX_CONSTRUCTOR_RETRIES = 3
+RETRY_AFTER_S = 1.0  # Retry-After of a request refused by max_queued_requests
 
 
 def accelerator_resource(accelerator_type: str) -> str:
@@ -105,6 +110,12 @@ def deployment_options(spec: DeploymentSpec, capacity: int | None = None) -> dic
         "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": 1.0,
         "logging_config": {"enable_access_log": spec.access_log},
+        "max_queued_requests": spec.max_queued_requests,
+        "backpressure_config": {"retry_after_s": RETRY_AFTER_S},
+        "max_constructor_retry_count": MAX_CONSTRUCTOR_RETRIES,
+        "user_config": {k: getattr(spec, k) for k in BATCHING_KNOBS},
+        "request_router_config": {"request_router_class": ROUTER_CLASS,
+                                  "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
     }
     if spec.autoscaling is not None:
         if capacity is None:
@@ -112,14 +123,50 @@ def deployment_options(spec: DeploymentSpec, capacity: int | None = None) -> dic
         options["autoscaling_config"] = autoscaling_config(spec, capacity)
     else:
         options["num_replicas"] = spec.num_replicas or 1
+    options = merge_serve_options(options, spec.deployment_config, f"deployment {spec.name!r}")
+    with_batching(spec, options["user_config"])  # its knobs must be legal before any replica starts
     return options
 
 
-def ingress_options(cpus: float = 0.1, max_ongoing_requests: int = 256) -> dict[str, Any]:
-    """The HTTP/app-handle ingress: one light replica that forwards to the TP groups."""
+class _OptionsProbe:
+    """A stand-in deployment class: only its options are validated."""
+
+
+def merge_serve_options(computed: dict[str, Any], overrides: dict[str, Any], where: str) -> dict[str, Any]:
+    """``overrides`` (a spec's ``deployment_config``) over the computed options, validated by
+    Serve's own models; ``ValueError`` naming the offending option."""
+    import inspect
+
+    from ray import serve
+    from ray.serve.deployment import Deployment
+
+    internal = {"self", "func_or_class", "name", "version", "_init_args", "_init_kwargs", "_internal"}
+    allowed = set(inspect.signature(Deployment.options).parameters) - internal
+    unknown = sorted(set(overrides) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: deployment_config has unknown Serve option(s) {unknown}; "
+                         f"allowed: {sorted(allowed)}")
+    merged = {**computed, **overrides}
+    if "num_replicas" in overrides:  # the one given wins over the computed other
+        merged.pop("autoscaling_config", None)
+    elif "autoscaling_config" in overrides:
+        merged.pop("num_replicas", None)
+    try:  # Serve's own validation (DeploymentConfig, replica options), as at deploy time
+        serve.deployment(_OptionsProbe).options(**merged)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: invalid Serve options after merging deployment_config: {e}") from None
+    return merged
+
+
+def ingress_options(cpus: float = 0.1, replicas: int = 2, max_ongoing_requests: int = 256,
+                    max_queued_requests: int = 1024) -> dict[str, Any]:
+    """The HTTP/app-handle ingress: light replicas that forward to the TP groups; two by
+    default so that the ingress is not a single point of failure."""
     return {
         "name": "ingress",
         "ray_actor_options": {"num_cpus": cpus, "num_gpus": 0},
         "max_ongoing_requests": max_ongoing_requests,
-        "num_replicas": 1,
+        "max_queued_requests": max_queued_requests,
+        "backpressure_config": {"retry_after_s": RETRY_AFTER_S},
+        "num_replicas": replicas,
     }

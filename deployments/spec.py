@@ -148,6 +148,12 @@ class DeploymentSpec(BaseModel):
     # nicer than the replica, so the replica's event loop keeps receiving requests (and
     # forming the next batch) while the ranks compute. Ignored on GPUs.
     worker_nice_increment: int = Field(0, ge=0, le=19)
+    # Bounded queue: past this many requests waiting for a replica, a call is refused at once
+    # (handle: BackPressureError, HTTP: 503 + Retry-After); -1: unbounded (Serve's default).
+    max_queued_requests: int = Field(256, ge=-1)
+    # Serve options merged over the computed ones, validated against Serve's DeploymentConfig
+    # (e.g. request_router_config, max_constructor_retry_count); see options.deployment_options.
+    deployment_config: dict[str, Any] = Field(default_factory=dict)
     # Serve writes one access-log line per call; a layer tier is called once per model layer
     # per step, so that log costs real replica CPU at high request rates. Off unless asked.
     access_log: bool = False
@@ -233,6 +239,21 @@ class DeploymentSpec(BaseModel):
 
 
 _DEPLOYMENT_FIELDS = set(DeploymentSpec.model_fields)
+# Fields a running replica takes through Serve's user_config / reconfigure() (no restart).
+BATCHING_KNOBS = ("max_batch_tokens", "batch_wait_timeout_s", "max_tokens_per_request")
+
+
+def with_batching(spec: DeploymentSpec, user_config: dict[str, Any] | None) -> DeploymentSpec:
+    """``spec`` with the batching knobs of ``user_config``, validated like the spec's fields."""
+    user_config = user_config or {}
+    unknown = sorted(set(user_config) - set(BATCHING_KNOBS))
+    if unknown:
+        raise ValueError(f"user_config of deployment {spec.name!r}: unknown key(s) {unknown}; "
+                         f"it takes {list(BATCHING_KNOBS)}")
+    try:
+        return DeploymentSpec.model_validate({**spec.model_dump(), **user_config})
+    except ValueError as e:
+        raise ValueError(f"user_config of deployment {spec.name!r}: {e}") from None
 
 
 def parse_layers(text: str) -> list[int] | None:
@@ -281,6 +302,7 @@ class AppArgs(BaseModel):
     deployments: list[DeploymentSpec]
     http_max_body_bytes: int | None = Field(None, ge=1024)
     ingress_cpus: float = Field(0.1, gt=0)
+    ingress_replicas: int = Field(2, ge=1)
     # Bound of an ingress -> deployment call (HTTP and app-handle paths); None: derived.
     request_timeout_s: float | None = Field(None, gt=0)
 

@@ -9,6 +9,7 @@ bytes as a numpy array plus its torch dtype (bfloat16, which numpy lacks, travel
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,10 +30,20 @@ class WireTensor:
         array = (t.view(view) if view is not None else t).numpy()
         return cls(array, str(t.dtype).removeprefix("torch."))
 
-    def to_torch(self) -> torch.Tensor:
-        """A torch tensor over the bytes; copied when Ray handed a read-only buffer."""
-        array = self.array if self.array.flags.writeable else self.array.copy()
-        t = torch.from_numpy(array)
+    def to_torch(self, writable: bool = True) -> torch.Tensor:
+        """A torch tensor over the bytes; copied when Ray handed a read-only buffer, unless the
+        caller only reads it (``writable=False``: no copy)."""
+        array = self.array
+        if not array.flags.writeable:
+            if writable:
+                array = array.copy()
+            else:
+                with warnings.catch_warnings():  # torch warns about read-only buffers; we only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    return self._view(torch.from_numpy(array))
+        return self._view(torch.from_numpy(array))
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
         dtype = getattr(torch, self.dtype)
         return t.view(dtype) if dtype in _VIEW_AS else t
 

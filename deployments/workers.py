@@ -28,6 +28,7 @@ from moe_runtime.checkpoint import torch_dtype
 from moe_runtime.collectives import Collectives, default_backend, free_port, init_group
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.runner import build_rank_runners
+from moe_runtime.tuning import apply_plan, measure_runners
 
 from . import logger
 from .errors import GroupTimeoutError, GroupUnavailableError, error_message
@@ -36,6 +37,7 @@ from .spec import ResolvedDeployment
 from .wire import WireTensor
 
 WORKER_NAMESPACE = "latent_moe_serve"
+INLINE_BYTES = 64 * 1024  # below Ray's inline-argument limit (100 KiB by default)
 # Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
 _VISIBILITY_VARS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
@@ -122,8 +124,10 @@ class TPWorker:
         """Run ``layer`` on the batch; rank 0 returns ``out [T, H]`` (sequence parallel: every
         rank returns its own rows), the others None; plus the tail that ran."""
         runner = self.runners[layer]
-        x = x_TH.to_torch().to(self.device, non_blocking=True)
-        logits = None if router_logits_TE is None else router_logits_TE.to_torch().to(self.device)
+        x = x_TH.to_torch(writable=False).to(self.device, non_blocking=True)
+        logits = router_logits_TE
+        if logits is not None:
+            logits = logits.to_torch(writable=False).to(self.device)
         with torch.inference_mode():
             out = runner.forward(x, logits)
         tail = runner.last_tail
@@ -133,15 +137,11 @@ class TPWorker:
 
     def measure_tails(self, settings: Any, tails: list[str]) -> dict[str, dict[int, float]]:
         """Warm-up: time ``tails`` on this rank (every rank at once: the tails run collectives)."""
-        from .controller import measure_on_rank
-
-        return measure_on_rank(self.runners, settings, tails)
+        return measure_runners(self.runners, settings.token_counts, settings.reps, settings.clock, tails)
 
     def set_plan(self, plan: Any) -> None:
         """Adopt the controller's (measured) plan on every served layer."""
-        from .controller import apply_plan_on_rank
-
-        apply_plan_on_rank(self.runners, plan)
+        apply_plan(self.runners, plan)
 
     def barrier(self) -> int:
         """The health collective: a tiny all-reduce that every rank must join."""
@@ -304,7 +304,9 @@ class TPGroup:
         T = x_TH.shape[0]
         x_w = WireTensor.from_torch(x_TH)
         logits_w = None if router_logits_TE is None else WireTensor.from_torch(router_logits_TE)
-        if self.world > 1:  # into the object store once rather than serialised for every rank
+        if self.world > 1 and x_w.array.nbytes > INLINE_BYTES:
+            # Into the object store once rather than serialised for every rank; small batches
+            # (decode) travel inline in the call, which costs less than a put and a fetch.
             x_w = ray.put(x_w)
             logits_w = None if logits_w is None else ray.put(logits_w)
         results = await self._shielded(

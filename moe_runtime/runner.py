@@ -30,10 +30,11 @@ logger = logging.getLogger("moe_runtime")
 _logged: set[str] = set()
 
 
-def log_once(message: str) -> None:
+def log_once(message: str, log: logging.Logger = logger, level: int = logging.INFO) -> None:
+    """Log ``message`` the first time only (decisions, not per-request events)."""
     if message not in _logged:
         _logged.add(message)
-        logger.info(message)
+        log.log(level, message)
 
 
 class StageTimer:

@@ -7,9 +7,12 @@ ranks agree; the caller distributes it.
 
 from __future__ import annotations
 
+import contextvars
+import importlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -17,6 +20,11 @@ from .plan import TailPlan, TailTier
 from .runner import LatentMoERunner
 
 Clock = Callable[[], float]
+Timings = dict[str, dict[int, float]]
+
+_measuring: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "moe_tail_measurement", default=None
+)
 
 
 def time_tails(
@@ -73,3 +81,55 @@ def plan_from_timings(timings: dict[str, dict[int, float]], reason: str = "measu
         f"T={T}: {tail} {timings[tail][T]:.2f} ms" for T, tail in zip(counts, winners, strict=True)
     )
     return TailPlan(tuple(tiers), f"{reason}: fastest per token count ({summary})", timings)
+
+
+# -- what a TP rank runs at warm-up (the Serve workers call these; no Ray here) ----------------
+
+
+def current_measurement() -> tuple[str, int] | None:
+    """``(tail, tokens)`` while :func:`measure_runners` times that pair, else None (fake clocks)."""
+    return _measuring.get()
+
+
+def resolve_clock(path: str | None) -> Clock:
+    """``"module:callable"`` -> the callable (a zero-argument clock in seconds)."""
+    if path is None:
+        return time.perf_counter
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"tune_clock must look like 'module:callable', got {path!r}")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"tune_clock {path!r} cannot be imported: {e}") from None
+    if not callable(obj):
+        raise ValueError(f"tune_clock {path!r} is not callable")
+    return obj
+
+
+def measure_runners(runners: Mapping[int, LatentMoERunner], token_counts: Sequence[int], reps: int,
+                    clock: str | None, tails: Sequence[str]) -> Timings:
+    """Time ``tails`` at every token count on this rank (every rank of the group calls this with
+    the same arguments). ``runners``: layer -> runner; the lowest layer is timed for all."""
+    if not runners:
+        raise ValueError("no runners to measure")
+    runner = runners[min(runners)]
+    tick = resolve_clock(clock)
+    timings: Timings = {tail: {} for tail in tails}
+    with torch.inference_mode():
+        for T in token_counts:
+            for tail in tails:
+                token = _measuring.set((tail, T))
+                try:
+                    timings[tail][T] = time_tails(runner, [T], [tail], reps, tick)[tail][T]
+                finally:
+                    _measuring.reset(token)
+    return timings
+
+
+def apply_plan(runners: Mapping[int, LatentMoERunner], plan: TailPlan) -> None:
+    """Every served layer's runner adopts ``plan`` (raises if a tail is illegal there)."""
+    for runner in runners.values():
+        runner.set_plan(plan)

@@ -141,7 +141,8 @@ def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: in
             async with AsyncHTTPMoEClient(base_url, deployment=deployment, timeout_s=600,
                                           max_connections=clients) as http:
                 return await closed_loop(lambda x: http.forward(x, LAYER), make_input, clients, duration_s)
-        client = direct if path == "handle" else MoEClient(APP, deployment=deployment, timeout_s=600)
+        client = direct if path == "handle" else MoEClient(APP, deployment=deployment, via_ingress=True,
+                                                           timeout_s=600)
         return await closed_loop(lambda x: client.forward_async(x, LAYER), make_input, clients, duration_s)
 
     result = asyncio.run(go())

@@ -6,10 +6,10 @@
 #   scripts/run.sh            # run the checks and exit
 #   scripts/run.sh --serve    # ... then keep serving on http://127.0.0.1:8000 until Ctrl-C
 #
-# Extra arguments go to `python -m deployments.demo` (--config, --port, --repeats, ...).
+# Extra arguments go to `python scripts/demo.py` (--config, --port, --repeats, ...).
 source "$(dirname "$0")/env.sh"
 CKPT="${LMS_CHECKPOINT:-checkpoints/tiny}"
 if [ ! -f "$CKPT/config.json" ]; then
   python scripts/make_checkpoint.py --preset tiny --out "$CKPT"
 fi
-exec python -m deployments.demo --checkpoint "$CKPT" "$@"
+exec python scripts/demo.py --checkpoint "$CKPT" "$@"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,3 +33,24 @@ def make_ckpt(tmp_path_factory: pytest.TempPathFactory):
         return cache[key]
 
     return make
+
+
+@contextmanager
+def local_serve(num_cpus: int, num_gpus: int) -> Iterator[int]:
+    """A private Ray instance with Serve's HTTP proxy on a free port (yielded); all of it is
+    stopped on exit. ``address="local"``: never a ``ray start`` cluster found on the machine;
+    the GPUs are logical (CPU machine)."""
+    import ray
+    from ray import serve
+
+    from moe_runtime.collectives import free_port
+
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, namespace="serve",
+             log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -17,6 +17,7 @@ from deployments.client import (
     MoERequestError,
     MoEServerError,
     _translate,
+    choose_deployment,
     encode_request,
     forward_path,
 )
@@ -30,7 +31,7 @@ from deployments.errors import (
     http_status,
     root_cause,
 )
-from deployments.http import choose_deployment, decode_body, encode_body
+from deployments.http import decode_body, encode_body
 
 
 def test_request_codec_round_trip():

@@ -30,13 +30,12 @@ from deployments.controller import (
     AUTO_MEASURED,
     MeasureSettings,
     TailDecision,
-    current_measurement,
     decide,
     measured_plan,
-    resolve_clock,
 )
 from deployments.spec import DeploymentSpec
 from moe_runtime.synthetic import preset_config
+from moe_runtime.tuning import current_measurement, resolve_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 MI300X = "accelerator_type:AMD-Instinct-MI300X-OAM"

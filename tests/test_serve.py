@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from conftest import local_serve
 from ray import serve
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -31,7 +32,6 @@ from deployments.app import build_app
 from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEClient, MoERequestError, MoEServerError
 from deployments.workers import WORKER_NAMESPACE
 from moe_runtime.checkpoint import load_layer_weights
-from moe_runtime.collectives import free_port
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
 
@@ -53,12 +53,7 @@ BF16_TOL = {"rtol": 3e-2, "atol": 3e-2}
 
 @pytest.fixture(scope="module")
 def app(tiny_ckpt):
-    # address="local": always a private instance, never a `ray start` cluster found on the machine
-    ray.init(address="local", num_cpus=6, num_gpus=6, include_dashboard=False, namespace="serve",
-             log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(num_cpus=6, num_gpus=6) as port:
         common = {"tp_size": 2, "max_tokens_per_request": MAX_TOKENS, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
                   "call_margin_s": CALL_MARGIN_S, "health_check_period_s": 1.0,
                   "graceful_shutdown_timeout_s": 1.0}
@@ -78,9 +73,6 @@ def app(tiny_ckpt):
                    for layer in (1, 2) for dt in (torch.float32, torch.bfloat16)}
         yield SimpleNamespace(cfg=cfg, weights=weights, url=f"http://127.0.0.1:{port}",
                               client=MoEClient(APP, timeout_s=REQUEST_BOUND_S))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def reference(app, x: torch.Tensor, layer: int, router_logits=None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 a Serve config, exercise it through the handle and HTTP against the single-device reference,
 and shut down everything this process started.
 
-    python -m deployments.demo [--config deployments/configs/local.yaml] [--serve]
+    python scripts/demo.py [--config deployments/configs/local.yaml] [--serve]
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import yaml
-
-from moe_runtime.checkpoint import load_layer_weights, torch_dtype
-from moe_runtime.config import LatentMoEConfig
-from moe_runtime.layer import moe_forward
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from deployments.client import HTTPMoEClient, MoEClient  # noqa: E402
+from moe_runtime.checkpoint import load_layer_weights, torch_dtype  # noqa: E402
+from moe_runtime.config import LatentMoEConfig  # noqa: E402
+from moe_runtime.layer import moe_forward  # noqa: E402
 
 
 def load_serve_config(path: Path, checkpoint: str | None, port: int | None) -> dict[str, Any]:
@@ -52,8 +54,6 @@ def _ms(samples: list[float]) -> str:
 
 def exercise(app_name: str, base_url: str, resolved: list, repeats: int) -> bool:
     """Every deployment and layer at T = 1, 33, 300 through the handle and HTTP vs the reference."""
-    from .client import HTTPMoEClient, MoEClient
-
     ok = True
     status = MoEClient(app_name).status()
     for name, st in status["deployments"].items():
@@ -91,8 +91,6 @@ def exercise(app_name: str, base_url: str, resolved: list, repeats: int) -> bool
 
 async def concurrent_burst(app_name: str, deployment: str, layer: int, hidden: int, n: int = 32) -> None:
     """n concurrent 16-token requests: shows the token-budget batching in the counters."""
-    from .client import MoEClient
-
     client = MoEClient.direct(deployment, app_name)
     before = (await client.status_async())["counters"]
     xs = [torch.randn(16, hidden) for _ in range(n)]
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from .app import build_app, plan_app
+    from deployments.app import build_app, plan_app
 
     config = load_serve_config(args.config, args.checkpoint, args.port)
     apps = config["applications"]

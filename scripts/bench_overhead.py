@@ -1,0 +1,340 @@
+"""Per-call overhead of the serving paths, next to Ray's own floors, in one run.
+
+The MoE tier is called once per layer per decode step, so what a call costs on top of the
+forward decides whether the tier is usable. One run (tiny checkpoint, float32, layer 1):
+
+* ``inprocess``: the runner in this process (TP 1) or in ``local_group`` ranks (TP 2), no Ray;
+* Ray's floors, the same payload (a ``WireTensor`` of ``[T, H]``) round-tripped:
+  ``actor`` (a bare actor call), ``serve_echo`` (Serve handle -> a deployment that returns its
+  input), ``serve_actor1`` / ``serve_actor2`` (Serve handle -> a deployment that awaits one call
+  on each of 1 / 2 actors, the shape of our replica -> TP-group hop);
+* ours: ``direct`` (``MoEClient.direct``: handle -> TP-group deployment), ``app`` (the ingress
+  handle: one more hop), ``http`` (HTTP through the proxy and the ingress).
+
+Every path is called sequentially (one request in flight: the lone-decode-request case) for
+TP 1 and 2 and T in {1, 16}; the rounds are interleaved so a noisy neighbour hits every path
+alike. Prints p50/p99 and the overhead over the in-process forward and over the matching
+floor, and writes JSON + PNG under ``--out``.
+
+    python scripts/bench_overhead.py --label before      # ~2 minutes on 2 cores
+    python scripts/bench_overhead.py --label after --compare artifacts/bench_overhead/before.json
+
+Targets: direct <= serve_actor floor + 1.5 ms (TP 1: one actor, TP 2: two actors); app <=
+direct + 1 ms; HTTP <= direct + 3 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from moe_runtime.collectives import Collectives  # noqa: E402
+from moe_runtime.config import LatentMoEConfig  # noqa: E402
+from moe_runtime.local_group import run_local_group  # noqa: E402
+from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+
+APP, FLOOR_APP = "overhead", "floors"
+LAYER = 1
+TPS = (1, 2)
+SIZES = (1, 16)
+TARGETS_MS = {"direct_over_floor": 1.5, "app_over_direct": 1.0, "http_over_direct": 3.0}
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1e3 for s in seconds]
+    return {"n": len(ms), "p50_ms": statistics.median(ms), "p99_ms": pct(ms, 0.99)}
+
+
+def make_input(T: int, H: int) -> torch.Tensor:
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+
+
+# -- in-process ---------------------------------------------------------------------------------
+
+
+def _inprocess_rank(comm: Collectives, checkpoint: str, calls: int) -> dict[int, list[float]]:
+    from moe_runtime.plan import resolve_tail
+    from moe_runtime.runner import build_rank_runners
+
+    cfg = LatentMoEConfig.from_pretrained(checkpoint)
+    plan = resolve_tail("auto", cfg, comm.world)
+    runner = build_rank_runners(checkpoint, cfg, [LAYER], comm, plan, dtype=torch.float32)[LAYER]
+    out = {}
+    with torch.inference_mode():
+        for T in SIZES:
+            x = make_input(T, cfg.hidden_size)
+            for _ in range(10):
+                runner.forward(x)
+            times = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                runner.forward(x)
+                times.append(time.perf_counter() - start)
+            out[T] = times
+    return out
+
+
+def inprocess(checkpoint: str, calls: int) -> dict[tuple[int, int], list[float]]:
+    result = {}
+    for tp in TPS:
+        if tp == 1:
+            per_rank = [_inprocess_rank(Collectives(0, 1), checkpoint, calls)]
+        else:
+            per_rank = run_local_group(tp, _inprocess_rank, checkpoint, calls, timeout_s=600)
+        for T in SIZES:  # a TP forward ends when its slowest rank does
+            result[(tp, T)] = [max(ts) for ts in zip(*(r[T] for r in per_rank), strict=True)]
+    return result
+
+
+# -- floors -------------------------------------------------------------------------------------
+
+
+class EchoActor:
+    def echo(self, x: Any) -> Any:
+        return x
+
+
+def floor_deployments():
+    import ray
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Echo:
+        async def __call__(self, x: Any) -> Any:
+            return x
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class ActorHop:
+        def __init__(self, actors: int):
+            self.actors = [ray.remote(EchoActor).options(num_cpus=0).remote() for _ in range(actors)]
+
+        async def __call__(self, x: Any) -> Any:
+            out = await asyncio.gather(*(a.echo.remote(x) for a in self.actors))
+            return out[0]
+
+    return Echo, ActorHop
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ckpt = args.checkpoint or ROOT / "checkpoints/tiny"
+    if not (ckpt / "config.json").is_file():
+        write_checkpoint(ckpt, preset_config("tiny"), seed=0)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    H = cfg.hidden_size
+    results: dict[str, Any] = {
+        "label": args.label,
+        "env": {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": len(os.sched_getaffinity(0)),
+                "machine": platform.machine(), "torch": torch.__version__, "hidden_size": H,
+                "calls_per_path": args.calls, "rounds": args.rounds,
+                "loadavg_before": [round(v, 2) for v in os.getloadavg()]},
+        "paths": {},
+    }
+    samples: dict[str, list[float]] = {}
+    print(f"in-process runner ({args.calls} calls per T)", flush=True)
+    for (tp, T), ts in inprocess(str(ckpt), args.calls).items():
+        samples[f"inprocess/tp{tp}/T{T}"] = ts
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.client import HTTPMoEClient, MoEClient
+    from deployments.wire import WireTensor
+    from moe_runtime.collectives import free_port
+
+    ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, namespace="serve",
+             log_to_driver=False, _system_config={"worker_niceness": 0})
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        deployments = [{"name": f"tp{tp}", "tp_size": tp} for tp in TPS]
+        serve.run(build_app({"checkpoint": str(ckpt), "layers": [LAYER], "auto_tune_tokens": [],
+                             "deployments": deployments, **args.app_overrides}),
+                  name=APP, route_prefix="/")
+        Echo, ActorHop = floor_deployments()
+        echo = serve.run(Echo.bind(), name=f"{FLOOR_APP}_echo", route_prefix=None)
+        hops = {n: serve.run(ActorHop.bind(n), name=f"{FLOOR_APP}_actor{n}", route_prefix=None) for n in TPS}
+        actor = ray.remote(EchoActor).options(num_cpus=0).remote()
+        http = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=120)
+        direct = {tp: MoEClient.direct(f"tp{tp}", APP) for tp in TPS}
+        # The ingress path (older clients went through it by default; newer ones need asking).
+        via = {"via_ingress": True} if "via_ingress" in inspect.signature(MoEClient).parameters else {}
+        app = {tp: MoEClient(APP, deployment=f"tp{tp}", **via) for tp in TPS}
+
+        calls: dict[str, Any] = {}
+        for T in SIZES:
+            x = make_input(T, H)
+            w = WireTensor.from_torch(x)
+            calls[f"actor/T{T}"] = lambda w=w: ray.get(actor.echo.remote(w))
+            calls[f"serve_echo/T{T}"] = lambda w=w: echo.remote(w).result()
+            for n in TPS:
+                calls[f"serve_actor{n}/T{T}"] = lambda w=w, n=n: hops[n].remote(w).result()
+            for tp in TPS:
+                calls[f"direct/tp{tp}/T{T}"] = lambda x=x, tp=tp: direct[tp].forward(x, LAYER)
+                calls[f"app/tp{tp}/T{T}"] = lambda x=x, tp=tp: app[tp].forward(x, LAYER)
+                calls[f"http/tp{tp}/T{T}"] = lambda x=x, tp=tp: http.forward(x, LAYER, deployment=f"tp{tp}")
+        for call in calls.values():  # warm-up: connections, handles, first batches
+            for _ in range(5):
+                call()
+        per_round = max(1, args.calls // args.rounds)
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds} ({per_round} calls per path), load {os.getloadavg()[0]:.2f}",
+                  flush=True)
+            for name, call in calls.items():
+                ts = samples.setdefault(name, [])
+                for _ in range(per_round):
+                    start = time.perf_counter()
+                    call()
+                    ts.append(time.perf_counter() - start)
+        http.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    results["env"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
+    results["paths"] = {k: summary(v) for k, v in samples.items()}
+    results["overheads"] = overheads(results["paths"])
+    return results
+
+
+def overheads(paths: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """Per (path, TP, T): p50 over the in-process forward and over the matching floor/path."""
+    rows = []
+    for tp in TPS:
+        for T in SIZES:
+            p = {k.split("/")[0]: v["p50_ms"] for k, v in paths.items()
+                 if k.endswith(f"/tp{tp}/T{T}")}
+            floor = paths[f"serve_actor{tp}/T{T}"]["p50_ms"]
+            floor1 = paths[f"serve_actor1/T{T}"]["p50_ms"]
+            rows.append({
+                "tp": tp, "T": T, "inprocess_ms": p["inprocess"],
+                "direct_ms": p["direct"], "app_ms": p["app"], "http_ms": p["http"],
+                "floor_ms": floor, "floor1_ms": floor1,
+                "direct_over_inprocess_ms": p["direct"] - p["inprocess"],
+                # The floor does no work; our path does the forward on top of it.
+                "direct_over_floor_ms": p["direct"] - p["inprocess"] - floor,
+                "app_over_direct_ms": p["app"] - p["direct"],
+                "http_over_direct_ms": p["http"] - p["direct"],
+            })
+    return rows
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| TP | T | in-process | direct | app | HTTP | floor (Serve->P actors) | direct - fwd - floor "
+             "| app - direct | HTTP - direct |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["overheads"]:
+        lines.append(
+            f"| {r['tp']} | {r['T']} | {r['inprocess_ms']:.2f} | {r['direct_ms']:.2f} | {r['app_ms']:.2f} | "
+            f"{r['http_ms']:.2f} | {r['floor_ms']:.2f} | {r['direct_over_floor_ms']:+.2f} | "
+            f"{r['app_over_direct_ms']:+.2f} | {r['http_over_direct_ms']:+.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def paths_table(results: dict[str, Any]) -> str:
+    lines = ["| path | p50 ms | p99 ms |", "|---|---:|---:|"]
+    for name, v in results["paths"].items():
+        lines.append(f"| {name} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def compare_table(runs: list[dict[str, Any]]) -> str:
+    """p50 ms per (TP, T, path) side by side for several runs (before/after tables)."""
+    labels = [r["label"] for r in runs]
+    lines = ["| TP | T | path | " + " | ".join(labels) + " |", "|---|---|---|" + "---:|" * len(runs)]
+    for tp in TPS:
+        for T in SIZES:
+            for path in ("inprocess", "floor", "direct", "app", "http", "direct_over_floor",
+                         "app_over_direct", "http_over_direct"):
+                vals = [next(r for r in run["overheads"] if (r["tp"], r["T"]) == (tp, T))[f"{path}_ms"]
+                        for run in runs]
+                lines.append(f"| {tp} | {T} | {path} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(results: dict[str, Any]) -> list[str]:
+    out = []
+    for r in results["overheads"]:
+        for key, limit in TARGETS_MS.items():
+            ok = r[f"{key}_ms"] <= limit
+            out.append(f"TP {r['tp']} T {r['T']}: {key} {r[f'{key}_ms']:+.2f} ms "
+                       f"(target <= {limit}: {'met' if ok else 'MISSED'})")
+    return out
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SIZES), figsize=(12, 4.5), sharey=True)
+    keys = ["inprocess", "floor", "direct", "app", "http"]
+    for ax, T in zip(axes, SIZES, strict=True):
+        labels, offset, width = [], 0, 0.8 / len(runs)
+        for i, run in enumerate(runs):
+            rows = [r for r in run["overheads"] if r["T"] == T]
+            xs = [k + j * (len(keys) + 1) for j in range(len(rows)) for k in range(len(keys))]
+            ys = [r[f"{k}_ms"] for r in rows for k in keys]
+            ax.bar([x + offset + i * width for x in xs], ys, width, label=run["label"])
+            labels = [f"TP{r['tp']}\n{k}" for r in rows for k in keys]
+        ax.set_xticks([x + 0.4 - width / 2 for x in xs], labels, fontsize=7)
+        ax.set_title(f"T = {T}: p50 per call (ms)")
+        ax.legend()
+    fig.suptitle("latent-MoE serving: per-call latency vs Ray's floor (tiny, float32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/tiny (generated once)")
+    ap.add_argument("--calls", type=int, default=150, help="timed calls per path (all rounds)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--label", default="run")
+    ap.add_argument("--app-args", default="{}", help="JSON merged into the app's args (e.g. batching knobs)")
+    ap.add_argument("--compare", type=Path, nargs="*", default=[],
+                    help="earlier JSON results to plot alongside")
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_overhead")
+    args = ap.parse_args(argv)
+    args.app_overrides = json.loads(args.app_args)
+    results = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out / f"{args.label}.json", args.out / f"{args.label}.png"
+    json_path.write_text(json.dumps(results, indent=2) + "\n")
+    runs = [json.loads(p.read_text()) for p in args.compare] + [results]
+    plot(runs, png_path)
+    env = results["env"]
+    print(f"\nload average before {env['loadavg_before']}, after {env['loadavg_after']}")
+    print(paths_table(results) + "\n\n" + table(results) + "\n")
+    print("\n".join(verdicts(results)))
+    if args.compare:
+        print("\n" + compare_table(runs))
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""Data-plane pieces testable without a cluster: option pass-through, batching knobs, the
+counters/metrics object, backpressure errors on every client path, the dashboard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from ray.serve.exceptions import BackPressureError
+
+from deployments.client import HTTPMoEClient, MoEOverloadedError, MoEServerError, _translate
+from deployments.errors import GroupTimeoutError, GroupUnavailableError, http_status, retry_after_s, retryable
+from deployments.metrics import METRIC_NAMES, ReplicaStats
+from deployments.options import MAX_CONSTRUCTOR_RETRIES, deployment_options
+from deployments.spec import BATCHING_KNOBS, DeploymentSpec, with_batching
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_computed_options_bound_queues_retries_and_carry_the_batching_knobs():
+    opts = deployment_options(DeploymentSpec(max_batch_tokens=512))
+    assert opts["max_queued_requests"] == 256 and opts["backpressure_config"] == {"retry_after_s": 1.0}
+    assert opts["max_constructor_retry_count"] == MAX_CONSTRUCTOR_RETRIES
+    assert opts["user_config"] == {"max_batch_tokens": 512, "batch_wait_timeout_s": 0.002,
+                                   "max_tokens_per_request": 8192}
+    assert opts["request_router_config"]["request_router_class"] == "deployments.routing:HealthyReplicaRouter"
+
+
+def test_deployment_config_is_merged_over_the_computed_options():
+    spec = DeploymentSpec(num_replicas=2, deployment_config={
+        "max_queued_requests": 8, "max_constructor_retry_count": 1,
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
+    opts = deployment_options(spec)
+    assert opts["max_queued_requests"] == 8 and opts["max_constructor_retry_count"] == 1
+    # The given autoscaling config replaces the computed num_replicas (Serve takes one of them).
+    assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 3
+    assert "placement_group_bundles" in opts  # everything not overridden stays
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"max_queud_requests": 3}, r"unknown Serve option\(s\) \['max_queud_requests'\]"),
+    ({"name": "other"}, r"unknown Serve option\(s\) \['name'\]"),
+    ({"max_constructor_retry_count": 0}, "max_constructor_retry_count"),
+    ({"max_queued_requests": "many"}, "max_queued_requests"),
+    ({"placement_group_strategy": "SIDEWAYS"}, "placement group strategy SIDEWAYS"),
+    ({"user_config": {"max_batch_tokens": 0}}, "(?s)user_config of deployment 'moe'.*max_batch_tokens"),
+    ({"user_config": {"wait": 1}}, r"unknown key\(s\) \['wait'\]"),
+])
+def test_bad_deployment_config_fails_at_build_time(override, message):
+    with pytest.raises(ValueError, match=message):
+        deployment_options(DeploymentSpec(deployment_config=override))
+
+
+def test_with_batching_validates_like_the_spec():
+    spec = DeploymentSpec(name="decode")
+    assert with_batching(spec, None) == spec
+    new = with_batching(spec, {"max_batch_tokens": 64, "batch_wait_timeout_s": 0.0})
+    assert (new.max_batch_tokens, new.batch_wait_timeout_s, new.tp_size) == (64, 0.0, spec.tp_size)
+    with pytest.raises(ValueError, match="(?s)user_config of deployment 'decode'.*batch_wait_timeout_s"):
+        with_batching(spec, {"batch_wait_timeout_s": 5.0})
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['tp_size'\]"):
+        with_batching(spec, {"tp_size": 2})  # only the batching knobs change live
+    assert set(BATCHING_KNOBS) <= set(DeploymentSpec.model_fields)
+
+
+def test_replica_stats_count_once_for_status():
+    stats = ReplicaStats()
+    stats.admitted(5)
+    stats.admitted(3)
+    assert stats.to_dict()["queued_tokens"] == 8
+    stats.forward_done(1, 8, 2, "sharded", 0.004)
+    stats.released(5, answered=True)
+    stats.released(3, answered=False)
+    stats.error("server")
+    d = stats.to_dict()
+    assert (d["requests"], d["tokens"], d["forwards"], d["queued_tokens"]) == (2, 5, 1, 0)
+    assert d["errors"] == {"client": 0, "server": 1} and d["tails"] == {"sharded": 1}
+    assert d["batch_tokens"]["histogram"] == {"<=8": 1} and d["forward_ms"]["recent"] == [4.0]
+    assert d["by_layer"] == {"1": {"forwards": 1, "requests": 2, "tokens": 8}}
+
+
+def test_backpressure_is_a_typed_503_with_retry_after():
+    refused = BackPressureError(num_queued_requests=4, max_queued_requests=4, retry_after_s=1.0)
+    assert http_status(refused) == 503 and retry_after_s(refused) == 1.0 and not retryable(refused)
+    with pytest.raises(MoEOverloadedError) as info:
+        _translate(refused)
+    assert info.value.status == 503 and info.value.retry_after_s == 1.0 and "backpressure" in info.value.message
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": "dropped due to backpressure", "status": 503},
+                              headers={"Retry-After": "2"})
+
+    client = HTTPMoEClient(client=httpx.Client(transport=httpx.MockTransport(handler), base_url="http://t"))
+    with client, pytest.raises(MoEOverloadedError) as info:
+        client.forward(torch.ones(1, 4), 1)
+    assert info.value.retry_after_s == 2.0
+
+
+def test_only_a_broken_group_is_retried():
+    assert retryable(GroupUnavailableError("rank 1 died"))
+    assert not retryable(GroupTimeoutError("timed out"))  # it may still be running
+    assert not retryable(ValueError("bad shape"))
+    with pytest.raises(MoEServerError):
+        _translate(GroupUnavailableError("rank 1 died"))
+
+
+def test_dashboard_covers_every_metric():
+    text = (ROOT / "deployments/dashboards/moe_tier.json").read_text()
+    dashboard = json.loads(text)
+    assert dashboard["panels"]
+    for name in METRIC_NAMES:
+        assert f"ray_{name}" in text, name
