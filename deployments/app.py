@@ -5,11 +5,13 @@ Layers: arguments (:mod:`deployments.spec`) -> the controller's decisions (tail 
 options per deployment, :mod:`deployments.controller`, pure) -> deployments
 (:mod:`deployments.deployment`, :mod:`deployments.http`). Every check that can fail before a
 replica starts (bad field, layer, TP size, illegal tail, autoscaling bounds, cluster capacity)
-raises ``ValueError`` here, at build time.
+raises ``ValueError`` here, at build time, as does a deployment whose layers do not fit
+its devices' memory (``moe_runtime.memory``, with the arithmetic).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ray.serve import Application
@@ -27,9 +29,15 @@ from .spec import AppArgs, ResolvedDeployment, default_max_body_bytes, resolve_a
 def decide_app(args: AppArgs | dict[str, Any]) -> tuple[AppArgs, list[ResolvedDeployment], list[Decision]]:
     """Validated arguments, resolved deployments and the controller's decision for each."""
     args, resolved = resolve_app(args)
-    cfg = LatentMoEConfig.from_pretrained(resolved[0].checkpoint)
-    decisions = decide(args.deployments, cfg)
-    return args, resolved, [decisions[r.spec.name] for r in resolved]
+    checkpoint = resolved[0].checkpoint
+    decisions = decide(args.deployments, LatentMoEConfig.from_pretrained(checkpoint), checkpoint=checkpoint)
+    ordered = [decisions[r.spec.name] for r in resolved]
+    # The replicas read the startup bound from their spec: the set or derived one.
+    resolved = [
+        replace(r, spec=r.spec.model_copy(update={"startup_timeout_s": d.startup_timeout_s}))
+        for r, d in zip(resolved, ordered, strict=True)
+    ]
+    return args, resolved, ordered
 
 
 def plan_app(

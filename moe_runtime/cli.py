@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import memory
 from .checkpoint import CheckpointReader, torch_dtype
 from .collectives import Collectives
 from .config import LatentMoEConfig
@@ -40,7 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument("--routed-input-quant", choices=QUANT_MODES, help="token-shard the routed input")
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
     fw.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    fw.add_argument("--explain", action="store_true", help="print the tail decision and exit")
+    fw.add_argument("--explain", action="store_true", help="print the tail decision and memory plan, exit")
+    fw.add_argument("--device-memory-gb", type=float,
+                    help="--explain: per-rank device memory in GB (default: this machine's GPU, or on "
+                         "CPU its memory / --tp)")
+    fw.add_argument("--memory-fraction", type=float, default=memory.DEFAULT_MEMORY_FRACTION)
+    fw.add_argument("--experts-format", choices=memory.EXPERT_FORMATS,
+                    help="experts format of a config-only checkpoint (else read from its tensor names)")
+    fw.add_argument("--max-tokens", type=int, default=2048, help="--explain: tokens of the largest forward")
     return ap
 
 
@@ -89,6 +97,29 @@ def _read_input(path: Path, cfg: LatentMoEConfig, dtype: torch.dtype):
     return x, logits
 
 
+def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
+    """``--explain`` lines: the planner's bytes per rank by part for the layer, and headroom."""
+    if args.device_memory_gb is not None:
+        budget = memory.gpu_budget(args.device_memory_gb, args.memory_fraction)
+    elif torch.cuda.is_available():
+        total_gb = torch.cuda.get_device_properties(0).total_memory / memory.GB
+        budget = memory.gpu_budget(total_gb, args.memory_fraction)
+    else:
+        budget = memory.cpu_budget(args.tp, args.memory_fraction)
+    if memory.resolve_expert_formats(cfg, [args.layer], args.checkpoint, args.experts_format) is None:
+        return ["memory: not planned: the checkpoint holds no weights; give --experts-format"]
+    plan = memory.plan_checkpoint(
+        args.checkpoint, cfg, [args.layer], args.dtype, args.tp, args.preshard_up_proj, args.experts_format,
+        max_tokens=args.max_tokens, budget=budget,
+    )
+    parts = ", ".join(f"{name} {memory.gb(n)}" for name, n in plan.by_part.items() if n)
+    return [
+        f"memory per rank ({plan.formats[args.layer]} experts): {parts}",
+        f"memory: {plan.arithmetic()}",
+        f"memory fits: {plan.fits}",
+    ]
+
+
 def forward(args: argparse.Namespace) -> int:
     cfg = LatentMoEConfig.from_pretrained(args.checkpoint)
     cfg.check_moe_layer(args.layer)
@@ -106,6 +137,7 @@ def forward(args: argparse.Namespace) -> int:
         print(f"tail plan: {plan.describe()}")
         print(f"reason: {plan.reason}")
         print(f"experts backend: {backend} ({backend_reason})")
+        print("\n".join(explain_memory(args, cfg)))
         return 0
     if args.input is None or args.output is None:
         raise ValueError("forward needs --input and --output (or --explain)")
