@@ -16,7 +16,7 @@ from . import memory
 from .checkpoint import CheckpointReader, torch_dtype
 from .collectives import Collectives
 from .config import LatentMoEConfig
-from .experts import select_backend
+from .experts import DEFAULT_SCRATCH_BYTES, select_backend
 from .layer import check_input
 from .local_group import run_local_group
 from .plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument("--preshard-up-proj", action="store_true", help="each rank stores H/P rows of Wup")
     fw.add_argument("--routed-input-quant", choices=QUANT_MODES, help="token-shard the routed input")
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
+    fw.add_argument(
+        "--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20,
+        help="per-rank budget for decoding the active MXFP4 experts, MiB",
+    )
     fw.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     fw.add_argument("--explain", action="store_true", help="print the tail decision and memory plan, exit")
     fw.add_argument("--device-memory-gb", type=float,
@@ -61,6 +65,7 @@ def _rank_forward(
     backend: str,
     preshard: bool,
     routed_input: RoutedInputConfig | None,
+    scratch_bytes: int,
     x,
     logits,
 ) -> torch.Tensor:
@@ -75,6 +80,7 @@ def _rank_forward(
         backend=backend,
         preshard_up_proj=preshard,
         routed_input=routed_input,
+        scratch_bytes=scratch_bytes,
     )[layer]
     return runner.forward(x, logits)
 
@@ -130,6 +136,9 @@ def forward(args: argparse.Namespace) -> int:
         routed_input = RoutedInputConfig(True, args.routed_input_quant, args.min_sharded_tokens)
         routed_input.check_latent(cfg.routed_expert_hidden_size)
     backend, backend_reason = select_backend(args.backend)
+    scratch_bytes = int(args.scratch_mb * 2**20)
+    if scratch_bytes < 1:
+        raise ValueError(f"--scratch-mb must be positive, got {args.scratch_mb}")
     if args.explain:
         rule = shardability_for(cfg, args.tp, args.preshard_up_proj, args.sequence_parallel)
         print(f"TP size: {args.tp}")
@@ -152,6 +161,7 @@ def forward(args: argparse.Namespace) -> int:
         backend,
         args.preshard_up_proj,
         routed_input,
+        scratch_bytes,
         x,
         logits,
     )
