@@ -30,22 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from .config import LatentMoEConfig
+from .experts import DEFAULT_SCRATCH_BYTES  # the torch backend's decode budget per rank
 from .sharding import check_tp_size
+from .weights import PARTS
 
-PARTS = (
-    "experts_packed",
-    "experts_dense",
-    "shared_experts",
-    "latent_projections",
-    "up_projection",
-    "router",
-)
 MXFP4, DENSE = "mxfp4", "dense"
 EXPERT_FORMATS = (MXFP4, DENSE)
 GB = 10**9
 MXFP4_BLOCK = 32
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DEFAULT_SCRATCH_BYTES = 256 << 20  # the torch backend's decode budget per rank (moe_runtime.experts)
 MI300X_MEMORY_GB = 192.0
 DEFAULT_MEMORY_FRACTION = 0.9
 # Startup (moe_runtime never reads faster than storage allows): a TP group's ranks read their

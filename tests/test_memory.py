@@ -148,25 +148,24 @@ def test_formats_are_read_from_tensor_names(make_ckpt, tmp_path):
         memory.plan_checkpoint(config_only, cfg)
 
 
-# Tensor of LayerWeights -> planner part (the loader of today: experts decoded to the compute dtype).
-_PART_OF = {"gate_EH": "router", "bias_E": "router", "down_DH": "latent_projections",
-            "norm_D": "latent_projections", "up_HD": "up_projection", "w13_EFD": "experts_dense",
-            "w2_EDI": "experts_dense", "shared_gate_SH": "shared_experts", "shared_up_SH": "shared_experts",
-            "shared_down_HS": "shared_experts"}
-
-
 @pytest.mark.parametrize("P", [1, 2])
-@pytest.mark.parametrize("preshard", [False, True])
-def test_real_load_holds_exactly_the_planned_bytes(make_ckpt, P, preshard):
-    ckpt = make_ckpt("tiny")
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_real_load_holds_exactly_the_planned_bytes(make_ckpt, P, mxfp4):
+    """A real load's ``LayerWeights.nbytes_by_part()`` equals the planner per part, every rank.
+
+    The planner reads an MXFP4 checkpoint as "mxfp4"; a loader that still decodes experts at
+    load holds them dense, so the dense plan of the same layer must match that load instead
+    (and the packed plan once the loader keeps them packed) -- exact in both cases.
+    """
+    ckpt = make_ckpt("tiny", mxfp4=mxfp4)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
-    plan = memory.plan_checkpoint(ckpt, cfg, [1], "bfloat16", P, preshard)
-    for rank in range(P):
-        w = load_layer_weights(ckpt, cfg, 1, torch.bfloat16, TPShard(rank, P, preshard))
-        held = dict.fromkeys(memory.PARTS, 0)
-        for name, n in w.nbytes().items():
-            held[_PART_OF[name]] += n
-        assert held == plan.by_part, rank
+    assert memory.checkpoint_expert_formats(ckpt, cfg, [1]) == {1: "mxfp4" if mxfp4 else "dense"}
+    for preshard in (False, True):
+        for rank in range(P):
+            w = load_layer_weights(ckpt, cfg, 1, torch.bfloat16, TPShard(rank, P, preshard))
+            held_format = "mxfp4" if w.experts.packed else "dense"
+            plan = memory.plan_memory(cfg, {1: held_format}, "bfloat16", P, preshard)
+            assert w.nbytes_by_part() == plan.by_part, (rank, preshard)
 
 
 # -- deployments: build-time refusal, status fields, startup bound, warm-up bound -------------------
@@ -272,3 +271,21 @@ def test_shipped_k3_config_serves_every_moe_layer_once_and_fits(k3_dir):
                                  max_tokens=spec.max_forward_tokens)
     assert [memory.format_layers(r.layers) for r in resolved] == split.ranges
     assert decide([r.spec for r in resolved], K3)  # the pure controller agrees (format stated)
+
+
+def test_cli_explain_prints_bytes_by_part_and_headroom(make_ckpt, k3_dir, capsys):
+    from moe_runtime.cli import main
+
+    ckpt = make_ckpt("tiny", mxfp4=True)
+    assert main(["forward", "--checkpoint", str(ckpt), "--layer", "1", "--tp", "2", "--explain",
+                 "--device-memory-gb", "1", "--max-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    # tiny at TP 2, fp32: 8 experts x [64 x (32 + 2) + 64 x (16 + 1)] B = 26_112 B packed experts.
+    assert "memory per rank (mxfp4 experts): experts_packed 26.11 kB" in out
+    assert "budget GPU: 1 GB x 0.9 = 900.00 MB per rank; headroom" in out and "memory fits: True" in out
+    # A config-only checkpoint: planned from the stated format, or said why not.
+    assert main(["forward", "--checkpoint", str(k3_dir), "--layer", "1", "--tp", "8", "--dtype", "bfloat16",
+                 "--explain", "--experts-format", "mxfp4", "--device-memory-gb", "192"]) == 0
+    assert "experts_packed 1.97 GB" in capsys.readouterr().out
+    assert main(["forward", "--checkpoint", str(k3_dir), "--layer", "1", "--explain"]) == 0
+    assert "memory: not planned: the checkpoint holds no weights" in capsys.readouterr().out
