@@ -7,7 +7,10 @@ E 896, K 16, I 3072, 2 shared experts: Is 6144), never by calling the planner's 
 
 from __future__ import annotations
 
+import os
+import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +292,65 @@ def test_cli_explain_prints_bytes_by_part_and_headroom(make_ckpt, k3_dir, capsys
     assert "experts_packed 1.97 GB" in capsys.readouterr().out
     assert main(["forward", "--checkpoint", str(k3_dir), "--layer", "1", "--explain"]) == 0
     assert "memory: not planned: the checkpoint holds no weights" in capsys.readouterr().out
+
+
+# -- a replica start that outlasts the health checks -------------------------------------------
+
+SLOW_CLOCK_SLEEP_S = 0.75
+SLOW_CLOCK_LOG = "LMS_SLOW_CLOCK_LOG"
+
+
+def sleepy_clock() -> float:
+    """Warm-up clock (resolved on the workers) that makes the replica's start slow: each reading
+    sleeps, and the worker's pid is logged so the test can tell how many groups ever started."""
+    with open(os.environ[SLOW_CLOCK_LOG], "a") as log:
+        log.write(f"{os.getpid()}\n")
+    time.sleep(SLOW_CLOCK_SLEEP_S)
+    return time.perf_counter()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_path, monkeypatch):
+    """Ray Serve 2.60 health-checks only RUNNING replicas (deployment_state.py:
+    check_and_update_replicas -> _dirty_set_active_pairs) and never stops a STARTING replica
+    for being slow (_check_startup_replicas(STARTING) has stop_on_slow False; it only warns
+    every 30 s), so the only bound on a long load or warm-up is our startup_timeout_s. Here
+    the start lasts >= 16 clock readings x 0.75 s = 12 s while health checks are due every
+    0.5 s with a 2 s timeout: had Serve probed the starting replica it would have failed 3
+    probes within ~7.5 s and replaced it; instead the one group that started serves."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.client import MoEClient
+    from moe_runtime.collectives import free_port
+    from moe_runtime.layer import moe_forward
+
+    log = tmp_path / "clock.log"
+    monkeypatch.setenv(SLOW_CLOCK_LOG, str(log))  # inherited by the local Ray's workers
+    ray.init(address="local", num_cpus=3, num_gpus=2, include_dashboard=False, namespace="slow_start",
+             log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        args = {"checkpoint": str(tiny_ckpt), "name": "slow", "tp_size": 2, "tail": "auto",
+                "auto_tune_tokens": [1, 2], "auto_tune_reps": 1,
+                "tune_clock": f"tests.test_memory:{sleepy_clock.__name__}",
+                "health_check_period_s": 0.5, "health_check_timeout_s": 2,
+                "collective_timeout_s": 20, "call_margin_s": 10, "graceful_shutdown_timeout_s": 1}
+        serve.run(build_app(args), name="slow", route_prefix="/")
+        client = MoEClient("slow", timeout_s=60)
+        status = client.status()["deployments"]["slow"]
+        assert status["controller"]["measured"]
+        # 2 token counts x 4 tails x (start + stop readings) on each of the 2 ranks.
+        pids = Path(log).read_text().split()
+        assert len(pids) == 2 * 4 * 2 * 2
+        assert sorted(set(pids)) == sorted(str(w["pid"]) for w in status["workers"])  # one group ever
+        cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+        x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+        # fp32 on both sides; another process may block its GEMMs differently: ~1e-7 relative.
+        torch.testing.assert_close(client.forward(x, 1), moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1), cfg),
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
