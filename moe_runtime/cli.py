@@ -40,20 +40,31 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument("--preshard-up-proj", action="store_true", help="each rank stores H/P rows of Wup")
     fw.add_argument("--routed-input-quant", choices=QUANT_MODES, help="token-shard the routed input")
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
-    fw.add_argument(
-        "--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20,
-        help="per-rank budget for decoding the active MXFP4 experts, MiB",
-    )
     fw.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     fw.add_argument("--explain", action="store_true", help="print the tail decision and memory plan, exit")
     fw.add_argument("--device-memory-gb", type=float,
                     help="--explain: per-rank device memory in GB (default: this machine's GPU, or on "
                          "CPU its memory / --tp)")
-    fw.add_argument("--memory-fraction", type=float, default=memory.DEFAULT_MEMORY_FRACTION)
-    fw.add_argument("--experts-format", choices=memory.EXPERT_FORMATS,
-                    help="experts format of a config-only checkpoint (else read from its tensor names)")
-    fw.add_argument("--max-tokens", type=int, default=2048, help="--explain: tokens of the largest forward")
+    _memory_options(fw)
+    pl = sub.add_parser("plan", help="split the MoE layers over TP groups that fit a device (memory)")
+    pl.add_argument("--checkpoint", required=True, type=Path)
+    pl.add_argument("--tp", type=int, default=8, help="TP size of each group")
+    pl.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    pl.add_argument("--preshard-up-proj", action="store_true")
+    pl.add_argument("--device-memory-gb", type=float, default=memory.MI300X_MEMORY_GB, help="per GPU, GB")
+    _memory_options(pl)
     return ap
+
+
+def _memory_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20,
+        help="per-rank budget for decoding the active MXFP4 experts, MiB",
+    )
+    p.add_argument("--memory-fraction", type=float, default=memory.DEFAULT_MEMORY_FRACTION)
+    p.add_argument("--experts-format", choices=memory.EXPERT_FORMATS,
+                   help="experts format of a config-only checkpoint (else read from its tensor names)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="memory: tokens of the largest forward")
 
 
 def _rank_forward(
@@ -116,7 +127,7 @@ def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
         return ["memory: not planned: the checkpoint holds no weights; give --experts-format"]
     plan = memory.plan_checkpoint(
         args.checkpoint, cfg, [args.layer], args.dtype, args.tp, args.preshard_up_proj, args.experts_format,
-        max_tokens=args.max_tokens, budget=budget,
+        max_tokens=args.max_tokens, scratch_bytes=int(args.scratch_mb * 2**20), budget=budget,
     )
     parts = ", ".join(f"{name} {memory.gb(n)}" for name, n in plan.by_part.items() if n)
     return [
@@ -124,6 +135,22 @@ def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
         f"memory: {plan.arithmetic()}",
         f"memory fits: {plan.fits}",
     ]
+
+
+def plan_layers(args: argparse.Namespace) -> int:
+    """``plan``: the planner's split of every MoE layer over TP groups of one device kind."""
+    cfg = LatentMoEConfig.from_pretrained(args.checkpoint)
+    formats = memory.resolve_expert_formats(cfg, cfg.moe_layers, args.checkpoint, args.experts_format)
+    if formats is None:
+        raise ValueError(f"{args.checkpoint} holds no weights (config only): give --experts-format")
+    split = memory.propose_split(
+        cfg, formats, args.dtype, args.tp, memory.gpu_budget(args.device_memory_gb, args.memory_fraction),
+        args.preshard_up_proj, args.max_tokens, int(args.scratch_mb * 2**20),
+    )
+    print(split.describe())
+    for plan in split.plans:
+        print(f"  {plan.arithmetic()}")
+    return 0
 
 
 def forward(args: argparse.Namespace) -> int:
@@ -185,7 +212,7 @@ def forward(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return forward(args)
+        return forward(args) if args.command == "forward" else plan_layers(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -292,6 +292,13 @@ def test_cli_explain_prints_bytes_by_part_and_headroom(make_ckpt, k3_dir, capsys
     assert "experts_packed 1.97 GB" in capsys.readouterr().out
     assert main(["forward", "--checkpoint", str(k3_dir), "--layer", "1", "--explain"]) == 0
     assert "memory: not planned: the checkpoint holds no weights" in capsys.readouterr().out
+    # `plan`: the split of every MoE layer for a device.
+    assert main(["plan", "--checkpoint", str(k3_dir), "--experts-format", "mxfp4", "--max-tokens", "16384"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("2 groups of 46 layers (1-46, 47-92) with at least 71.59 GB headroom per rank")
+    assert len(out) == 3 and out[1].strip().startswith("46 layer(s) (1-46) x ~2.13 GB per rank")
+    assert main(["plan", "--checkpoint", str(k3_dir)]) == 2  # format unknown: a clear error
+    assert "give --experts-format" in capsys.readouterr().err
 
 
 # -- a replica start that outlasts the health checks -------------------------------------------
