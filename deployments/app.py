@@ -5,9 +5,10 @@ Layers: arguments (:mod:`deployments.spec`) -> the controller's decisions (tail 
 options per deployment, :mod:`deployments.controller`, pure) -> deployments
 (:mod:`deployments.deployment`, :mod:`deployments.http`). Every check that can fail before a
 replica starts (bad field, layer, TP size, illegal tail, autoscaling bounds, cluster capacity,
-resources no node of the Ray cluster can provide) raises ``ValueError`` here, at build time.
-``build_app`` also resolves each deployment's ``accelerator`` (``auto`` -> gpu or cpu) on the
-Ray cluster it is about to run on (:mod:`deployments.placement`).
+resources no node of the Ray cluster can provide) raises ``ValueError`` here, at build time, as
+does a deployment whose layers do not fit its devices' memory (``moe_runtime.memory``, with the
+arithmetic). ``build_app`` also resolves each deployment's ``accelerator`` (``auto`` -> gpu or
+cpu) on the Ray cluster it is about to run on (:mod:`deployments.placement`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,17 @@ def decide_app(
     if cluster is not None:
         args, reasons = place_app(args, cluster)
     args, resolved = resolve_app(args)
-    cfg = LatentMoEConfig.from_pretrained(resolved[0].checkpoint)
-    decisions = decide(args.deployments, cfg)
-    return args, resolved, [
+    checkpoint = resolved[0].checkpoint
+    decisions = decide(args.deployments, LatentMoEConfig.from_pretrained(checkpoint), checkpoint=checkpoint)
+    ordered = [
         replace(decisions[r.spec.name], accelerator_reason=reasons.get(r.spec.name)) for r in resolved
     ]
+    # The replicas read the startup bound from their spec: the set or derived one.
+    resolved = [
+        replace(r, spec=r.spec.model_copy(update={"startup_timeout_s": d.startup_timeout_s}))
+        for r, d in zip(resolved, ordered, strict=True)
+    ]
+    return args, resolved, ordered
 
 
 def plan_app(

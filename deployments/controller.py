@@ -30,10 +30,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moe_runtime.config import LatentMoEConfig
+from moe_runtime.memory import (
+    STARTUP_FLOOR_S,
+    Budget,
+    MemoryPlan,
+    bounded_token_counts,
+    cpu_budget,
+    forward_cost_s,
+    gpu_budget,
+    plan_memory,
+    resolve_expert_formats,
+)
+from moe_runtime.memory import startup_timeout_s as derived_startup_timeout_s
 from moe_runtime.plan import Shardability, TailPlan, legal_tails, shardability_for
 from moe_runtime.runner import log_once
 from moe_runtime.tuning import plan_from_timings
@@ -46,6 +59,9 @@ if TYPE_CHECKING:
 
 Timings = dict[str, dict[int, float]]
 AUTO_MEASURED = "auto: measured at warm-up"
+# Share of the startup bound the warm-up measurement may take by the planner's estimate (the
+# estimate uses deliberately slow device figures; the measurement's own bound is the whole).
+MEASURE_SHARE = 0.5
 
 
 
@@ -86,6 +102,7 @@ class TailDecision:
     measure: MeasureSettings | None = None
     measured: bool = False
     why_static: str | None = None  # auto without measurement: why
+    bound: str | None = None  # token counts left out of the measurement: why
 
     @property
     def pending(self) -> bool:
@@ -124,6 +141,7 @@ class TailDecision:
             "reason": self.reason,
             "measured": self.measured,
             "measure": None if self.measure is None else self.measure.to_dict(),
+            "measure_bound": self.bound,
             "plan": None if self.pending else self.plan.to_dict(),
             "timings_ms": {t: {str(k): round(v, 4) for k, v in per.items()}
                            for t, per in self.plan.timings_ms.items()},
@@ -144,6 +162,9 @@ class Decision:
     # Where the ranks run (gpu | cpu) and why (deployments.placement); None: not resolved.
     accelerator: str | None = None
     accelerator_reason: str | None = None
+    memory: MemoryPlan | None = None  # per-rank bytes vs budget (None: format unknown)
+    memory_note: str = ""  # the budget's device and why; or why memory was not planned
+    startup_timeout_s: float = STARTUP_FLOOR_S  # set, or derived from the planner's bytes
 
     @property
     def plan(self) -> TailPlan | str:
@@ -168,6 +189,9 @@ class Decision:
             "placement_group_strategy": options["placement_group_strategy"],
             "num_replicas": options.get("num_replicas"),
             "autoscaling_config": options.get("autoscaling_config"),
+            "memory": None if self.memory is None else self.memory.to_dict(),
+            "memory_note": self.memory_note,
+            "startup_timeout_s": self.startup_timeout_s,
         }
 
     def describe(self) -> str:
@@ -199,8 +223,18 @@ def measure_settings(spec: DeploymentSpec) -> MeasureSettings | None:
     return MeasureSettings(tuple(spec.auto_tune_tokens), spec.auto_tune_reps, spec.tune_clock)
 
 
-def tail_decision(spec: DeploymentSpec, cfg: LatentMoEConfig) -> TailDecision:
-    """Legality first (ValueError when a forced tail is illegal), then auto: static or measured."""
+def tail_decision(
+    spec: DeploymentSpec,
+    cfg: LatentMoEConfig,
+    cost_s: Callable[[int], float] | None = None,
+    budget_s: float | None = None,
+) -> TailDecision:
+    """Legality first (ValueError when a forced tail is illegal), then auto: static or measured.
+
+    ``cost_s``: estimated seconds of one forward at T tokens (the planner's, see
+    ``moe_runtime.forward_cost_s``); with it, only the token counts whose estimated
+    measurement fits ``budget_s`` are measured, and auto stays static when fewer than two do.
+    """
     P = spec.tp_size
     static = resolve_deployment(spec, "<config>", cfg).plan  # raises with the deployment's name
     candidates = legal_tails(cfg, P, spec.preshard_up_proj, spec.sequence_parallel)
@@ -216,9 +250,87 @@ def tail_decision(spec: DeploymentSpec, cfg: LatentMoEConfig) -> TailDecision:
         why = f"{candidates[0]} is the only legal tail"
     elif settings is None:
         why = "measurement is off (auto_tune_tokens is empty)"
+    bound = None
+    if why is None and cost_s is not None and budget_s is not None:
+        calls = (settings.reps + 1) * len(candidates)  # time_tails: a warm-up call + reps per tail
+        kept, estimate = bounded_token_counts(settings.token_counts, cost_s, calls, budget_s)
+        left = [T for T in settings.token_counts if T not in kept]
+        if left:
+            full = sum(calls * cost_s(T) for T in settings.token_counts)
+            bound = (
+                f"measuring T = {list(settings.token_counts)} ({calls} forwards each) is estimated at "
+                f"{full:.0f} s, over the {budget_s:.0f} s allowed ({MEASURE_SHARE:g} x startup bound)"
+            )
+            if len(kept) < 2:
+                why = f"{bound}; fewer than two token counts fit, so the static rule applies"
+            else:
+                bound += f"; measured at T = {kept} only (estimated {estimate:.0f} s)"
+                settings = replace(settings, token_counts=tuple(kept))
     if why is not None:
         return replace(base, why_static=why, plan=replace(static, reason=f"{static.reason} ({why})"))
-    return replace(base, measure=settings)
+    return replace(base, measure=settings, bound=bound)
+
+
+def build_accelerator(spec: DeploymentSpec) -> tuple[str, str]:
+    """Where the ranks will compute, as known at build time: ``("gpu" | "cpu", why)``.
+
+    GPU when the spec pins an ``accelerator_type``, when this (building) process sees a GPU,
+    or when the Ray cluster it is attached to reports an accelerator type (real GPUs do;
+    logical ``--num-gpus`` on a CPU machine do not). Otherwise CPU: the ranks hold "GPUs" that
+    are logical and compute on the node's CPUs (deployments.workers.pick_device).
+    """
+    if spec.accelerator == "cpu":
+        return "cpu", "accelerator: cpu"
+    if spec.accelerator_type:
+        return "gpu", f"workers are pinned to accelerator_type {spec.accelerator_type}"
+    import torch
+
+    if torch.cuda.is_available():
+        return "gpu", "the building process sees a GPU"
+    import ray
+
+    if ray.is_initialized() and any(k.startswith("accelerator_type:") for k in ray.cluster_resources()):
+        return "gpu", "the Ray cluster reports an accelerator type"
+    return "cpu", "no accelerator_type pinned and no GPU visible here or in the Ray cluster"
+
+
+def memory_budget(spec: DeploymentSpec, accelerator: str, node_bytes: int | None = None) -> Budget:
+    """Per-rank bytes a deployment may use on ``accelerator`` ("gpu" | "cpu")."""
+    if accelerator == "gpu":
+        return gpu_budget(spec.device_memory_gb, spec.memory_fraction)
+    if accelerator == "cpu":
+        return cpu_budget(spec.tp_size, spec.memory_fraction, node_bytes)
+    raise ValueError(f"accelerator must be 'gpu' or 'cpu', got {accelerator!r}")
+
+
+def memory_decision(
+    spec: DeploymentSpec,
+    cfg: LatentMoEConfig,
+    checkpoint: str | Path | None,
+    accelerator: tuple[str, str],
+) -> tuple[MemoryPlan | None, str]:
+    """The per-rank memory plan of ``spec`` against its budget (ValueError with the arithmetic
+    when it does not fit), or None with the reason it cannot be planned."""
+    layers = spec.layers or cfg.moe_layers
+    fmt = None if spec.experts_format == "auto" else spec.experts_format
+    kind, why = accelerator
+    try:
+        for layer in layers:
+            cfg.check_moe_layer(layer)
+        formats = resolve_expert_formats(cfg, layers, checkpoint, fmt)
+        if formats is None:
+            return None, (
+                "memory not checked: the checkpoint holds no weights and experts_format is auto "
+                "(state experts_format: mxfp4 or dense to check it)"
+            )
+        plan = plan_memory(
+            cfg, formats, spec.dtype, spec.tp_size, spec.preshard_up_proj, spec.max_forward_tokens,
+            budget=memory_budget(spec, kind),
+        )
+    except ValueError as e:
+        raise ValueError(f"deployment {spec.name!r}: {e}") from None
+    plan.check(f"deployment {spec.name!r}")
+    return plan, f"{kind} budget ({why})"
 
 
 def cluster_tp_groups(cluster: Mapping[str, Any] | str | Path | None, tp_size: int) -> int | None:
@@ -271,6 +383,7 @@ def decide(
     deployments: Sequence[DeploymentSpec | Mapping[str, Any]],
     model: LatentMoEConfig | Mapping[str, Any],
     cluster: Mapping[str, Any] | str | Path | None = None,
+    checkpoint: str | Path | None = None,
 ) -> dict[str, Decision]:
     """The controller's decision for every deployment of a table, by name (pure, no Ray).
 
@@ -280,7 +393,10 @@ def decide(
     if any. The deployments counted against one cluster share its GPUs: minimums that do not
     fit together are refused, maximums that do not are clamped with the reason
     (:func:`shared_budget`). A fixed ``num_replicas`` above the capacity is an error, as is a
-    forced tail that the shardability rule (or a pre-sharded Wup) makes illegal.
+    forced tail that the shardability rule (or a pre-sharded Wup) makes illegal, and a
+    deployment whose layers do not fit its per-rank memory budget (``memory_decision``; the
+    experts format comes from ``checkpoint``'s tensor names, or the spec's ``experts_format``).
+    The startup bound is derived from the planner's bytes unless the spec sets it.
     """
     from .options import deployment_options
 
@@ -288,11 +404,17 @@ def decide(
     specs: list[DeploymentSpec] = []
     tails: dict[str, TailDecision] = {}
     capacities: dict[str, int | None] = {}
+    memories: dict[str, tuple[MemoryPlan | None, str, float]] = {}
     for raw in deployments:
         spec = raw if isinstance(raw, DeploymentSpec) else DeploymentSpec.model_validate(dict(raw))
         if spec.name in tails:
             raise ValueError(f"deployment names must be unique, {spec.name!r} repeats")
-        tails[spec.name] = tail_decision(spec, cfg)
+        accelerator = build_accelerator(spec)
+        plan, note = memory_decision(spec, cfg, checkpoint, accelerator)
+        startup = spec.startup_timeout_s or derived_startup_timeout_s(plan)
+        cost = None if plan is None else partial(forward_cost_s, plan, cfg, device=accelerator[0])
+        tails[spec.name] = tail_decision(spec, cfg, cost, MEASURE_SHARE * startup)
+        memories[spec.name] = (plan, note, startup)
         file = spec.autoscaling.cluster_config if spec.autoscaling is not None else None
         try:  # once per decision: the options below reuse it
             capacity = cluster_tp_groups(cluster if cluster is not None else file, spec.tp_size)
@@ -318,10 +440,16 @@ def decide(
             options = deployment_options(spec, share.max_replicas if share else capacities[spec.name])
         except ValueError as e:
             raise ValueError(f"deployment {spec.name!r}: {e}") from None
+        plan, note, startup = memories[spec.name]
         decision = Decision(spec.name, spec.role, tails[spec.name], capacities[spec.name], options,
                             budget_reason=share.reason if share else None,
-                            accelerator=None if spec.accelerator == "auto" else spec.accelerator)
+                            accelerator=None if spec.accelerator == "auto" else spec.accelerator,
+                            memory=plan, memory_note=note, startup_timeout_s=startup)
         log_once(f"controller: {decision.describe()}", logger)
+        if plan is not None:
+            log_once(f"controller: deployment {spec.name!r} memory: {plan.arithmetic()} ({note})", logger)
+        else:
+            log_once(f"controller: deployment {spec.name!r}: {note}", logger)
         decisions[spec.name] = decision
     return decisions
 

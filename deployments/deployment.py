@@ -112,7 +112,7 @@ class MoEGroupDeployment:
         try:
             # The controller's tail decision; "auto" is measured on this group now (warm-up).
             tail = decision.tail if decision is not None else tail_decision(spec, self.cfg)
-            self.decision = tune_group(self.group.workers, tail, spec.name, spec.startup_timeout_s)
+            self.decision = tune_group(self.group.workers, tail, spec.name, spec.startup_bound_s)
         except BaseException:
             self.group.shutdown()
             raise
@@ -307,6 +307,18 @@ class MoEGroupDeployment:
             "workers": [dict(info, name=name) for info, name in zip(self.group.infos, self.group.names,
                                                                      strict=True)],
             "counters": self.stats.to_dict(),
+            "memory": self._memory_status(),
+        }
+
+    def _memory_status(self) -> dict[str, Any]:
+        """The planner's bytes per rank by part and headroom (build time), and what each rank
+        reports it holds."""
+        decision = self.serve_decision
+        plan = None if decision is None or decision.memory is None else decision.memory
+        return {
+            "planned": None if plan is None else plan.to_dict(),
+            "note": None if decision is None else decision.memory_note,
+            "resident_bytes_per_rank": [info.get("resident_bytes") for info in self.group.infos],
         }
 
     def health(self) -> dict[str, Any]:

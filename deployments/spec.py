@@ -23,6 +23,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from moe_runtime.checkpoint import torch_dtype
 from moe_runtime.config import LatentMoEConfig
+from moe_runtime.memory import (
+    DEFAULT_MEMORY_FRACTION,
+    MI300X_MEMORY_GB,
+    STARTUP_FLOOR_S,
+    format_layers,
+)
 from moe_runtime.plan import TailPlan, resolve_tail
 from moe_runtime.sharding import check_tp_size
 
@@ -125,8 +131,17 @@ class DeploymentSpec(BaseModel):
     auto_tune_tokens: list[int] = Field(default_factory=lambda: [1, 16, 128, 1024])
     auto_tune_reps: int = Field(3, ge=1)
     tune_clock: str | None = None  # "module:callable" clock of the measurement (tests)
-    # Workers start, join the group and load their shards within this bound (replica start).
-    startup_timeout_s: float = Field(900.0, gt=0)
+    # Workers start, join the group and load their shards within this bound (replica start);
+    # the warm-up measurement of tail "auto" gets the same bound. None: derived at build time
+    # from the memory planner's bytes (moe_runtime.memory.startup_timeout_s).
+    startup_timeout_s: float | None = Field(None, gt=0)
+    # Memory (DESIGN §8): each rank's layers + workspace must fit device_memory_gb (per GPU,
+    # GB = 1e9 B) x memory_fraction, or on CPU the node's memory x memory_fraction / tp_size;
+    # checked at build time. experts_format: "auto" reads it from the checkpoint's tensor names;
+    # a config-only checkpoint needs it stated to be checked.
+    device_memory_gb: float = Field(MI300X_MEMORY_GB, gt=0)
+    memory_fraction: float = Field(DEFAULT_MEMORY_FRACTION, gt=0, le=1)
+    experts_format: Literal["auto", "mxfp4", "dense"] = "auto"
     num_replicas: int | None = Field(None, ge=1)
     autoscaling: AutoscalingSpec | None = None
     max_ongoing_requests: int = Field(64, ge=1)
@@ -233,6 +248,16 @@ class DeploymentSpec(BaseModel):
         return self.collective_timeout_s + self.call_margin_s
 
     @property
+    def startup_bound_s(self) -> float:
+        """The startup bound in force: set or derived at build time, else the planner's floor."""
+        return self.startup_timeout_s or STARTUP_FLOOR_S
+
+    @property
+    def max_forward_tokens(self) -> int:
+        """Tokens of the largest forward: a batch, or one oversized request run alone."""
+        return max(self.max_batch_tokens, self.max_tokens_per_request)
+
+    @property
     def effective_health_check_timeout_s(self) -> float:
         # The health collective waits at most the collective timeout; leave room for it.
         return self.health_check_timeout_s or self.collective_timeout_s + 10.0
@@ -276,17 +301,6 @@ def parse_layers(text: str) -> list[int] | None:
             f"layers must be integers or ranges separated by commas (e.g. 1,2 or 1-23), got {text!r}"
         ) from None
     return layers
-
-
-def format_layers(layers: list[int] | tuple[int, ...]) -> str:
-    """Compact ranges: [1, 2, 3, 7] -> "1-3,7"."""
-    runs: list[list[int]] = []
-    for x in sorted(layers):
-        if runs and x == runs[-1][1] + 1:
-            runs[-1][1] = x
-        else:
-            runs.append([x, x])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 class AppArgs(BaseModel):

@@ -190,7 +190,7 @@ class TPGroup:
     def start(cls, resolved: ResolvedDeployment, tag: str) -> TPGroup:
         """Start ``tp_size`` workers in bundles ``1..P`` of the current placement group."""
         spec = resolved.spec
-        startup_timeout_s = spec.startup_timeout_s
+        startup_timeout_s = spec.startup_bound_s
         pg = ray.util.get_current_placement_group()
         if pg is None:
             raise RuntimeError(

@@ -12,10 +12,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import memory
 from .checkpoint import CheckpointReader, torch_dtype
 from .collectives import Collectives
 from .config import LatentMoEConfig
-from .experts import select_backend
+from .experts import DEFAULT_SCRATCH_BYTES, select_backend
 from .layer import check_input
 from .local_group import run_local_group
 from .plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
@@ -40,8 +41,30 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument("--routed-input-quant", choices=QUANT_MODES, help="token-shard the routed input")
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
     fw.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    fw.add_argument("--explain", action="store_true", help="print the tail decision and exit")
+    fw.add_argument("--explain", action="store_true", help="print the tail decision and memory plan, exit")
+    fw.add_argument("--device-memory-gb", type=float,
+                    help="--explain: per-rank device memory in GB (default: this machine's GPU, or on "
+                         "CPU its memory / --tp)")
+    _memory_options(fw)
+    pl = sub.add_parser("plan", help="split the MoE layers over TP groups that fit a device (memory)")
+    pl.add_argument("--checkpoint", required=True, type=Path)
+    pl.add_argument("--tp", type=int, default=8, help="TP size of each group")
+    pl.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    pl.add_argument("--preshard-up-proj", action="store_true")
+    pl.add_argument("--device-memory-gb", type=float, default=memory.MI300X_MEMORY_GB, help="per GPU, GB")
+    _memory_options(pl)
     return ap
+
+
+def _memory_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20,
+        help="per-rank budget for decoding the active MXFP4 experts, MiB",
+    )
+    p.add_argument("--memory-fraction", type=float, default=memory.DEFAULT_MEMORY_FRACTION)
+    p.add_argument("--experts-format", choices=memory.EXPERT_FORMATS,
+                   help="experts format of a config-only checkpoint (else read from its tensor names)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="memory: tokens of the largest forward")
 
 
 def _rank_forward(
@@ -53,6 +76,7 @@ def _rank_forward(
     backend: str,
     preshard: bool,
     routed_input: RoutedInputConfig | None,
+    scratch_bytes: int,
     x,
     logits,
 ) -> torch.Tensor:
@@ -67,6 +91,7 @@ def _rank_forward(
         backend=backend,
         preshard_up_proj=preshard,
         routed_input=routed_input,
+        scratch_bytes=scratch_bytes,
     )[layer]
     return runner.forward(x, logits)
 
@@ -89,6 +114,45 @@ def _read_input(path: Path, cfg: LatentMoEConfig, dtype: torch.dtype):
     return x, logits
 
 
+def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
+    """``--explain`` lines: the planner's bytes per rank by part for the layer, and headroom."""
+    if args.device_memory_gb is not None:
+        budget = memory.gpu_budget(args.device_memory_gb, args.memory_fraction)
+    elif torch.cuda.is_available():
+        total_gb = torch.cuda.get_device_properties(0).total_memory / memory.GB
+        budget = memory.gpu_budget(total_gb, args.memory_fraction)
+    else:
+        budget = memory.cpu_budget(args.tp, args.memory_fraction)
+    if memory.resolve_expert_formats(cfg, [args.layer], args.checkpoint, args.experts_format) is None:
+        return ["memory: not planned: the checkpoint holds no weights; give --experts-format"]
+    plan = memory.plan_checkpoint(
+        args.checkpoint, cfg, [args.layer], args.dtype, args.tp, args.preshard_up_proj, args.experts_format,
+        max_tokens=args.max_tokens, scratch_bytes=int(args.scratch_mb * 2**20), budget=budget,
+    )
+    parts = ", ".join(f"{name} {memory.gb(n)}" for name, n in plan.by_part.items() if n)
+    return [
+        f"memory per rank ({plan.formats[args.layer]} experts): {parts}",
+        f"memory: {plan.arithmetic()}",
+        f"memory fits: {plan.fits}",
+    ]
+
+
+def plan_layers(args: argparse.Namespace) -> int:
+    """``plan``: the planner's split of every MoE layer over TP groups of one device kind."""
+    cfg = LatentMoEConfig.from_pretrained(args.checkpoint)
+    formats = memory.resolve_expert_formats(cfg, cfg.moe_layers, args.checkpoint, args.experts_format)
+    if formats is None:
+        raise ValueError(f"{args.checkpoint} holds no weights (config only): give --experts-format")
+    split = memory.propose_split(
+        cfg, formats, args.dtype, args.tp, memory.gpu_budget(args.device_memory_gb, args.memory_fraction),
+        args.preshard_up_proj, args.max_tokens, int(args.scratch_mb * 2**20),
+    )
+    print(split.describe())
+    for plan in split.plans:
+        print(f"  {plan.arithmetic()}")
+    return 0
+
+
 def forward(args: argparse.Namespace) -> int:
     cfg = LatentMoEConfig.from_pretrained(args.checkpoint)
     cfg.check_moe_layer(args.layer)
@@ -99,6 +163,9 @@ def forward(args: argparse.Namespace) -> int:
         routed_input = RoutedInputConfig(True, args.routed_input_quant, args.min_sharded_tokens)
         routed_input.check_latent(cfg.routed_expert_hidden_size)
     backend, backend_reason = select_backend(args.backend)
+    scratch_bytes = int(args.scratch_mb * 2**20)
+    if scratch_bytes < 1:
+        raise ValueError(f"--scratch-mb must be positive, got {args.scratch_mb}")
     if args.explain:
         rule = shardability_for(cfg, args.tp, args.preshard_up_proj, args.sequence_parallel)
         print(f"TP size: {args.tp}")
@@ -106,6 +173,7 @@ def forward(args: argparse.Namespace) -> int:
         print(f"tail plan: {plan.describe()}")
         print(f"reason: {plan.reason}")
         print(f"experts backend: {backend} ({backend_reason})")
+        print("\n".join(explain_memory(args, cfg)))
         return 0
     if args.input is None or args.output is None:
         raise ValueError("forward needs --input and --output (or --explain)")
@@ -120,6 +188,7 @@ def forward(args: argparse.Namespace) -> int:
         backend,
         args.preshard_up_proj,
         routed_input,
+        scratch_bytes,
         x,
         logits,
     )
@@ -143,7 +212,7 @@ def forward(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return forward(args)
+        return forward(args) if args.command == "forward" else plan_layers(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -308,6 +308,10 @@ def test_auto_serves_each_range_with_its_measured_tail(auto_app):
     assert ctl["reason"].startswith("auto: measured at warm-up on the TP 2 group")
     # Rank 0's timings are exactly the scripted costs (every sample is one cost).
     assert ctl["timings_ms"] == {t: {str(k): v for k, v in c.items()} for t, c in COST_MS.items()}
+    # Memory: the planner's bytes per rank (build time) are what each rank reports it holds.
+    planned = status["memory"]["planned"]
+    assert planned["fits"] and planned["headroom_bytes_per_rank"] > 0 and ctl["memory"] == planned
+    assert status["memory"]["resident_bytes_per_rank"] == [planned["weights_bytes_per_rank"]] * 2
 
     before = dict(status["counters"]["tails"])
     for T, tail in [(1, "single_allreduce"), (9, "overlap"), (16, "overlap"), (17, "sharded"), (300, "sharded")]:
@@ -324,6 +328,7 @@ def test_auto_serves_each_range_with_its_measured_tail(auto_app):
         over_http = http.status()["deployments"]["decode"]
     assert over_http["tail_plan"]["tiers"] == EXPECTED_TIERS
     assert over_http["controller"]["timings_ms"]["sharded"]["256"] == 5.0
+    assert over_http["memory"]["planned"]["bytes_per_rank_by_part"] == planned["bytes_per_rank_by_part"]
 
 
 @pytest.mark.ray

@@ -1,0 +1,536 @@
+"""Memory planner (DESIGN §8): what one rank of a TP group holds, and how a model's MoE layers
+split over TP groups of a device. Pure arithmetic (no Ray, no weights read); a checkpoint is only
+asked which format its routed experts are stored in.
+
+Bytes per rank per MoE layer, by part (the keys of ``LayerWeights.nbytes_by_part()``), with
+``b`` the compute dtype's bytes, ``I_l = I / P`` and ``S_l = I * num_shared_experts / P``:
+
+    experts_packed      MXFP4 routed experts: E x [2 I_l x (D/2 + D/32)  +  D x (I_l/2 + I_l/32)]
+                        (w1|w3 rows split, w2 columns split; uint8 nibbles + one E8M0 byte per 32)
+    experts_dense       dense routed experts: E x 3 x I_l x D x b
+    shared_experts      3 x S_l x H x b (MXFP4 shared experts are decoded to b at load)
+    latent_projections  Wdown D x H x b + RMSNorm gamma D x 4 (fp32; absent without the norm)
+    up_projection       Wup H x D x b, or (H/P) x D x b when pre-sharded
+    router              gate E x H x 4 + e_score_correction_bias E x 4 (fp32)
+
+Per rank the planner adds a workspace allowance: the experts' decode scratch budget (default
+256 MiB) plus activations for the largest forward, ``tokens x activation_bytes_per_token`` (see
+:func:`activation_bytes_per_token` for the per-token formula).
+
+Units: GB is 10**9 bytes throughout (an MI300X is sold as 192 GB of HBM3).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import LatentMoEConfig
+from .experts import DEFAULT_SCRATCH_BYTES  # the torch backend's decode budget per rank
+from .sharding import check_tp_size
+from .weights import PARTS
+
+MXFP4, DENSE = "mxfp4", "dense"
+EXPERT_FORMATS = (MXFP4, DENSE)
+GB = 10**9
+MXFP4_BLOCK = 32
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MI300X_MEMORY_GB = 192.0
+DEFAULT_MEMORY_FRACTION = 0.9
+# Startup (moe_runtime never reads faster than storage allows): a TP group's ranks read their
+# slices at the same time from the node's storage; 0.25 GB/s is a slow network filesystem (local
+# NVMe is ~10x faster), so derived bounds are generous rather than tight.
+ASSUMED_READ_BYTES_PER_S = 0.25 * GB
+STARTUP_FLOOR_S = 900.0
+# Warm-up cost estimates (tail "auto"): deliberately slow figures, so an estimate errs long.
+ASSUMED_DEVICE_SPEED = {  # (bytes/s of memory traffic, FLOP/s)
+    "cpu": (1.0 * GB, 2.0e10),
+    "gpu": (1.0e12, 1.0e14),
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown compute dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def gb(n: float) -> str:
+    """Bytes for people: GB (1e9) down to MB (1e6) and kB, two decimals."""
+    for unit, size in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_layers(layers: Iterable[int]) -> str:
+    """Compact ranges: [1, 2, 3, 7] -> "1-3,7"."""
+    runs: list[list[int]] = []
+    for x in sorted(layers):
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# -- bytes per rank per layer ----------------------------------------------------------------
+
+
+def layer_bytes(
+    cfg: LatentMoEConfig,
+    experts_format: str,
+    dtype: str,
+    tp_size: int = 1,
+    preshard_up_proj: bool = False,
+) -> dict[str, int]:
+    """Bytes one rank of a TP ``tp_size`` group holds for one MoE layer, by part (all of ``PARTS``)."""
+    if experts_format not in EXPERT_FORMATS:
+        raise ValueError(f"experts format {experts_format!r} is not one of {EXPERT_FORMATS}")
+    H, D, E, I = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    Is = cfg.shared_intermediate_size
+    check_tp_size(tp_size, I, Is, H if preshard_up_proj else None)
+    b = dtype_bytes(dtype)
+    I_l, S_l = I // tp_size, Is // tp_size
+    parts = dict.fromkeys(PARTS, 0)
+    if experts_format == MXFP4:
+        if D % MXFP4_BLOCK or I_l % MXFP4_BLOCK:
+            raise ValueError(
+                f"MXFP4 experts need the latent size D = {D} and each rank's intermediate slice "
+                f"I / TP = {I} / {tp_size} = {I_l} to be multiples of the {MXFP4_BLOCK}-element block"
+            )
+        w13 = 2 * I_l * (D // 2 + D // MXFP4_BLOCK)
+        w2 = D * (I_l // 2 + I_l // MXFP4_BLOCK)
+        parts["experts_packed"] = E * (w13 + w2)
+    else:
+        parts["experts_dense"] = E * 3 * I_l * D * b
+    parts["shared_experts"] = 3 * S_l * H * b
+    parts["latent_projections"] = D * H * b + (D * 4 if cfg.latent_moe_use_norm else 0)
+    parts["up_projection"] = (H // tp_size if preshard_up_proj else H) * D * b
+    parts["router"] = E * H * 4 + E * 4
+    return parts
+
+
+def activation_bytes_per_token(cfg: LatentMoEConfig, dtype: str, tp_size: int = 1) -> int:
+    """Estimated bytes alive at once per token of a forward on one rank (the torch path's
+    token-sized tensors, fp32 where the code may widen). scripts/bench_memory.py measures it:
+    with the decode scratch it bounded every measured forward peak; alone it did not at bf16
+    with few tokens on CPU, where weight-sized temporaries (not per token) dominate:
+
+        H x (4b + 4)          input, routed output, shared output, layer output (b) + fp32 partial sum
+        + 12 E                router logits, scores, biased scores (fp32)
+        + 28 K                top-k ids (int64), weights (fp32), slot order and slot->token (int64)
+        + D x (b + 8)         latent h (b) + fp32 partial sum and its normed copy
+        + D x (b + 8) + I_l x (3b + 12)
+                              one expert's working set when every token picks it: gathered rows,
+                              gate|up (b), fp32 gate, up, activation, its b copy, fp32 rows and
+                              their weighted copy
+        + S_l x (3b + 12)     shared experts' gate|up (b), fp32 activation, its b copy
+    """
+    H, D, E, K = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts, cfg.num_experts_per_token
+    b = dtype_bytes(dtype)
+    I_l, S_l = cfg.moe_intermediate_size // tp_size, cfg.shared_intermediate_size // tp_size
+    return (
+        H * (4 * b + 4) + 12 * E + 28 * K + 2 * D * (b + 8) + I_l * (3 * b + 12) + S_l * (3 * b + 12)
+    )
+
+
+# -- which format a checkpoint's experts are in -----------------------------------------------
+
+
+def checkpoint_has_weights(checkpoint: str | Path) -> bool:
+    from .checkpoint import INDEX_FILE, SINGLE_FILE
+
+    root = Path(checkpoint)
+    return (root / INDEX_FILE).is_file() or (root / SINGLE_FILE).is_file()
+
+
+def checkpoint_expert_formats(checkpoint: Any, cfg: LatentMoEConfig, layers: Iterable[int]) -> dict[int, str]:
+    """Per layer, ``"mxfp4"`` when expert 0's gate projection is stored as ``weight_packed`` +
+    ``weight_scale`` (uint8), ``"dense"`` when it is a plain ``weight``; reads names only.
+
+    ``checkpoint``: a folder or a ``CheckpointReader``.
+    """
+    from .checkpoint import CheckpointReader
+
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    formats = {}
+    for layer in layers:
+        base = reader.layer_prefix(layer) + "experts.0.w1."
+        if base + "weight_packed" in reader and base + "weight_scale" in reader:
+            formats[layer] = MXFP4
+        elif base + "weight" in reader:
+            formats[layer] = DENSE
+        else:
+            raise ValueError(
+                f"checkpoint {reader.root} stores layer {layer}'s experts neither dense "
+                f"({base}weight) nor MXFP4 ({base}weight_packed + weight_scale)"
+            )
+    return formats
+
+
+def resolve_expert_formats(
+    cfg: LatentMoEConfig,
+    layers: Sequence[int],
+    checkpoint: str | Path | None = None,
+    experts_format: str | None = None,
+) -> dict[int, str] | None:
+    """The experts format of every layer: read from the checkpoint's tensor names when it holds
+    weights (an explicit ``experts_format`` must then agree), else ``experts_format`` (a
+    config-only checkpoint); None when neither says."""
+    if experts_format is not None and experts_format not in EXPERT_FORMATS:
+        raise ValueError(f"experts_format {experts_format!r} is not one of {EXPERT_FORMATS}")
+    if checkpoint is not None and checkpoint_has_weights(checkpoint):
+        found = checkpoint_expert_formats(checkpoint, cfg, layers)
+        wrong = sorted(layer for layer, f in found.items() if experts_format not in (None, f))
+        if wrong:
+            raise ValueError(
+                f"experts_format is {experts_format!r} but the checkpoint stores layers "
+                f"{format_layers(wrong)} as {found[wrong[0]]!r}"
+            )
+        return found
+    if experts_format is None:
+        return None
+    return dict.fromkeys(layers, experts_format)
+
+
+# -- budgets -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes one rank may use, and where the number comes from."""
+
+    bytes_per_rank: int
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bytes_per_rank": self.bytes_per_rank, "source": self.source}
+
+
+def _check_fraction(memory_fraction: float) -> None:
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+
+
+def gpu_budget(
+    device_memory_gb: float = MI300X_MEMORY_GB, memory_fraction: float = DEFAULT_MEMORY_FRACTION
+) -> Budget:
+    """One GPU per rank: ``device_memory_gb x memory_fraction``."""
+    _check_fraction(memory_fraction)
+    if not device_memory_gb > 0:
+        raise ValueError(f"device_memory_gb must be > 0, got {device_memory_gb}")
+    total = int(device_memory_gb * GB * memory_fraction)
+    return Budget(total, f"GPU: {device_memory_gb:g} GB x {memory_fraction:g} = {gb(total)} per rank")
+
+
+def node_memory_bytes() -> int:
+    """This node's memory: physical RAM, capped by the cgroup (container) limit when one is set."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def cpu_budget(
+    ranks: int, memory_fraction: float = DEFAULT_MEMORY_FRACTION, node_bytes: int | None = None
+) -> Budget:
+    """Ranks on CPU share their node: ``node memory x memory_fraction / ranks``."""
+    _check_fraction(memory_fraction)
+    node = node_memory_bytes() if node_bytes is None else node_bytes
+    per_rank = int(node * memory_fraction) // ranks
+    return Budget(
+        per_rank,
+        f"CPU: node memory {gb(node)} x {memory_fraction:g} / {ranks} rank(s) = {gb(per_rank)} per rank",
+    )
+
+
+# -- the plan of one TP group ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Per-rank allowance beyond the weights: decode scratch + activations of the largest forward."""
+
+    scratch_bytes: int
+    tokens: int
+    activation_bytes_per_token: int
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.tokens * self.activation_bytes_per_token
+
+    @property
+    def total(self) -> int:
+        return self.scratch_bytes + self.activation_bytes
+
+    def describe(self) -> str:
+        return (
+            f"workspace {gb(self.total)} (scratch {gb(self.scratch_bytes)} + {self.tokens} tokens x "
+            f"{self.activation_bytes_per_token} B activations)"
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What one rank of a TP group holds for a set of layers, against a budget (if any)."""
+
+    tp_size: int
+    dtype: str
+    preshard_up_proj: bool
+    per_layer: Mapping[int, Mapping[str, int]]
+    formats: Mapping[int, str]
+    workspace: Workspace
+    budget: Budget | None = None
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.per_layer))
+
+    @property
+    def by_part(self) -> dict[str, int]:
+        return {p: sum(parts[p] for parts in self.per_layer.values()) for p in PARTS}
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(self.by_part.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.workspace.total
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.budget is None else self.budget.bytes_per_rank - self.total_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.headroom_bytes >= 0
+
+    def arithmetic(self) -> str:
+        layers = self.layers
+        per = self.weights_bytes // len(layers)
+        formats = "/".join(sorted(set(self.formats.values())))
+        text = (
+            f"{len(layers)} layer(s) ({format_layers(layers)}) x ~{gb(per)} per rank ({formats} experts, "
+            f"{self.dtype}, TP {self.tp_size}) = {gb(self.weights_bytes)} + {self.workspace.describe()} "
+            f"= {gb(self.total_bytes)} per rank"
+        )
+        if self.budget is not None:
+            text += f"; budget {self.budget.source}; headroom {gb(self.headroom_bytes)}"
+        return text
+
+    def check(self, what: str = "deployment") -> None:
+        """ValueError with the arithmetic when the layers do not fit the budget."""
+        if self.fits:
+            return
+        per_layer = self.weights_bytes / len(self.layers)
+        room = (self.budget.bytes_per_rank - self.workspace.total) // per_layer
+        raise ValueError(
+            f"{what} does not fit: {self.arithmetic()}. At most {max(0, int(room))} such layer(s) fit "
+            "per TP group: serve fewer layers per deployment (split the range), raise tp_size, keep "
+            "experts MXFP4, or raise device_memory_gb / memory_fraction if the device really has more"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able record (``status()``, ``--explain``)."""
+        return {
+            "tp_size": self.tp_size,
+            "dtype": self.dtype,
+            "preshard_up_proj": self.preshard_up_proj,
+            "layers": format_layers(self.layers),
+            "experts_formats": sorted(set(self.formats.values())),
+            "bytes_per_rank_by_part": self.by_part,
+            "weights_bytes_per_rank": self.weights_bytes,
+            "workspace": {
+                "scratch_bytes": self.workspace.scratch_bytes,
+                "tokens": self.workspace.tokens,
+                "activation_bytes_per_token": self.workspace.activation_bytes_per_token,
+                "activation_bytes": self.workspace.activation_bytes,
+            },
+            "total_bytes_per_rank": self.total_bytes,
+            "budget": None if self.budget is None else self.budget.to_dict(),
+            "headroom_bytes_per_rank": self.headroom_bytes,
+            "fits": self.fits,
+        }
+
+
+def plan_memory(
+    cfg: LatentMoEConfig,
+    formats: Mapping[int, str],
+    dtype: str,
+    tp_size: int = 1,
+    preshard_up_proj: bool = False,
+    max_tokens: int = 2048,
+    scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+    budget: Budget | None = None,
+) -> MemoryPlan:
+    """The plan of one TP group serving ``formats``' layers (layer -> experts format).
+
+    ``max_tokens``: tokens of the largest forward a rank runs (activations are sized for it).
+    """
+    if not formats:
+        raise ValueError("no layers to plan")
+    for layer in formats:
+        cfg.check_moe_layer(layer)
+    per_layer = {
+        layer: layer_bytes(cfg, fmt, dtype, tp_size, preshard_up_proj) for layer, fmt in formats.items()
+    }
+    workspace = Workspace(scratch_bytes, max_tokens, activation_bytes_per_token(cfg, dtype, tp_size))
+    return MemoryPlan(tp_size, dtype, preshard_up_proj, per_layer, dict(formats), workspace, budget)
+
+
+def plan_checkpoint(
+    checkpoint: str | Path,
+    cfg: LatentMoEConfig,
+    layers: Sequence[int] | None = None,
+    dtype: str = "bfloat16",
+    tp_size: int = 1,
+    preshard_up_proj: bool = False,
+    experts_format: str | None = None,
+    **kwargs: Any,
+) -> MemoryPlan:
+    """:func:`plan_memory` for a checkpoint folder (experts format read from its tensor names;
+    a config-only folder needs ``experts_format``). ``kwargs``: those of :func:`plan_memory`."""
+    layers = list(cfg.moe_layers if layers is None else layers)
+    formats = resolve_expert_formats(cfg, layers, checkpoint, experts_format)
+    if formats is None:
+        raise ValueError(
+            f"checkpoint {checkpoint} holds no weights (config only): give experts_format "
+            f"({' or '.join(EXPERT_FORMATS)}) to plan its memory"
+        )
+    return plan_memory(cfg, formats, dtype, tp_size, preshard_up_proj, **kwargs)
+
+
+# -- splitting a model's MoE layers over TP groups ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """Contiguous layer groups, one TP group (deployment) each, and each group's plan."""
+
+    plans: tuple[MemoryPlan, ...]
+
+    @property
+    def groups(self) -> list[tuple[int, ...]]:
+        return [p.layers for p in self.plans]
+
+    @property
+    def ranges(self) -> list[str]:
+        return [format_layers(g) for g in self.groups]
+
+    def describe(self) -> str:
+        first = self.plans[0]
+        n = sum(len(g) for g in self.groups)
+        sizes = sorted({len(g) for g in self.groups})
+        head = f"{n} MoE layers, TP {first.tp_size}, {first.dtype}"
+        if first.budget is not None:
+            head += f", {first.budget.source}"
+        least = min(p.headroom_bytes for p in self.plans) if first.budget is not None else None
+        room = "" if least is None else f" with at least {gb(least)} headroom per rank"
+        if len(self.plans) == 1:
+            return f"{head}: 1 group holds all of them{room}"
+        size = "/".join(str(s) for s in sizes)
+        return f"{head}: {len(self.plans)} groups of {size} layers ({', '.join(self.ranges)}){room}"
+
+
+def propose_split(
+    cfg: LatentMoEConfig,
+    formats: Mapping[int, str],
+    dtype: str,
+    tp_size: int,
+    budget: Budget,
+    preshard_up_proj: bool = False,
+    max_tokens: int = 2048,
+    scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+) -> LayerSplit:
+    """The fewest contiguous groups of ``formats``' layers (in layer order) that each fit one TP
+    group of ``tp_size`` ranks within ``budget``, sized as evenly as possible."""
+    layers = sorted(formats)
+
+    def plan(group: Sequence[int]) -> MemoryPlan:
+        return plan_memory(
+            cfg, {x: formats[x] for x in group}, dtype, tp_size, preshard_up_proj, max_tokens, scratch_bytes,
+            budget,
+        )
+
+    single = plan(layers[:1])
+    if not single.fits:
+        single.check(f"one layer at TP {tp_size}")
+    # Greedy packing gives the fewest groups; then even sizes with that count, if they fit.
+    greedy: list[list[int]] = [[]]
+    for layer in layers:
+        if greedy[-1] and not plan([*greedy[-1], layer]).fits:
+            greedy.append([])
+        greedy[-1].append(layer)
+    n = len(greedy)
+    size, extra = divmod(len(layers), n)
+    even, start = [], 0
+    for i in range(n):
+        stop = start + size + (1 if i < extra else 0)
+        even.append(layers[start:stop])
+        start = stop
+    plans = [plan(g) for g in even]
+    if not all(p.fits for p in plans):
+        plans = [plan(g) for g in greedy]
+    return LayerSplit(tuple(plans))
+
+
+# -- time: startup bound and warm-up cost --------------------------------------------------------
+
+
+def startup_timeout_s(plan: MemoryPlan | None) -> float:
+    """Replica start bound: the group's weight bytes (every rank reads its slices from the same
+    node's storage) at ``ASSUMED_READ_BYTES_PER_S``, at least ``STARTUP_FLOOR_S``."""
+    if plan is None:
+        return STARTUP_FLOOR_S
+    read = plan.weights_bytes * plan.tp_size
+    return max(STARTUP_FLOOR_S, math.ceil(read / ASSUMED_READ_BYTES_PER_S))
+
+
+def forward_cost_s(plan: MemoryPlan, cfg: LatentMoEConfig, tokens: int, device: str) -> float:
+    """A deliberately pessimistic estimate of one forward of one layer on one rank.
+
+    Memory traffic: the layer's non-expert weights, plus the experts ``tokens`` are expected to
+    activate (a fraction ``1 - (1 - K/E)^T`` of them); packed experts also count their decoded
+    copy written and read once. FLOPs: ``2 T`` times (router E H + projections 2 D H + routed
+    K x 3 I_l D + shared 3 S_l H). Speeds: ``ASSUMED_DEVICE_SPEED[device]``.
+    """
+    bandwidth, flops = ASSUMED_DEVICE_SPEED[device]
+    layer = plan.layers[0]
+    parts = plan.per_layer[layer]
+    E, K = cfg.num_experts, cfg.num_experts_per_token
+    active = 1.0 - (1.0 - K / E) ** tokens
+    experts = parts["experts_packed"] + parts["experts_dense"]
+    if plan.formats[layer] == MXFP4:
+        decoded = E * 3 * (cfg.moe_intermediate_size // plan.tp_size) * cfg.routed_expert_hidden_size
+        experts += 2 * decoded * dtype_bytes(plan.dtype)
+    traffic = sum(parts.values()) - parts["experts_packed"] - parts["experts_dense"] + active * experts
+    H, D = cfg.hidden_size, cfg.routed_expert_hidden_size
+    I_l, S_l = cfg.moe_intermediate_size // plan.tp_size, cfg.shared_intermediate_size // plan.tp_size
+    work = 2 * tokens * (E * H + 2 * D * H + K * 3 * I_l * D + 3 * S_l * H)
+    return traffic / bandwidth + work / flops
+
+
+def bounded_token_counts(
+    token_counts: Sequence[int], cost_s: Any, calls_per_count: int, budget_s: float
+) -> tuple[list[int], float]:
+    """The ascending prefix of ``token_counts`` whose estimated measurement time
+    (``calls_per_count x cost_s(T)`` summed) fits ``budget_s``, and that estimate."""
+    kept, total = [], 0.0
+    for T in sorted(token_counts):
+        step = calls_per_count * cost_s(T)
+        if total + step > budget_s:
+            break
+        kept.append(T)
+        total += step
+    return kept, total

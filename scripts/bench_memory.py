@@ -1,0 +1,132 @@
+"""Check the memory planner (``moe_runtime.memory``) against measured memory, side by side.
+
+For each (dtype, experts format, T) it runs one fresh process that loads one MoE layer of a
+generated checkpoint (``--preset``, TP 1) and runs one forward of T tokens, and reports:
+
+* resident bytes of the loaded layer (``LayerWeights.nbytes_by_part``) vs the planner's bytes
+  by part for the format the loader holds (must be equal: ``weights_exact``);
+* the forward's peak RSS growth (Linux ``VmHWM`` after resetting it through
+  ``/proc/self/clear_refs``, minus ``VmRSS`` before the forward) vs the planner's activation
+  allowance ``T x activation_bytes_per_token`` and its whole workspace (+ decode scratch):
+  ``ratio`` = measured / activation allowance (<= 1: the allowance bounds what was measured).
+
+Writes ``results.json``, ``memory.png`` and ``table.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
+    """Child process: load layer 1, one warm-up and one measured forward of ``tokens``."""
+    import torch
+
+    from moe_runtime import memory
+    from moe_runtime.checkpoint import load_layer_weights, torch_dtype
+    from moe_runtime.config import LatentMoEConfig
+    from moe_runtime.layer import moe_forward
+
+    torch.set_num_threads(1)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    w = load_layer_weights(ckpt, cfg, 1, torch_dtype(dtype))
+    held = "mxfp4" if w.experts.packed else "dense"
+    plan = memory.plan_memory(cfg, {1: held}, dtype, 1, max_tokens=tokens)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen).to(torch_dtype(dtype))
+    with torch.inference_mode():
+        moe_forward(x[:8], w, cfg)  # allocator and thread pools warm
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to now
+        before = _status("VmRSS:")
+        moe_forward(x, w, cfg)
+        growth = _status("VmHWM:") - before
+    return {
+        "dtype": dtype, "tokens": tokens, "experts_held": held,
+        "checkpoint_format": memory.checkpoint_expert_formats(ckpt, cfg, [1])[1],
+        "resident_by_part": w.nbytes_by_part(), "planned_by_part": plan.by_part,
+        "weights_exact": w.nbytes_by_part() == plan.by_part,
+        "forward_peak_growth_bytes": growth,
+        "activation_allowance_bytes": plan.workspace.activation_bytes,
+        "workspace_bytes": plan.workspace.total,
+        "ratio": growth / plan.workspace.activation_bytes,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--tokens", default="256,2048,8192")
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench_memory")
+    ap.add_argument("--child", nargs=3, metavar=("CKPT", "DTYPE", "T"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure_one(args.child[0], args.child[1], int(args.child[2]))))
+        return 0
+    from moe_runtime.synthetic import preset_config, write_checkpoint
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for fmt in ("dense", "mxfp4"):
+        ckpt = args.out / f"{args.preset}-{fmt}"
+        if not (ckpt / "config.json").is_file():
+            write_checkpoint(ckpt, preset_config(args.preset, num_hidden_layers=2), use_mxfp4=fmt == "mxfp4")
+        for dtype in ("float32", "bfloat16"):
+            for T in (int(t) for t in args.tokens.split(",")):
+                out = subprocess.run([sys.executable, __file__, "--child", str(ckpt), dtype, str(T)],
+                                     capture_output=True, text=True, check=True).stdout
+                row = json.loads(out.strip().splitlines()[-1])
+                rows.append(row)
+                print(f"{fmt:5s} {dtype:8s} T={T:5d}: weights exact {row['weights_exact']}, forward peak "
+                      f"{row['forward_peak_growth_bytes'] / 1e6:7.1f} MB vs allowance "
+                      f"{row['activation_allowance_bytes'] / 1e6:7.1f} MB (ratio {row['ratio']:.2f})")
+    (args.out / "results.json").write_text(json.dumps({"preset": args.preset, "rows": rows}, indent=1))
+    lines = ["| checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB | ratio |",
+             "|---|---|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['checkpoint_format']} | {r['experts_held']} | {r['dtype']} | {r['tokens']} | "
+                     f"{r['weights_exact']} | {r['forward_peak_growth_bytes'] / 1e6:.1f} | "
+                     f"{r['activation_allowance_bytes'] / 1e6:.1f} | {r['ratio']:.2f} |")
+    (args.out / "table.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for fmt in ("dense", "mxfp4"):
+        for dtype in ("float32", "bfloat16"):
+            sel = [r for r in rows if r["checkpoint_format"] == fmt and r["dtype"] == dtype]
+            ax.plot([r["tokens"] for r in sel], [r["forward_peak_growth_bytes"] / 1e6 for r in sel], "o-",
+                    label=f"measured {fmt} {dtype}")
+            if fmt == "dense":
+                style = "k--" if dtype == "float32" else "k:"
+                allowance = [r["activation_allowance_bytes"] / 1e6 for r in sel]
+                ax.plot([r["tokens"] for r in sel], allowance, style, label=f"planner allowance {dtype}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("MB")
+    ax.set_title(f"forward peak RSS growth vs planner activation allowance ({args.preset}, TP 1)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out / "memory.png", dpi=120)
+    print(f"wrote {args.out}/results.json, memory.png, table.md")
+    return 0 if all(r["weights_exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
