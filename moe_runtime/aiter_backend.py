@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .activation import GatedActivation
+from .weights import ExpertWeights
 
 
 class AiterExperts:
@@ -22,13 +23,22 @@ class AiterExperts:
 
         self._aiter, self._fused_moe = aiter, fused_moe
 
-    def __call__(self, h_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, act: GatedActivation):
+    def __call__(
+        self, h_TD, ids_TK, weights_TK, experts: ExpertWeights, act: GatedActivation, act_quant=None
+    ):
         if act.beta is None:
             raise ValueError("the aiter backend runs SiTU experts only; this model uses plain SiLU")
+        if experts.packed:
+            raise ValueError(
+                "this aiter adapter runs dense experts only; the layer holds MXFP4-packed experts "
+                "(use the torch backend, which decodes the active experts per batch)"
+            )
+        if act_quant is not None:
+            raise ValueError("this aiter adapter has no activation fake-quant hook; use the torch backend")
         out_TD = self._fused_moe(
             hidden_states=h_TD,
-            w1=w13_EFD,  # gate rows stacked over up rows ("separated" gate mode)
-            w2=w2_EDI,
+            w1=experts.w13,  # gate rows stacked over up rows ("separated" gate mode)
+            w2=experts.w2,
             topk_weight=weights_TK.float(),
             topk_ids=ids_TK.to(torch.int32),
             activation=self._aiter.ActivationType.Situv2,

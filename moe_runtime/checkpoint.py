@@ -15,7 +15,7 @@ from safetensors import safe_open
 from . import mxfp4
 from .config import LatentMoEConfig
 from .sharding import Split, TPShard
-from .weights import LayerWeights
+from .weights import ExpertWeights, LayerWeights
 
 PREFIXES = ("language_model.layers.{i}.block_sparse_moe.", "model.layers.{i}.block_sparse_moe.")
 INDEX_FILE = "model.safetensors.index.json"
@@ -198,8 +198,7 @@ def load_layer_weights(
             else None
         ),
         up_HD=ld.dense("routed_expert_up_proj.weight", (H, D)),
-        w13_EFD=torch.stack(w13),
-        w2_EDI=torch.stack(w2),
+        experts=ExpertWeights(torch.stack(w13), torch.stack(w2), dtype=dtype),
         shared_gate_SH=shared[0],
         shared_up_SH=shared[1],
         shared_down_HS=shared[2],

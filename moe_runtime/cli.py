@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from .checkpoint import CheckpointReader, torch_dtype
 from .collectives import Collectives
 from .config import LatentMoEConfig
-from .experts import select_backend
+from .experts import DEFAULT_SCRATCH_BYTES, select_backend
 from .layer import check_input
 from .local_group import run_local_group
 from .plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument("--preshard-up-proj", action="store_true", help="each rank stores H/P rows of Wup")
     fw.add_argument("--routed-input-quant", choices=QUANT_MODES, help="token-shard the routed input")
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
+    fw.add_argument(
+        "--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20,
+        help="per-rank budget for decoding the active MXFP4 experts, MiB",
+    )
     fw.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     fw.add_argument("--explain", action="store_true", help="print the tail decision and exit")
     return ap
@@ -53,6 +57,7 @@ def _rank_forward(
     backend: str,
     preshard: bool,
     routed_input: RoutedInputConfig | None,
+    scratch_bytes: int,
     x,
     logits,
 ) -> torch.Tensor:
@@ -67,6 +72,7 @@ def _rank_forward(
         backend=backend,
         preshard_up_proj=preshard,
         routed_input=routed_input,
+        scratch_bytes=scratch_bytes,
     )[layer]
     return runner.forward(x, logits)
 
@@ -99,6 +105,9 @@ def forward(args: argparse.Namespace) -> int:
         routed_input = RoutedInputConfig(True, args.routed_input_quant, args.min_sharded_tokens)
         routed_input.check_latent(cfg.routed_expert_hidden_size)
     backend, backend_reason = select_backend(args.backend)
+    scratch_bytes = int(args.scratch_mb * 2**20)
+    if scratch_bytes < 1:
+        raise ValueError(f"--scratch-mb must be positive, got {args.scratch_mb}")
     if args.explain:
         rule = shardability_for(cfg, args.tp, args.preshard_up_proj, args.sequence_parallel)
         print(f"TP size: {args.tp}")
@@ -120,6 +129,7 @@ def forward(args: argparse.Namespace) -> int:
         backend,
         args.preshard_up_proj,
         routed_input,
+        scratch_bytes,
         x,
         logits,
     )

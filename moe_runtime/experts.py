@@ -14,6 +14,10 @@ from typing import Protocol
 import torch
 
 from .activation import GatedActivation
+from .weights import ExpertWeights
+
+ActQuant = Callable[[torch.Tensor], torch.Tensor]
+DEFAULT_SCRATCH_BYTES = 256 * 2**20
 
 
 class ExpertsBackend(Protocol):
@@ -24,19 +28,25 @@ class ExpertsBackend(Protocol):
         h_TD: torch.Tensor,
         ids_TK: torch.Tensor,
         weights_TK: torch.Tensor,
-        w13_EFD: torch.Tensor,
-        w2_EDI: torch.Tensor,
+        experts: ExpertWeights,
         act: GatedActivation,
+        act_quant: ActQuant | None = None,
     ) -> torch.Tensor:
-        """Return the fp32 weighted combine ``L_TD = sum_k w_k * expert_{ids_k}(h)``."""
+        """Return the fp32 weighted combine ``L_TD = sum_k w_k * expert_{ids_k}(h)``.
+
+        ``act_quant`` (None: identity) is a quantise-dequantise of an activation tensor in its
+        dtype, applied to the experts' input rows and to the gated activation before the down
+        GEMM (W4A4 emulation). It must treat rows independently (per-token or per-block
+        scales), so quantising ``h`` once equals quantising each expert's gathered rows.
+        """
         ...
 
 
-_REGISTRY: dict[str, Callable[[], ExpertsBackend]] = {}
+_REGISTRY: dict[str, Callable[..., ExpertsBackend]] = {}
 
 
 def register_backend(name: str) -> Callable:
-    def wrap(factory: Callable[[], ExpertsBackend]) -> Callable[[], ExpertsBackend]:
+    def wrap(factory: Callable[..., ExpertsBackend]) -> Callable[..., ExpertsBackend]:
         _REGISTRY[name] = factory
         return factory
 
@@ -51,38 +61,60 @@ def unavailable_reason(name: str) -> str | None:
     return None
 
 
-def get_backend(name: str) -> ExpertsBackend:
+def get_backend(name: str, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> ExpertsBackend:
     reason = unavailable_reason(name)
     if reason is not None:
         raise ValueError(reason)
-    return _REGISTRY[name]()
+    return _REGISTRY[name](scratch_bytes=scratch_bytes)
 
 
 @register_backend("torch")
 class TorchExperts:
-    """Sort token-slots by expert and run one GEMM pair per active expert."""
+    """Sort token-slots by expert and run one GEMM pair per active expert.
+
+    Packed (MXFP4) experts are decoded only when a batch activates them, a chunk of experts at
+    a time, each chunk's decoded weights (and decode temporaries) within ``scratch_bytes``.
+    """
 
     name = "torch"
 
-    def __call__(self, h_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, act):
+    def __init__(self, scratch_bytes: int = DEFAULT_SCRATCH_BYTES):
+        if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 1:
+            raise ValueError(f"experts scratch budget must be a positive byte count, got {scratch_bytes!r}")
+        self.scratch_bytes = scratch_bytes
+
+    def __call__(self, h_TD, ids_TK, weights_TK, experts: ExpertWeights, act, act_quant=None):
         T, K = ids_TK.shape
-        out_TD = torch.zeros(T, w2_EDI.shape[1], dtype=torch.float32, device=h_TD.device)
+        out_TD = torch.zeros(T, experts.latent_size, dtype=torch.float32, device=h_TD.device)
+        if act_quant is not None:
+            h_TD = act_quant(h_TD)
         flat_ids = ids_TK.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=w13_EFD.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=experts.num_experts)
         token_of_slot = order // K
         slot_weight = weights_TK.reshape(-1)[order]
-        half = w13_EFD.shape[1] // 2
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of_slot[start : start + count]
-            gate_up = h_TD[rows] @ w13_EFD[expert].t()
-            a = act(gate_up[:, :half], gate_up[:, half:]).to(h_TD.dtype)
-            y = (a @ w2_EDI[expert].t()).float()
-            out_TD.index_add_(0, rows, y * slot_weight[start : start + count, None])
-            start += count
+        starts = (torch.cumsum(counts, 0) - counts).tolist()
+        counts = counts.tolist()
+        active = [e for e, c in enumerate(counts) if c]
+        per_chunk = max(1, self.scratch_bytes // experts.decoded_bytes_per_expert()) if experts.packed else 1
+        half = experts.intermediate_size
+        for first in range(0, len(active), per_chunk):
+            chunk = active[first : first + per_chunk]
+            if experts.packed:
+                w13_nFD, w2_nDI = experts.decode(torch.tensor(chunk, device=experts.w13.device))
+            else:  # dense: use the resident experts in place, no copy
+                w13_nFD, w2_nDI = experts.w13, experts.w2
+            for i, expert in enumerate(chunk):
+                j = i if experts.packed else expert
+                start, count = starts[expert], counts[expert]
+                rows = token_of_slot[start : start + count]
+                gate_up = h_TD[rows] @ w13_nFD[j].t()
+                a = act(gate_up[:, :half], gate_up[:, half:]).to(h_TD.dtype)
+                if act_quant is not None:
+                    a = act_quant(a)
+                y = (a @ w2_nDI[j].t()).float()
+                out_TD.index_add_(0, rows, y * slot_weight[start : start + count, None])
+            del w13_nFD, w2_nDI
         return out_TD
 
 
@@ -119,9 +151,10 @@ def select_backend(requested: str) -> tuple[str, str]:
 
 
 @register_backend("aiter")
-def _aiter_backend() -> ExpertsBackend:
+def _aiter_backend(scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> ExpertsBackend:
     # get_backend checks availability first; on a machine where the probe passes the
-    # kernel adapter is loaded lazily from the ROCm-only module.
+    # kernel adapter is loaded lazily from the ROCm-only module. The fused kernel reads the
+    # resident experts directly, so the scratch budget does not apply to it.
     from .aiter_backend import AiterExperts
 
     return AiterExperts()

@@ -11,7 +11,7 @@ import torch
 
 from .activation import GatedActivation
 from .config import LatentMoEConfig
-from .experts import ExpertsBackend, get_backend
+from .experts import ActQuant, ExpertsBackend, get_backend
 from .router import route
 from .weights import LayerWeights
 
@@ -65,11 +65,12 @@ def routed_experts(
     backend: ExpertsBackend,
     act: GatedActivation,
     router_logits_TE: torch.Tensor | None = None,
+    act_quant: ActQuant | None = None,
 ) -> torch.Tensor:
     """Steps 1, 3 and 4: route on ``x``, run experts on the latent ``h``; fp32 ``L_TD``
     (a partial sum when the expert weights are TP shards)."""
     ids_TK, weights_TK = route(x_TH, w.gate_EH, w.bias_E, cfg, router_logits_TE)
-    return backend(h_TD, ids_TK, weights_TK, w.w13_EFD, w.w2_EDI, act)
+    return backend(h_TD, ids_TK, weights_TK, w.experts, act, act_quant)
 
 
 def latent_norm(L_TD: torch.Tensor, w: LayerWeights, eps: float) -> torch.Tensor:
@@ -94,12 +95,13 @@ def moe_forward(
     cfg: LatentMoEConfig,
     backend: str | ExpertsBackend = "torch",
     router_logits_TE: torch.Tensor | None = None,
+    act_quant: ActQuant | None = None,
 ) -> torch.Tensor:
     """``out = R + S`` for one MoE layer on one device; ``[T, H]`` in the input dtype."""
     be = get_backend(backend) if isinstance(backend, str) else backend
     act = GatedActivation.from_config(cfg)
     h_TD = down_project(x_TH, w)
-    L_TD = routed_experts(x_TH, h_TD, w, cfg, be, act, router_logits_TE)
+    L_TD = routed_experts(x_TH, h_TD, w, cfg, be, act, router_logits_TE, act_quant)
     R_TH = latent_norm(L_TD, w, cfg.rms_norm_eps).to(x_TH.dtype) @ w.up_HD.t()
     S_TH = shared_experts(x_TH, w, act)
     return R_TH if S_TH is None else R_TH + S_TH

@@ -14,13 +14,24 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 
-def _lut(device: torch.device) -> torch.Tensor:
+# Decoding materialises an int32 index (2 bytes per output element) and the fp32 values
+# (4 bytes per output element) besides the output; the backend sizes its scratch with this.
+DECODE_TEMP_BYTES_PER_ELEMENT = 6
+
+
+def _pair_lut(device: torch.device) -> torch.Tensor:
+    """``[256, 2]`` fp32: the (low nibble, high nibble) values of every byte."""
     mags = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
-    return torch.cat([mags, -mags])  # codes 8..15 carry the sign bit
+    values = torch.cat([mags, -mags])  # codes 8..15 carry the sign bit
+    byte = torch.arange(256, device=device)
+    return torch.stack([values[byte & 0x0F], values[byte >> 4]], dim=-1)
 
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Return the ``[rows, n]`` tensor that ``packed`` / ``scale`` encode."""
+    """Return the ``[..., n]`` tensor that ``packed [..., n/2]`` / ``scale [..., n/32]`` encode.
+
+    Values are formed in fp32 (exact: an FP4 value times a power of two) and then cast.
+    """
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} and {scale.dtype}")
     n = packed.shape[-1] * 2
@@ -31,12 +42,10 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
         )
     if scale.numel() and int(scale.max()) == 255:
         raise ValueError("MXFP4 scale byte 255 encodes NaN in E8M0; the checkpoint's scales are corrupt")
-    lut = _lut(packed.device)
-    low = lut[(packed & 0x0F).long()]
-    high = lut[(packed >> 4).long()]
-    values = torch.stack([low, high], dim=-1).reshape(*packed.shape[:-1], n)
-    factors = torch.exp2(scale.float() - 127.0).repeat_interleave(BLOCK, dim=-1)
-    return (values * factors).to(dtype)
+    values = _pair_lut(packed.device)[packed.int()]  # [..., n/2, 2]: element 2j then 2j + 1
+    blocks = values.view(*packed.shape[:-1], n // BLOCK, BLOCK)
+    blocks.mul_(torch.exp2(scale.float() - 127.0).unsqueeze(-1))
+    return blocks.view(*packed.shape[:-1], n).to(dtype)
 
 
 def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

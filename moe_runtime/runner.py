@@ -19,7 +19,7 @@ from .activation import GatedActivation
 from .checkpoint import CheckpointReader, load_layer_weights
 from .collectives import Collectives
 from .config import LatentMoEConfig
-from .experts import get_backend, select_backend
+from .experts import DEFAULT_SCRATCH_BYTES, ActQuant, get_backend, select_backend
 from .layer import down_project, latent_norm, routed_experts, shared_experts
 from .plan import TailPlan, legal_tails, shardability_for
 from .routed_input import RoutedInputConfig, dequantize, quantize
@@ -80,6 +80,8 @@ class LatentMoERunner:
         shard: TPShard,
         backend: str = "torch",
         routed_input: RoutedInputConfig | None = None,
+        scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+        act_quant: ActQuant | None = None,
     ):
         if comm.world != shard.world or comm.rank != shard.rank:
             raise ValueError(
@@ -103,7 +105,8 @@ class LatentMoERunner:
         self.set_plan(plan)
         self._check_shapes()
         self.backend_name = backend
-        self.backend = get_backend(backend)
+        self.backend = get_backend(backend, scratch_bytes)
+        self.act_quant = act_quant
         self.act = GatedActivation.from_config(cfg)
         self.device = weights.down_DH.device
         self.timer = StageTimer(self.device)
@@ -137,14 +140,18 @@ class LatentMoERunner:
         H, D, E = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts
         I_local = cfg.moe_intermediate_size // P
         H_up = H // P if self.shard.preshard_up_proj else H
-        expected = {"w13_EFD": (E, 2 * I_local, D), "w2_EDI": (E, D, I_local), "up_HD": (H_up, D)}
+        ex = self.w.experts
+        found = {
+            "experts (E, I_local, D)": (ex.num_experts, ex.intermediate_size, ex.latent_size),
+            "up_HD": tuple(self.w.up_HD.shape),
+        }
+        expected = {"experts (E, I_local, D)": (E, I_local, D), "up_HD": (H_up, D)}
         for name, shape in expected.items():
-            found = tuple(getattr(self.w, name).shape)
-            if found != shape:
-                raise ValueError(f"{name} has shape {found}, expected {shape} for TP {P}")
+            if found[name] != shape:
+                raise ValueError(f"{name} is {found[name]}, expected {shape} for TP {P}")
 
     def resident_bytes(self) -> int:
-        return sum(self.w.nbytes().values())
+        return self.w.nbytes()
 
     # -- forward --------------------------------------------------------------------------
 
@@ -162,7 +169,9 @@ class LatentMoERunner:
             raise ValueError(f"tail {tail!r} is not legal here; legal: {list(self.legal_tails)}")
         self.timer.start()
         h_TD = self.routed_input_latent(x_TH)
-        L_TD = routed_experts(x_TH, h_TD, self.w, self.cfg, self.backend, self.act, router_logits_TE)
+        L_TD = routed_experts(
+            x_TH, h_TD, self.w, self.cfg, self.backend, self.act, router_logits_TE, self.act_quant
+        )
         S_TH = shared_experts(x_TH, self.w, self.act)
         self.timer.mark("experts")
         return self.apply_tail(tail, L_TD, S_TH, x_TH.dtype)
@@ -293,6 +302,7 @@ def build_rank_runners(
     backend: str = "torch",
     preshard_up_proj: bool = False,
     routed_input: RoutedInputConfig | None = None,
+    scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
 ) -> dict[int, LatentMoERunner]:
     """Load this rank's shard of every layer in ``layers`` and wrap each in a runner."""
     shard = TPShard(comm.rank, comm.world, preshard_up_proj)
@@ -303,5 +313,7 @@ def build_rank_runners(
     runners = {}
     for layer in layers:
         weights = load_layer_weights(reader, cfg, layer, dtype, shard).to(device)
-        runners[layer] = LatentMoERunner(cfg, weights, comm, plan, shard, backend_name, routed_input)
+        runners[layer] = LatentMoERunner(
+            cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes
+        )
     return runners

@@ -115,12 +115,13 @@ def bench_one(cfg: LatentMoEConfig, w, T: int, dtype: torch.dtype, device: torch
     flops = 6 * T * K * D * I
 
     def run_backend():
-        return backend(h_TD, ids_TK, weights_TK, w.w13_EFD, w.w2_EDI, act)
+        return backend(h_TD, ids_TK, weights_TK, w.experts, act)
 
     # dense GEMMs of the same shape-product: M = T*K rows through one [2I, D] and one [D, I]
     hr_MD = torch.randn(T * K, D, generator=gen).to(dtype).to(device)
     a_MI = torch.randn(T * K, I, generator=gen).to(dtype).to(device)
-    w13_FD, w2_DI = w.w13_EFD[0].contiguous(), w.w2_EDI[0].contiguous()
+    w13_EFD, w2_EDI = w.experts.decode(torch.arange(E, device=device))  # dense copies for the baselines
+    w13_FD, w2_DI = w13_EFD[0].contiguous(), w2_EDI[0].contiguous()
 
     def run_dense():
         return hr_MD @ w13_FD.t(), a_MI @ w2_DI.t()
@@ -128,7 +129,7 @@ def bench_one(cfg: LatentMoEConfig, w, T: int, dtype: torch.dtype, device: torch
     n_naive = min(T, args.naive_max_tokens)
 
     def run_naive():
-        return naive_experts(h_TD[:n_naive], ids_TK[:n_naive], weights_TK[:n_naive], w.w13_EFD, w.w2_EDI, act)
+        return naive_experts(h_TD[:n_naive], ids_TK[:n_naive], weights_TK[:n_naive], w13_EFD, w2_EDI, act)
 
     timed = timeit_interleaved({"torch": run_backend, "dense": run_dense}, device,
                                args.min_time, args.min_reps)

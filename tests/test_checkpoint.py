@@ -99,12 +99,12 @@ def test_loaded_shapes_and_dtypes(tiny_ckpt: Path) -> None:
         w = load_layer_weights(tiny_ckpt, cfg, 1, dtype=dtype)
         assert w.shapes() == {
             "gate_EH": (E, H), "bias_E": (E,), "down_DH": (D, H), "norm_D": (D,), "up_HD": (H, D),
-            "w13_EFD": (E, 2 * I, D), "w2_EDI": (E, D, I),
+            "experts.w13": (E, 2 * I, D), "experts.w2": (E, D, I),
             "shared_gate_SH": (Is, H), "shared_up_SH": (Is, H), "shared_down_HS": (H, Is),
         }
         # the router and the norm weight stay fp32; everything else is in the requested dtype
         assert w.gate_EH.dtype == w.bias_E.dtype == w.norm_D.dtype == torch.float32
-        assert w.dtype == w.w13_EFD.dtype == w.shared_down_HS.dtype == dtype
+        assert w.dtype == w.experts.w13.dtype == w.shared_down_HS.dtype == dtype
 
 
 def test_w13_stacks_gate_rows_over_up_rows(tiny_ckpt: Path) -> None:
@@ -112,9 +112,9 @@ def test_w13_stacks_gate_rows_over_up_rows(tiny_ckpt: Path) -> None:
     w = load_layer_weights(tiny_ckpt, cfg, 2, dtype=torch.bfloat16)
     reader = CheckpointReader(tiny_ckpt)
     p = K3.format(i=2)
-    torch.testing.assert_close(w.w13_EFD[5, :64], reader.read(p + "experts.5.w1.weight"), rtol=0, atol=0)
-    torch.testing.assert_close(w.w13_EFD[5, 64:], reader.read(p + "experts.5.w3.weight"), rtol=0, atol=0)
-    torch.testing.assert_close(w.w2_EDI[5], reader.read(p + "experts.5.w2.weight"), rtol=0, atol=0)
+    torch.testing.assert_close(w.experts.w13[5, :64], reader.read(p + "experts.5.w1.weight"), rtol=0, atol=0)
+    torch.testing.assert_close(w.experts.w13[5, 64:], reader.read(p + "experts.5.w3.weight"), rtol=0, atol=0)
+    torch.testing.assert_close(w.experts.w2[5], reader.read(p + "experts.5.w2.weight"), rtol=0, atol=0)
 
 
 def test_optional_tensors_absent(make_ckpt) -> None:
@@ -135,9 +135,9 @@ def test_mxfp4_checkpoint_decodes_experts(make_ckpt) -> None:
     w = load_layer_weights(ckpt, cfg, 1)
     dense = load_layer_weights(make_ckpt(), cfg, 1)
     # same seed, so the MXFP4 experts are the dense ones up to FP4 rounding (<= amax/12 or |x|/4)
-    assert w.w13_EFD.shape == dense.w13_EFD.shape
-    err = (w.w13_EFD.float() - dense.w13_EFD.float()).abs()
-    assert (err <= dense.w13_EFD.float().abs() / 4 + dense.w13_EFD.float().abs().amax() / 12).all()
+    assert w.experts.w13.shape == dense.experts.w13.shape
+    err = (w.experts.w13.float() - dense.experts.w13.float()).abs()
+    assert (err <= dense.experts.w13.float().abs() / 4 + dense.experts.w13.float().abs().amax() / 12).all()
     assert torch.equal(w.gate_EH, dense.gate_EH)  # non-expert tensors stay dense
 
 
@@ -169,14 +169,14 @@ def test_tp_shard_reads_only_its_slices(make_ckpt, mxfp4: bool) -> None:
     shards = [load_layer_weights(readers[r], cfg, 1, shard=TPShard(r, 2)) for r in range(2)]
     I = cfg.moe_intermediate_size
     # the two ranks' slices stitch back into the full tensors (DESIGN §4 table)
-    w1 = torch.cat([s.w13_EFD[:, : I // 2] for s in shards], 1)
-    w3 = torch.cat([s.w13_EFD[:, I // 2 :] for s in shards], 1)
-    assert torch.equal(torch.cat([w1, w3], 1), full.w13_EFD)
-    assert torch.equal(torch.cat([s.w2_EDI for s in shards], 2), full.w2_EDI)
+    w1 = torch.cat([s.experts.w13[:, : I // 2] for s in shards], 1)
+    w3 = torch.cat([s.experts.w13[:, I // 2 :] for s in shards], 1)
+    assert torch.equal(torch.cat([w1, w3], 1), full.experts.w13)
+    assert torch.equal(torch.cat([s.experts.w2 for s in shards], 2), full.experts.w2)
     assert torch.equal(torch.cat([s.shared_down_HS for s in shards], 1), full.shared_down_HS)
     assert torch.equal(shards[1].gate_EH, full.gate_EH)
     # each rank reads the replicated tensors plus half of the split ones
-    split_elems = sum(t.numel() for t in (full.w13_EFD, full.w2_EDI, full.shared_gate_SH, full.shared_up_SH,
+    split_elems = sum(t.numel() for t in (full.experts.w13, full.experts.w2, full.shared_gate_SH, full.shared_up_SH,
                                           full.shared_down_HS))
     for reader in readers:
         assert reader.bytes_read < full_reader.bytes_read
@@ -327,7 +327,7 @@ def test_cli_tiny_mxfp4(tmp_path: Path) -> None:
     assert K3.format(i=2) + "experts.7.w3.weight" not in reader
     cfg = LatentMoEConfig.from_pretrained(out)
     w = load_layer_weights(reader, cfg, 2)
-    assert w.w13_EFD.shape == (8, 128, 64) and w.w2_EDI.shape == (8, 64, 64)
+    assert w.experts.w13.shape == (8, 128, 64) and w.experts.w2.shape == (8, 64, 64)
 
 
 def test_cli_config_only_kimi_k3(tmp_path: Path) -> None:

@@ -104,7 +104,7 @@ def oracle_forward(x_TH: torch.Tensor, w: LayerWeights, cfg: LatentMoEConfig,
     x = x_TH.to(f64)
     gate, bias = w.gate_EH.to(f64), w.bias_E.to(f64)
     down, up = w.down_DH.to(f64), w.up_HD.to(f64)
-    w13, w2 = w.w13_EFD.to(f64), w.w2_EDI.to(f64)
+    w13, w2 = (t.to(f64) for t in w.experts.decode(torch.arange(E)))
     gamma = None if w.norm_D is None else w.norm_D.to(f64)
     shared = None
     if w.has_shared:

@@ -386,23 +386,23 @@ def test_rank_holds_planned_shards(make_ckpt, P: int, preshard: bool) -> None:
         assert w.shapes() == {
             "gate_EH": (E, H), "bias_E": (E,), "down_DH": (D, H), "norm_D": (D,),
             "up_HD": (H // P, D) if preshard else (H, D),
-            "w13_EFD": (E, 2 * I // P, D), "w2_EDI": (E, D, I // P),
+            "experts.w13": (E, 2 * I // P, D), "experts.w2": (E, D, I // P),
             "shared_gate_SH": (Is // P, H), "shared_up_SH": (Is // P, H), "shared_down_HS": (H, Is // P),
         }
         # ... and they are this rank's slices of the full tensors (the sharding table).
         i0, i1 = r * I // P, (r + 1) * I // P
         s0, s1 = r * Is // P, (r + 1) * Is // P
         h0, h1 = r * H // P, (r + 1) * H // P
-        assert torch.equal(w.w13_EFD, torch.cat([full.w13_EFD[:, i0:i1], full.w13_EFD[:, I + i0 : I + i1]], 1))
-        assert torch.equal(w.w2_EDI, full.w2_EDI[:, :, i0:i1])
+        assert torch.equal(w.experts.w13, torch.cat([full.experts.w13[:, i0:i1], full.experts.w13[:, I + i0 : I + i1]], 1))
+        assert torch.equal(w.experts.w2, full.experts.w2[:, :, i0:i1])
         assert torch.equal(w.shared_gate_SH, full.shared_gate_SH[s0:s1])
         assert torch.equal(w.shared_up_SH, full.shared_up_SH[s0:s1])
         assert torch.equal(w.shared_down_HS, full.shared_down_HS[:, s0:s1])
         assert torch.equal(w.up_HD, full.up_HD[h0:h1] if preshard else full.up_HD)
         for name in ("gate_EH", "bias_E", "down_DH", "norm_D"):
             assert torch.equal(getattr(w, name), getattr(full, name)), name
-        up_bytes = w.nbytes()["up_HD"]
-        assert up_bytes * (P if preshard else 1) == full.nbytes()["up_HD"]
+        up_bytes = w.nbytes_by_part()["up_projection"]
+        assert up_bytes * (P if preshard else 1) == full.nbytes_by_part()["up_projection"]
 
 
 @pytest.mark.parametrize("P", [2, 4])
@@ -437,9 +437,9 @@ def test_mxfp4_rank_slices_decode_like_the_full_tensor(make_ckpt) -> None:
     for r in range(2):
         reader = CheckpointReader(ckpt)
         w = load_layer_weights(reader, cfg, LAYER, torch.float32, TPShard(r, 2))
-        assert torch.equal(w.w2_EDI, full.w2_EDI[:, :, 32 * r : 32 * (r + 1)])
-        assert torch.equal(w.w13_EFD, torch.cat([full.w13_EFD[:, 32 * r : 32 * (r + 1)],
-                                                 full.w13_EFD[:, 64 + 32 * r : 64 + 32 * (r + 1)]], 1))
+        assert torch.equal(w.experts.w2, full.experts.w2[:, :, 32 * r : 32 * (r + 1)])
+        assert torch.equal(w.experts.w13, torch.cat([full.experts.w13[:, 32 * r : 32 * (r + 1)],
+                                                 full.experts.w13[:, 64 + 32 * r : 64 + 32 * (r + 1)]], 1))
         non_expert = sum(v for k, v in stored.items() if not k.startswith("experts."))
         shared = sum(v for k, v in stored.items() if k.startswith("shared_experts."))
         assert reader.bytes_read == non_expert - shared // 2 + expert_bytes // 2
