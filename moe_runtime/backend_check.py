@@ -22,7 +22,9 @@ one FP4 step, which can move a slot's output by a few %: 5e-2.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -85,7 +87,8 @@ def probe_batch(
 
 
 def probe_backend(
-    candidate: ExpertsBackend,
+    name: str,
+    make_candidate: Callable[[], ExpertsBackend],
     experts: ExpertWeights,
     act: GatedActivation,
     *,
@@ -96,7 +99,7 @@ def probe_backend(
     tolerance: float | None = None,
     reference: ExpertsBackend | None = None,
 ) -> BackendCheck:
-    """Run the probe batch through ``candidate`` and the torch backend and compare."""
+    """Build the candidate and run the probe batch through it and the torch backend; compare."""
     if tolerance is None:
         tolerance = TOLERANCE_WITH_ACT_QUANT if act_quant is not None else TOLERANCE.get(experts.dtype, 2e-2)
     reference = reference or get_backend("torch")
@@ -104,11 +107,11 @@ def probe_backend(
     with torch.inference_mode():
         ref = reference(h, ids, weights, experts, act, act_quant).float()
         ref_max = ref.abs().max().item()
-        common = dict(backend=candidate.name, layer=layer, ref_max_abs=ref_max, tolerance=tolerance,
+        common = dict(backend=name, layer=layer, ref_max_abs=ref_max, tolerance=tolerance,
                       tokens=tokens, dtype=str(experts.dtype).removeprefix("torch."))
         try:
-            got = candidate(h, ids, weights, experts, act, act_quant)
-        except Exception as exc:  # a kernel that cannot run here is refused, not fatal
+            got = make_candidate()(h, ids, weights, experts, act, act_quant)
+        except Exception as exc:  # a kernel that cannot load or run here is refused, not fatal
             return BackendCheck(passed=False, rel_err=None, max_abs_err=None,
                                 error=f"{type(exc).__name__}: {exc}", **common)
         if tuple(got.shape) != tuple(ref.shape):
@@ -140,8 +143,8 @@ def verify_backend(
     for name in candidates:
         if name == "torch":
             return name, checks
-        check = probe_backend(get_backend(name, scratch_bytes), experts, act, top_k=top_k, layer=layer,
-                              act_quant=act_quant)
+        check = probe_backend(name, functools.partial(get_backend, name, scratch_bytes), experts, act,
+                              top_k=top_k, layer=layer, act_quant=act_quant)
         checks.append(check)
         if check.passed:
             logger.info(check.describe())

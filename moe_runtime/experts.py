@@ -136,8 +136,8 @@ def aiter_unavailable_reason() -> str | None:
     if not hasattr(getattr(aiter, "ActivationType", None), "Situv2"):
         return "this aiter build has no SiTU (ActivationType.Situv2) fused MoE"
     params = inspect.signature(fused_moe).parameters
-    if not {"beta", "linear_beta"} <= params.keys():
-        return "this aiter build's fused_moe takes no SiTU beta / linear_beta"
+    if not {"beta", "linear_beta", "gate_mode"} <= params.keys():
+        return "this aiter build's fused_moe takes no SiTU beta / linear_beta / gate_mode"
     return None
 
 

@@ -104,6 +104,16 @@ def test_crashing_backend_is_refused_with_its_error(tiny_ckpt, fakes):
         build(tiny_ckpt, "crashes")
 
 
+def test_backend_that_cannot_even_be_built_is_refused(tiny_ckpt, fakes, monkeypatch):
+    def broken_install(scratch_bytes):
+        raise ImportError("cannot import name 'shuffle_weight_a16w4'")
+
+    monkeypatch.setitem(experts._REGISTRY, "broken", broken_install)
+    fakes("broken")
+    (check,) = build(tiny_ckpt, "auto")[LAYER].backend_checks
+    assert not check.passed and "ImportError: cannot import name" in check.error
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_correct_backend_is_accepted(tiny_ckpt, fakes, dtype):
     fakes("swapped", "loop")  # auto: the wrong one is skipped, the correct one serves
@@ -135,6 +145,7 @@ def test_probe_refuses_nan_and_wrong_shapes(tiny_ckpt):
 
     for bad, why in ((lambda h: torch.full((h.shape[0], ex.latent_size), float("nan")), None),
                      (lambda h: torch.zeros(h.shape[0], 3), "returned shape")):
-        check = probe_backend(Returns(bad), ex, act, top_k=cfg.num_experts_per_token, layer=LAYER)
+        check = probe_backend("returns", lambda bad=bad: Returns(bad), ex, act, top_k=cfg.num_experts_per_token,
+                              layer=LAYER)
         assert not check.passed
         assert (check.error is None) if why is None else why in check.error
