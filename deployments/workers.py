@@ -150,6 +150,7 @@ class TPWorker:
 
     def info(self) -> dict[str, Any]:
         resident = sum(r.resident_bytes() for r in self.runners.values())
+        first = next(iter(self.runners.values()), None)
         return {
             "rank": self.rank,
             "pid": os.getpid(),
@@ -162,7 +163,9 @@ class TPWorker:
             "niceness": os.nice(0),
             "resident_bytes": resident,
             "load_s": round(self.load_s, 3),
-            "experts_backend": next(iter(self.runners.values())).backend_name if self.runners else None,
+            "experts_backend": first.backend_name if first else None,
+            # the load-time probes of non-torch experts backends, with their numbers (backend_check.py)
+            "experts_backend_checks": [c.to_dict() for c in first.backend_checks] if first else [],
         }
 
 

@@ -58,6 +58,10 @@ def unavailable_reason(name: str) -> str | None:
         return f"unknown experts backend {name!r}; known: {sorted(_REGISTRY)}"
     if name == "aiter":
         return aiter_unavailable_reason()
+    if name == "grouped":
+        from .grouped_experts import grouped_unavailable_reason
+
+        return grouped_unavailable_reason()
     return None
 
 
@@ -132,22 +136,34 @@ def aiter_unavailable_reason() -> str | None:
     if not hasattr(getattr(aiter, "ActivationType", None), "Situv2"):
         return "this aiter build has no SiTU (ActivationType.Situv2) fused MoE"
     params = inspect.signature(fused_moe).parameters
-    if not {"beta", "linear_beta"} <= params.keys():
-        return "this aiter build's fused_moe takes no SiTU beta / linear_beta"
+    if not {"beta", "linear_beta", "gate_mode"} <= params.keys():
+        return "this aiter build's fused_moe takes no SiTU beta / linear_beta / gate_mode"
     return None
 
 
-def select_backend(requested: str) -> tuple[str, str]:
-    """Resolve ``auto`` / a name to a usable backend; return (name, reason)."""
+# What ``auto`` tries, in order, before torch. Being available is not enough to serve: each
+# candidate must also pass its load-time probe against torch (backend_check.verify_backend).
+AUTO_PREFERENCE: tuple[str, ...] = ("aiter",)
+
+
+def backend_candidates(requested: str) -> tuple[list[str], str]:
+    """The backends to try for ``requested``, in order, and why: the requested one alone, or for
+    ``auto`` every available preference then ``torch`` (which needs no probe)."""
     if requested != "auto":
         reason = unavailable_reason(requested)
         if reason is not None:
             raise ValueError(f"experts backend {requested!r} is unusable: {reason}")
-        return requested, f"{requested} requested"
-    reason = aiter_unavailable_reason()
-    if reason is None:
-        return "aiter", "aiter fused SiTU MoE available"
-    return "torch", f"torch backend ({reason})"
+        return [requested], f"{requested} requested"
+    skipped = {name: unavailable_reason(name) for name in AUTO_PREFERENCE}
+    usable = [name for name, reason in skipped.items() if reason is None]
+    why = "; ".join(f"{name}: {reason}" for name, reason in skipped.items() if reason)
+    return [*usable, "torch"], f"auto: {' then '.join([*usable, 'torch'])}" + (f" ({why})" if why else "")
+
+
+def select_backend(requested: str) -> tuple[str, str]:
+    """The first backend ``requested`` would try, and why (before any load-time probe)."""
+    names, why = backend_candidates(requested)
+    return names[0], why
 
 
 @register_backend("aiter")
@@ -158,3 +174,10 @@ def _aiter_backend(scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> ExpertsBackend
     from .aiter_backend import AiterExperts
 
     return AiterExperts()
+
+
+@register_backend("grouped")
+def _grouped_backend(scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> ExpertsBackend:
+    from .grouped_experts import GroupedExperts
+
+    return GroupedExperts(scratch_bytes)

@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from .activation import GatedActivation
+from .backend_check import BackendCheck, verify_backend
 from .checkpoint import CheckpointReader, load_layer_weights
 from .collectives import Collectives
 from .config import LatentMoEConfig
-from .experts import DEFAULT_SCRATCH_BYTES, ActQuant, get_backend, select_backend
+from .experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
 from .layer import down_project, latent_norm, routed_experts, shared_experts
 from .plan import TailPlan, legal_tails, shardability_for
 from .routed_input import RoutedInputConfig, dequantize, quantize
@@ -107,6 +108,7 @@ class LatentMoERunner:
         self._check_shapes()
         self.backend_name = backend
         self.backend = get_backend(backend, scratch_bytes)
+        self.backend_checks: list[BackendCheck] = []  # the load-time probes (build_rank_runners)
         self.act_quant = act_quant
         self.act = GatedActivation.from_config(cfg)
         self.device = weights.down_DH.device
@@ -307,14 +309,22 @@ def build_rank_runners(
 ) -> dict[int, LatentMoERunner]:
     """Load this rank's shard of every layer in ``layers`` and wrap each in a runner."""
     shard = TPShard(comm.rank, comm.world, preshard_up_proj)
-    backend_name, why = select_backend(backend)
-    if comm.rank == 0:
-        log_once(f"experts backend: {backend_name} ({why})")
+    candidates, why = backend_candidates(backend)
     reader = CheckpointReader(checkpoint)
-    runners = {}
+    runners: dict[int, LatentMoERunner] = {}
+    checks: list[BackendCheck] | None = None
     for layer in layers:
         weights = load_layer_weights(reader, cfg, layer, dtype, shard).to(device)
+        if checks is None:  # non-torch backends must match torch on the first layer's real experts
+            backend_name, checks = verify_backend(
+                candidates, backend, weights.experts, GatedActivation.from_config(cfg),
+                top_k=cfg.num_experts_per_token, layer=layer, scratch_bytes=scratch_bytes,
+            )
+            if comm.rank == 0:
+                probes = "".join(f"; {c.describe()}" for c in checks)
+                log_once(f"experts backend: {backend_name} ({why}{probes})")
         runners[layer] = LatentMoERunner(
             cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes
         )
+        runners[layer].backend_checks = checks
     return runners

@@ -1,9 +1,13 @@
-"""Benchmark the routed-experts stage (DESIGN §2 steps 3-4) of the ``torch`` experts backend.
+"""Benchmark the routed-experts stage (DESIGN §2 steps 3-4): the ``torch`` and ``grouped`` backends.
 
-For each token count T it times, in one run and on the same inputs:
+For each token count T and experts format (dense, or MXFP4-packed and decoded per batch) it
+times, in one run and on the same inputs:
 
 * ``torch``: ``moe_runtime.experts.get_backend("torch")`` on the router's ids/weights
-  (``router.route``) and the down-projected latent ``h`` (``layer.down_project``);
+  (``router.route``) and the down-projected latent ``h`` (``layer.down_project``): two GEMMs
+  per active expert;
+* ``grouped``: ``get_backend("grouped")`` on the same inputs: one ``torch._grouped_mm`` per
+  projection over all active experts (per scratch-sized chunk of them when packed);
 * ``naive``: a Python loop over tokens and slots (one GEMV pair per token-slot); for large T
   only the first ``--naive-max-tokens`` tokens are timed and the time is scaled by T / n;
 * ``dense``: two plain GEMMs with the same FLOPs, ``[T*K, D] x [D, 2I]`` then
@@ -11,8 +15,9 @@ For each token count T it times, in one run and on the same inputs:
   expert loop is measured against.
 
 FLOPs of the stage: ``2 * T * K * (2I * D + I * D) = 6 * T * K * D * I`` (the activation and
-the weighted combine are not counted). ``torch`` and ``dense`` are called in turn (interleaved)
-so that a shared machine slows both alike; times are medians (the best-of ratio is kept too).
+the weighted combine are not counted). ``torch``, ``grouped`` and ``dense`` are called in turn
+(interleaved) so that a shared machine slows them alike; times are medians (the best-of ratio is
+kept too).
 Writes ``results.json``, ``experts.png`` and ``table.md`` to ``--out``.
 Legend: T tokens, D latent, K experts per token, I intermediate.
 """
@@ -36,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moe_runtime import mxfp4  # noqa: E402
 from moe_runtime.activation import GatedActivation  # noqa: E402
 from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
@@ -43,9 +49,19 @@ from moe_runtime.experts import get_backend  # noqa: E402
 from moe_runtime.layer import down_project  # noqa: E402
 from moe_runtime.router import route  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+from moe_runtime.weights import ExpertWeights  # noqa: E402
 
 TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FORMATS = ("dense", "mxfp4")
+
+
+def in_format(ex: ExpertWeights, fmt: str) -> ExpertWeights:
+    """The layer's experts dense, or MXFP4-packed (encoded here, in memory)."""
+    if fmt == "dense":
+        return ex
+    (p13, s13), (p2, s2) = mxfp4.encode(ex.w13), mxfp4.encode(ex.w2)
+    return ExpertWeights(p13, p2, s13, s2, dtype=ex.dtype)
 
 
 def sync(device: torch.device) -> None:
@@ -103,7 +119,8 @@ def naive_experts(h_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, act: GatedActivatio
     return out
 
 
-def bench_one(cfg: LatentMoEConfig, w, T: int, dtype: torch.dtype, device: torch.device, args) -> dict:
+def bench_one(cfg: LatentMoEConfig, w, ex: ExpertWeights, fmt: str, T: int, dtype: torch.dtype,
+              device: torch.device, args) -> dict:
     H, D, E, K, I = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
                      cfg.num_experts_per_token, cfg.moe_intermediate_size)
     gen = torch.Generator().manual_seed(T)
@@ -111,16 +128,19 @@ def bench_one(cfg: LatentMoEConfig, w, T: int, dtype: torch.dtype, device: torch
     h_TD = down_project(x_TH, w)
     ids_TK, weights_TK = route(x_TH, w.gate_EH, w.bias_E, cfg)
     act = GatedActivation.from_config(cfg)
-    backend = get_backend("torch")
+    backend, grouped = get_backend("torch"), get_backend("grouped")
     flops = 6 * T * K * D * I
 
     def run_backend():
-        return backend(h_TD, ids_TK, weights_TK, w.experts, act)
+        return backend(h_TD, ids_TK, weights_TK, ex, act)
+
+    def run_grouped():
+        return grouped(h_TD, ids_TK, weights_TK, ex, act)
 
     # dense GEMMs of the same shape-product: M = T*K rows through one [2I, D] and one [D, I]
     hr_MD = torch.randn(T * K, D, generator=gen).to(dtype).to(device)
     a_MI = torch.randn(T * K, I, generator=gen).to(dtype).to(device)
-    w13_EFD, w2_EDI = w.experts.decode(torch.arange(E, device=device))  # dense copies for the baselines
+    w13_EFD, w2_EDI = ex.decode(torch.arange(E, device=device))  # dense copies for the baselines
     w13_FD, w2_DI = w13_EFD[0].contiguous(), w2_EDI[0].contiguous()
 
     def run_dense():
@@ -131,40 +151,51 @@ def bench_one(cfg: LatentMoEConfig, w, T: int, dtype: torch.dtype, device: torch
     def run_naive():
         return naive_experts(h_TD[:n_naive], ids_TK[:n_naive], weights_TK[:n_naive], w13_EFD, w2_EDI, act)
 
-    timed = timeit_interleaved({"torch": run_backend, "dense": run_dense}, device,
+    timed = timeit_interleaved({"torch": run_backend, "grouped": run_grouped, "dense": run_dense}, device,
                                args.min_time, args.min_reps)
-    t_backend, t_dense = timed["torch"], timed["dense"]
+    t_backend, t_grouped, t_dense = timed["torch"], timed["grouped"], timed["dense"]
     t_naive = timeit(run_naive, device, args.min_time, 1)
 
     # sanity: the backend and the naive loop agree on the tokens the loop ran
     out_b, out_n = run_backend()[:n_naive], run_naive()
     scale = out_n.abs().max().item() or 1.0
     max_rel_diff = (out_b - out_n).abs().max().item() / scale
+    out_t, out_g = run_backend(), run_grouped()
+    grouped_diff = (out_g - out_t).abs().max().item() / (out_t.abs().max().item() or 1.0)
 
-    backend_s = t_backend["median_s"]
+    backend_s, grouped_s = t_backend["median_s"], t_grouped["median_s"]
     dense_s = t_dense["median_s"]
     naive_s = t_naive["median_s"] * T / n_naive
     active = int(torch.bincount(ids_TK.reshape(-1), minlength=E).gt(0).sum())
     return {
-        "T": T, "dtype": str(dtype).removeprefix("torch."), "slots": T * K, "active_experts": active,
+        "T": T, "dtype": str(dtype).removeprefix("torch."), "format": fmt, "slots": T * K,
+        "active_experts": active,
         "flops": flops,
-        "torch_ms": 1e3 * backend_s, "dense_ms": 1e3 * dense_s, "naive_ms": 1e3 * naive_s,
+        "torch_ms": 1e3 * backend_s, "grouped_ms": 1e3 * grouped_s, "dense_ms": 1e3 * dense_s,
+        "naive_ms": 1e3 * naive_s,
         "naive_tokens_timed": n_naive, "naive_scaled": n_naive < T,
-        "torch_gflops": flops / backend_s / 1e9, "dense_gflops": flops / dense_s / 1e9,
+        "torch_gflops": flops / backend_s / 1e9, "grouped_gflops": flops / grouped_s / 1e9,
+        "dense_gflops": flops / dense_s / 1e9,
         "naive_gflops": flops / naive_s / 1e9,
         "torch_vs_dense": dense_s / backend_s, "torch_vs_dense_best": t_dense["min_s"] / t_backend["min_s"],
         "torch_vs_naive": naive_s / backend_s,
-        "reps": {"torch": t_backend["reps"], "dense": t_dense["reps"], "naive": t_naive["reps"]},
-        "min_ms": {"torch": 1e3 * t_backend["min_s"], "dense": 1e3 * t_dense["min_s"]},
+        "grouped_speedup": backend_s / grouped_s,
+        "grouped_speedup_best": t_backend["min_s"] / t_grouped["min_s"],
+        "reps": {"torch": t_backend["reps"], "grouped": t_grouped["reps"], "dense": t_dense["reps"],
+                 "naive": t_naive["reps"]},
+        "min_ms": {"torch": 1e3 * t_backend["min_s"], "grouped": 1e3 * t_grouped["min_s"],
+                   "dense": 1e3 * t_dense["min_s"]},
         "backend_vs_naive_max_rel_diff": max_rel_diff,
+        "grouped_vs_torch_max_rel_diff": grouped_diff,
     }
 
 
 def describe(r: dict) -> str:
     note = f" (naive timed on {r['naive_tokens_timed']} tokens, scaled)" if r["naive_scaled"] else ""
     return (
-        f"{r['dtype']:>8} T={r['T']:5d}: "
+        f"{r['dtype']:>8} {r['format']:>5} T={r['T']:5d}: "
         f"torch {r['torch_ms']:9.2f} ms {r['torch_gflops']:7.1f} GFLOP/s | "
+        f"grouped {r['grouped_ms']:9.2f} ms ({r['grouped_speedup']:.2f}x torch) | "
         f"dense {r['dense_ms']:8.2f} ms {r['dense_gflops']:7.1f} GFLOP/s | "
         f"naive {r['naive_ms']:10.1f} ms {r['naive_gflops']:6.2f} GFLOP/s{note} | "
         f"torch/dense {100 * r['torch_vs_dense']:5.1f}% (best-of {100 * r['torch_vs_dense_best']:5.1f}%)  "
@@ -214,15 +245,17 @@ def machine_info(device: torch.device) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| dtype | T | slots T·K | active experts | torch ms | dense ms | naive ms | torch GFLOP/s "
-            "| dense GFLOP/s | naive GFLOP/s | torch / dense (median; best) | torch vs naive |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| dtype | experts | T | slots T·K | active experts | torch ms | grouped ms | grouped speedup "
+            "(median; best) | dense ms | naive ms | torch GFLOP/s | grouped GFLOP/s | dense GFLOP/s "
+            "| torch / dense (median; best) | torch vs naive |")
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         naive = f"{r['naive_ms']:.1f}" + ("*" if r["naive_scaled"] else "")
         lines.append(
-            f"| {r['dtype']} | {r['T']} | {r['slots']} | {r['active_experts']} | {r['torch_ms']:.2f} "
-            f"| {r['dense_ms']:.2f} | {naive} | {r['torch_gflops']:.1f} | {r['dense_gflops']:.1f} "
-            f"| {r['naive_gflops']:.2f} | {100 * r['torch_vs_dense']:.0f}%; "
+            f"| {r['dtype']} | {r['format']} | {r['T']} | {r['slots']} | {r['active_experts']} "
+            f"| {r['torch_ms']:.2f} | {r['grouped_ms']:.2f} | {r['grouped_speedup']:.2f}x; "
+            f"{r['grouped_speedup_best']:.2f}x | {r['dense_ms']:.2f} | {naive} | {r['torch_gflops']:.1f} "
+            f"| {r['grouped_gflops']:.1f} | {r['dense_gflops']:.1f} | {100 * r['torch_vs_dense']:.0f}%; "
             f"{100 * r['torch_vs_dense_best']:.0f}% | {r['torch_vs_naive']:.1f}x |"
         )
     if any(r["naive_scaled"] for r in rows):
@@ -238,25 +271,27 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    dtypes = sorted({r["dtype"] for r in rows}, key=list(DTYPES).index)
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.8 * len(dtypes), 4.2), squeeze=False)
-    for ax, dt in zip(axes[0], dtypes, strict=True):
-        sub = [r for r in rows if r["dtype"] == dt]
+    panels = sorted({(r["dtype"], r["format"]) for r in rows},
+                    key=lambda p: (list(DTYPES).index(p[0]), FORMATS.index(p[1])))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.8 * len(panels), 4.2), squeeze=False)
+    for ax, (dt, fmt) in zip(axes[0], panels, strict=True):
+        sub = [r for r in rows if (r["dtype"], r["format"]) == (dt, fmt)]
         xs = range(len(sub))
-        width = 0.27
+        width = 0.21
         for i, (key, label) in enumerate((("dense_gflops", "dense GEMM (same FLOPs)"),
                                           ("torch_gflops", "torch backend"),
+                                          ("grouped_gflops", "grouped backend"),
                                           ("naive_gflops", "naive per-token loop"))):
             vals = [r[key] for r in sub]
-            bars = ax.bar([x + (i - 1) * width for x in xs], vals, width, label=label)
+            bars = ax.bar([x + (i - 1.5) * width for x in xs], vals, width, label=label)
             ax.bar_label(bars, labels=[f"{v:.1f}" for v in vals], fontsize=7)
         ax.set_xticks(list(xs), [f"T={r['T']}" for r in sub])
         ax.set_yscale("log")
         low, high = ax.get_ylim()
         ax.set_ylim(low, high * 30)  # headroom for the legend above the bars
         ax.set_ylabel("GFLOP/s")
-        ax.set_title(f"{dt}")
-        ax.legend(fontsize=7, loc="upper left", ncols=3)
+        ax.set_title(f"{dt}, {fmt} experts")
+        ax.legend(fontsize=7, loc="upper left", ncols=2)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -272,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layer", type=int, help="MoE layer to load (default: the first)")
     ap.add_argument("--tokens", default="16,512,4096", help="comma-separated token counts")
     ap.add_argument("--dtypes", default="float32", help=f"comma-separated, from {list(DTYPES)}")
+    ap.add_argument("--formats", default="dense", help=f"experts formats, comma-separated, from {FORMATS}")
     ap.add_argument("--naive-max-tokens", type=int, default=256,
                     help="time the naive loop on at most this many tokens and scale by T / n")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per measurement")
@@ -289,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     except KeyError as exc:
         ap.error(f"unknown dtype {exc}; choose from {list(DTYPES)}")
+    formats = args.formats.split(",")
+    if not set(formats) <= set(FORMATS):
+        ap.error(f"unknown experts format in {formats}; choose from {FORMATS}")
 
     tmp = None
     ckpt = args.checkpoint
@@ -314,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         snap0 = cpu_snapshot()
         for dtype in dtypes:
             w = load_layer_weights(ckpt, cfg, layer, dtype=dtype).to(device)
-            for T in tokens:
-                r = bench_one(cfg, w, T, dtype, device, args)
-                rows.append(r)
-                print(describe(r), flush=True)
+            for fmt in formats:
+                ex = in_format(w.experts, fmt)
+                for T in tokens:
+                    r = bench_one(cfg, w, ex, fmt, T, dtype, device, args)
+                    rows.append(r)
+                    print(describe(r), flush=True)
         info["loadavg_end"] = os.getloadavg()
         info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
     finally:

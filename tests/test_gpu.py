@@ -1,29 +1,52 @@
-"""GPU-only checks (CUDA, or ROCm through torch.cuda): skipped on CPU machines."""
+"""GPU-only checks (CUDA, or ROCm through torch.cuda): skipped on CPU machines.
+
+``scripts/gpu_check.sh`` runs these together with the GPU timings.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moe_runtime import mxfp4
+from moe_runtime.activation import GatedActivation
+from moe_runtime.backend_check import probe_backend
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.experts import aiter_unavailable_reason
+from moe_runtime.experts import aiter_unavailable_reason, get_backend
 from moe_runtime.layer import moe_forward
 from moe_runtime.plan import TailPlan
 from moe_runtime.runner import build_rank_runners
+from moe_runtime.weights import ExpertWeights
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
 ]
+SITU = GatedActivation(4.0, 25.0)
+
+
+def k3_like_experts(dtype: torch.dtype, packed: bool, E: int = 64, D: int = 512, I: int = 256) -> ExpertWeights:
+    """Random experts with K3's layout and MXFP4 values, at sizes aiter's a16w4 shuffle accepts
+    (D and I multiples of 128), on the GPU."""
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * I, D, generator=gen) * D**-0.5
+    w2 = torch.randn(E, D, I, generator=gen) * I**-0.5
+    (p13, s13), (p2, s2) = mxfp4.encode(w13), mxfp4.encode(w2)
+    ex = (ExpertWeights(p13, p2, s13, s2, dtype=dtype) if packed
+          else ExpertWeights(mxfp4.decode(p13, s13, dtype), mxfp4.decode(p2, s2, dtype), dtype=dtype))
+    return ex.to("cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_runner_on_gpu_matches_cpu_reference(tiny_ckpt, dtype):
+@pytest.mark.parametrize("backend", ["torch", "grouped"])
+def test_runner_on_gpu_matches_cpu_reference(tiny_ckpt, dtype, backend):
     cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
     runner = build_rank_runners(tiny_ckpt, cfg, [1], Collectives(device="cuda"),
-                                TailPlan.single("replicated", "test"), dtype=dtype, device="cuda")[1]
+                                TailPlan.single("replicated", "test"), dtype=dtype, device="cuda",
+                                backend=backend)[1]
+    assert runner.backend_name == backend
     x = torch.randn(257, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
     ref = moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1, dtype), cfg)
     got = runner.forward(x.cuda()).cpu()
@@ -33,10 +56,24 @@ def test_runner_on_gpu_matches_cpu_reference(tiny_ckpt, dtype):
     torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "mxfp4"])
+def test_grouped_backend_passes_its_probe_on_gpu(dtype, packed):
+    """The load-time probe (backend_check tolerances) at K3-like sizes, 64 experts, top-16."""
+    ex = k3_like_experts(dtype, packed)
+    check = probe_backend("grouped", lambda: get_backend("grouped"), ex, SITU, top_k=16, layer=0)
+    assert check.passed, check.describe()
+
+
 @pytest.mark.skipif(aiter_unavailable_reason() is not None, reason=f"aiter: {aiter_unavailable_reason()}")
-def test_aiter_backend_matches_torch(tiny_ckpt):
-    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
-    w = load_layer_weights(tiny_ckpt, cfg, 1, torch.bfloat16).to("cuda")
-    x = torch.randn(64, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    # Both run bf16 GEMMs with fp32 SiTU; fused kernels round intermediates differently.
-    torch.testing.assert_close(moe_forward(x, w, cfg, "aiter"), moe_forward(x, w, cfg, "torch"), rtol=3e-2, atol=3e-2)
+@pytest.mark.parametrize("act_quant", [None, "mxfp4"], ids=["a16w4", "a4w4"])
+def test_aiter_backend_passes_its_probe(act_quant):
+    """The adapter's weight preparation (shuffle, gate mode, dtypes) against the torch backend."""
+    quant = None
+    if act_quant == "mxfp4":
+        def quant(t: torch.Tensor) -> torch.Tensor:
+            packed, scale = mxfp4.encode(t)
+            return mxfp4.decode(packed, scale, t.dtype)
+    ex = k3_like_experts(torch.bfloat16, packed=True)
+    check = probe_backend("aiter", lambda: get_backend("aiter"), ex, SITU, top_k=16, layer=0, act_quant=quant)
+    assert check.passed, check.describe()

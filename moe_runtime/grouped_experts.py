@@ -1,0 +1,91 @@
+"""The ``grouped`` experts backend: one grouped GEMM per projection for all active experts.
+
+``torch._grouped_mm(A [M, K], B [G, K, N], offs=int32 [G])`` multiplies row block ``g`` of ``A``
+(rows ``offs[g-1]:offs[g]``, ``offs`` the running row ends, empty blocks allowed) by ``B[g]`` in
+one call; torch 2.13 runs it on CPU (fp32, bf16, fp16), CUDA and ROCm builds (bf16 takes the
+fused kernel on recent GPUs, other dtypes a per-group loop inside the op). The ``torch`` backend
+instead launches two GEMMs per active expert from Python, up to 2 * E launches per layer.
+
+Dense experts are used in place: every expert is a group, inactive ones empty, so a batch costs
+two grouped GEMMs and no weight copy. Packed (MXFP4) experts are decoded only when active, a chunk
+of experts at a time within the scratch budget, two grouped GEMMs per chunk.
+Legend: T tokens, K slots per token, M = T * K rows sorted by expert, D latent, F = 2 * I.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .activation import GatedActivation
+from .weights import ExpertWeights
+
+GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_unavailable_reason() -> str | None:
+    """None when this torch has the grouped GEMM op, else why the backend cannot run."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm (added in torch 2.8)"
+    return None
+
+
+def _experts_mm(x_MD, counts_G, w13_GFD, w2_GDI, act: GatedActivation, act_quant):
+    """Both projections of ``G`` experts on their sorted rows: ``[M, D]`` in the input dtype."""
+    offs = torch.cumsum(counts_G, 0, dtype=torch.int32)
+    gate_up = torch._grouped_mm(x_MD, w13_GFD.transpose(1, 2), offs=offs)
+    half = w13_GFD.shape[1] // 2
+    a = act(gate_up[:, :half], gate_up[:, half:]).to(x_MD.dtype)
+    if act_quant is not None:
+        a = act_quant(a)
+    return torch._grouped_mm(a, w2_GDI.transpose(1, 2), offs=offs)
+
+
+class GroupedExperts:
+    name = "grouped"
+
+    def __init__(self, scratch_bytes: int) -> None:
+        if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 1:
+            raise ValueError(f"experts scratch budget must be a positive byte count, got {scratch_bytes!r}")
+        reason = grouped_unavailable_reason()
+        if reason is not None:
+            raise ValueError(reason)
+        self.scratch_bytes = scratch_bytes
+
+    def __call__(
+        self, h_TD, ids_TK, weights_TK, experts: ExpertWeights, act: GatedActivation, act_quant=None
+    ) -> torch.Tensor:
+        if h_TD.dtype != experts.dtype or h_TD.dtype not in GROUPED_DTYPES:
+            raise ValueError(
+                f"the grouped experts backend runs {[str(d) for d in GROUPED_DTYPES]} with the input in "
+                f"the experts' dtype; got input {h_TD.dtype}, experts {experts.dtype}"
+            )
+        T, K = ids_TK.shape
+        out_TD = torch.zeros(T, experts.latent_size, dtype=torch.float32, device=h_TD.device)
+        if act_quant is not None:
+            h_TD = act_quant(h_TD)
+        flat_ids = ids_TK.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts_E = torch.bincount(flat_ids, minlength=experts.num_experts)
+        token_of_slot = order // K
+        slot_weight = weights_TK.reshape(-1)[order, None].float()
+        x_MD = h_TD[token_of_slot]
+        if not experts.packed:
+            y_MD = _experts_mm(x_MD, counts_E, experts.w13, experts.w2, act, act_quant)
+            return out_TD.index_add_(0, token_of_slot, y_MD.float() * slot_weight)
+        active = torch.nonzero(counts_E).flatten()
+        counts_A = counts_E[active]
+        per_chunk = max(1, self.scratch_bytes // experts.decoded_bytes_per_expert())
+        rows_per_chunk = [sum(c) for c in _chunks(counts_A.tolist(), per_chunk)]
+        start = 0
+        for first, rows in zip(range(0, len(active), per_chunk), rows_per_chunk, strict=True):
+            w13_nFD, w2_nDI = experts.decode(active[first : first + per_chunk])
+            sl = slice(start, start + rows)
+            y_MD = _experts_mm(x_MD[sl], counts_A[first : first + per_chunk], w13_nFD, w2_nDI, act, act_quant)
+            out_TD.index_add_(0, token_of_slot[sl], y_MD.float() * slot_weight[sl])
+            del w13_nFD, w2_nDI
+            start += rows
+        return out_TD
+
+
+def _chunks(values: list[int], size: int) -> list[list[int]]:
+    return [values[i : i + size] for i in range(0, len(values), size)]
