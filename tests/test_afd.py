@@ -15,6 +15,9 @@ Tolerances (float32 everywhere; logits are O(1..10)):
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -118,6 +121,20 @@ def test_decoder_file_joins_a_single_file_checkpoint(tmp_path):
     assert weight_map["model.layers.1.block_sparse_moe.gate.weight"] == "model.safetensors"
     assert weight_map["lm_head.weight"] == "model-decoder.safetensors"
     assert Decoder(root, LocalMoE(root)).generate([[3, 4]], 2).tokens.shape == (1, 2)
+
+
+def test_make_checkpoint_decoder_flag(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_checkpoint.py"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), "--preset", "tiny", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    assert run("--out", str(tmp_path / "a"), "--decoder").returncode == 0
+    text = json.loads((tmp_path / "a" / "config.json").read_text())["text_config"]
+    assert (text["vocab_size"], text["num_attention_heads"], text["num_key_value_heads"]) == (512, 4, 2)
+    bad = run("--out", str(tmp_path / "b"), "--decoder", "--config-only")
+    assert bad.returncode != 0 and "cannot go with --config-only" in bad.stderr
 
 
 # -- through a real Serve app ------------------------------------------------------------------
