@@ -72,12 +72,8 @@ class DecoderConfig:
         k3 = isinstance(doc.get("text_config"), dict)
         text = {**doc, **doc["text_config"]} if k3 else doc
         check_decoder_fields(text)
-        fields = {f: text[f] for f in DECODER_FIELDS}
-        for f in DECODER_FIELDS:
-            if f != "rope_theta":
-                fields[f] = int(fields[f])
-        return cls(moe=moe, layout=DecoderLayout(k3), rope_theta=float(text["rope_theta"]),
-                   **{f: v for f, v in fields.items() if f != "rope_theta"})
+        sizes = {f: int(text[f]) for f in DECODER_FIELDS if f != "rope_theta"}
+        return cls(moe=moe, layout=DecoderLayout(k3), rope_theta=float(text["rope_theta"]), **sizes)
 
 
 class MoELayers(Protocol):

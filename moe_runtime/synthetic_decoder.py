@@ -88,8 +88,10 @@ def check_decoder_fields(text: dict[str, Any]) -> None:
         raise ValueError(f"config.json lacks decoder field(s) {missing}; write them with "
                          "scripts/make_checkpoint.py --decoder")
     for f in DECODER_FIELDS:
-        if not isinstance(text[f], int | float) or isinstance(text[f], bool) or text[f] <= 0:
-            raise ValueError(f"decoder field {f} must be a positive number, got {text[f]!r}")
+        kind = int | float if f == "rope_theta" else int
+        if not isinstance(text[f], kind) or isinstance(text[f], bool) or text[f] <= 0:
+            what = "number" if f == "rope_theta" else "integer"
+            raise ValueError(f"decoder field {f} must be a positive {what}, got {text[f]!r}")
     heads, kv, hd = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
     if heads % kv:
         raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} "

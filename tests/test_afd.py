@@ -108,6 +108,8 @@ def test_config_and_layer_errors(ckpt, tmp_path):
         Decoder(bare, LocalMoE(bare))
     with pytest.raises(ValueError, match=r"num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
         write_decoder(bare, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="decoder field head_dim must be a positive integer, got 31.5"):
+        write_decoder(bare, head_dim=31.5)
     partial = LocalMoE(ckpt)
     partial.layers = frozenset({1})
     with pytest.raises(ValueError, match=r"MoE layer\(s\) \[2\] of the model are not served"):
