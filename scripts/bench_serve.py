@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -40,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from bench_docs import write_results  # noqa: E402
 
 from moe_runtime.collectives import Collectives  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
@@ -255,18 +254,6 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     return "\n".join(lines)
 
 
-def update_docs(docs: Path, section: str) -> None:
-    """Replace (or append) only our section of docs/benchmarks.md."""
-    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    docs.parent.mkdir(parents=True, exist_ok=True)
-    docs.write_text(text.rstrip("\n") + "\n")
-
-
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -392,16 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             find("batching-nice0", "handle", "batched")["tokens_per_s"]
             / find("batching-nice0", "handle", "unbatched")["tokens_per_s"]
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out / "bench_serve.json", args.out / "bench_serve.png"
-    json_path.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, png_path)
-    rel = {p: str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in (json_path, png_path)}
-    section = markdown(results, rel[json_path], rel[png_path])
-    print("\n" + section)
-    if args.docs:
-        update_docs(Path(args.docs), section)
-        print(f"updated {args.docs}")
+    write_results(results, args.out, "bench_serve", ROOT, plot, markdown, args.docs and Path(args.docs))
     return 0
 
 

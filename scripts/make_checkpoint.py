@@ -9,6 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_runtime.synthetic import PRESETS, preset_config, write_checkpoint  # noqa: E402
+from moe_runtime.synthetic_decoder import write_decoder  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config-only", action="store_true", help="write only config.json")
     ap.add_argument("--single-file", action="store_true", help="one model.safetensors, no index")
     ap.add_argument("--text-only", action="store_true", help="text-only layout (model.layers.*)")
+    ap.add_argument("--decoder", action="store_true",
+                    help="also write the client-side decoder (embedding, attention, dense layer, LM head) "
+                         "for scripts/afd_demo.py; see moe_runtime/synthetic_decoder.py")
     args = ap.parse_args(argv)
+    if args.decoder and args.config_only:
+        ap.error("--decoder writes weights; it cannot go with --config-only")
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     try:
         raw = preset_config(args.preset, **overrides)
@@ -37,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         config_only=args.config_only,
         progress=True,
     )
+    if args.decoder:
+        write_decoder(out, seed=args.seed)
     what = "config.json" if args.config_only else "checkpoint"
     print(f"wrote {args.preset} {what} to {out}")
     return 0

@@ -1,0 +1,296 @@
+"""Attention-FFN disaggregation benchmark: greedy decode with the MoE layers on the tier, with
+``m`` ping-pong micro-batches, next to the same model entirely in process.
+
+One run writes the checkpoint (small preset + the decoder's tensors, ``--layers`` layers: layer 0
+dense, the rest MoE), measures the in-process model (``moe_forward`` as its MoE) at each batch
+size, then starts a local Ray instance serving every MoE layer on one TP-group deployment and
+measures the disaggregated decoder at each batch size and ``m``. Per configuration: decode
+tokens/s and per-step latency (median of ``--reps`` generations after a warm-up), the time the
+client spends waiting on MoE calls, and the fraction of the wall time the tier's TP group is
+busy (``status()`` counters: forwards x mean forward_ms, over the whole generate call).
+
+    python scripts/bench_afd.py                 # a few minutes on 2 cores
+    python scripts/bench_afd.py --quick         # tiny preset, fewer tokens (smoke run)
+
+Target: m = 2 reaches >= 1.5x the tokens/s of m = 1 at batch 32. Results: JSON + PNG under
+--out, and the "## Attention-FFN disaggregation (scripts/bench_afd.py)" section of
+docs/benchmarks.md (--docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+from afd_demo import ensure_checkpoint, local_app  # noqa: E402
+from bench_docs import write_results  # noqa: E402
+
+from deployments.afd import Decoder, LocalMoE, MoELayers, TierMoE, tier_busy  # noqa: E402
+
+APP = "afd_bench"
+DEPLOYMENT = "moe"
+SECTION = "## Attention-FFN disaggregation (scripts/bench_afd.py)"
+
+
+class TimedMoE:
+    """Wraps an :class:`MoELayers` and adds up the wall time spent awaiting its calls (with
+    several micro-batches in flight these waits overlap, so the sum can exceed the wall time)."""
+
+    def __init__(self, inner: MoELayers):
+        self.inner, self.layers = inner, inner.layers
+        self.wait_s, self.calls = 0.0, 0
+
+    async def __call__(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
+        start = time.perf_counter()
+        out = await self.inner(x_TH, layer)
+        self.wait_s += time.perf_counter() - start
+        self.calls += 1
+        return out
+
+
+def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(batch)
+    return torch.randint(vocab, (batch, length), generator=gen).tolist()
+
+
+def measure(model: Decoder, moe: TimedMoE, batch: int, m: int, args: argparse.Namespace,
+            tier: TierMoE | None = None) -> dict[str, Any]:
+    prompts = prompts_for(batch, args.prompt_len, model.cfg.vocab_size)
+    model.generate(prompts, 2, m)  # warm-up: first calls, allocator, thread pools
+    runs = []
+    for _ in range(args.reps):
+        moe.wait_s, moe.calls = 0.0, 0
+        before = tier.clients()[0].status() if tier else None
+        out = model.generate(prompts, args.tokens, m)
+        wall = out.prefill_s + out.decode_s
+        run = {"decode_s": out.decode_s, "prefill_s": out.prefill_s, "moe_wait_s": moe.wait_s,
+               "moe_calls": moe.calls}
+        if tier:
+            forwards, busy_s = tier_busy(before, tier.clients()[0].status())
+            run.update(tier_forwards=forwards, tier_busy_s=busy_s, tier_busy_frac=busy_s / wall)
+        runs.append(run)
+    best = sorted(runs, key=lambda r: r["decode_s"])[len(runs) // 2]  # the median run
+    steps = args.tokens - 1
+    row = {
+        "batch": batch, "m": m,
+        "tokens_per_s": round(batch * steps / best["decode_s"], 1),
+        "step_ms": round(best["decode_s"] / steps * 1e3, 2),
+        "step_ms_all": [round(r["decode_s"] / steps * 1e3, 2) for r in runs],
+        "moe_wait_ms_per_step": round(best["moe_wait_s"] / (steps + 1) * 1e3, 2),
+    }
+    if tier:
+        row["tier_busy_frac"] = round(best["tier_busy_frac"], 3)
+        row["tier_forward_ms"] = round(best["tier_busy_s"] / max(1, best["tier_forwards"]) * 1e3, 2)
+        row["tier_forwards_per_step"] = round(best["tier_forwards"] / (steps + 1), 2)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int,
+            tier: TierMoE | None = None) -> dict[int, dict[str, float]]:
+    """Per token count T: median ms of one MoE call awaited alone (in process: the forward; on
+    the tier: the round trip) and, on the tier, the group's own forward ms from ``status()``.
+    A batch of B in m micro-batches makes m calls of B/m tokens per layer, and a TP group runs
+    one forward at a time, so these bound what ping-pong can win."""
+    loop = asyncio.new_event_loop()
+    out = {}
+    try:
+        for T in sizes:
+            x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(T))
+            loop.run_until_complete(moe(x, layer))  # warm-up
+            before = tier.clients()[0].status() if tier else None
+            times = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                loop.run_until_complete(moe(x, layer))
+                times.append(time.perf_counter() - start)
+            row = {"call_ms": round(statistics.median(times) * 1e3, 2)}
+            if tier:
+                forwards, busy_s = tier_busy(before, tier.clients()[0].status())
+                row["forward_ms"] = round(busy_s / forwards * 1e3, 2)
+            out[T] = row
+    finally:
+        loop.close()
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[str, list[dict]] = {"in process": results["inprocess"]}
+    for row in results["tier"]:
+        series.setdefault(f"tier, m={row['m']}", []).append(row)
+    for name, rows in series.items():
+        style = "k--" if name == "in process" else "o-"
+        ax1.plot([r["batch"] for r in rows], [r["tokens_per_s"] for r in rows], style, label=name)
+        ax2.plot([r["batch"] for r in rows], [r["step_ms"] for r in rows], style, label=name)
+    for ax, label in ((ax1, "decode tokens/s"), (ax2, "ms per decode step")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (sequences)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    ax1.legend()
+    fig.suptitle(f"AFD decode, {results['env']['preset']} preset, {results['env']['moe_layers']} MoE layers "
+                 f"on a TP-{results['env']['tp_size']} group")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    env = results["env"]
+    local = {r["batch"]: r for r in results["inprocess"]}
+    lines = [
+        SECTION,
+        "",
+        f"`python scripts/bench_afd.py {' '.join(results['argv'])}`".replace(" `", "`"),
+        f"({env['date']}, {env['cpus']} CPUs, torch {env['torch']}, ray {env['ray']}; "
+        f"{env['preset']} preset, "
+        f"H = {env['hidden_size']}, {env['moe_layers']} MoE layers on one TP-{env['tp_size']} deployment, "
+        f"{env['tail']} tail, float32; prompts of {env['prompt_len']} tokens, {env['tokens']} new tokens; "
+        f"median of {env['reps']}). Machine shared with other work: `uptime` load "
+        f"{env['loadavg_before']} before, {env['loadavg_after']} after. Raw data: `{json_path}`, plot: "
+        f"`{png_path}`.",
+        "",
+        "| batch | m | tokens/s | ms / step | vs in process | vs m = 1 | client waits on MoE, ms / step "
+        "| tier busy | tier forward ms | forwards / step |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results["inprocess"]:
+        lines.append(f"| {r['batch']} | in process | {r['tokens_per_s']} | {r['step_ms']} | 1.00 | | "
+                     f"{r['moe_wait_ms_per_step']} (MoE compute) | | | |")
+    base = {r["batch"]: r for r in results["tier"] if r["m"] == 1}
+    for r in results["tier"]:
+        lines.append(
+            f"| {r['batch']} | {r['m']} | {r['tokens_per_s']} | {r['step_ms']} | "
+            f"{r['tokens_per_s'] / local[r['batch']]['tokens_per_s']:.2f} | "
+            f"{r['tokens_per_s'] / base[r['batch']]['tokens_per_s']:.2f} | {r['moe_wait_ms_per_step']} | "
+            f"{r['tier_busy_frac']:.0%} | {r['tier_forward_ms']} | {r['tier_forwards_per_step']} |"
+        )
+    s = results["summary"]
+    lines += [
+        "",
+        "tier busy = forwards x mean `forward_ms` / wall time of the generate call, from the "
+        "deployment's `status()` counters; the replica times each group call from its start to its "
+        "answer, so with m > 1 the calls of two micro-batches at different layers overlap (the second "
+        "queues at the ranks) and the sum can pass 100%. client waits on MoE: the wall time the "
+        "decoder spends awaiting MoE calls per step, summed over micro-batches (overlapping).",
+        "",
+        f"Disaggregation cost per MoE layer at m = 1 (tier step − in-process step) / {env['moe_layers']}: "
+        + ", ".join(f"batch {b}: {c} ms" for b, c in s["cost_per_layer_ms"].items()) + ".",
+        "One MoE call of T tokens awaited alone, median ms (a batch of B in m micro-batches makes m "
+        "calls of B/m tokens per layer): "
+        + ", ".join(f"T = {t}: in process {results['moe_call_ms'][t]['call_ms']}, tier round trip "
+                    f"{r['call_ms']} (group forward {r['forward_ms']})"
+                    for t, r in results["tier_call_ms"].items()) + ".",
+        "Ping-pong bound (the group runs one forward at a time, so a step takes at least m x layers "
+        "group forwards of B/m tokens): tokens/s of m over m = 1 at most "
+        + ", ".join(f"batch {k.replace('/', ', m = ')}: {v}x" for k, v in s["pingpong_bound"].items()) + ".",
+        f"Target m = 2 ≥ 1.5× m = 1 at batch 32: measured {s['m2_over_m1_at_32']}× "
+        f"({'met' if s['target_met'] else 'not met'}).",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--layers", type=int, default=4, help="num_hidden_layers (layer 0 dense, the rest MoE)")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tail", default="sharded")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--micro-batches", default="1,2,4")
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=17, help="new tokens per sequence (the first from prefill)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of this (client) process; the tier's ranks take their own cores")
+    ap.add_argument("--quick", action="store_true", help="tiny preset, 6 tokens, 1 rep")
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_afd")
+    ap.add_argument("--docs", type=Path, default=None, help="update this benchmarks.md section")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.layers, args.tokens, args.reps = "tiny", 3, 6, 1
+    batches = [int(b) for b in args.batches.split(",")]
+    micro = [int(m) for m in args.micro_batches.split(",")]
+    ckpt = ensure_checkpoint(ROOT / f"artifacts/checkpoints/{args.preset}-afd-{args.layers}", args.preset,
+                             args.layers)
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(args.threads)
+
+    import ray
+
+    load_before = os.getloadavg()
+    sizes = sorted({max(1, b // m) for b in batches for m in micro})
+    local_moe = TimedMoE(LocalMoE(ckpt))
+    local = Decoder(ckpt, local_moe)
+    cfg = local.cfg.moe
+    results: dict[str, Any] = {
+        "argv": argv,
+        "env": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "cpus": len(os.sched_getaffinity(0)),
+                "machine": platform.machine(), "torch": torch.__version__, "ray": ray.__version__,
+                "preset": args.preset, "hidden_size": cfg.hidden_size, "moe_layers": len(cfg.moe_layers),
+                "tp_size": args.tp, "tail": args.tail, "prompt_len": args.prompt_len, "tokens": args.tokens,
+                "reps": args.reps, "client_threads": args.threads,
+                "loadavg_before": [round(x, 2) for x in load_before]},
+        "inprocess": [measure(local, local_moe, b, 1, args) for b in batches],
+        "moe_call_ms": call_ms(local_moe.inner, cfg.hidden_size, cfg.moe_layers[0], sizes, args.reps * 3),
+        "tier": [],
+    }
+    del local, local_moe  # free the in-process MoE weights before the tier loads its own
+    deployment = {"name": DEPLOYMENT, "tp_size": args.tp, "tail": args.tail, "dtype": "float32",
+                  "batch_wait_timeout_s": 0.0, "max_batch_tokens": 4096, "replica_cpus": 0.5}
+    with local_app(ckpt, APP, [deployment], num_cpus=4, num_gpus=args.tp):
+        tier = TierMoE.connect(APP)
+        moe = TimedMoE(tier)
+        results["tier_call_ms"] = call_ms(tier, cfg.hidden_size, cfg.moe_layers[0], sizes, args.reps * 3,
+                                          tier)
+        model = Decoder(ckpt, moe)
+        for b in batches:
+            for m in micro:
+                if m <= b:
+                    results["tier"].append(measure(model, moe, b, m, args, tier))
+    results["env"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    local_rows = {r["batch"]: r for r in results["inprocess"]}
+    tps = {(r["batch"], r["m"]): r["tokens_per_s"] for r in results["tier"]}
+    tier_m1 = {r["batch"]: r for r in results["tier"] if r["m"] == 1}
+    ratio = round(tps[(32, 2)] / tps[(32, 1)], 2) if (32, 2) in tps and (32, 1) in tps else None
+    results["summary"] = {
+        "cost_per_layer_ms": {
+            r["batch"]: round((r["step_ms"] - local_rows[r["batch"]]["step_ms"]) / len(cfg.moe_layers), 2)
+            for r in results["tier"] if r["m"] == 1
+        },
+        # The group runs one forward at a time: m micro-batches need m x layers forwards of B/m
+        # tokens per step, so the step cannot beat that sum (the ping-pong bound).
+        "pingpong_bound": {
+            f"{r['batch']}/{r['m']}": round(tier_m1[r["batch"]]["step_ms"] / (r["m"] * len(cfg.moe_layers)
+                                            * results["tier_call_ms"][r["batch"] // r["m"]]["forward_ms"]), 2)
+            for r in results["tier"] if r["m"] > 1
+        },
+        "m2_over_m1_at_32": ratio,
+        "target_met": ratio is not None and ratio >= 1.5,
+    }
+    write_results(results, args.out, "bench_afd", ROOT, plot, markdown, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""The disaggregated decoder (deployments/afd.py): in process against itself, then through a real
+local Serve app against the same model with ``moe_forward`` in process.
+
+Tolerances (float32 everywhere; logits are O(1..10)):
+* in process, the same math in another order (a row alone vs in a padded batch, the KV cache vs
+  a full recompute, one micro-batch vs several): only the summation order of the GEMMs and of
+  attention's softmax changes, a few fp32 ulps per op; measured <= 4e-6 on the logits, so
+  ``1e-4`` leaves a ~25x margin.
+* through the tier: the TP-2 group sums the experts' partial products in another order (DESIGN
+  §4; a few ulps per MoE layer, as tests/test_serve.py), then the later layers and the LM head
+  carry that on; ``1e-4`` again. Greedy tokens must be identical: the smallest top-1/top-2 logit
+  gap of these prompts is ~1e-3, ten times the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from ray import serve
+
+from deployments.afd import Decoder, LocalMoE, TierMoE, split_rows, tier_busy
+from deployments.app import build_app
+from moe_runtime.collectives import free_port
+from moe_runtime.synthetic import preset_config, write_checkpoint
+from moe_runtime.synthetic_decoder import write_decoder
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [100]]
+NEW_TOKENS = 5
+APP = "afd_test"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = write_checkpoint(tmp_path_factory.mktemp("afd"), preset_config("tiny"), seed=1)
+    write_decoder(root, seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def local(ckpt):
+    """The whole model in this process; its greedy output is the reference."""
+    model = Decoder(ckpt, LocalMoE(ckpt))
+    return model, model.generate(PROMPTS, NEW_TOKENS)
+
+
+def test_rows_are_independent_of_padding_and_micro_batches(local):
+    model, ref = local
+    for b, prompt in enumerate(PROMPTS):
+        alone = model.generate([prompt], NEW_TOKENS)
+        assert torch.equal(alone.tokens[0], ref.tokens[b])
+        torch.testing.assert_close(alone.logits[0], ref.logits[b], **TOL)
+    for m in (2, 4):
+        out = model.generate(PROMPTS, NEW_TOKENS, micro_batches=m)
+        assert torch.equal(out.tokens, ref.tokens)
+        torch.testing.assert_close(out.logits, ref.logits, **TOL)
+
+
+def test_kv_cache_matches_a_full_recompute(local):
+    model, ref = local
+    for b, prompt in enumerate(PROMPTS):
+        # Prefill the prompt plus all but the last generated token: its logits are the last step's.
+        again = model.generate([prompt + ref.tokens[b, :-1].tolist()], 1)
+        torch.testing.assert_close(again.logits[0, 0], ref.logits[b, -1], **TOL)
+
+
+def test_the_moe_layers_change_the_output(ckpt, local):
+    # Guards the comparisons above against a decoder that skipped its MoE layers.
+    _, ref = local
+
+    class Zero(LocalMoE):
+        async def __call__(self, x_TH, layer):
+            return torch.zeros_like(x_TH)
+
+    out = Decoder(ckpt, Zero(ckpt)).generate(PROMPTS, NEW_TOKENS)
+    assert (out.logits[:, 0] - ref.logits[:, 0]).abs().max() > 1e-2
+
+
+def test_split_rows():
+    assert split_rows(5, 2) == [slice(0, 2), slice(2, 5)]
+    assert [s.stop - s.start for s in split_rows(32, 4)] == [8] * 4
+
+
+@pytest.mark.parametrize(
+    "prompts, new, m, message",
+    [
+        ([], 2, 1, "prompts is empty"),
+        ([[1], []], 2, 1, "prompt 1 is empty"),
+        ([[1, 512]], 2, 1, "outside 0..511"),
+        ([[1]], 0, 1, "max_new_tokens must be >= 1"),
+        ([[1], [2]], 2, 3, r"micro_batches must be in 1..2"),
+    ],
+)
+def test_bad_generation_input(local, prompts, new, m, message):
+    with pytest.raises(ValueError, match=message):
+        local[0].generate(prompts, new, micro_batches=m)
+
+
+def test_config_and_layer_errors(ckpt, tmp_path):
+    bare = write_checkpoint(tmp_path / "bare", preset_config("tiny"), seed=1)
+    with pytest.raises(ValueError, match="lacks decoder field"):
+        Decoder(bare, LocalMoE(bare))
+    with pytest.raises(ValueError, match=r"num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
+        write_decoder(bare, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="decoder field head_dim must be a positive integer, got 31.5"):
+        write_decoder(bare, head_dim=31.5)
+    partial = LocalMoE(ckpt)
+    partial.layers = frozenset({1})
+    with pytest.raises(ValueError, match=r"MoE layer\(s\) \[2\] of the model are not served"):
+        Decoder(ckpt, partial)
+
+
+def test_decoder_file_joins_a_single_file_checkpoint(tmp_path):
+    root = write_checkpoint(tmp_path / "one", preset_config("tiny"), seed=1, single_file=True, text_only=True)
+    write_decoder(root, seed=1)
+    weight_map = json.loads((root / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map["model.layers.1.block_sparse_moe.gate.weight"] == "model.safetensors"
+    assert weight_map["lm_head.weight"] == "model-decoder.safetensors"
+    assert Decoder(root, LocalMoE(root)).generate([[3, 4]], 2).tokens.shape == (1, 2)
+
+
+def test_make_checkpoint_decoder_flag(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_checkpoint.py"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), "--preset", "tiny", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    assert run("--out", str(tmp_path / "a"), "--decoder").returncode == 0
+    text = json.loads((tmp_path / "a" / "config.json").read_text())["text_config"]
+    assert (text["vocab_size"], text["num_attention_heads"], text["num_key_value_heads"]) == (512, 4, 2)
+    bad = run("--out", str(tmp_path / "b"), "--decoder", "--config-only")
+    assert bad.returncode != 0 and "cannot go with --config-only" in bad.stderr
+
+
+# -- through a real Serve app ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tier(ckpt):
+    """Layers split over two deployments (layer 1 on a TP-2 group, layer 2 on TP 1), so the
+    decoder must route by layer; float32 so the comparison is tight."""
+    ray.init(address="local", num_cpus=4, num_gpus=3, include_dashboard=False, namespace="afd",
+             log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5}
+        serve.run(build_app({"checkpoint": str(ckpt), "deployments": [
+            {"name": "lo", "tp_size": 2, "layers": [1], **common},
+            {"name": "hi", "tp_size": 1, "layers": [2], **common},
+        ]}), name=APP, route_prefix="/")
+        yield TierMoE.connect(APP, timeout_s=60.0)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_generation_through_the_tier_is_exact_for_every_m(ckpt, local, tier):
+    _, ref = local
+    lo, hi = (tier.by_layer[layer] for layer in (1, 2))
+    assert lo.handle.deployment_name == "lo" and hi.handle.deployment_name == "hi"
+    before = {c.handle.deployment_name: c.status() for c in tier.clients()}
+    model = Decoder(ckpt, tier)
+    for m in (1, 2, 4):
+        out = model.generate(PROMPTS, NEW_TOKENS, micro_batches=m)
+        assert torch.equal(out.tokens, ref.tokens), f"m={m}"
+        torch.testing.assert_close(out.logits, ref.logits, **TOL, msg=f"m={m}")
+    after = {c.handle.deployment_name: c.status() for c in tier.clients()}
+    for name, layer in (("lo", "1"), ("hi", "2")):
+        forwards, busy_s = tier_busy(before[name], after[name])
+        assert forwards > 0 and busy_s > 0
+        assert list(after[name]["counters"]["by_layer"]) == [layer]  # each layer went to its own group
