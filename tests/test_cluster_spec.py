@@ -328,3 +328,14 @@ def test_shipped_k3_layouts_fit_the_budget_unclamped(path: Path) -> None:
         auto = d.options.get("autoscaling_config")
         total += (auto["max_replicas"] if auto else d.options["num_replicas"]) * spec.tp_size
     assert total <= mi300x_gpus(load_cluster_config(AZURE))[0]
+
+
+def test_cluster_config_paths_do_not_depend_on_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    from deployments.spec import AutoscalingSpec
+
+    monkeypatch.chdir(tmp_path)  # Serve builds the app in a task whose cwd is not the repository
+    assert AutoscalingSpec(cluster_config="cluster.yaml").cluster_config == str(AZURE)
+    assert AutoscalingSpec(cluster_config=str(LOCAL)).cluster_config == str(LOCAL)
+    with pytest.raises(ValueError, match=r"cluster_config 'nope.yaml': no file at .*nope.yaml \(relative paths are "
+                                         r"resolved against the repository root"):
+        AutoscalingSpec(cluster_config="nope.yaml")
