@@ -298,6 +298,7 @@ class MoEGroupDeployment:
             "dtype": spec.dtype,
             "device": self.group.infos[0]["device"],
             "backend": self.group.infos[0]["backend"],
+            "group_transport": self.group.transport,
             "experts_backend": self.group.infos[0]["experts_backend"],
             "checkpoint": self.resolved.checkpoint,
             "max_batch_tokens": spec.max_batch_tokens,

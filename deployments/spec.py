@@ -163,6 +163,11 @@ class DeploymentSpec(BaseModel):
     # nicer than the replica, so the replica's event loop keeps receiving requests (and
     # forming the next batch) while the ranks compute. Ignored on GPUs.
     worker_nice_increment: int = Field(0, ge=0, le=19)
+    # The replica -> ranks forward hop as a Ray Compiled Graph (falls back to actor calls, and
+    # says why, when it cannot be built); False: plain actor calls; None (auto): on at TP > 1.
+    # On this project's CPU benchmark the graph cut the TP-2 hop but made the TP-1 hop slower
+    # (docs/benchmarks.md, "Data-plane overhead").
+    compiled_graph: bool | None = None
     # Bounded queue: past this many requests waiting for a replica, a call is refused at once
     # (handle: BackPressureError, HTTP: 503 + Retry-After); -1: unbounded (Serve's default).
     max_queued_requests: int = Field(256, ge=-1)

@@ -38,6 +38,7 @@ from .wire import WireTensor
 
 WORKER_NAMESPACE = "latent_moe_serve"
 INLINE_BYTES = 64 * 1024  # below Ray's inline-argument limit (100 KiB by default)
+LIVENESS_POLL_S = 1.0  # a compiled-graph forward running longer checks that its ranks are alive
 # Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
 _VISIBILITY_VARS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
@@ -188,6 +189,8 @@ class TPGroup:
         self._submit_lock = threading.Lock()
         # Called with True when a forward starts running on the ranks, False when it ends.
         self.busy_listeners: list[Callable[[bool], None]] = []
+        self._dag: Any = None  # the forward hop as a compiled graph (compiled at the first forward)
+        self.transport: str | None = None  # how forwards reach the ranks, once decided
 
     @classmethod
     def start(cls, resolved: ResolvedDeployment, tag: str) -> TPGroup:
@@ -281,6 +284,80 @@ class TPGroup:
             )
             raise GroupUnavailableError(f"TP group failed: {reason}") from None
 
+    def _compile_forward(self) -> None:
+        """The replica -> ranks forward hop as a Ray Compiled Graph (shared-memory channels
+        instead of a task submission per rank and call); actor calls when it cannot be built.
+        Other calls (health all-reduce, warm-up timing) stay plain actor calls: the lock keeps
+        them from overlapping a forward on the ranks."""
+        wanted = self.resolved.spec.compiled_graph
+        if wanted is False:
+            self.transport = "actor calls (compiled_graph is off)"
+        elif wanted is None and self.world == 1:
+            self.transport = "actor calls (auto: TP 1, where the compiled graph measured slower)"
+        else:
+            try:
+                from ray.dag import InputNode, MultiOutputNode
+
+                with InputNode() as inp:
+                    dag = MultiOutputNode([w.forward.bind(inp[0], inp[1], inp[2]) for w in self.workers])
+                self._dag = dag.experimental_compile(enable_asyncio=True)
+                self.transport = "compiled graph"
+            except Exception as e:  # e.g. an older Ray, or channels not available here
+                self.transport = f"actor calls (compiled graph unavailable: {error_message(e)})"
+        logger.info("TP group %s: forwards reach the ranks by %s", self.resolved.spec.name, self.transport)
+
+    async def _gather_compiled(self, args: tuple, what: str, timeout_s: float) -> list:
+        async def run() -> list:
+            futures = await self._dag.execute_async(*args)
+            if isinstance(futures, list):
+                return list(await asyncio.gather(*futures))
+            return list(await futures)
+
+        # A dead rank does not fail the graph's read (the others wait in their collective), so
+        # a forward that outlives LIVENESS_POLL_S checks on the ranks while it waits.
+        task = asyncio.ensure_future(run())
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                wait_s = min(LIVENESS_POLL_S, deadline - time.monotonic())
+                done, _ = await asyncio.wait({task}, timeout=wait_s)
+                if done:
+                    results = task.result()
+                    break
+                dead = await self._dead_ranks()
+                if dead:
+                    reason = self._break(f"rank {dead[0]} died during {what} (compiled graph)")
+                    raise GroupUnavailableError(f"TP group failed: {reason}")
+                if time.monotonic() >= deadline:
+                    reason = self._break(f"{what} did not finish within {timeout_s:.0f} s (compiled graph)")
+                    raise GroupTimeoutError(f"TP group timed out: {reason}")
+        except GroupUnavailableError:
+            task.cancel()
+            raise
+        except Exception as e:
+            dead = await self._dead_ranks()
+            who = f"rank {dead[0]} died" if dead else "a rank failed"
+            reason = self._break(f"{who} during {what} (compiled graph): {error_message(e)}")
+            raise GroupUnavailableError(f"TP group failed: {reason}") from None
+        # Outputs may be views of the channel's buffer, which the next forward reuses.
+        return [(None if out is None else WireTensor(out.array.copy(), out.dtype), tail)
+                for out, tail in results]
+
+    async def _dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
+        """Ranks whose actor no longer answers (the graph's error does not say which)."""
+
+        async def dead(worker) -> bool:
+            try:
+                await asyncio.wait_for(worker.__ray_ready__.remote(), timeout_s)
+            except ray.exceptions.RayActorError:
+                return True
+            except Exception:  # slow to answer (a loaded machine) is not dead
+                pass
+            return False
+
+        flags = await asyncio.gather(*(dead(w) for w in self.workers))
+        return [r for r, gone in enumerate(flags) if gone]
+
     async def _locked_call(self, method: str, args: tuple, what: str, timeout_s: float) -> list:
         async with self._lock:
             self.check_usable()
@@ -289,6 +366,8 @@ class TPGroup:
                 for listener in self.busy_listeners:
                     listener(True)
             try:
+                if notify and self._dag is not None:
+                    return await self._gather_compiled(args, what, timeout_s)
                 return await self._gather(self._submit(method, *args), what, timeout_s)
             finally:
                 if notify:
@@ -305,9 +384,11 @@ class TPGroup:
     ) -> tuple[torch.Tensor, str]:
         """``out [T, H]`` of ``layer`` and the tail that ran."""
         T = x_TH.shape[0]
+        if self.transport is None:
+            self._compile_forward()
         x_w = WireTensor.from_torch(x_TH)
         logits_w = None if router_logits_TE is None else WireTensor.from_torch(router_logits_TE)
-        if self.world > 1 and x_w.array.nbytes > INLINE_BYTES:
+        if self._dag is None and self.world > 1 and x_w.array.nbytes > INLINE_BYTES:
             # Into the object store once rather than serialised for every rank; small batches
             # (decode) travel inline in the call, which costs less than a put and a fetch.
             x_w = ray.put(x_w)
@@ -334,6 +415,10 @@ class TPGroup:
         )
 
     def shutdown(self) -> None:
+        if self._dag is not None:
+            with contextlib.suppress(Exception):  # ranks already gone
+                self._dag.teardown(kill_actors=True)
+            self._dag = None
         for w in self.workers:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(w, no_restart=True)

@@ -113,3 +113,17 @@ def test_dashboard_covers_every_metric():
     assert dashboard["panels"]
     for name in METRIC_NAMES:
         assert f"ray_{name}" in text, name
+
+
+@pytest.mark.parametrize(("compiled_graph", "tp", "expected"), [
+    (False, 2, "actor calls (compiled_graph is off)"),
+    (None, 1, "actor calls (auto: TP 1"),
+])
+def test_forward_transport_decision_without_a_graph(tiny_ckpt, compiled_graph, tp, expected):
+    from deployments.spec import resolve_app
+    from deployments.workers import TPGroup
+
+    _, (resolved,) = resolve_app({"checkpoint": str(tiny_ckpt), "tp_size": tp, "compiled_graph": compiled_graph})
+    group = TPGroup(resolved, workers=[], names=[], infos=[])
+    group._compile_forward()
+    assert group.transport.startswith(expected) and group._dag is None
