@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument("--input", type=Path, help="safetensors with hidden_states [T, H] (+ router_logits)")
     fw.add_argument("--output", type=Path, help="safetensors to write with output [T, H]")
     fw.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    fw.add_argument("--backend", default="auto", help="experts backend: auto, torch, aiter")
+    fw.add_argument("--backend", default="auto", help="experts backend: auto, torch, grouped, aiter")
     fw.add_argument("--tp", type=int, default=1, help="TP size: local gloo ranks")
     fw.add_argument("--tail", choices=REQUESTABLE_TAILS, default="auto")
     fw.add_argument("--sequence-parallel", action="store_true")
@@ -172,7 +172,7 @@ def forward(args: argparse.Namespace) -> int:
         print(f"sharded tail legal: {rule.shardable} ({rule.reason})")
         print(f"tail plan: {plan.describe()}")
         print(f"reason: {plan.reason}")
-        print(f"experts backend: {backend} ({backend_reason})")
+        print(f"experts backend: {backend} ({backend_reason}; non-torch backends are probed at load)")
         print("\n".join(explain_memory(args, cfg)))
         return 0
     if args.input is None or args.output is None:
@@ -185,7 +185,7 @@ def forward(args: argparse.Namespace) -> int:
         args.layer,
         plan,
         args.dtype,
-        backend,
+        args.backend,  # as requested: each rank probes non-torch backends at load (auto falls back)
         args.preshard_up_proj,
         routed_input,
         scratch_bytes,
