@@ -74,10 +74,11 @@ def measure(model: Decoder, moe: TimedMoE, batch: int, m: int, args: argparse.Na
     for _ in range(args.reps):
         moe.wait_s, moe.calls = 0.0, 0
         before = tier.clients()[0].status() if tier else None
+        cpu = time.process_time()
         out = model.generate(prompts, args.tokens, m)
         wall = out.prefill_s + out.decode_s
         run = {"decode_s": out.decode_s, "prefill_s": out.prefill_s, "moe_wait_s": moe.wait_s,
-               "moe_calls": moe.calls}
+               "moe_calls": moe.calls, "cpu_s": time.process_time() - cpu}
         if tier:
             forwards, busy_s = tier_busy(before, tier.clients()[0].status())
             run.update(tier_forwards=forwards, tier_busy_s=busy_s, tier_busy_frac=busy_s / wall)
@@ -90,6 +91,8 @@ def measure(model: Decoder, moe: TimedMoE, batch: int, m: int, args: argparse.Na
         "step_ms": round(best["decode_s"] / steps * 1e3, 2),
         "step_ms_all": [round(r["decode_s"] / steps * 1e3, 2) for r in runs],
         "moe_wait_ms_per_step": round(best["moe_wait_s"] / (steps + 1) * 1e3, 2),
+        # this process's CPU time (attention, LM head, and on the tier path Serve's client side)
+        "client_cpu_ms_per_step": round(best["cpu_s"] / (steps + 1) * 1e3, 2),
     }
     if tier:
         row["tier_busy_frac"] = round(best["tier_busy_frac"], 3)
@@ -164,23 +167,25 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"{env['preset']} preset, "
         f"H = {env['hidden_size']}, {env['moe_layers']} MoE layers on one TP-{env['tp_size']} deployment, "
         f"{env['tail']} tail, float32; prompts of {env['prompt_len']} tokens, {env['tokens']} new tokens; "
-        f"median of {env['reps']}). Machine shared with other work: `uptime` load "
+        f"median of {env['reps']}; {env['torch_threads']} torch thread(s) in this process, in process and as "
+        f"the AFD client). Machine shared with other work: `uptime` load "
         f"{env['loadavg_before']} before, {env['loadavg_after']} after. Raw data: `{json_path}`, plot: "
         f"`{png_path}`.",
         "",
         "| batch | m | tokens/s | ms / step | vs in process | vs m = 1 | client waits on MoE, ms / step "
-        "| tier busy | tier forward ms | forwards / step |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| client CPU ms / step | tier busy | tier forward ms | forwards / step |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results["inprocess"]:
         lines.append(f"| {r['batch']} | in process | {r['tokens_per_s']} | {r['step_ms']} | 1.00 | | "
-                     f"{r['moe_wait_ms_per_step']} (MoE compute) | | | |")
+                     f"{r['moe_wait_ms_per_step']} (MoE compute) | {r['client_cpu_ms_per_step']} | | | |")
     base = {r["batch"]: r for r in results["tier"] if r["m"] == 1}
     for r in results["tier"]:
         lines.append(
             f"| {r['batch']} | {r['m']} | {r['tokens_per_s']} | {r['step_ms']} | "
             f"{r['tokens_per_s'] / local[r['batch']]['tokens_per_s']:.2f} | "
             f"{r['tokens_per_s'] / base[r['batch']]['tokens_per_s']:.2f} | {r['moe_wait_ms_per_step']} | "
+            f"{r['client_cpu_ms_per_step']} | "
             f"{r['tier_busy_frac']:.0%} | {r['tier_forward_ms']} | {r['tier_forwards_per_step']} |"
         )
     s = results["summary"]
@@ -189,11 +194,14 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "tier busy = forwards x mean `forward_ms` / wall time of the generate call, from the "
         "deployment's `status()` counters; the replica times each group call from its start to its "
         "answer, so with m > 1 the calls of two micro-batches at different layers overlap (the second "
-        "queues at the ranks) and the sum can pass 100%. client waits on MoE: the wall time the "
+        "waits for the group's lock) and the sum can pass 100%. client waits on MoE: the wall time the "
         "decoder spends awaiting MoE calls per step, summed over micro-batches (overlapping).",
         "",
-        f"Disaggregation cost per MoE layer at m = 1 (tier step − in-process step) / {env['moe_layers']}: "
-        + ", ".join(f"batch {b}: {c} ms" for b, c in s["cost_per_layer_ms"].items()) + ".",
+        f"Disaggregation cost per MoE layer at m = 1, from whole steps (tier step − in-process step) / "
+        f"{env['moe_layers']}: " + ", ".join(f"batch {b}: {c} ms" for b, c in s["cost_per_layer_ms"].items())
+        + "; from single calls (tier round trip − in-process forward): "
+        + ", ".join(f"T = {t}: {r['call_ms'] - results['moe_call_ms'][t]['call_ms']:.1f} ms"
+                    for t, r in results["tier_call_ms"].items()) + ".",
         "One MoE call of T tokens awaited alone, median ms (a batch of B in m micro-batches makes m "
         "calls of B/m tokens per layer): "
         + ", ".join(f"T = {t}: in process {results['moe_call_ms'][t]['call_ms']}, tier round trip "
@@ -205,6 +213,26 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"Target m = 2 ≥ 1.5× m = 1 at batch 32: measured {s['m2_over_m1_at_32']}× "
         f"({'met' if s['target_met'] else 'not met'}).",
     ]
+    rows = {(r["batch"], r["m"]): r for r in results["tier"]}
+    if not s["target_met"] and (32, 1) in rows and (32, 2) in rows:
+        one, two, calls, half = rows[(32, 1)], rows[(32, 2)], results["tier_call_ms"], 16
+        lines += [
+            "",
+            f"Why not, at batch 32: the group's serial order alone would allow "
+            f"{s['pingpong_bound']['32/2']}x (a {half}-token forward alone: {calls[half]['forward_ms']} ms), "
+            f"so what stops it is CPU: the client's attention and the ranks share the same cores, with other "
+            f"work on them (load above). At m = 2 the group's forwards (timed by the replica, with the wait "
+            f"for the group's lock) took {two['tier_forward_ms']} ms each, "
+            f"{two['tier_forwards_per_step']} per step, against {one['tier_forward_ms']} ms x "
+            f"{one['tier_forwards_per_step']} at m = 1; the tier "
+            f"went from {one['tier_busy_frac']:.0%} to {two['tier_busy_frac']:.0%} busy, and twice the calls "
+            f"cost the client more CPU ({one['client_cpu_ms_per_step']} -> "
+            f"{two['client_cpu_ms_per_step']} ms per step). Ping-pong hides waiting, not work: with no "
+            "idle CPU to fill it frees nothing. "
+            "What it would take: attention and MoE on separate hardware (the case AFD is for), a "
+            "per-forward fixed cost small next to the per-token work (the replica -> ranks hop, issue 9), "
+            "and batches large enough that a forward of B/m tokens costs about 1/m of one of B.",
+        ]
     return "\n".join(lines)
 
 
@@ -221,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=17, help="new tokens per sequence (the first from prefill)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads of this (client) process; the tier's ranks take their own cores")
+                    help="torch threads of this process (the in-process model and the AFD client alike; "
+                         "on the busy 2-core machine, 2 threads took the in-process batch-1 step from "
+                         "157 to 2069 ms in one run: OpenMP threads spinning against other work)")
     ap.add_argument("--quick", action="store_true", help="tiny preset, 6 tokens, 1 rep")
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_afd")
     ap.add_argument("--docs", type=Path, default=None, help="update this benchmarks.md section")
@@ -249,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 "machine": platform.machine(), "torch": torch.__version__, "ray": ray.__version__,
                 "preset": args.preset, "hidden_size": cfg.hidden_size, "moe_layers": len(cfg.moe_layers),
                 "tp_size": args.tp, "tail": args.tail, "prompt_len": args.prompt_len, "tokens": args.tokens,
-                "reps": args.reps, "client_threads": args.threads,
+                "reps": args.reps, "torch_threads": args.threads,
                 "loadavg_before": [round(x, 2) for x in load_before]},
         "inprocess": [measure(local, local_moe, b, 1, args) for b in batches],
         "moe_call_ms": call_ms(local_moe.inner, cfg.hidden_size, cfg.moe_layers[0], sizes, args.reps * 3),
