@@ -152,6 +152,10 @@ class TPWorker:
     def info(self) -> dict[str, Any]:
         resident = sum(r.resident_bytes() for r in self.runners.values())
         first = next(iter(self.runners.values()), None)
+        by_part: dict[str, int] = {}
+        for runner in self.runners.values():
+            for part, n in runner.resident_bytes_by_part().items():
+                by_part[part] = by_part.get(part, 0) + n
         return {
             "rank": self.rank,
             "pid": os.getpid(),
@@ -163,6 +167,8 @@ class TPWorker:
             "torch_threads": torch.get_num_threads(),
             "niceness": os.nice(0),
             "resident_bytes": resident,
+            "resident_bytes_by_part": by_part,
+            "load_bytes_read": sum(r.load_bytes_read for r in self.runners.values()),
             "load_s": round(self.load_s, 3),
             "experts_backend": first.backend_name if first else None,
             # the load-time probes of non-torch experts backends, with their numbers (backend_check.py)

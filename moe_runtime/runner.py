@@ -114,6 +114,7 @@ class LatentMoERunner:
         self.device = weights.down_DH.device
         self.timer = StageTimer(self.device)
         self.tail_counts: Counter[str] = Counter()
+        self.load_s, self.load_bytes_read = 0.0, 0  # set by build_rank_runners
         self.last_tail: str | None = None
         self._tails = {
             "replicated": self._tail_replicated,
@@ -155,6 +156,9 @@ class LatentMoERunner:
 
     def resident_bytes(self) -> int:
         return self.w.nbytes()
+
+    def resident_bytes_by_part(self) -> dict[str, int]:
+        return self.w.nbytes_by_part()
 
     # -- forward --------------------------------------------------------------------------
 
@@ -306,15 +310,19 @@ def build_rank_runners(
     preshard_up_proj: bool = False,
     routed_input: RoutedInputConfig | None = None,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+    progress: bool | None = False,
 ) -> dict[int, LatentMoERunner]:
-    """Load this rank's shard of every layer in ``layers`` and wrap each in a runner."""
+    """Load this rank's shard of every layer in ``layers`` and wrap each in a runner; each
+    runner records its ``load_s`` and ``load_bytes_read`` (this rank's slices only)."""
     shard = TPShard(comm.rank, comm.world, preshard_up_proj)
     candidates, why = backend_candidates(backend)
     reader = CheckpointReader(checkpoint)
     runners: dict[int, LatentMoERunner] = {}
     checks: list[BackendCheck] | None = None
     for layer in layers:
-        weights = load_layer_weights(reader, cfg, layer, dtype, shard).to(device)
+        start, read_before = time.perf_counter(), reader.bytes_read
+        weights = load_layer_weights(reader, cfg, layer, dtype, shard, progress).to(device)
+        load_s, bytes_read = time.perf_counter() - start, reader.bytes_read - read_before
         if checks is None:  # non-torch backends must match torch on the first layer's real experts
             backend_name, checks = verify_backend(
                 candidates, backend, weights.experts, GatedActivation.from_config(cfg),
@@ -323,8 +331,8 @@ def build_rank_runners(
             if comm.rank == 0:
                 probes = "".join(f"; {c.describe()}" for c in checks)
                 log_once(f"experts backend: {backend_name} ({why}{probes})")
-        runners[layer] = LatentMoERunner(
-            cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes
-        )
-        runners[layer].backend_checks = checks
+        runner = LatentMoERunner(cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes)
+        runner.load_s, runner.load_bytes_read = load_s, bytes_read
+        runner.backend_checks = checks
+        runners[layer] = runner
     return runners
