@@ -258,7 +258,7 @@ def test_body_limit_admits_a_full_request_of_7168_wide_input(k3_dir):
 def test_shipped_k3_config_serves_every_moe_layer_once_and_fits(k3_dir):
     import yaml
 
-    from deployments.demo import ROOT
+    from deployments.spec import PROJECT_ROOT as ROOT
 
     config = yaml.safe_load((ROOT / "deployments/configs/mi300x-k3.yaml").read_text())
     args = dict(config["applications"][0]["args"], checkpoint=str(k3_dir))
