@@ -150,6 +150,10 @@ class TPWorker:
 
     def info(self) -> dict[str, Any]:
         resident = sum(r.resident_bytes() for r in self.runners.values())
+        by_part: dict[str, int] = {}
+        for runner in self.runners.values():
+            for part, n in runner.resident_bytes_by_part().items():
+                by_part[part] = by_part.get(part, 0) + n
         return {
             "rank": self.rank,
             "pid": os.getpid(),
@@ -161,6 +165,8 @@ class TPWorker:
             "torch_threads": torch.get_num_threads(),
             "niceness": os.nice(0),
             "resident_bytes": resident,
+            "resident_bytes_by_part": by_part,
+            "load_bytes_read": sum(r.load_bytes_read for r in self.runners.values()),
             "load_s": round(self.load_s, 3),
             "experts_backend": next(iter(self.runners.values())).backend_name if self.runners else None,
         }

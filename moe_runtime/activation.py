@@ -12,7 +12,10 @@ from .config import LatentMoEConfig
 
 @dataclass(frozen=True)
 class GatedActivation:
-    """SiTU when ``beta`` is set, else SiLU(g) * u. Always evaluated in fp32."""
+    """SiTU when ``beta`` is set, else SiLU(g) * u. Always evaluated in fp32.
+
+    ``from_config`` sets the betas only for ``hidden_act == "situ"``: a ``silu`` model that
+    carries beta fields runs plain SiLU, as vLLM does."""
 
     beta: float | None = None
     beta_lin: float | None = None

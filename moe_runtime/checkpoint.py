@@ -7,17 +7,23 @@ safetensors' lazy slicing; nothing loads a whole file.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from . import mxfp4
 from .config import LatentMoEConfig
 from .sharding import Split, TPShard
 from .weights import ExpertWeights, LayerWeights
 
-PREFIXES = ("language_model.layers.{i}.block_sparse_moe.", "model.layers.{i}.block_sparse_moe.")
+PREFIXES = (
+    "language_model.layers.{i}.block_sparse_moe.",
+    "language_model.model.layers.{i}.block_sparse_moe.",
+    "model.layers.{i}.block_sparse_moe.",
+)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,20 +136,26 @@ class _LayerLoader:
         dim, start, stop = self._span(key or suffix, full, name)
         return self.reader.read(name, dim, start, stop).to(dtype or self.dtype)
 
-    def expert(self, e: int, which: str, full: tuple[int, int]) -> torch.Tensor:
-        """An expert matrix, dense or MXFP4-packed, sliced per the table and decoded."""
-        base = f"experts.{e}.{which}"
+    def is_packed(self, base: str) -> bool:
+        """Whether matrix ``base`` (e.g. ``experts.3.w1``) is stored dense or MXFP4."""
         if self.prefix + base + ".weight" in self.reader:
-            return self.dense(base + ".weight", full, key=which)
+            return False
+        if self.prefix + base + ".weight_packed" in self.reader:
+            return True
+        raise ValueError(
+            f"checkpoint has neither {self.prefix + base + '.weight'!r} "
+            f"nor {self.prefix + base + '.weight_packed'!r}"
+        )
+
+    def packed(self, base: str, key: str, full: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of an MXFP4 matrix, still packed: ``(nibbles, scales)``."""
         packed_name, scale_name = self.prefix + base + ".weight_packed", self.prefix + base + ".weight_scale"
-        if packed_name not in self.reader:
-            raise ValueError(f"checkpoint has neither {self.prefix + base + '.weight'!r} nor {packed_name!r}")
         rows, cols = full
         if cols % mxfp4.BLOCK:
             raise ValueError(f"{packed_name}: input dim {cols} is not a multiple of {mxfp4.BLOCK}")
         self._check_shape(packed_name, (rows, cols // 2))
         self._check_shape(scale_name, (rows, cols // mxfp4.BLOCK))
-        dim, start, stop = self._span(which, full, base)
+        dim, start, stop = self._span(key, full, base)
         if dim == 1:
             width = stop - start
             if width % mxfp4.BLOCK:
@@ -157,7 +169,51 @@ class _LayerLoader:
         else:
             packed = self.reader.read(packed_name, dim, start, stop)
             scale = self.reader.read(scale_name, dim, start, stop)
-        return mxfp4.decode(packed, scale, self.dtype)
+        return packed, scale
+
+    def matrix(self, base: str, key: str, full: tuple[int, int]) -> torch.Tensor:
+        """This rank's slice of a dense or MXFP4 matrix in the compute dtype (MXFP4 decoded)."""
+        if not self.is_packed(base):
+            return self.dense(base + ".weight", full, key=key)
+        return mxfp4.decode(*self.packed(base, key, full), self.dtype)
+
+
+def _load_experts(ld: _LayerLoader, progress: bool | None) -> ExpertWeights:
+    """Every routed expert into tensors allocated once up front (no list-then-stack copy):
+    MXFP4 experts stay packed, dense ones are converted to the compute dtype."""
+    cfg, world = ld.cfg, ld.shard.world
+    E, D, I = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    I_local = I // world
+    packed = ld.is_packed("experts.0.w1")
+    if packed:
+        w13 = torch.empty(E, 2 * I_local, D // 2, dtype=torch.uint8)
+        w2 = torch.empty(E, D, I_local // 2, dtype=torch.uint8)
+        w13_s = torch.empty(E, 2 * I_local, D // mxfp4.BLOCK, dtype=torch.uint8)
+        w2_s = torch.empty(E, D, I_local // mxfp4.BLOCK, dtype=torch.uint8)
+    else:
+        w13, w2 = torch.empty(E, 2 * I_local, D, dtype=ld.dtype), torch.empty(E, D, I_local, dtype=ld.dtype)
+        w13_s = w2_s = None
+    if progress is None:
+        progress = sys.stderr.isatty()
+    for e in tqdm(range(E), desc="loading experts", unit="expert", file=sys.stderr, disable=not progress):
+        for which, full, dst, dst_scale, rows in (
+            ("w1", (I, D), w13, w13_s, slice(0, I_local)),
+            ("w3", (I, D), w13, w13_s, slice(I_local, 2 * I_local)),
+            ("w2", (D, I), w2, w2_s, slice(None)),
+        ):
+            base = f"experts.{e}.{which}"
+            if ld.is_packed(base) != packed:
+                raise ValueError(
+                    f"{ld.prefix}{base} is {'dense' if packed else 'MXFP4'} but experts.0.w1 is "
+                    f"{'MXFP4' if packed else 'dense'}: a layer's routed experts must share one format"
+                )
+            if packed:
+                nibbles, scales = ld.packed(base, which, full)
+                dst[e, rows].copy_(nibbles)
+                dst_scale[e, rows].copy_(scales)
+            else:
+                dst[e, rows].copy_(ld.dense(base + ".weight", full, key=which, dtype=None))
+    return ExpertWeights(w13, w2, w13_s, w2_s, dtype=ld.dtype)
 
 
 def load_layer_weights(
@@ -166,27 +222,21 @@ def load_layer_weights(
     layer: int,
     dtype: torch.dtype = torch.float32,
     shard: TPShard | None = None,
+    progress: bool | None = False,
 ) -> LayerWeights:
-    """Load one MoE layer's tensors (this rank's slices only) in ``dtype``."""
+    """Load one MoE layer's tensors (this rank's slices only) in ``dtype``; MXFP4 routed
+    experts stay packed. ``progress``: a bar over experts on stderr (None: when it is a TTY)."""
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
     ld = _LayerLoader(reader, cfg, layer, shard or TPShard(), dtype)
-    H, D, E, I, Is = (
-        cfg.hidden_size,
-        cfg.routed_expert_hidden_size,
-        cfg.num_experts,
-        cfg.moe_intermediate_size,
-        cfg.shared_intermediate_size,
-    )
-    w13, w2 = [], []
-    for e in range(E):
-        w13.append(torch.cat([ld.expert(e, "w1", (I, D)), ld.expert(e, "w3", (I, D))]))
-        w2.append(ld.expert(e, "w2", (D, I)))
+    H, D, E = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts
+    Is = cfg.shared_intermediate_size
+    experts = _load_experts(ld, progress)
     shared = (None, None, None)
     if cfg.num_shared_experts:
         shared = (
-            ld.dense("shared_experts.gate_proj.weight", (Is, H)),
-            ld.dense("shared_experts.up_proj.weight", (Is, H)),
-            ld.dense("shared_experts.down_proj.weight", (H, Is)),
+            ld.matrix("shared_experts.gate_proj", "shared_experts.gate_proj.weight", (Is, H)),
+            ld.matrix("shared_experts.up_proj", "shared_experts.up_proj.weight", (Is, H)),
+            ld.matrix("shared_experts.down_proj", "shared_experts.down_proj.weight", (H, Is)),
         )
     return LayerWeights(
         gate_EH=ld.dense("gate.weight", (E, H), dtype=torch.float32),
@@ -198,7 +248,7 @@ def load_layer_weights(
             else None
         ),
         up_HD=ld.dense("routed_expert_up_proj.weight", (H, D)),
-        experts=ExpertWeights(torch.stack(w13), torch.stack(w2), dtype=dtype),
+        experts=experts,
         shared_gate_SH=shared[0],
         shared_up_SH=shared[1],
         shared_down_HS=shared[2],

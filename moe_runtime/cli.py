@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument("--routed-input-quant", choices=QUANT_MODES, help="token-shard the routed input")
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
     fw.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    fw.add_argument(
+        "--run-timeout", type=float, default=3600.0, help="whole TP run (load included), seconds"
+    )
     fw.add_argument("--explain", action="store_true", help="print the tail decision and memory plan, exit")
     fw.add_argument("--device-memory-gb", type=float,
                     help="--explain: per-rank device memory in GB (default: this machine's GPU, or on "
@@ -79,7 +82,7 @@ def _rank_forward(
     scratch_bytes: int,
     x,
     logits,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, dict]:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     runner = build_rank_runners(
         ckpt,
@@ -92,8 +95,46 @@ def _rank_forward(
         preshard_up_proj=preshard,
         routed_input=routed_input,
         scratch_bytes=scratch_bytes,
+        progress=None if comm.rank == 0 else False,  # one bar, and only on a terminal
     )[layer]
-    return runner.forward(x, logits)
+    stats = {
+        "load_s": runner.load_s,
+        "bytes_read": runner.load_bytes_read,
+        "resident_by_part": runner.resident_bytes_by_part(),
+        "rss_after_load": process_rss(),
+    }
+    start = time.perf_counter()
+    out = runner.forward(x, logits)
+    stats["forward_s"] = time.perf_counter() - start
+    return out, stats
+
+
+def process_rss(pid: int | str = "self") -> dict[str, int]:
+    """This process's resident bytes from /proc: anonymous + shared memory (what loading
+    costs; mapped checkpoint pages are reclaimable page cache) and the peak of all RSS."""
+    fields = {"RssAnon": "anon", "RssShmem": "shmem", "VmHWM": "peak_total"}
+    out = dict.fromkeys(fields.values(), 0)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in fields:
+                    out[fields[key]] = int(value.split()[0]) * 1024
+    except OSError:  # not Linux: nothing to report
+        pass
+    return out
+
+
+def _load_summary(rank: int, stats: dict) -> str:
+    gb = 1e9
+    parts = ", ".join(f"{k} {v / gb:.3f}" for k, v in stats["resident_by_part"].items() if v)
+    rss = stats["rss_after_load"]
+    return (
+        f"rank {rank}: loaded in {stats['load_s']:.1f} s, read {stats['bytes_read'] / gb:.3f} GB "
+        f"({stats['bytes_read'] / gb / max(stats['load_s'], 1e-9):.2f} GB/s), resident "
+        f"{sum(stats['resident_by_part'].values()) / gb:.3f} GB ({parts}), RSS anon+shmem "
+        f"{(rss['anon'] + rss['shmem']) / gb:.3f} GB, forward {stats['forward_s'] * 1e3:.1f} ms"
+    )
 
 
 def _read_input(path: Path, cfg: LatentMoEConfig, dtype: torch.dtype):
@@ -193,12 +234,15 @@ def forward(args: argparse.Namespace) -> int:
         logits,
     )
     if args.tp == 1:
-        out = _rank_forward(Collectives(), *rank_args)
+        results = [_rank_forward(Collectives(), *rank_args)]
         how = "single device"
     else:
-        outs = run_local_group(args.tp, _rank_forward, *rank_args, collective_timeout_s=args.timeout)
-        out = torch.cat(outs) if plan.tails == ("sequence_parallel",) else outs[0]
+        results = run_local_group(
+            args.tp, _rank_forward, *rank_args, timeout_s=args.run_timeout, collective_timeout_s=args.timeout
+        )
         how = f"TP {args.tp}, {plan.describe()}"
+    outs = [out for out, _ in results]
+    out = torch.cat(outs) if plan.tails == ("sequence_parallel",) else outs[0]
     elapsed = time.perf_counter() - start
     args.output.parent.mkdir(parents=True, exist_ok=True)
     save_file({"output": out.contiguous()}, args.output)
@@ -206,6 +250,8 @@ def forward(args: argparse.Namespace) -> int:
         f"layer {args.layer}: {x.shape[0]} tokens x {cfg.hidden_size} -> {args.output} "
         f"({how}; {elapsed * 1e3:.1f} ms including load)"
     )
+    for rank, (_, stats) in enumerate(results):
+        print(_load_summary(rank, stats))
     return 0
 
 

@@ -131,7 +131,8 @@ class LatentMoEConfig:
 
     @property
     def uses_situ(self) -> bool:
-        return self.activation_situ_beta is not None
+        """SiTU follows ``hidden_act`` as vLLM does: beta fields alone do not switch it on."""
+        return self.hidden_act == "situ"
 
     def is_moe_layer(self, layer: int) -> bool:
         return (

@@ -42,7 +42,9 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
         )
     if scale.numel() and int(scale.max()) == 255:
         raise ValueError("MXFP4 scale byte 255 encodes NaN in E8M0; the checkpoint's scales are corrupt")
-    values = _pair_lut(packed.device)[packed.int()]  # [..., n/2, 2]: element 2j then 2j + 1
+    # embedding is a row gather ~3x faster than advanced indexing on CPU: [..., n/2, 2] holds
+    # element 2j then 2j + 1 of every byte
+    values = torch.nn.functional.embedding(packed.int(), _pair_lut(packed.device))
     blocks = values.view(*packed.shape[:-1], n // BLOCK, BLOCK)
     blocks.mul_(torch.exp2(scale.float() - 127.0).unsqueeze(-1))
     return blocks.view(*packed.shape[:-1], n).to(dtype)

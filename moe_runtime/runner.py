@@ -111,6 +111,7 @@ class LatentMoERunner:
         self.device = weights.down_DH.device
         self.timer = StageTimer(self.device)
         self.tail_counts: Counter[str] = Counter()
+        self.load_s, self.load_bytes_read = 0.0, 0  # set by build_rank_runners
         self.last_tail: str | None = None
         self._tails = {
             "replicated": self._tail_replicated,
@@ -152,6 +153,9 @@ class LatentMoERunner:
 
     def resident_bytes(self) -> int:
         return self.w.nbytes()
+
+    def resident_bytes_by_part(self) -> dict[str, int]:
+        return self.w.nbytes_by_part()
 
     # -- forward --------------------------------------------------------------------------
 
@@ -303,8 +307,10 @@ def build_rank_runners(
     preshard_up_proj: bool = False,
     routed_input: RoutedInputConfig | None = None,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+    progress: bool | None = False,
 ) -> dict[int, LatentMoERunner]:
-    """Load this rank's shard of every layer in ``layers`` and wrap each in a runner."""
+    """Load this rank's shard of every layer in ``layers`` and wrap each in a runner; each
+    runner records its ``load_s`` and ``load_bytes_read`` (this rank's slices only)."""
     shard = TPShard(comm.rank, comm.world, preshard_up_proj)
     backend_name, why = select_backend(backend)
     if comm.rank == 0:
@@ -312,8 +318,9 @@ def build_rank_runners(
     reader = CheckpointReader(checkpoint)
     runners = {}
     for layer in layers:
-        weights = load_layer_weights(reader, cfg, layer, dtype, shard).to(device)
-        runners[layer] = LatentMoERunner(
-            cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes
-        )
+        start, read_before = time.perf_counter(), reader.bytes_read
+        weights = load_layer_weights(reader, cfg, layer, dtype, shard, progress).to(device)
+        runner = LatentMoERunner(cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes)
+        runner.load_s, runner.load_bytes_read = time.perf_counter() - start, reader.bytes_read - read_before
+        runners[layer] = runner
     return runners

@@ -78,7 +78,7 @@ def test_every_preset_validates_with_real_k3_dims() -> None:
     k3 = LatentMoEConfig.from_dict(PRESETS["kimi-k3"])
     assert (k3.hidden_size, k3.routed_expert_hidden_size, k3.num_experts, k3.num_experts_per_token,
             k3.moe_intermediate_size, k3.shared_intermediate_size) == (7168, 3584, 896, 16, 3072, 6144)
-    assert k3.moe_layers == list(range(1, 92))
+    assert k3.moe_layers == list(range(1, 93))  # 93 layers: layer 0 dense, 92 MoE
     assert k3.uses_situ and k3.activation_situ_beta == 4.0 and k3.activation_situ_linear_beta == 25.0
 
 

@@ -431,15 +431,15 @@ def test_mxfp4_rank_slices_decode_like_the_full_tensor(make_ckpt) -> None:
     equals slicing the decoded tensor, and only half of the packed bytes are read."""
     ckpt = make_ckpt(mxfp4=True)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
-    full = load_layer_weights(ckpt, cfg, LAYER, torch.float32)
+    full_w13, full_w2 = load_layer_weights(ckpt, cfg, LAYER, torch.float32).experts.decode(torch.arange(8))
     stored = _tensor_bytes(ckpt, LAYER)
     expert_bytes = sum(v for k, v in stored.items() if k.startswith("experts."))
     for r in range(2):
         reader = CheckpointReader(ckpt)
-        w = load_layer_weights(reader, cfg, LAYER, torch.float32, TPShard(r, 2))
-        assert torch.equal(w.experts.w2, full.experts.w2[:, :, 32 * r : 32 * (r + 1)])
-        assert torch.equal(w.experts.w13, torch.cat([full.experts.w13[:, 32 * r : 32 * (r + 1)],
-                                                 full.experts.w13[:, 64 + 32 * r : 64 + 32 * (r + 1)]], 1))
+        w13, w2 = load_layer_weights(reader, cfg, LAYER, torch.float32, TPShard(r, 2)).experts.decode(torch.arange(8))
+        assert torch.equal(w2, full_w2[:, :, 32 * r : 32 * (r + 1)])
+        assert torch.equal(w13, torch.cat([full_w13[:, 32 * r : 32 * (r + 1)],
+                                           full_w13[:, 64 + 32 * r : 64 + 32 * (r + 1)]], 1))
         non_expert = sum(v for k, v in stored.items() if not k.startswith("experts."))
         shared = sum(v for k, v in stored.items() if k.startswith("shared_experts."))
         assert reader.bytes_read == non_expert - shared // 2 + expert_bytes // 2
