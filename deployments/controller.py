@@ -232,7 +232,7 @@ def tail_decision(
     """Legality first (ValueError when a forced tail is illegal), then auto: static or measured.
 
     ``cost_s``: estimated seconds of one forward at T tokens (the planner's, see
-    ``moe_runtime.forward_cost_s``); with it, only the token counts whose estimated
+    ``moe_runtime.memory.forward_cost_s``); with it, only the token counts whose estimated
     measurement fits ``budget_s`` are measured, and auto stays static when fewer than two do.
     """
     P = spec.tp_size

@@ -118,8 +118,8 @@ def layer_bytes(
 def activation_bytes_per_token(cfg: LatentMoEConfig, dtype: str, tp_size: int = 1) -> int:
     """Estimated bytes alive at once per token of a forward on one rank (the torch path's
     token-sized tensors, fp32 where the code may widen). scripts/bench_memory.py measures it:
-    with the decode scratch it bounded every measured forward peak; alone it did not at bf16
-    with few tokens on CPU, where weight-sized temporaries (not per token) dominate:
+    with the decode scratch it bounded every measured forward peak; alone it did not with few
+    tokens, where decoded expert chunks and weight-sized temporaries (not per token) dominate:
 
         H x (4b + 4)          input, routed output, shared output, layer output (b) + fp32 partial sum
         + 12 E                router logits, scores, biased scores (fp32)

@@ -146,11 +146,11 @@ def test_build_time_errors_carry_the_arithmetic(tiny_ckpt, k3_config_dir):
         plan_app({"checkpoint": str(tiny_ckpt), "layers": "9"})
     with pytest.raises(ValueError, match="no config.json"):
         plan_app({"checkpoint": str(tiny_ckpt / "nope")})
-    # The real K3 config at TP 8: sharded tail legal (auto picks it), 91 MoE layers.
+    # The real K3 config at TP 8: sharded tail legal (auto picks it), 92 MoE layers.
     _, resolved, options = plan_app({"checkpoint": str(k3_config_dir), "tp_size": 8, "tail": "auto",
                                      "dtype": "bfloat16", "accelerator_type": MI300X})
     (r,) = resolved
-    assert r.plan.tails == ("sharded",) and r.layers == tuple(range(1, 92))
+    assert r.plan.tails == ("sharded",) and r.layers == tuple(range(1, 93))
     assert len(options[0]["placement_group_bundles"]) == 9
     # auto at TP 1 falls back to replicated and says why.
     _, (r1,), _ = plan_app({"checkpoint": str(tiny_ckpt), "tp_size": 1})

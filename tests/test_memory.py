@@ -152,22 +152,18 @@ def test_formats_are_read_from_tensor_names(make_ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("P", [1, 2])
-@pytest.mark.parametrize("mxfp4", [False, True])
-def test_real_load_holds_exactly_the_planned_bytes(make_ckpt, P, mxfp4):
-    """A real load's ``LayerWeights.nbytes_by_part()`` equals the planner per part, every rank.
-
-    The planner reads an MXFP4 checkpoint as "mxfp4"; a loader that still decodes experts at
-    load holds them dense, so the dense plan of the same layer must match that load instead
-    (and the packed plan once the loader keeps them packed) -- exact in both cases.
-    """
-    ckpt = make_ckpt("tiny", mxfp4=mxfp4)
+@pytest.mark.parametrize(("preset", "mxfp4"), [("tiny", False), ("tiny", True), ("medium", True)])
+def test_real_load_holds_exactly_the_planned_bytes(make_ckpt, preset, P, mxfp4):
+    """A real load's ``LayerWeights.nbytes_by_part()`` equals the planner per part on every
+    rank: MXFP4 experts stay packed in memory, as the planner (reading tensor names) assumes."""
+    ckpt = make_ckpt(preset, mxfp4=mxfp4)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
-    assert memory.checkpoint_expert_formats(ckpt, cfg, [1]) == {1: "mxfp4" if mxfp4 else "dense"}
     for preshard in (False, True):
+        plan = memory.plan_checkpoint(ckpt, cfg, [1], "bfloat16", P, preshard)
+        assert plan.formats == {1: "mxfp4" if mxfp4 else "dense"}
         for rank in range(P):
             w = load_layer_weights(ckpt, cfg, 1, torch.bfloat16, TPShard(rank, P, preshard))
-            held_format = "mxfp4" if w.experts.packed else "dense"
-            plan = memory.plan_memory(cfg, {1: held_format}, "bfloat16", P, preshard)
+            assert w.experts.packed == mxfp4
             assert w.nbytes_by_part() == plan.by_part, (rank, preshard)
 
 
