@@ -329,8 +329,9 @@ def resolve_deployment(spec: DeploymentSpec, checkpoint: str, cfg: LatentMoEConf
             cfg.hidden_size if spec.preshard_up_proj else None,
         )
         plan = resolve_tail(spec.tail, cfg, spec.tp_size, spec.preshard_up_proj, spec.sequence_parallel)
-        reader = CheckpointReader(checkpoint)
-        check_activation_quant(spec.experts_activation_quant, cfg, spec.tp_size, reader, layers)
+        if spec.experts_activation_quant != "none":  # config-only checkpoints plan with "none"
+            reader = CheckpointReader(checkpoint)
+            check_activation_quant(spec.experts_activation_quant, cfg, spec.tp_size, reader, layers)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return ResolvedDeployment(spec, checkpoint, layers, plan, cfg.hidden_size, cfg.num_experts)
