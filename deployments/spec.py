@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from moe_runtime.checkpoint import torch_dtype
+from moe_runtime.checkpoint import CheckpointReader, torch_dtype
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.memory import (
     DEFAULT_MEMORY_FRACTION,
@@ -30,6 +30,7 @@ from moe_runtime.memory import (
     format_layers,
 )
 from moe_runtime.plan import TailPlan, resolve_tail
+from moe_runtime.runner import check_activation_quant
 from moe_runtime.sharding import check_tp_size
 
 Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
@@ -119,6 +120,9 @@ class DeploymentSpec(BaseModel):
     layers: list[int] | None = None  # None: every MoE layer of the checkpoint
     dtype: DType = "float32"
     backend: str = "torch"  # experts backend: torch | aiter | auto
+    # mxfp4: W4A4 emulation of MXFP4 experts (h and the gated activation quantised to MXFP4,
+    # what the ROCm production experts do); needs an MXFP4 checkpoint. none: W4A16.
+    experts_activation_quant: Literal["none", "mxfp4"] = "none"
     max_batch_tokens: int = Field(2048, ge=1)
     max_tokens_per_request: int = Field(8192, ge=1)
     batch_wait_timeout_s: float = Field(0.002, ge=0, le=1.0)
@@ -400,6 +404,9 @@ def resolve_deployment(spec: DeploymentSpec, checkpoint: str, cfg: LatentMoEConf
             cfg.hidden_size if spec.preshard_up_proj else None,
         )
         plan = resolve_tail(spec.tail, cfg, spec.tp_size, spec.preshard_up_proj, spec.sequence_parallel)
+        if spec.experts_activation_quant != "none":  # config-only checkpoints plan with "none"
+            reader = CheckpointReader(checkpoint)
+            check_activation_quant(spec.experts_activation_quant, cfg, spec.tp_size, reader, layers)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return ResolvedDeployment(spec, checkpoint, layers, plan, cfg.hidden_size, cfg.num_experts)

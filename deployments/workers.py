@@ -115,6 +115,7 @@ class TPWorker:
             r.checkpoint, cfg, r.layers, self.comm, r.plan,
             dtype=torch_dtype(r.spec.dtype), device=self.device, backend=r.spec.backend,
             preshard_up_proj=r.spec.preshard_up_proj,
+            experts_activation_quant=r.spec.experts_activation_quant,
         )
         self.load_s = time.perf_counter() - start
         return self.info()

@@ -20,8 +20,8 @@ from .experts import DEFAULT_SCRATCH_BYTES, select_backend
 from .layer import check_input
 from .local_group import run_local_group
 from .plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
-from .routed_input import QUANT_MODES, RoutedInputConfig
-from .runner import build_rank_runners
+from .routed_input import ACTIVATION_QUANT_MODES, REQUESTABLE_QUANT_MODES, RoutedInputConfig
+from .runner import build_rank_runners, check_activation_quant
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +38,14 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument("--tail", choices=REQUESTABLE_TAILS, default="auto")
     fw.add_argument("--sequence-parallel", action="store_true")
     fw.add_argument("--preshard-up-proj", action="store_true", help="each rank stores H/P rows of Wup")
-    fw.add_argument("--routed-input-quant", choices=QUANT_MODES, help="token-shard the routed input")
+    fw.add_argument(
+        "--routed-input-quant", choices=REQUESTABLE_QUANT_MODES,
+        help="token-shard the routed input; what the all-gather carries (*-approx: lossy, batch-dependent)",
+    )
+    fw.add_argument(
+        "--experts-activation-quant", choices=ACTIVATION_QUANT_MODES, default="none",
+        help="mxfp4: W4A4 emulation of MXFP4 experts (what ROCm production runs)",
+    )
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
     fw.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     fw.add_argument(
@@ -80,6 +87,7 @@ def _rank_forward(
     preshard: bool,
     routed_input: RoutedInputConfig | None,
     scratch_bytes: int,
+    experts_activation_quant: str,
     x,
     logits,
 ) -> tuple[torch.Tensor, dict]:
@@ -96,6 +104,7 @@ def _rank_forward(
         routed_input=routed_input,
         scratch_bytes=scratch_bytes,
         progress=None if comm.rank == 0 else False,  # one bar, and only on a terminal
+        experts_activation_quant=experts_activation_quant,
     )[layer]
     stats = {
         "load_s": runner.load_s,
@@ -202,7 +211,7 @@ def forward(args: argparse.Namespace) -> int:
     routed_input = None
     if args.routed_input_quant is not None:
         routed_input = RoutedInputConfig(True, args.routed_input_quant, args.min_sharded_tokens)
-        routed_input.check_latent(cfg.routed_expert_hidden_size)
+        routed_input.resolve(args.experts_activation_quant, cfg.routed_expert_hidden_size)  # fail early
     backend, backend_reason = select_backend(args.backend)
     scratch_bytes = int(args.scratch_mb * 2**20)
     if scratch_bytes < 1:
@@ -218,7 +227,9 @@ def forward(args: argparse.Namespace) -> int:
         return 0
     if args.input is None or args.output is None:
         raise ValueError("forward needs --input and --output (or --explain)")
-    CheckpointReader(args.checkpoint).layer_prefix(args.layer)  # fail before spawning ranks
+    reader = CheckpointReader(args.checkpoint)
+    reader.layer_prefix(args.layer)  # fail before spawning ranks
+    check_activation_quant(args.experts_activation_quant, cfg, args.tp, reader, [args.layer])
     x, logits = _read_input(args.input, cfg, dtype)
     start = time.perf_counter()
     rank_args = (
@@ -230,6 +241,7 @@ def forward(args: argparse.Namespace) -> int:
         args.preshard_up_proj,
         routed_input,
         scratch_bytes,
+        args.experts_activation_quant,
         x,
         logits,
     )

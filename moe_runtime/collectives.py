@@ -47,7 +47,10 @@ def init_group(
 class Collectives:
     """Sum-collectives over the default group (or a single rank when ``world == 1``).
 
-    ``counts`` records every call by name, so tests can assert each tail's collective cost.
+    ``counts`` records every call by name and ``nbytes`` the bytes this rank handed to each
+    kind (its input tensor: what a tail puts on the wire, before the algorithm's own factor,
+    e.g. ``2 (P - 1) / P`` of it per rank for a ring all-reduce), so tests and benchmarks can
+    assert and report each tail's collective cost.
     """
 
     def __init__(self, rank: int = 0, world: int = 1, device: torch.device | str = "cpu"):
@@ -55,27 +58,32 @@ class Collectives:
             raise RuntimeError(f"TP size {world} needs an initialised process group")
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.counts: Counter[str] = Counter()
+        self.nbytes: Counter[str] = Counter()
+
+    def _count(self, kind: str, t: torch.Tensor) -> None:
+        self.counts[kind] += 1
+        self.nbytes[kind] += t.numel() * t.element_size()
 
     @classmethod
     def from_default_group(cls, device: torch.device | str = "cpu") -> Collectives:
         return cls(dist.get_rank(), dist.get_world_size(), device)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        self.counts["all_reduce"] += 1
+        self._count("all_reduce", t)
         if self.world > 1:
             dist.all_reduce(t)
         return t
 
     def all_reduce_async(self, t: torch.Tensor):
         """Start a sum all-reduce of ``t`` in place; call ``.wait()`` on the result."""
-        self.counts["all_reduce"] += 1
+        self._count("all_reduce", t)
         if self.world > 1:
             return dist.all_reduce(t, async_op=True)
         return _Done()
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks and keep this rank's ``1/world`` of dim 0 (divisible by world)."""
-        self.counts["reduce_scatter"] += 1
+        self._count("reduce_scatter", t)
         if self.world == 1:
             return t
         out = torch.empty((t.shape[0] // self.world, *t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -84,7 +92,7 @@ class Collectives:
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``t`` along dim 0, in rank order."""
-        self.counts["all_gather"] += 1
+        self._count("all_gather", t)
         if self.world == 1:
             return t
         out = torch.empty((t.shape[0] * self.world, *t.shape[1:]), dtype=t.dtype, device=t.device)

@@ -12,6 +12,7 @@ import torch
 BLOCK = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_EMAX_ELEM = 2  # exponent of E2M1's largest normal, 6 = 1.5 * 2**2 (OCP MX: scale = floor(log2 amax) - emax)
 
 
 # Decoding materialises an int32 index (2 bytes per output element) and the fp32 values
@@ -50,23 +51,56 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
     return blocks.view(*packed.shape[:-1], n).to(dtype)
 
 
-def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise ``x [..., n]`` (n a multiple of 32) to ``(packed, scale)``.
-
-    Each block's exponent is the smallest with ``amax / 2**e <= 6``, so nothing clips, and
-    every element is rounded to the nearest FP4 value: ``|x - q| <= max(|x|/4, amax/12)``
-    per element, ``amax`` being its block's largest magnitude.
-    """
+def _check_blocks(x: torch.Tensor, what: str) -> None:
     n = x.shape[-1]
     if n % BLOCK:
-        raise ValueError(f"MXFP4 needs the last dimension to be a multiple of {BLOCK}, got {n}")
-    blocks = x.float().reshape(*x.shape[:-1], n // BLOCK, BLOCK)
+        raise ValueError(f"{what} needs the last dimension to be a multiple of {BLOCK}, got {n}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{what} input contains NaN or Inf; MXFP4 has no encoding for them")
+
+
+def _quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """OCP MX rule on ``x [..., n]``: ``(magnitude codes, negative, exponent)``, the codes and
+    signs as ``[..., n/32, 32]`` and the exponent as ``[..., n/32, 1]`` float."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
-    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    exp = torch.where(amax > 0, exp, torch.zeros_like(exp))
-    scaled = blocks / torch.exp2(exp)
-    mag_code = torch.bucketize(scaled.abs(), _MIDPOINTS.to(x.device))
-    code = (mag_code + 8 * (scaled < 0)).to(torch.uint8).reshape(*x.shape[:-1], n)
-    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    # frexp: amax = m * 2**e with m in [0.5, 1), so floor(log2(amax)) = e - 1 exactly (also
+    # for fp32 subnormals, where a float log2 could round up across a power of two).
+    exp = (torch.frexp(amax).exponent - 1 - _EMAX_ELEM).clamp(-127, 127).float()
+    exp = torch.where(amax > 0, exp, torch.zeros_like(exp))  # all-zero block: scale 1
+    scaled = (blocks / torch.exp2(exp)).abs()  # < 8: the block maximum lands in [4, 8)
+    code = torch.bucketize(scaled, _MIDPOINTS.to(x.device))  # ties go to the lower value ...
+    tie = (code < len(FP4_VALUES) - 1) & (scaled == _MIDPOINTS.to(x.device)[code.clamp_max(6)])
+    code = code + (tie & (code % 2 == 1)).long()  # ... unless that one is odd: ties to even
+    return code, blocks < 0, exp  # codes above 6.0's midpoint (5.0) saturate to 6.0
+
+
+def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x [..., n]`` (n a multiple of 32, finite) to ``(packed, scale)``.
+
+    OCP MX rule: each block's scale is ``2**(floor(log2(amax)) - 2)``, so its largest
+    magnitude scales into ``[4, 8)``; every element is rounded to the nearest E2M1 value
+    (ties to even) and magnitudes above 6 saturate to 6. Per element, ``amax`` being its
+    block's largest magnitude: ``|x - q| <= max(|x| / 4, amax / 16)``. The relative term is
+    reached by saturation (``|x|`` just below ``8 * scale`` becomes ``6 * scale``) and by
+    rounding above 1 (half a spacing, at most a quarter of the value); the absolute term is
+    half the 0.5 spacing below 1, ``scale / 4 <= amax / 16``. Blocks with ``amax < 2**-125``
+    hit the E8M0 floor ``2**-127``: their absolute term is ``2**-129`` instead.
+    """
+    _check_blocks(x, "MXFP4 encode")
+    code, negative, exp = _quantize_blocks(x)
+    nibble = (code + 8 * negative).to(torch.uint8).reshape(x.shape)
+    packed = nibble[..., 0::2] | (nibble[..., 1::2] << 4)
     scale = (exp.squeeze(-1) + 127).to(torch.uint8)
     return packed, scale
+
+
+def quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
+    """MXFP4 fake-quant of an activation ``x [..., n]`` along its last dimension (blocks of
+    32), returned in ``x``'s dtype: ``decode(*encode(x))`` without packing (the W4A4
+    emulation of the experts' activation quantisation; same rule and bound as ``encode``)."""
+    _check_blocks(x, "MXFP4 activation quantisation")
+    code, negative, exp = _quantize_blocks(x)
+    mags = torch.tensor(FP4_VALUES, dtype=torch.float32, device=x.device)[code]
+    q = torch.where(negative, -mags, mags) * torch.exp2(exp)
+    return q.reshape(x.shape).to(x.dtype)

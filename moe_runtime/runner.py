@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import mxfp4
 from .activation import GatedActivation
 from .backend_check import BackendCheck, verify_backend
 from .checkpoint import CheckpointReader, load_layer_weights
@@ -23,7 +24,7 @@ from .config import LatentMoEConfig
 from .experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
 from .layer import down_project, latent_norm, routed_experts, shared_experts
 from .plan import TailPlan, legal_tails, shardability_for
-from .routed_input import RoutedInputConfig, dequantize, quantize
+from .routed_input import ACTIVATION_QUANT_MODES, RoutedInputConfig, dequantize, quantize
 from .sharding import TPShard
 from .weights import LayerWeights
 
@@ -64,6 +65,63 @@ class StageTimer:
             torch.cuda.synchronize(self.device)
 
 
+def activation_quantizer(mode: str, cfg: LatentMoEConfig, world: int) -> ActQuant | None:
+    """The experts' activation fake-quant for ``experts_activation_quant`` (None: W4A16).
+
+    ``mxfp4`` emulates the ROCm production experts (W4A4): ``h`` and the gated activation are
+    quantised to MXFP4 in 32-blocks along ``D`` and ``I / P``, so both must be multiples of 32.
+    """
+    if mode not in ACTIVATION_QUANT_MODES:
+        raise ValueError(f"experts activation quantisation {mode!r} is not one of {ACTIVATION_QUANT_MODES}")
+    if mode == "none":
+        return None
+    widths = {
+        "latent size D": cfg.routed_expert_hidden_size,
+        f"expert intermediate per rank I / P = {cfg.moe_intermediate_size} / {world}": (
+            cfg.moe_intermediate_size // world
+        ),
+    }
+    for name, width in widths.items():
+        if width % mxfp4.BLOCK:
+            raise ValueError(
+                f"MXFP4 expert activations need the {name} to be a multiple of {mxfp4.BLOCK}: "
+                f"{width} % {mxfp4.BLOCK} = {width % mxfp4.BLOCK}"
+            )
+    return mxfp4.quantize_dequantize
+
+
+def check_activation_quant(
+    mode: str, cfg: LatentMoEConfig, world: int, reader: CheckpointReader, layers: Iterable[int]
+) -> None:
+    """``experts_activation_quant`` is usable for these layers at TP ``world`` (ValueError if not).
+
+    ``mxfp4`` (W4A4 emulation) needs experts stored MXFP4: it reproduces what the ROCm
+    production experts do with those weights; in front of dense experts it would only be a
+    loss of precision that no deployment runs.
+    """
+    activation_quantizer(mode, cfg, world)
+    if mode == "none":
+        return
+    dense = [i for i in layers if reader.layer_prefix(i) + "experts.0.w1.weight_packed" not in reader]
+    if dense:
+        raise ValueError(
+            f"experts_activation_quant {mode!r} emulates W4A4 MXFP4 experts, but the experts of "
+            f"layer(s) {dense} are stored dense in {reader.root}"
+        )
+
+
+class _SkipPrequantised:
+    """``act_quant`` for a batch whose latent ``h`` was already quantised on its token shard
+    before the all-gather: the backend's quantisation of that very tensor is skipped (it would
+    be the identity: MXFP4 values re-quantise to themselves), the gated activation's is not."""
+
+    def __init__(self, quant: ActQuant, h_TD: torch.Tensor):
+        self.quant, self.h_TD = quant, h_TD
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t is self.h_TD else self.quant(t)
+
+
 def sp_rows(num_tokens: int, world: int, rank: int) -> tuple[int, int]:
     """The ``[start, stop)`` token rows rank ``rank`` returns under sequence parallelism."""
     per_rank = -(-num_tokens // world)
@@ -83,7 +141,7 @@ class LatentMoERunner:
         backend: str = "torch",
         routed_input: RoutedInputConfig | None = None,
         scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
-        act_quant: ActQuant | None = None,
+        experts_activation_quant: str = "none",
     ):
         if comm.world != shard.world or comm.rank != shard.rank:
             raise ValueError(
@@ -91,8 +149,11 @@ class LatentMoERunner:
                 f"{shard.rank} of {shard.world}"
             )
         self.cfg, self.w, self.comm, self.plan, self.shard = cfg, weights, comm, plan, shard
-        self.routed_input = routed_input or RoutedInputConfig()
-        self.routed_input.check_latent(cfg.routed_expert_hidden_size)
+        self.act_quant = activation_quantizer(experts_activation_quant, cfg, shard.world)
+        self.experts_activation_quant = experts_activation_quant
+        self.routed_input = (routed_input or RoutedInputConfig()).resolve(
+            experts_activation_quant, cfg.routed_expert_hidden_size
+        )
         sequence_parallel = "sequence_parallel" in plan.tails
         if sequence_parallel and len(plan.tails) > 1:
             raise ValueError(f"sequence_parallel cannot share a plan with other tails: {plan.describe()}")
@@ -109,7 +170,6 @@ class LatentMoERunner:
         self.backend_name = backend
         self.backend = get_backend(backend, scratch_bytes)
         self.backend_checks: list[BackendCheck] = []  # the load-time probes (build_rank_runners)
-        self.act_quant = act_quant
         self.act = GatedActivation.from_config(cfg)
         self.device = weights.down_DH.device
         self.timer = StageTimer(self.device)
@@ -128,6 +188,7 @@ class LatentMoERunner:
                 f"latent-MoE runner: TP {shard.world}, device {self.device}, backend {backend}, "
                 f"tails {plan.describe()} ({plan.reason}), routed input "
                 f"{'token-sharded/' + self.routed_input.quant if self.routed_input.enabled else 'replicated'}"
+                f", experts activations {experts_activation_quant}"
             )
 
     def set_plan(self, plan: TailPlan) -> None:
@@ -176,8 +237,11 @@ class LatentMoERunner:
             raise ValueError(f"tail {tail!r} is not legal here; legal: {list(self.legal_tails)}")
         self.timer.start()
         h_TD = self.routed_input_latent(x_TH)
+        act_quant = self.act_quant
+        if self._token_sharded(T) and self.routed_input.quant == "mxfp4":
+            act_quant = _SkipPrequantised(self.act_quant, h_TD)  # h was quantised on its shard
         L_TD = routed_experts(
-            x_TH, h_TD, self.w, self.cfg, self.backend, self.act, router_logits_TE, self.act_quant
+            x_TH, h_TD, self.w, self.cfg, self.backend, self.act, router_logits_TE, act_quant
         )
         S_TH = shared_experts(x_TH, self.w, self.act)
         self.timer.mark("experts")
@@ -186,7 +250,15 @@ class LatentMoERunner:
     def apply_tail(
         self, tail: str, L_TD: torch.Tensor, S_TH: torch.Tensor | None, dtype: torch.dtype
     ) -> torch.Tensor:
-        """Everything after the experts, from this rank's partials (which it may modify)."""
+        """Everything after the experts, from this rank's partials (which it may modify).
+
+        ``L_TD`` comes from the experts in fp32 (their local accumulation); under TP it is
+        summed across ranks in the deployment dtype, as the reference runner reduces its fused
+        output (bf16 deployments: half the bytes of fp32 on the wire, one more bf16 rounding of
+        each rank's partial; the norm then runs in fp32 on the sum).
+        """
+        if self.shard.world > 1:
+            L_TD = L_TD.to(dtype)
         out = self._tails[tail](L_TD, S_TH, dtype)
         self.tail_counts[tail] += 1
         self.last_tail = tail
@@ -198,7 +270,7 @@ class LatentMoERunner:
         """The latent ``h [T, D]`` every rank feeds its experts (token-sharded when enabled)."""
         T, P = x_TH.shape[0], self.shard.world
         ri = self.routed_input
-        if not ri.enabled or P == 1 or T < ri.min_sharded_tokens:
+        if not self._token_sharded(T):
             h_TD = down_project(x_TH, self.w)
             self.timer.mark("down_proj")
             return h_TD
@@ -211,6 +283,10 @@ class LatentMoERunner:
         gathered = [self.comm.all_gather(part) for part in quantize(h_local, ri.quant)]
         self.timer.mark("collectives")
         return dequantize(gathered, ri.quant, x_TH.dtype)[:T]
+
+    def _token_sharded(self, num_tokens: int) -> bool:
+        ri = self.routed_input
+        return ri.enabled and self.shard.world > 1 and num_tokens >= ri.min_sharded_tokens
 
     def _norm(self, L_TD: torch.Tensor) -> torch.Tensor:
         return latent_norm(L_TD, self.w, self.cfg.rms_norm_eps)
@@ -259,22 +335,15 @@ class LatentMoERunner:
         return S_TH
 
     def _tail_single_allreduce(self, L_TD, S_TH, dtype):
-        # RMSNorm is a per-row scale, so R = ((gamma * L) . Wup^T) / rms(L): every rank's
-        # pieces are linear in its partials and one all-reduce of their concatenation suffices.
-        H = self.cfg.hidden_size
-        scaled = L_TD if self.w.norm_D is None else L_TD * self.w.norm_D
-        PR_TH = self._up(scaled, dtype).float()
-        self.timer.mark("up_proj")
-        parts = [PR_TH, L_TD] if S_TH is None else [S_TH.float(), PR_TH, L_TD]
-        buf = self.comm.all_reduce(torch.cat(parts, dim=1))
+        # One all-reduce of [S_r | L_r] (width H + D); the norm and the full up-projection then
+        # run on the summed latent on every rank (the replicated tail's math, one collective).
+        D = L_TD.shape[1]
+        buf = L_TD if S_TH is None else torch.cat([S_TH.to(L_TD.dtype), L_TD], dim=1)
+        self.comm.all_reduce(buf)
         self.timer.mark("collectives")
-        offset = 0 if S_TH is None else H
-        R_TH = buf[:, offset : offset + H]
-        if self.w.norm_D is not None:
-            L_sum = buf[:, offset + H :]
-            R_TH = R_TH * torch.rsqrt(L_sum.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        out = R_TH if S_TH is None else buf[:, :H] + R_TH
-        return out.to(dtype)
+        R_TH = self._up(self._norm(buf[:, -D:]), dtype)
+        self.timer.mark("up_proj")
+        return R_TH if S_TH is None else (buf[:, :-D] + R_TH).to(dtype)
 
     def _tail_sequence_parallel(self, L_TD, S_TH, dtype):
         T, P = L_TD.shape[0], self.shard.world
@@ -311,12 +380,16 @@ def build_rank_runners(
     routed_input: RoutedInputConfig | None = None,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     progress: bool | None = False,
+    experts_activation_quant: str = "none",
 ) -> dict[int, LatentMoERunner]:
     """Load this rank's shard of every layer in ``layers`` and wrap each in a runner; each
     runner records its ``load_s`` and ``load_bytes_read`` (this rank's slices only)."""
     shard = TPShard(comm.rank, comm.world, preshard_up_proj)
     candidates, why = backend_candidates(backend)
     reader = CheckpointReader(checkpoint)
+    layers = list(layers)
+    check_activation_quant(experts_activation_quant, cfg, comm.world, reader, layers)
+    act_quant = activation_quantizer(experts_activation_quant, cfg, comm.world)
     runners: dict[int, LatentMoERunner] = {}
     checks: list[BackendCheck] | None = None
     for layer in layers:
@@ -327,11 +400,15 @@ def build_rank_runners(
             backend_name, checks = verify_backend(
                 candidates, backend, weights.experts, GatedActivation.from_config(cfg),
                 top_k=cfg.num_experts_per_token, layer=layer, scratch_bytes=scratch_bytes,
+                act_quant=act_quant,
             )
             if comm.rank == 0:
                 probes = "".join(f"; {c.describe()}" for c in checks)
                 log_once(f"experts backend: {backend_name} ({why}{probes})")
-        runner = LatentMoERunner(cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes)
+        runner = LatentMoERunner(
+            cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes,
+            experts_activation_quant,
+        )
         runner.load_s, runner.load_bytes_read = load_s, bytes_read
         runner.backend_checks = checks
         runners[layer] = runner

@@ -2,8 +2,13 @@
 
 For each P and T it reports the median time of the tail alone (everything after the
 experts, replayed on the same partials) and of the whole layer, the per-stage breakdown,
-the fastest tail per T (crossovers), and the token-sharded routed input's down-projection
-time. Writes JSON + PNG; the table goes to docs/benchmarks.md.
+the bytes per token each rank hands to the tail's collectives (measured by counting), the
+fastest tail per T (crossovers), and the token-sharded routed input's down-projection
+time. ``single_allreduce_wide`` is the earlier packing of the single all-reduce,
+``[S | (gamma*L)Wup^T | L]`` in fp32 (width 2H + D), replayed here for comparison with
+today's ``[S | L]`` in the deployment dtype (H + D). The load average before and after the
+run goes into the JSON (the machine may be shared). Writes JSON + PNG; the table goes to
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.layer import routed_experts, shared_experts  # noqa: E402
 from moe_runtime.local_group import run_local_group  # noqa: E402
 from moe_runtime.plan import TailPlan  # noqa: E402
-from moe_runtime.routed_input import QUANT_MODES, RoutedInputConfig  # noqa: E402
+from moe_runtime.routed_input import RoutedInputConfig  # noqa: E402
 from moe_runtime.runner import LatentMoERunner, build_rank_runners  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
 
@@ -50,6 +55,34 @@ def _median_ms(fn, reps: int, sync) -> float:
 
 def _replay_tail(runner: LatentMoERunner, tail: str, L, S, dtype) -> None:
     runner.apply_tail(tail, L.clone(), None if S is None else S.clone(), dtype)
+
+
+def _replay_wide_single_allreduce(runner: LatentMoERunner, L, S, dtype) -> torch.Tensor:
+    """The earlier single all-reduce (for comparison only): RMSNorm is a per-row scale, so
+    ``R = ((gamma * L) Wup^T) / rms(L)`` and one fp32 all-reduce of
+    ``[S | (gamma * L) Wup^T | L]`` carries everything; the rms is applied after it."""
+    H, w = runner.cfg.hidden_size, runner.w
+    scaled = L if w.norm_D is None else L * w.norm_D
+    PR_TH = runner._up(scaled, dtype).float()
+    runner.timer.mark("up_proj")
+    parts = [PR_TH, L] if S is None else [S.float(), PR_TH, L]
+    buf = runner.comm.all_reduce(torch.cat(parts, dim=1))
+    runner.timer.mark("collectives")
+    offset = 0 if S is None else H
+    R_TH = buf[:, offset : offset + H]
+    if w.norm_D is not None:
+        L_sum = buf[:, offset + H :]
+        R_TH = R_TH * torch.rsqrt(L_sum.pow(2).mean(-1, keepdim=True) + runner.cfg.rms_norm_eps)
+    return (R_TH if S is None else buf[:, :H] + R_TH).to(dtype)
+
+
+WIDE = "single_allreduce_wide"
+
+
+def _collective_bytes_per_token(comm: Collectives, run, T: int) -> float:
+    comm.nbytes.clear()
+    run()
+    return sum(comm.nbytes.values()) / T
 
 
 def _stage_medians(runner: LatentMoERunner, run, reps: int) -> dict[str, float]:
@@ -85,24 +118,33 @@ def _rank_bench(comm: Collectives, ckpt: str, tokens: list[int], dtype_name: str
         full_reps = 1 if T >= 4096 else 3
         L = routed_experts(x, base.routed_input_latent(x), base.w, cfg, base.backend, act)
         S = shared_experts(x, base.w, act)
-        for tail, runner in runners.items():
-            run_tail = partial(_replay_tail, runner, tail, L, S, dtype)
-            run_layer = partial(runner.forward, x, tail=tail)
+        tails = {
+            tail: (runner, partial(_replay_tail, runner, tail, L, S, dtype))
+            for tail, runner in runners.items()
+        }
+        if "single_allreduce" in tails:
+            tails[WIDE] = (base, partial(_replay_wide_single_allreduce, base, L.clone(), S, dtype))
+        for tail, (runner, run_tail) in tails.items():
+            run_layer = None if tail == WIDE else partial(runner.forward, x, tail=tail)
             tail_ms = _median_ms(run_tail, tail_reps if T < 4096 else max(3, tail_reps // 2), base.timer.sync)
-            layer_ms = _median_ms(run_layer, full_reps, base.timer.sync)
             rows.append(
                 {
                     "P": P,
                     "T": T,
                     "tail": tail,
                     "tail_ms": tail_ms,
-                    "layer_ms": layer_ms,
+                    "layer_ms": None
+                    if run_layer is None
+                    else _median_ms(run_layer, full_reps, base.timer.sync),
+                    "collective_bytes_per_token": _collective_bytes_per_token(comm, run_tail, T),
                     "tail_stages_ms": _stage_medians(runner, run_tail, 3),
-                    "layer_stages_ms": _stage_medians(runner, run_layer, full_reps),
+                    "layer_stages_ms": {}
+                    if run_layer is None
+                    else _stage_medians(runner, run_layer, full_reps),
                 }
             )
         if P > 1:
-            for quant in ("off", *QUANT_MODES):
+            for quant in ("off", "none", "fp8-approx", "mxfp4-approx"):  # dense experts: no exact mxfp4
                 ri = RoutedInputConfig(quant != "off", "none" if quant == "off" else quant, 1)
                 r = LatentMoERunner(cfg, base.w, comm, base.plan, shard, routed_input=ri)
                 st = _stage_medians(r, partial(r.routed_input_latent, x), max(3, tail_reps // 2))
@@ -123,7 +165,11 @@ def _crossovers(rows: list[dict]) -> dict[int, list[dict]]:
     for P in sorted({r["P"] for r in rows}):
         best = []
         for T in sorted({r["T"] for r in rows if r["P"] == P}):
-            cands = [r for r in rows if r["P"] == P and r["T"] == T and r["tail"] != "sequence_parallel"]
+            cands = [
+                r
+                for r in rows
+                if r["P"] == P and r["T"] == T and r["tail"] not in ("sequence_parallel", WIDE)
+            ]
             win = min(cands, key=lambda r: r["tail_ms"])
             best.append({"T": T, "fastest_tail": win["tail"], "tail_ms": win["tail_ms"]})
         out[P] = best
@@ -141,7 +187,13 @@ def _plot(result: dict, path: Path) -> None:
     for ax, P in zip(axes, Ps, strict=False):
         for tail in sorted({r["tail"] for r in result["rows"] if r["P"] == P}):
             pts = sorted((r["T"], r["tail_ms"]) for r in result["rows"] if r["P"] == P and r["tail"] == tail)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=tail)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                label=tail,
+                ls="--" if tail == WIDE else "-",
+            )
         ax.set(
             xscale="log", yscale="log", xlabel="tokens T", ylabel="tail time (ms, median)", title=f"TP {P}"
         )
@@ -180,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (ckpt / "config.json").is_file():
             write_checkpoint(ckpt, preset_config("small"), progress=True)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
+    load_before = os.getloadavg()
     rows, routed = [], []
     for P in args.tp:
         print(f"TP {P}: timing tails at T = {args.tokens} ...", flush=True)
@@ -189,7 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         rows += res[0]["rows"]
         routed += res[0]["routed_input"]
     result = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "dtype": args.dtype,
         "model": {
             k: getattr(cfg, k)
@@ -220,6 +279,15 @@ def main(argv: list[str] | None = None) -> int:
                 "target": "<= 0.75",
                 "met": s / r <= 0.75,
             }
+    for P in [p for p in args.tp if p > 1]:
+        for T in args.tokens:
+            new, old = tail_ms(P, T, "single_allreduce"), tail_ms(P, T, WIDE)
+            if new and old:
+                targets[f"P{P}_T{T}_single_allreduce_over_wide"] = {
+                    "ratio": new / old,
+                    "target": "< 1",
+                    "met": new < old,
+                }
     for P in [p for p in args.tp if p > 1]:  # at P = 1 there is no collective to save
         s, r = tail_ms(P, 1, "single_allreduce"), tail_ms(P, 1, "replicated")
         if s and r:
@@ -244,14 +312,20 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "bench_tail.json").write_text(json.dumps(result, indent=1))
     _plot(result, args.out / "bench_tail.png")
 
-    print(f"\n{'P':>2} {'T':>5} {'tail':<18} {'tail ms':>9} {'layer ms':>9}  stages of the tail (ms)")
+    print(f"load average before {load_before}, after {result['machine']['loadavg_after']}")
+    header = f"{'P':>2} {'T':>5} {'tail':<22} {'tail ms':>9} {'layer ms':>9} {'B/token':>8}"
+    print(f"\n{header}  stages of the tail (ms)")
     for r in rows:
         st = ", ".join(f"{k} {v:.2f}" for k, v in r["tail_stages_ms"].items())
-        print(f"{r['P']:>2} {r['T']:>5} {r['tail']:<18} {r['tail_ms']:>9.2f} {r['layer_ms']:>9.1f}  {st}")
+        layer = "-" if r["layer_ms"] is None else f"{r['layer_ms']:.1f}"
+        print(
+            f"{r['P']:>2} {r['T']:>5} {r['tail']:<22} {r['tail_ms']:>9.2f} {layer:>9} "
+            f"{r['collective_bytes_per_token']:>8.0f}  {st}"
+        )
     print("\nrouted input (per rank):")
     for x in routed:
         print(
-            f"P {x['P']} T {x['T']:>5} {x['routed_input']:<6} down-proj {x['down_proj_ms']:8.2f} ms  "
+            f"P {x['P']} T {x['T']:>5} {x['routed_input']:<12} down-proj {x['down_proj_ms']:8.2f} ms  "
             f"gather {x['gather_ms']:7.2f} ms"
         )
     print("\nfastest tail per T:", json.dumps(result["crossovers"]))

@@ -6,6 +6,7 @@ Legend: T tokens, H hidden (128 on tiny), D latent (64), P TP size.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -13,9 +14,11 @@ import pytest
 import torch
 
 from moe_runtime import mxfp4
+from moe_runtime.activation import GatedActivation
+from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.layer import down_project, moe_forward
+from moe_runtime.layer import down_project, latent_norm, moe_forward, shared_experts
 from moe_runtime.local_group import run_local_group
 from moe_runtime.plan import TailPlan
 from moe_runtime.routed_input import (
@@ -28,7 +31,8 @@ from moe_runtime.routed_input import (
     quantize,
     wire_bytes,
 )
-from moe_runtime.runner import build_rank_runners
+from moe_runtime.router import route
+from moe_runtime.runner import activation_quantizer, build_rank_runners, check_activation_quant
 
 LAYER = 1
 P = 2
@@ -52,14 +56,14 @@ def fp8_bound(h_TD: torch.Tensor) -> torch.Tensor:
 
 
 def mxfp4_bound(h_TD: torch.Tensor) -> torch.Tensor:
-    """``|x - q| <= max(|x| / 4, amax / 12)``, ``amax`` the largest magnitude of x's block."""
+    """``|x - q| <= max(|x| / 4, amax / 16)``, ``amax`` the largest magnitude of x's block."""
     h = h_TD.float()
     T, D = h.shape
     amax = h.abs().reshape(T, D // mxfp4.BLOCK, mxfp4.BLOCK).amax(-1).repeat_interleave(mxfp4.BLOCK, dim=-1)
-    return torch.maximum(h.abs() / 4, amax / 12)
+    return torch.maximum(h.abs() / 4, amax / 16)
 
 
-BOUNDS = {"fp8": fp8_bound, "mxfp4": mxfp4_bound}
+BOUNDS = {"fp8-approx": fp8_bound, "mxfp4-approx": mxfp4_bound}
 
 
 def check_bound(err: torch.Tensor, bound: torch.Tensor, what: str, min_tightness: float = 0.5) -> None:
@@ -102,7 +106,7 @@ def test_fp8_layout_and_scales() -> None:
 
 def test_fp8_roundtrip_within_bound() -> None:
     h = _latent_like()
-    q = dequantize(quantize(h, "fp8"), "fp8", torch.float32)
+    q = dequantize(quantize(h, "fp8-approx"), "fp8-approx", torch.float32)
     check_bound((q - h).abs(), fp8_bound(h), "fp8", min_tightness=0.9)
 
 
@@ -110,7 +114,7 @@ def test_fp8_subnormal_term_is_needed() -> None:
     """Elements far below their row's maximum fall into e4m3 subnormals (spacing
     ``2**-9 * scale``): the relative term alone does not bound them, the absolute one does."""
     h = torch.tensor([[448.0, 3.3e-3, -2.1e-3, 1.7e-3, 0.9e-3, 5e-4, 2e-4, 1e-4]])  # scale = 1
-    q = dequantize(quantize(h, "fp8"), "fp8", torch.float32)
+    q = dequantize(quantize(h, "fp8-approx"), "fp8-approx", torch.float32)
     err = (q - h).abs()
     assert (err > h.abs() * 2**-4).any()
     assert (err <= fp8_bound(h)).all()
@@ -126,10 +130,10 @@ def test_fp8_dequantize_dtype() -> None:
 
 def test_mxfp4_roundtrip_within_bound() -> None:
     h = _latent_like()
-    parts = quantize(h, "mxfp4")
+    parts = quantize(h, "mxfp4-approx")
     assert [p.dtype for p in parts] == [torch.uint8, torch.uint8]
     assert parts[0].shape == (64, 128) and parts[1].shape == (64, 256 // mxfp4.BLOCK)
-    q = dequantize(parts, "mxfp4", torch.float32)
+    q = dequantize(parts, "mxfp4-approx", torch.float32)
     check_bound((q - h).abs(), mxfp4_bound(h), "mxfp4", min_tightness=0.7)
     assert torch.equal(q[5], torch.zeros_like(q[5]))
 
@@ -152,43 +156,82 @@ def test_wire_bytes_is_what_quantize_gathers(mode: str, dtype: torch.dtype) -> N
 def test_wire_bytes_ratios_at_k3_size() -> None:
     """DESIGN §4: gathered bytes shrink ~2x (FP8) or ~3.8x (MXFP4) against bf16 (D = 3584)."""
     bf16 = wire_bytes(1024, 3584, "none", torch.bfloat16)
-    assert bf16 / wire_bytes(1024, 3584, "fp8", torch.bfloat16) == pytest.approx(2.0, abs=0.01)
+    assert bf16 / wire_bytes(1024, 3584, "fp8-approx", torch.bfloat16) == pytest.approx(2.0, abs=0.01)
     assert bf16 / wire_bytes(1024, 3584, "mxfp4", torch.bfloat16) == pytest.approx(3.76, abs=0.01)
 
 
 def test_config_defaults_and_validation() -> None:
     default = RoutedInputConfig()
-    assert (default.enabled, default.quant, default.min_sharded_tokens) == (False, "none", 256)
-    with pytest.raises(ValueError, match=re.escape("'int4' is not one of ('none', 'fp8', 'mxfp4')")):
+    assert (default.enabled, default.quant, default.min_sharded_tokens) == (False, "auto", 256)
+    with pytest.raises(ValueError, match=re.escape("'int4' is not one of ('auto', 'none', 'mxfp4', 'fp8-approx'")):
         RoutedInputConfig(enabled=True, quant="int4")
+    with pytest.raises(ValueError, match="'fp8' is not one of"):  # the lossy modes say so in their name
+        RoutedInputConfig(enabled=True, quant="fp8")
     with pytest.raises(ValueError, match="min_sharded_tokens must be >= 1, got 0"):
         RoutedInputConfig(enabled=True, min_sharded_tokens=0)
-    for quant in ("fp8", "mxfp4"):
+    for quant in ("fp8-approx", "mxfp4-approx", "mxfp4"):
         with pytest.raises(ValueError, match=f"'{quant}' needs the token-sharded routed input"):
             RoutedInputConfig(quant=quant)
 
 
-def test_check_latent() -> None:
-    with pytest.raises(ValueError, match=re.escape("multiple of 32: 48 % 32 = 16")):
-        RoutedInputConfig(enabled=True, quant="mxfp4").check_latent(48)
-    RoutedInputConfig(enabled=True, quant="mxfp4").check_latent(64)
-    RoutedInputConfig(enabled=True, quant="fp8").check_latent(48)  # per-token: any width
+def test_auto_never_picks_an_approximation() -> None:
+    """``auto`` is exact: the experts' own MXFP4 quantisation moved onto the shard when they
+    quantise (W4A4), otherwise no quantisation; disabled always resolves to none."""
+    on = RoutedInputConfig(enabled=True)
+    assert on.resolve("mxfp4", 64).quant == "mxfp4"
+    assert on.resolve("none", 64).quant == "none"
+    assert RoutedInputConfig().resolve("mxfp4", 64).quant == "none"
+    for quant in ("none", "fp8-approx", "mxfp4-approx"):
+        assert RoutedInputConfig(enabled=True, quant=quant).resolve("none", 64).quant == quant
+
+
+def test_resolve_rejects_inexact_or_impossible_combinations() -> None:
+    with pytest.raises(ValueError, match=r"needs experts_activation_quant 'mxfp4'.*'mxfp4-approx'"):
+        RoutedInputConfig(enabled=True, quant="mxfp4").resolve("none", 64)
+    with pytest.raises(ValueError, match=r"use routed-input quantisation 'mxfp4' \(exact\)"):
+        RoutedInputConfig(enabled=True, quant="mxfp4-approx").resolve("mxfp4", 64)
+    with pytest.raises(ValueError, match="'int8' is not one of"):
+        RoutedInputConfig(enabled=True).resolve("int8", 64)
+    for quant, act in (("mxfp4-approx", "none"), ("mxfp4", "mxfp4"), ("auto", "mxfp4")):
+        with pytest.raises(ValueError, match=re.escape("multiple of 32: 48 % 32 = 16")):
+            RoutedInputConfig(enabled=True, quant=quant).resolve(act, 48)
+    RoutedInputConfig(enabled=True, quant="fp8-approx").resolve("none", 48)  # per-token: any width
 
 
 # -- the runner's routed input on a P = 2 group ------------------------------------------------
 
 
-def _rank_routed(comm: Collectives, ckpt: str) -> dict:
+APPROX = ("fp8-approx", "mxfp4-approx")
+W4A4_MIN_TOKENS = 32  # T = 1 stays below it, 33 and 257 are token-sharded
+W4A4_VARIANTS = {
+    "w4a4": None,  # replicated down-projection, experts quantise h and the gated activation
+    "w4a4_auto": RoutedInputConfig(enabled=True, min_sharded_tokens=W4A4_MIN_TOKENS),  # -> mxfp4
+    "w4a4_sharded_none": RoutedInputConfig(enabled=True, quant="none", min_sharded_tokens=W4A4_MIN_TOKENS),
+}
+
+
+class CountingQuant:
+    """Wraps an ``act_quant`` and records the shape of every tensor it quantises."""
+
+    def __init__(self, quant):
+        self.quant, self.shapes = quant, []
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.shapes.append(tuple(t.shape))
+        return self.quant(t)
+
+
+def _rank_routed(comm: Collectives, ckpt: str, mxfp4_ckpt: str) -> dict:
     """Rank body: latents and outputs of every routed-input configuration."""
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     out: dict = {}
 
-    def runner(dtype, tail="replicated", routed_input=None):
-        return build_rank_runners(ckpt, cfg, [LAYER], comm, TailPlan.single(tail, "test"),
-                                  dtype=dtype, routed_input=routed_input)[LAYER]
+    def runner(dtype, tail="replicated", routed_input=None, path=ckpt, act="none"):
+        return build_rank_runners(path, cfg, [LAYER], comm, TailPlan.single(tail, "test"), dtype=dtype,
+                                  routed_input=routed_input, experts_activation_quant=act)[LAYER]
 
     for dname, dtype in DTYPES.items():
-        for quant in QUANT_MODES:
+        for quant in ("none", *APPROX):
             r = runner(dtype, routed_input=RoutedInputConfig(enabled=True, quant=quant, min_sharded_tokens=1))
             for T in TOKENS:
                 comm.counts.clear()
@@ -199,7 +242,7 @@ def _rank_routed(comm: Collectives, ckpt: str) -> dict:
                 "sharded_none": RoutedInputConfig(enabled=True, min_sharded_tokens=1),
                 "default": RoutedInputConfig(),
                 "absent": None,
-                "below_threshold": RoutedInputConfig(enabled=True, quant="fp8", min_sharded_tokens=300),
+                "below_threshold": RoutedInputConfig(enabled=True, quant="fp8-approx", min_sharded_tokens=300),
             }
             for name, ri in variants.items():
                 r = runner(dtype, tail, ri)
@@ -207,6 +250,15 @@ def _rank_routed(comm: Collectives, ckpt: str) -> dict:
                     comm.counts.clear()
                     out[("forward", dname, tail, name, T)] = (r.forward(make_input(T, cfg.hidden_size, dtype)),
                                                               dict(comm.counts))
+            for name, ri in W4A4_VARIANTS.items():
+                r = runner(dtype, tail, ri, mxfp4_ckpt, "mxfp4")
+                out[("resolved", name)] = r.routed_input.quant
+                r.act_quant = CountingQuant(r.act_quant)
+                for T in TOKENS:
+                    comm.counts.clear()
+                    r.act_quant.shapes = []
+                    got = r.forward(make_input(T, cfg.hidden_size, dtype))
+                    out[("forward", dname, tail, name, T)] = (got, dict(comm.counts), r.act_quant.shapes)
     return out
 
 
@@ -216,8 +268,13 @@ def ckpt(make_ckpt) -> str:
 
 
 @pytest.fixture(scope="module")
-def group(ckpt: str) -> list[dict]:
-    return run_local_group(P, _rank_routed, ckpt, timeout_s=240.0)
+def mxfp4_ckpt(make_ckpt) -> str:
+    return str(make_ckpt(mxfp4=True))
+
+
+@pytest.fixture(scope="module")
+def group(ckpt: str, mxfp4_ckpt: str) -> list[dict]:
+    return run_local_group(P, _rank_routed, ckpt, mxfp4_ckpt, timeout_s=240.0)
 
 
 @functools.cache
@@ -252,7 +309,7 @@ def test_none_mode_equals_replicated_down_projection(group, ckpt, dname: str, T:
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
-@pytest.mark.parametrize("quant", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("quant", APPROX)
 @pytest.mark.parametrize("T", TOKENS)
 def test_quantised_latent_within_stated_bound(group, ckpt, dname: str, quant: str, T: int) -> None:
     """Every element of the gathered, dequantised latent is within routed_input.py's bound of
@@ -271,22 +328,29 @@ def test_quantised_latent_within_stated_bound(group, ckpt, dname: str, quant: st
         assert torch.equal(group[rank][("latent", dname, quant, T)][0], group[0][("latent", dname, quant, T)][0])
 
 
+def assert_like_single_device(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """TP 2 against one device, as in test_tp_runner.py: fp32 ~1e-6 relative reorderings;
+    bf16 partials (expert output, latent partial, shared partial) rounded to bf16 before the
+    bf16 all-reduce, a few ulps of ``m``. Under W4A4 the quantised activations are
+    bit-identical on both sides (same ``h``; the rank's gated activation is a 32-column slice
+    of the full one, and its MXFP4 blocks are the full tensor's blocks), so they add no error."""
+    m = ref.abs().max().item()
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * m)
+    else:
+        torch.testing.assert_close(got, ref, rtol=2**-7, atol=4 * 2**-8 * m)
+
+
 @pytest.mark.parametrize("dname", list(DTYPES))
 @pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("T", TOKENS)
 def test_unquantised_routed_input_end_to_end(group, ckpt, dname: str, tail: str, T: int) -> None:
-    """Tolerances as in test_tp_runner.py: fp32 reorderings ~1e-6 relative; bf16 partials
-    rounded before the all-reduce, a few ulps of the output magnitude."""
     cfg, w = _full(ckpt, DTYPES[dname])
     ref = moe_forward(make_input(T, cfg.hidden_size, DTYPES[dname]), w, cfg)
-    m = ref.abs().max().item()
     for rank in range(P):
         got, counts = group[rank][("forward", dname, tail, "sharded_none", T)]
         assert counts == {"all_reduce": 2, "all_gather": 1}
-        if dname == "float32":
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * m)
-        else:
-            torch.testing.assert_close(got, ref, rtol=2**-7, atol=4 * 2**-8 * m)
+        assert_like_single_device(got, ref)
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
@@ -302,3 +366,107 @@ def test_routed_input_off_leaves_the_path_unchanged(group, dname: str, tail: str
             got, counts = group[rank][("forward", dname, tail, name, T)]
             assert counts == absent_counts, name
             assert torch.equal(got, absent), name
+
+
+# -- W4A4 emulation (experts_activation_quant: mxfp4) and the exact deferred routed input ------
+
+
+def w4a4_explicit(x_TH: torch.Tensor, w, cfg: LatentMoEConfig) -> torch.Tensor:
+    """The layer with the experts' activations fake-quantised by hand, token by token and slot
+    by slot: MXFP4 ``h`` into the gate/up GEMM, MXFP4 gated activation into the down GEMM."""
+    act = GatedActivation.from_config(cfg)
+    ids_TK, weights_TK = route(x_TH, w.gate_EH, w.bias_E, cfg)
+    E, I = w.experts.num_experts, w.experts.intermediate_size
+    w13, w2 = w.experts.decode(torch.arange(E))
+    hq_TD = mxfp4.quantize_dequantize(down_project(x_TH, w))
+    L_TD = torch.zeros(x_TH.shape[0], w.experts.latent_size)
+    for t, (ids, weights) in enumerate(zip(ids_TK.tolist(), weights_TK.tolist(), strict=True)):
+        for e, wt in zip(ids, weights, strict=True):
+            gate_up = hq_TD[t : t + 1] @ w13[e].t()
+            a = act(gate_up[:, :I], gate_up[:, I:]).to(x_TH.dtype)
+            L_TD[t] += wt * (mxfp4.quantize_dequantize(a) @ w2[e].t()).float()[0]
+    R_TH = latent_norm(L_TD, w, cfg.rms_norm_eps).to(x_TH.dtype) @ w.up_HD.t()
+    return R_TH + shared_experts(x_TH, w, act)
+
+
+def test_w4a4_hook_quantises_both_activations(mxfp4_ckpt: str) -> None:
+    """The experts backend with ``act_quant`` is the hand-quantised layer (fp32: GEMM
+    reordering only, 1e-5 * m as everywhere), and visibly not the W4A16 one."""
+    cfg, w = _full(mxfp4_ckpt, torch.float32)
+    x = make_input(33, cfg.hidden_size, torch.float32)
+    got = moe_forward(x, w, cfg, act_quant=mxfp4.quantize_dequantize)
+    ref = w4a4_explicit(x, w, cfg)
+    m = ref.abs().max().item()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * m)
+    assert (moe_forward(x, w, cfg) - ref).abs().max().item() > 100 * 1e-5 * m
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("T", TOKENS)
+def test_w4a4_tp2_matches_single_device_w4a4(group, mxfp4_ckpt, dname: str, tail: str, T: int) -> None:
+    cfg, w = _full(mxfp4_ckpt, DTYPES[dname])
+    ref = moe_forward(make_input(T, cfg.hidden_size, DTYPES[dname]), w, cfg, act_quant=mxfp4.quantize_dequantize)
+    for rank in range(P):
+        got, counts, quantised = group[rank][("forward", dname, tail, "w4a4", T)]
+        assert counts == {"all_reduce": 2}
+        assert_like_single_device(got, ref)
+        # h once ([T, D]), then one gated activation [rows, I / P] per active expert
+        assert quantised[0] == (T, 64) and quantised[1:] and all(q[1] == 32 for q in quantised[1:])
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("T", TOKENS)
+def test_deferred_mxfp4_routed_input_is_exact(group, dname: str, tail: str, T: int) -> None:
+    """With W4A4 experts, ``auto`` token-shards the routed input as MXFP4: each rank quantises
+    its own token rows before the all-gather (values, then scales) and the experts do not
+    quantise ``h`` again. Bit-identical to the same experts quantising the gathered
+    unquantised latent, and to plain (non-deferred) W4A4: MXFP4 blocks lie within a token, and
+    the rank's down-projection GEMM gives its rows the same bits as the full-batch GEMM (true
+    of torch's CPU GEMM; the first comparison does not even need that). Below
+    ``min_sharded_tokens`` nothing is gathered."""
+    assert group[0][("resolved", "w4a4_auto")] == "mxfp4"
+    assert group[0][("resolved", "w4a4_sharded_none")] == "none"
+    for rank in range(P):
+        deferred, counts, quantised = group[rank][("forward", dname, tail, "w4a4_auto", T)]
+        plain, plain_counts, plain_quantised = group[rank][("forward", dname, tail, "w4a4", T)]
+        assert torch.equal(deferred, plain)
+        if T >= W4A4_MIN_TOKENS:
+            gathered, gathered_counts, gathered_quantised = group[rank][("forward", dname, tail, "w4a4_sharded_none", T)]
+            assert counts == {"all_reduce": 2, "all_gather": 2}
+            assert gathered_counts == {"all_reduce": 2, "all_gather": 1}
+            assert torch.equal(deferred, gathered)
+            assert (T, 64) not in quantised and gathered_quantised[0] == (T, 64)
+            assert quantised == gathered_quantised[1:]
+        else:
+            assert counts == plain_counts == {"all_reduce": 2} and quantised == plain_quantised
+
+
+def test_w4a4_needs_mxfp4_experts_and_whole_blocks(ckpt: str, mxfp4_ckpt: str) -> None:
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    with pytest.raises(ValueError, match=r"emulates W4A4 MXFP4 experts, but the experts of layer\(s\) \[1\] are stored dense"):
+        build_rank_runners(ckpt, cfg, [LAYER], Collectives(), TailPlan.single("replicated", "t"),
+                           dtype=torch.float32, experts_activation_quant="mxfp4")
+    with pytest.raises(ValueError, match=re.escape("I / P = 64 / 4 to be a multiple of 32: 16 % 32 = 16")):
+        check_activation_quant("mxfp4", cfg, 4, CheckpointReader(mxfp4_ckpt), [LAYER])
+    with pytest.raises(ValueError, match=re.escape("latent size D to be a multiple of 32: 48 % 32 = 16")):
+        activation_quantizer("mxfp4", dataclasses.replace(cfg, routed_expert_hidden_size=48), 1)
+    with pytest.raises(ValueError, match="'fp8' is not one of"):
+        activation_quantizer("fp8", cfg, 1)
+    assert activation_quantizer("none", cfg, 4) is None
+    check_activation_quant("none", cfg, 4, CheckpointReader(ckpt), [LAYER])
+
+
+def test_deployment_spec_checks_w4a4_at_build_time(ckpt: str, mxfp4_ckpt: str) -> None:
+    from deployments.spec import resolve_app
+
+    args = {"tp_size": 2, "experts_activation_quant": "mxfp4"}
+    _, [resolved] = resolve_app({"checkpoint": mxfp4_ckpt, **args})
+    assert resolved.spec.experts_activation_quant == "mxfp4"
+    with pytest.raises(ValueError, match="deployment 'moe': .*stored dense"):
+        resolve_app({"checkpoint": ckpt, **args})
+    with pytest.raises(ValueError, match=re.escape("I / P = 64 / 4 to be a multiple of 32")):
+        resolve_app({"checkpoint": mxfp4_ckpt, **args, "tp_size": 4})
+    with pytest.raises(ValueError, match="experts_activation_quant"):
+        resolve_app({"checkpoint": mxfp4_ckpt, "experts_activation_quant": "fp8"})
