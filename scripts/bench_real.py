@@ -21,6 +21,7 @@ import platform
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -93,6 +94,32 @@ def memcpy_gbps(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
     return nbytes / best / GB
 
 
+class LoneRank(Collectives):
+    """Rank ``rank`` of a TP group of ``world`` run alone: the other ranks' partials count as
+    zero. Measures one rank's load memory and compute when the machine cannot hold them all."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self.device = rank, world, torch.device("cpu")
+        self.counts = Counter()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_reduce_async(self, t: torch.Tensor):
+        return Collectives().all_reduce_async(t)
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        rows = t.shape[0] // self.world
+        return t[self.rank * rows : (self.rank + 1) * rows]
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(self.world, *([1] * (t.dim() - 1)))
+
+
+def _lone_rank(_: Collectives, world: int, *args) -> dict:
+    return _rank(LoneRank(0, world), *args)
+
+
 def _input(T: int, H: int) -> torch.Tensor:
     return torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
 
@@ -146,18 +173,24 @@ def _rank(
     return res
 
 
-def run_tp(ckpt: str, P: int, tokens: list[int], reps: int, scratch_bytes: int, decode_sample: int) -> dict:
+def run_tp(
+    ckpt: str, P: int, tokens: list[int], reps: int, scratch_bytes: int, decode_sample: int, lone: bool
+) -> dict:
     args = (ckpt, tokens, reps, scratch_bytes, decode_sample)
     with TreeSampler() as sampler:
         start = time.perf_counter()
         # TP 1 too runs in a spawned rank: this process's sampler thread would otherwise
         # contend with torch's OpenMP threads (tens of times slower on 2 cores)
-        results = run_local_group(P, _rank, *args, timeout_s=7200.0, collective_timeout_s=1800.0)
+        if lone:
+            results = run_local_group(1, _lone_rank, P, *args, timeout_s=7200.0)
+        else:
+            results = run_local_group(P, _rank, *args, timeout_s=7200.0, collective_timeout_s=1800.0)
         wall_s = time.perf_counter() - start
     for r in results:
         r["peak_rss"] = sampler.peak_by_pid.get(r["pid"], 0)
         r["peak_rss_over_packed"] = r["peak_rss"] / r["bytes_read"]
-    return {"P": P, "wall_s": wall_s, "peak_tree_rss": sampler.peak_total, "ranks": results}
+    peak_tree = sampler.peak_total
+    return {"P": P, "lone_rank": lone, "wall_s": wall_s, "peak_tree_rss": peak_tree, "ranks": results}
 
 
 def _mem_available() -> int:
@@ -173,13 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument(
+        "--lone-rank", action="store_true",
+        help="run only rank 0 of each TP size (identity collectives): per-rank memory and compute "
+        "when the machine cannot hold every rank",
+    )
     ap.add_argument("--decode-sample", type=int, default=32, help="experts decoded to time decoding")
     ap.add_argument("--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20)
     ap.add_argument("--out", type=Path, default=Path("artifacts/bench_real"))
     args = ap.parse_args(argv)
     ckpt = str(args.checkpoint)
     shard_bytes = sum(f.stat().st_size for f in args.checkpoint.glob("*.safetensors"))
-    need = 1.15 * shard_bytes + 2 * GB
+    need = 1.15 * shard_bytes / (min(args.tp) if args.lone_rank else 1) + 2 * GB
     if _mem_available() < need:
         print(f"refusing: MemAvailable {_mem_available() / GB:.1f} GB < {need / GB:.1f} GB "
               f"(1.15 x {shard_bytes / GB:.1f} GB of shards + 2 GB)", file=sys.stderr)
@@ -191,12 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for P in args.tp:
         print(f"TP {P}: loading and running ...", flush=True)
-        runs[P] = run_tp(ckpt, P, args.tokens, args.reps, scratch, args.decode_sample)
+        runs[P] = run_tp(ckpt, P, args.tokens, args.reps, scratch, args.decode_sample, args.lone_rank)
         for rank, r in enumerate(runs[P]["ranks"]):
             print(f"  rank {rank}: load {r['load_s']:.1f} s, read {r['bytes_read'] / GB:.2f} GB, "
                   f"peak RSS {r['peak_rss'] / GB:.2f} GB = {r['peak_rss_over_packed']:.3f} x packed")
     check = {}
-    if 1 in runs and len(runs) > 1:
+    if 1 in runs and len(runs) > 1 and not args.lone_rank:
         ref = runs[1]["ranks"][0]["forward"][16]["out"].float()
         for P, run in runs.items():
             got = run["ranks"][0]["forward"][16]["out"].float()
