@@ -150,7 +150,7 @@ def test_build_time_errors_carry_the_arithmetic(tiny_ckpt, k3_config_dir):
     _, resolved, options = plan_app({"checkpoint": str(k3_config_dir), "tp_size": 8, "tail": "auto",
                                      "dtype": "bfloat16", "accelerator_type": MI300X})
     (r,) = resolved
-    assert r.plan.tails == ("sharded",) and r.layers == tuple(range(1, 93))
+    assert r.plan.tails == ("sharded",) and r.layers == tuple(range(1, 93))  # K3: layer 0 dense, 92 MoE layers
     assert len(options[0]["placement_group_bundles"]) == 9
     # auto at TP 1 falls back to replicated and says why.
     _, (r1,), _ = plan_app({"checkpoint": str(tiny_ckpt), "tp_size": 1})
@@ -172,7 +172,7 @@ def test_shipped_configs_plan(tiny_ckpt, k3_config_dir):
         assert sum(r.spec.tp_size for r in resolved) == gpus
         served = sorted(layer for r in resolved for layer in r.layers)
         assert served == sorted(set(served))  # no layer served twice
-    assert served == list(range(1, 92))  # mi300x: every K3 MoE layer exactly once
+    assert served == list(range(1, 93))  # mi300x: every K3 MoE layer exactly once
 
 
 @pytest.mark.parametrize(
