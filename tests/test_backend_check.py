@@ -25,7 +25,11 @@ class GateUpSwapped(TorchExperts):
 
     def __call__(self, h_TD, ids_TK, weights_TK, ex, act, act_quant=None):
         I = ex.intermediate_size
-        flipped = type(ex)(torch.cat([ex.w13[:, I:], ex.w13[:, :I]], 1), ex.w2, dtype=ex.dtype)
+
+        def flip(t):  # gate rows <-> up rows (of the packed nibbles and their scales alike)
+            return None if t is None else torch.cat([t[:, I:], t[:, :I]], 1)
+
+        flipped = type(ex)(flip(ex.w13), ex.w2, flip(ex.w13_scale), ex.w2_scale, dtype=ex.dtype)
         return super().__call__(h_TD, ids_TK, weights_TK, flipped, act, act_quant)
 
 
