@@ -72,6 +72,20 @@ def get_backend(name: str, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> Expert
     return _REGISTRY[name](scratch_bytes=scratch_bytes)
 
 
+def slots_by_expert(
+    ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``T * K`` token-slots grouped by expert (stable): each slot's token row, its fp32
+    routing weight, and the number of slots per expert ``[E]``."""
+    flat_ids = ids_TK.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    return (
+        order // ids_TK.shape[1],
+        weights_TK.reshape(-1)[order].float(),
+        torch.bincount(flat_ids, minlength=num_experts),
+    )
+
+
 @register_backend("torch")
 class TorchExperts:
     """Sort token-slots by expert and run one GEMM pair per active expert.
@@ -88,15 +102,10 @@ class TorchExperts:
         self.scratch_bytes = scratch_bytes
 
     def __call__(self, h_TD, ids_TK, weights_TK, experts: ExpertWeights, act, act_quant=None):
-        T, K = ids_TK.shape
-        out_TD = torch.zeros(T, experts.latent_size, dtype=torch.float32, device=h_TD.device)
+        out_TD = torch.zeros(ids_TK.shape[0], experts.latent_size, dtype=torch.float32, device=h_TD.device)
         if act_quant is not None:
             h_TD = act_quant(h_TD)
-        flat_ids = ids_TK.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=experts.num_experts)
-        token_of_slot = order // K
-        slot_weight = weights_TK.reshape(-1)[order]
+        token_of_slot, slot_weight, counts = slots_by_expert(ids_TK, weights_TK, experts.num_experts)
         starts = (torch.cumsum(counts, 0) - counts).tolist()
         counts = counts.tolist()
         active = [e for e, c in enumerate(counts) if c]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .activation import GatedActivation
+from .experts import slots_by_expert
 from .weights import ExpertWeights
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -59,15 +60,11 @@ class GroupedExperts:
                 f"the grouped experts backend runs {[str(d) for d in GROUPED_DTYPES]} with the input in "
                 f"the experts' dtype; got input {h_TD.dtype}, experts {experts.dtype}"
             )
-        T, K = ids_TK.shape
-        out_TD = torch.zeros(T, experts.latent_size, dtype=torch.float32, device=h_TD.device)
+        out_TD = torch.zeros(ids_TK.shape[0], experts.latent_size, dtype=torch.float32, device=h_TD.device)
         if act_quant is not None:
             h_TD = act_quant(h_TD)
-        flat_ids = ids_TK.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts_E = torch.bincount(flat_ids, minlength=experts.num_experts)
-        token_of_slot = order // K
-        slot_weight = weights_TK.reshape(-1)[order, None].float()
+        token_of_slot, slot_weight, counts_E = slots_by_expert(ids_TK, weights_TK, experts.num_experts)
+        slot_weight = slot_weight[:, None]
         x_MD = h_TD[token_of_slot]
         if not experts.packed:
             y_MD = _experts_mm(x_MD, counts_E, experts.w13, experts.w2, act, act_quant)
