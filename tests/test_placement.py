@@ -119,7 +119,7 @@ def test_launcher_totals_count_live_nodes_once():
     args = yaml.safe_load((ROOT / "deployments/configs/mi300x.yaml").read_text())["applications"][0]["args"]
     place_app(AppArgs.model_validate({**args, "checkpoint": "unused"}), view)  # 2 groups of 8 fit
     args["autoscaling"] = {**args["autoscaling"], "min_replicas": 3, "max_replicas": 3}
-    with pytest.raises(ValueError, match=r"need GPU 48 \(layers-01-46 3 x 8 \+ layers-47-91 3 x 8\), but c has at most 32"):
+    with pytest.raises(ValueError, match=r"need GPU 48 \(layers-01-46 3 x 8 \+ layers-47-92 3 x 8\), but c has at most 32"):
         place_app(AppArgs.model_validate({**args, "checkpoint": "unused"}), view)
 
 
