@@ -72,6 +72,13 @@ def get_backend(name: str, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> Expert
     return _REGISTRY[name](scratch_bytes=scratch_bytes)
 
 
+def check_scratch_bytes(scratch_bytes: int) -> int:
+    """The experts' decode budget per rank, validated (ValueError unless a positive byte count)."""
+    if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 1:
+        raise ValueError(f"experts scratch budget must be a positive byte count, got {scratch_bytes!r}")
+    return scratch_bytes
+
+
 def slots_by_expert(
     ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,9 +104,7 @@ class TorchExperts:
     name = "torch"
 
     def __init__(self, scratch_bytes: int = DEFAULT_SCRATCH_BYTES):
-        if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 1:
-            raise ValueError(f"experts scratch budget must be a positive byte count, got {scratch_bytes!r}")
-        self.scratch_bytes = scratch_bytes
+        self.scratch_bytes = check_scratch_bytes(scratch_bytes)
 
     def __call__(self, h_TD, ids_TK, weights_TK, experts: ExpertWeights, act, act_quant=None):
         out_TD = torch.zeros(ids_TK.shape[0], experts.latent_size, dtype=torch.float32, device=h_TD.device)
@@ -109,7 +114,7 @@ class TorchExperts:
         starts = (torch.cumsum(counts, 0) - counts).tolist()
         counts = counts.tolist()
         active = [e for e, c in enumerate(counts) if c]
-        per_chunk = max(1, self.scratch_bytes // experts.decoded_bytes_per_expert()) if experts.packed else 1
+        per_chunk = experts.experts_per_chunk(self.scratch_bytes) if experts.packed else 1
         half = experts.intermediate_size
         for first in range(0, len(active), per_chunk):
             chunk = active[first : first + per_chunk]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .activation import GatedActivation
-from .experts import slots_by_expert
+from .experts import check_scratch_bytes, slots_by_expert
 from .weights import ExpertWeights
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,12 +45,10 @@ class GroupedExperts:
     name = "grouped"
 
     def __init__(self, scratch_bytes: int) -> None:
-        if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 1:
-            raise ValueError(f"experts scratch budget must be a positive byte count, got {scratch_bytes!r}")
         reason = grouped_unavailable_reason()
         if reason is not None:
             raise ValueError(reason)
-        self.scratch_bytes = scratch_bytes
+        self.scratch_bytes = check_scratch_bytes(scratch_bytes)
 
     def __call__(
         self, h_TD, ids_TK, weights_TK, experts: ExpertWeights, act: GatedActivation, act_quant=None
@@ -71,7 +69,7 @@ class GroupedExperts:
             return out_TD.index_add_(0, token_of_slot, y_MD.float() * slot_weight)
         active = torch.nonzero(counts_E).flatten()
         counts_A = counts_E[active]
-        per_chunk = max(1, self.scratch_bytes // experts.decoded_bytes_per_expert())
+        per_chunk = experts.experts_per_chunk(self.scratch_bytes)
         rows_per_chunk = [sum(c) for c in _chunks(counts_A.tolist(), per_chunk)]
         start = 0
         for first, rows in zip(range(0, len(active), per_chunk), rows_per_chunk, strict=True):

@@ -28,10 +28,14 @@ def _pair_lut(device: torch.device) -> torch.Tensor:
     return torch.stack([values[byte & 0x0F], values[byte >> 4]], dim=-1)
 
 
-def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def decode(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, check_scales: bool = True
+) -> torch.Tensor:
     """Return the ``[..., n]`` tensor that ``packed [..., n/2]`` / ``scale [..., n/32]`` encode.
 
     Values are formed in fp32 (exact: an FP4 value times a power of two) and then cast.
+    ``check_scales=False`` skips the NaN-scale scan (a device sync) for scales already checked
+    (``ExpertWeights`` checks them once, at load).
     """
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(f"MXFP4 tensors must be uint8, got {packed.dtype} and {scale.dtype}")
@@ -41,14 +45,19 @@ def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
             f"MXFP4 scale shape {tuple(scale.shape)} does not match packed shape "
             f"{tuple(packed.shape)}: expected last dim {n} / {BLOCK} = {n // BLOCK}"
         )
-    if scale.numel() and int(scale.max()) == 255:
-        raise ValueError("MXFP4 scale byte 255 encodes NaN in E8M0; the checkpoint's scales are corrupt")
+    if check_scales:
+        check_scales_finite(scale)
     # embedding is a row gather ~3x faster than advanced indexing on CPU: [..., n/2, 2] holds
     # element 2j then 2j + 1 of every byte
     values = torch.nn.functional.embedding(packed.int(), _pair_lut(packed.device))
     blocks = values.view(*packed.shape[:-1], n // BLOCK, BLOCK)
     blocks.mul_(torch.exp2(scale.float() - 127.0).unsqueeze(-1))
     return blocks.view(*packed.shape[:-1], n).to(dtype)
+
+
+def check_scales_finite(scale: torch.Tensor, what: str = "MXFP4 scale") -> None:
+    if scale.numel() and int(scale.max()) == 255:
+        raise ValueError(f"{what} byte 255 encodes NaN in E8M0; the checkpoint's scales are corrupt")
 
 
 def _check_blocks(x: torch.Tensor, what: str) -> None:

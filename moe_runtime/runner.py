@@ -23,6 +23,7 @@ from .collectives import Collectives
 from .config import LatentMoEConfig
 from .experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
 from .layer import down_project, latent_norm, routed_experts, shared_experts
+from .memory import MXFP4, checkpoint_expert_formats
 from .plan import TailPlan, legal_tails, shardability_for
 from .routed_input import ACTIVATION_QUANT_MODES, RoutedInputConfig, dequantize, quantize
 from .sharding import TPShard
@@ -102,7 +103,8 @@ def check_activation_quant(
     activation_quantizer(mode, cfg, world)
     if mode == "none":
         return
-    dense = [i for i in layers if reader.layer_prefix(i) + "experts.0.w1.weight_packed" not in reader]
+    formats = checkpoint_expert_formats(reader, cfg, layers)
+    dense = [i for i, fmt in formats.items() if fmt != MXFP4]
     if dense:
         raise ValueError(
             f"experts_activation_quant {mode!r} emulates W4A4 MXFP4 experts, but the experts of "

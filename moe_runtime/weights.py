@@ -60,6 +60,8 @@ class ExpertWeights:
             for name, (t, _) in expected.items():
                 if t.dtype != torch.uint8:
                     raise ValueError(f"packed experts' {name} must be uint8, got {t.dtype}")
+            for name in ("w13_scale", "w2_scale"):  # once here, so forwards decode without the scan
+                mxfp4.check_scales_finite(getattr(self, name), f"MXFP4 experts' {name}")
         else:
             expected = {"w13": (self.w13, (E, F, D)), "w2": (self.w2, (E, D, I))}
             for name, (t, _) in expected.items():
@@ -93,9 +95,13 @@ class ExpertWeights:
         if not self.packed:
             return self.w13[ids], self.w2[ids]
         return (
-            mxfp4.decode(self.w13[ids], self.w13_scale[ids], self.dtype),
-            mxfp4.decode(self.w2[ids], self.w2_scale[ids], self.dtype),
+            mxfp4.decode(self.w13[ids], self.w13_scale[ids], self.dtype, check_scales=False),
+            mxfp4.decode(self.w2[ids], self.w2_scale[ids], self.dtype, check_scales=False),
         )
+
+    def experts_per_chunk(self, scratch_bytes: int) -> int:
+        """How many packed experts one decode chunk holds within ``scratch_bytes`` (at least 1)."""
+        return max(1, scratch_bytes // self.decoded_bytes_per_expert())
 
     def decoded_bytes_per_expert(self) -> int:
         """Scratch one decoded expert takes: its two matrices in ``dtype``, plus (packed) the

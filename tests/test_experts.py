@@ -99,3 +99,12 @@ def test_bad_scratch_and_bad_expert_tensors_are_refused() -> None:
         ExpertWeights(dense.w13, dense.w2, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="packed experts' w13 must be uint8"):
         ExpertWeights(dense.w13, packed.w2, packed.w13_scale, packed.w2_scale)
+
+
+def test_nan_scale_bytes_are_refused_when_the_experts_are_built() -> None:
+    # E8M0 byte 255 is NaN: caught once, at load, so forwards decode without scanning scales.
+    packed, _ = _packed_and_dense(torch.float32)
+    corrupt = packed.w2_scale.clone()
+    corrupt[2, 5, 0] = 255
+    with pytest.raises(ValueError, match="MXFP4 experts' w2_scale byte 255 encodes NaN"):
+        ExpertWeights(packed.w13, packed.w2, packed.w13_scale, corrupt)
