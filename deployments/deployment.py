@@ -41,7 +41,7 @@ from .controller import Decision, tail_decision, tune_group
 from .errors import ServeInputError, TooLargeError, UnknownLayerError, http_status, retryable
 from .metrics import ReplicaStats
 from .routing import ROUTING_STATS_PERIOD_S
-from .spec import ResolvedDeployment, format_layers, with_batching
+from .spec import DeploymentSpec, ResolvedDeployment, format_layers, with_batching
 from .wire import WireTensor
 from .workers import TPGroup
 
@@ -86,6 +86,19 @@ def to_tensor(value: Any, what: str, dtype: torch.dtype | None) -> torch.Tensor:
         # Ray hands over read-only arrays; torch wants a writable buffer.
         return torch.from_numpy(np.array(value, copy=True)).to(dtype)
     raise ServeInputError(f"{what} must be a numpy array or a torch tensor, got {type(value).__name__}")
+
+
+def check_planned_tokens(spec: DeploymentSpec, decision: Decision | None) -> None:
+    """A live batching change must stay within the forward size the memory planner sized the
+    deployment for at build time (ValueError with the numbers otherwise; lowering is free)."""
+    plan = None if decision is None else decision.memory
+    if plan is not None and spec.max_forward_tokens > plan.workspace.tokens:
+        raise ValueError(
+            f"user_config of deployment {spec.name!r}: forwards of up to {spec.max_forward_tokens} tokens "
+            f"(max of max_batch_tokens {spec.max_batch_tokens}, max_tokens_per_request "
+            f"{spec.max_tokens_per_request}) exceed the {plan.workspace.tokens} tokens whose activations "
+            "the memory planner budgeted at build time; redeploy with the new limits so it checks them"
+        )
 
 
 class _TokenBudgetWarningFilter(logging.Filter):
@@ -146,6 +159,7 @@ class MoEGroupDeployment:
         spec = with_batching(self.spec, user_config)
         if spec == self.spec:
             return
+        check_planned_tokens(spec, self.serve_decision)
         self.spec = spec
         for queue in self._queues.values():
             queue.set_max_batch_size(spec.max_batch_tokens)

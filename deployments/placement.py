@@ -37,6 +37,8 @@ from typing import Any
 
 import yaml
 
+from moe_runtime.runner import log_once
+
 from . import logger
 from .options import placement_bundles, uses_gpus
 from .spec import AppArgs, DeploymentSpec
@@ -46,7 +48,6 @@ Resources = dict[str, float]
 BOOTSTRAP_CONFIG = Path("~/ray_bootstrap_config.yaml").expanduser()
 # Ray's bookkeeping resources, never asked for by a deployment.
 _IGNORED = ("memory", "object_store_memory", "node:")
-_logged: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,6 @@ class ClusterView:
         for t in self.addable:
             add(launched, t.resources, t.max_nodes)
         return {k: max(live.get(k, 0), launched.get(k, 0)) for k in {*live, *launched}}
-
-
-def _log_once(message: str, level: int = logging.INFO) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.log(level, message)
 
 
 def _clean(resources: Mapping[str, Any]) -> Resources:
@@ -175,7 +170,9 @@ def current_cluster_view(launcher_configs: Iterable[str | Path] = ()) -> Cluster
                                (_local_node(),), tuple(addable), fresh_local=True)
         return ClusterView(f"the Ray cluster at {address}", tuple(_gcs_nodes(address)), tuple(addable))
     except Exception as e:  # an unreachable or foreign cluster: Serve will report it itself
-        _log_once(f"placement: could not inspect the Ray cluster ({type(e).__name__}: {e})", logging.WARNING)
+        log_once(
+            f"placement: could not inspect the Ray cluster ({type(e).__name__}: {e})", logger, logging.WARNING
+        )
         return None
 
 
@@ -201,7 +198,7 @@ def resolve_accelerators(args: AppArgs, view: ClusterView | None) -> tuple[AppAr
     specs, reasons = [], {}
     for spec in args.deployments:
         choice, why = choose_accelerator(spec, view)
-        _log_once(f"placement: deployment {spec.name!r} runs on {choice}: {why}")
+        log_once(f"placement: deployment {spec.name!r} runs on {choice}: {why}", logger)
         specs.append(spec.model_copy(update={"accelerator": choice}))
         reasons[spec.name] = why
     return args.model_copy(update={"deployments": specs}), reasons

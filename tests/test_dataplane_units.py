@@ -127,3 +127,17 @@ def test_forward_transport_decision_without_a_graph(tiny_ckpt, compiled_graph, t
     group = TPGroup(resolved, workers=[], names=[], infos=[])
     group._compile_forward()
     assert group.transport.startswith(expected) and group._dag is None
+
+
+def test_live_batching_changes_stay_within_the_planned_forward(tiny_ckpt):
+    from deployments.app import decide_app
+    from deployments.deployment import check_planned_tokens
+
+    _, (resolved,), (decision,) = decide_app(
+        {"checkpoint": str(tiny_ckpt), "max_batch_tokens": 64, "max_tokens_per_request": 128}
+    )
+    assert decision.memory is not None and decision.memory.workspace.tokens == 128
+    check_planned_tokens(with_batching(resolved.spec, {"max_batch_tokens": 16}), decision)  # lower: fine
+    check_planned_tokens(with_batching(resolved.spec, {"max_batch_tokens": 128}), decision)  # = planned
+    with pytest.raises(ValueError, match="forwards of up to 4096 tokens .* exceed the 128 tokens"):
+        check_planned_tokens(with_batching(resolved.spec, {"max_tokens_per_request": 4096}), decision)
