@@ -34,22 +34,15 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moe_runtime.checkpoint import resolve_expert_formats
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.memory import (
-    STARTUP_FLOOR_S,
-    Budget,
-    MemoryPlan,
-    bounded_token_counts,
-    cpu_budget,
-    forward_cost_s,
-    gpu_budget,
-    plan_memory,
-    resolve_expert_formats,
-)
-from moe_runtime.memory import startup_timeout_s as derived_startup_timeout_s
-from moe_runtime.plan import Shardability, TailPlan, legal_tails, shardability_for
-from moe_runtime.runner import log_once
-from moe_runtime.tuning import plan_from_timings
+from moe_runtime.logs import log_once
+from moe_runtime.planning.budget import Budget, cpu_budget, gpu_budget
+from moe_runtime.planning.cost import STARTUP_FLOOR_S, bounded_token_counts, forward_cost_s
+from moe_runtime.planning.cost import startup_timeout_s as derived_startup_timeout_s
+from moe_runtime.planning.memory import MemoryPlan, plan_memory
+from moe_runtime.tp.plan import Shardability, TailPlan, legal_tails, shardability_for
+from moe_runtime.tp.tuning import plan_from_timings
 
 from . import logger
 from .spec import DeploymentSpec, resolve_deployment

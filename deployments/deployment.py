@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from ray import serve
 
-from moe_runtime.checkpoint import torch_dtype
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import check_input
+from moe_runtime.units import torch_dtype
 
 from . import logger
 from .autoscaling import QUEUED_TOKENS, TOKENS_PER_S

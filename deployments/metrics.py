@@ -28,7 +28,7 @@ from typing import Any
 
 from ray.serve import metrics
 
-from moe_runtime.plan import TailPlan
+from moe_runtime.tp.plan import TailPlan
 
 LATENCY_BOUNDARIES_MS = [0.25, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
 TOKEN_BOUNDARIES = [float(2**i) for i in range(17)]  # 1 .. 65536

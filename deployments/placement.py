@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from moe_runtime.runner import log_once
+from moe_runtime.logs import log_once
 
 from . import logger
 from .options import placement_bundles, uses_gpus

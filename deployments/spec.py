@@ -21,17 +21,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from moe_runtime.checkpoint import CheckpointReader, torch_dtype
+from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.memory import (
-    DEFAULT_MEMORY_FRACTION,
-    MI300X_MEMORY_GB,
-    STARTUP_FLOOR_S,
-    format_layers,
-)
-from moe_runtime.plan import TailPlan, resolve_tail
-from moe_runtime.runner import check_activation_quant
-from moe_runtime.sharding import check_tp_size
+from moe_runtime.planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_GB
+from moe_runtime.planning.cost import STARTUP_FLOOR_S
+from moe_runtime.tp.plan import TailPlan, resolve_tail
+from moe_runtime.tp.runner import check_activation_quant
+from moe_runtime.tp.sharding import check_tp_size
+from moe_runtime.units import format_layers, torch_dtype
 
 Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
 DType = Literal["float32", "bfloat16"]

@@ -24,11 +24,11 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from moe_runtime.checkpoint import torch_dtype
-from moe_runtime.collectives import Collectives, default_backend, free_port, init_group
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.runner import build_rank_runners
-from moe_runtime.tuning import apply_plan, measure_runners
+from moe_runtime.tp.collectives import Collectives, default_backend, free_port, init_group
+from moe_runtime.tp.runner import build_rank_runners
+from moe_runtime.tp.tuning import apply_plan, measure_runners
+from moe_runtime.units import torch_dtype
 
 from . import logger
 from .errors import GroupTimeoutError, GroupUnavailableError, error_message

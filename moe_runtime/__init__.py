@@ -5,6 +5,6 @@ This package never imports Ray.
 
 from .config import LatentMoEConfig
 from .layer import moe_forward
-from .plan import TailPlan, resolve_tail
+from .tp.plan import TailPlan, resolve_tail
 
 __all__ = ["LatentMoEConfig", "TailPlan", "moe_forward", "resolve_tail"]

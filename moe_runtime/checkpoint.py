@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -16,7 +18,8 @@ from tqdm import tqdm
 
 from . import mxfp4
 from .config import LatentMoEConfig
-from .sharding import Split, TPShard
+from .tp.sharding import Split, TPShard
+from .units import format_layers
 from .weights import ExpertWeights, LayerWeights
 
 PREFIXES = (
@@ -26,13 +29,8 @@ PREFIXES = (
 )
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
-    return _DTYPES[name]
+MXFP4, DENSE = "mxfp4", "dense"  # how a layer's routed experts are stored
+EXPERT_FORMATS = (MXFP4, DENSE)
 
 
 class CheckpointReader:
@@ -253,3 +251,58 @@ def load_layer_weights(
         shared_up_SH=shared[1],
         shared_down_HS=shared[2],
     )
+
+
+# -- which format a checkpoint's experts are in -----------------------------------------------
+
+
+def checkpoint_has_weights(checkpoint: str | Path) -> bool:
+    root = Path(checkpoint)
+    return (root / INDEX_FILE).is_file() or (root / SINGLE_FILE).is_file()
+
+
+def checkpoint_expert_formats(checkpoint: Any, cfg: LatentMoEConfig, layers: Iterable[int]) -> dict[int, str]:
+    """Per layer, ``"mxfp4"`` when expert 0's gate projection is stored as ``weight_packed`` +
+    ``weight_scale`` (uint8), ``"dense"`` when it is a plain ``weight``; reads names only.
+
+    ``checkpoint``: a folder or a ``CheckpointReader``.
+    """
+    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
+    formats = {}
+    for layer in layers:
+        base = reader.layer_prefix(layer) + "experts.0.w1."
+        if base + "weight_packed" in reader and base + "weight_scale" in reader:
+            formats[layer] = MXFP4
+        elif base + "weight" in reader:
+            formats[layer] = DENSE
+        else:
+            raise ValueError(
+                f"checkpoint {reader.root} stores layer {layer}'s experts neither dense "
+                f"({base}weight) nor MXFP4 ({base}weight_packed + weight_scale)"
+            )
+    return formats
+
+
+def resolve_expert_formats(
+    cfg: LatentMoEConfig,
+    layers: Sequence[int],
+    checkpoint: str | Path | None = None,
+    experts_format: str | None = None,
+) -> dict[int, str] | None:
+    """The experts format of every layer: read from the checkpoint's tensor names when it holds
+    weights (an explicit ``experts_format`` must then agree), else ``experts_format`` (a
+    config-only checkpoint); None when neither says."""
+    if experts_format is not None and experts_format not in EXPERT_FORMATS:
+        raise ValueError(f"experts_format {experts_format!r} is not one of {EXPERT_FORMATS}")
+    if checkpoint is not None and checkpoint_has_weights(checkpoint):
+        found = checkpoint_expert_formats(checkpoint, cfg, layers)
+        wrong = sorted(layer for layer, f in found.items() if experts_format not in (None, f))
+        if wrong:
+            raise ValueError(
+                f"experts_format is {experts_format!r} but the checkpoint stores layers "
+                f"{format_layers(wrong)} as {found[wrong[0]]!r}"
+            )
+        return found
+    if experts_format is None:
+        return None
+    return dict.fromkeys(layers, experts_format)

@@ -12,16 +12,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from . import memory
-from .checkpoint import CheckpointReader, torch_dtype
-from .collectives import Collectives
+from .checkpoint import EXPERT_FORMATS, CheckpointReader, resolve_expert_formats
 from .config import LatentMoEConfig
 from .experts import DEFAULT_SCRATCH_BYTES, select_backend
 from .layer import check_input
-from .local_group import run_local_group
-from .plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
-from .routed_input import ACTIVATION_QUANT_MODES, REQUESTABLE_QUANT_MODES, RoutedInputConfig
-from .runner import build_rank_runners, check_activation_quant
+from .planning import memory
+from .planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_GB, cpu_budget, gpu_budget
+from .tp.collectives import Collectives
+from .tp.local_group import run_local_group
+from .tp.plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
+from .tp.routed_input import ACTIVATION_QUANT_MODES, REQUESTABLE_QUANT_MODES, RoutedInputConfig
+from .tp.runner import build_rank_runners, check_activation_quant
+from .units import GB, gb, torch_dtype
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--tp", type=int, default=8, help="TP size of each group")
     pl.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     pl.add_argument("--preshard-up-proj", action="store_true")
-    pl.add_argument("--device-memory-gb", type=float, default=memory.MI300X_MEMORY_GB, help="per GPU, GB")
+    pl.add_argument("--device-memory-gb", type=float, default=MI300X_MEMORY_GB, help="per GPU, GB")
     _memory_options(pl)
     return ap
 
@@ -71,8 +73,8 @@ def _memory_options(p: argparse.ArgumentParser) -> None:
         "--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20,
         help="per-rank budget for decoding the active MXFP4 experts, MiB",
     )
-    p.add_argument("--memory-fraction", type=float, default=memory.DEFAULT_MEMORY_FRACTION)
-    p.add_argument("--experts-format", choices=memory.EXPERT_FORMATS,
+    p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION)
+    p.add_argument("--experts-format", choices=EXPERT_FORMATS,
                    help="experts format of a config-only checkpoint (else read from its tensor names)")
     p.add_argument("--max-tokens", type=int, default=2048, help="memory: tokens of the largest forward")
 
@@ -167,19 +169,19 @@ def _read_input(path: Path, cfg: LatentMoEConfig, dtype: torch.dtype):
 def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
     """``--explain`` lines: the planner's bytes per rank by part for the layer, and headroom."""
     if args.device_memory_gb is not None:
-        budget = memory.gpu_budget(args.device_memory_gb, args.memory_fraction)
+        budget = gpu_budget(args.device_memory_gb, args.memory_fraction)
     elif torch.cuda.is_available():
-        total_gb = torch.cuda.get_device_properties(0).total_memory / memory.GB
-        budget = memory.gpu_budget(total_gb, args.memory_fraction)
+        total_gb = torch.cuda.get_device_properties(0).total_memory / GB
+        budget = gpu_budget(total_gb, args.memory_fraction)
     else:
-        budget = memory.cpu_budget(args.tp, args.memory_fraction)
-    if memory.resolve_expert_formats(cfg, [args.layer], args.checkpoint, args.experts_format) is None:
+        budget = cpu_budget(args.tp, args.memory_fraction)
+    if resolve_expert_formats(cfg, [args.layer], args.checkpoint, args.experts_format) is None:
         return ["memory: not planned: the checkpoint holds no weights; give --experts-format"]
     plan = memory.plan_checkpoint(
         args.checkpoint, cfg, [args.layer], args.dtype, args.tp, args.preshard_up_proj, args.experts_format,
         max_tokens=args.max_tokens, scratch_bytes=int(args.scratch_mb * 2**20), budget=budget,
     )
-    parts = ", ".join(f"{name} {memory.gb(n)}" for name, n in plan.by_part.items() if n)
+    parts = ", ".join(f"{name} {gb(n)}" for name, n in plan.by_part.items() if n)
     return [
         f"memory per rank ({plan.formats[args.layer]} experts): {parts}",
         f"memory: {plan.arithmetic()}",
@@ -190,11 +192,11 @@ def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
 def plan_layers(args: argparse.Namespace) -> int:
     """``plan``: the planner's split of every MoE layer over TP groups of one device kind."""
     cfg = LatentMoEConfig.from_pretrained(args.checkpoint)
-    formats = memory.resolve_expert_formats(cfg, cfg.moe_layers, args.checkpoint, args.experts_format)
+    formats = resolve_expert_formats(cfg, cfg.moe_layers, args.checkpoint, args.experts_format)
     if formats is None:
         raise ValueError(f"{args.checkpoint} holds no weights (config only): give --experts-format")
     split = memory.propose_split(
-        cfg, formats, args.dtype, args.tp, memory.gpu_budget(args.device_memory_gb, args.memory_fraction),
+        cfg, formats, args.dtype, args.tp, gpu_budget(args.device_memory_gb, args.memory_fraction),
         args.preshard_up_proj, args.max_tokens, int(args.scratch_mb * 2**20),
     )
     print(split.describe())

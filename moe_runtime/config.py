@@ -8,9 +8,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .units import DTYPES
+
 ROUTER_FUNCS = ("sigmoid", "softmax")
 ACTIVATIONS = ("situ", "silu")
-DTYPES = ("float32", "bfloat16", "float16")
 
 _REQUIRED = (
     "hidden_size",
@@ -99,7 +100,7 @@ class LatentMoEConfig:
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
         if self.torch_dtype not in DTYPES:
-            raise ValueError(f"torch_dtype {self.torch_dtype!r} is not one of {DTYPES}")
+            raise ValueError(f"torch_dtype {self.torch_dtype!r} is not one of {list(DTYPES)}")
         if self.grouped:
             G, TG = self.num_expert_group, self.topk_group
             if E % G:

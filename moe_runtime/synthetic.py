@@ -18,8 +18,9 @@ import torch
 from tqdm import tqdm
 
 from . import mxfp4
-from .checkpoint import INDEX_FILE, SINGLE_FILE, torch_dtype
+from .checkpoint import INDEX_FILE, SINGLE_FILE
 from .config import LatentMoEConfig
+from .units import torch_dtype
 
 _K3_COMMON: dict[str, Any] = {
     "routed_scaling_factor": 1.0,

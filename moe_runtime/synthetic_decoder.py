@@ -28,8 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, torch_dtype
+from .checkpoint import INDEX_FILE, SINGLE_FILE
 from .config import LatentMoEConfig
+from .units import torch_dtype
 
 DECODER_FILE = "model-decoder.safetensors"
 DECODER_FIELDS = ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",

@@ -48,7 +48,7 @@ def local_app(checkpoint: Path, app: str, deployments: list[dict[str, Any]], num
     from ray import serve
 
     from deployments.app import build_app
-    from moe_runtime.collectives import free_port
+    from moe_runtime.tp.collectives import free_port
 
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
              namespace="afd", log_to_driver=False)

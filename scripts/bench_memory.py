@@ -37,10 +37,11 @@ def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
     """Child process: load layer 1, one warm-up and one measured forward of ``tokens``."""
     import torch
 
-    from moe_runtime import memory
-    from moe_runtime.checkpoint import load_layer_weights, torch_dtype
+    from moe_runtime.checkpoint import checkpoint_expert_formats, load_layer_weights
     from moe_runtime.config import LatentMoEConfig
     from moe_runtime.layer import moe_forward
+    from moe_runtime.planning import memory
+    from moe_runtime.units import torch_dtype
 
     torch.set_num_threads(1)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
@@ -57,7 +58,7 @@ def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
         growth = _status("VmHWM:") - before
     return {
         "dtype": dtype, "tokens": tokens, "experts_held": held,
-        "checkpoint_format": memory.checkpoint_expert_formats(ckpt, cfg, [1])[1],
+        "checkpoint_format": checkpoint_expert_formats(ckpt, cfg, [1])[1],
         "resident_by_part": w.nbytes_by_part(), "planned_by_part": plan.by_part,
         "weights_exact": w.nbytes_by_part() == plan.by_part,
         "forward_peak_growth_bytes": growth,

@@ -23,14 +23,14 @@ import torch  # noqa: E402
 
 from moe_runtime import mxfp4  # noqa: E402
 from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
-from moe_runtime.collectives import Collectives  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.layer import moe_forward  # noqa: E402
-from moe_runtime.local_group import run_local_group  # noqa: E402
-from moe_runtime.plan import TailPlan  # noqa: E402
-from moe_runtime.routed_input import RoutedInputConfig  # noqa: E402
-from moe_runtime.runner import build_rank_runners  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+from moe_runtime.tp.collectives import Collectives  # noqa: E402
+from moe_runtime.tp.local_group import run_local_group  # noqa: E402
+from moe_runtime.tp.plan import TailPlan  # noqa: E402
+from moe_runtime.tp.routed_input import RoutedInputConfig  # noqa: E402
+from moe_runtime.tp.runner import build_rank_runners  # noqa: E402
 
 LAYER = 1
 REQUEST = 16  # the request whose batch dependence is measured

@@ -43,10 +43,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from moe_runtime.collectives import Collectives  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.local_group import run_local_group  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+from moe_runtime.tp.collectives import Collectives  # noqa: E402
+from moe_runtime.tp.local_group import run_local_group  # noqa: E402
 
 APP, FLOOR_APP = "overhead", "floors"
 LAYER = 1
@@ -73,8 +73,8 @@ def make_input(T: int, H: int) -> torch.Tensor:
 
 
 def _inprocess_rank(comm: Collectives, checkpoint: str, calls: int) -> dict[int, list[float]]:
-    from moe_runtime.plan import resolve_tail
-    from moe_runtime.runner import build_rank_runners
+    from moe_runtime.tp.plan import resolve_tail
+    from moe_runtime.tp.runner import build_rank_runners
 
     cfg = LatentMoEConfig.from_pretrained(checkpoint)
     plan = resolve_tail("auto", cfg, comm.world)
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from deployments.app import build_app
     from deployments.client import HTTPMoEClient, MoEClient
     from deployments.wire import WireTensor
-    from moe_runtime.collectives import free_port
+    from moe_runtime.tp.collectives import free_port
 
     ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, namespace="serve",
              log_to_driver=False, _system_config={"worker_niceness": 0})

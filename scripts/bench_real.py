@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from moe_runtime.cli import process_rss  # noqa: E402
-from moe_runtime.collectives import Collectives  # noqa: E402  (the rank's type)
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.experts import DEFAULT_SCRATCH_BYTES  # noqa: E402
-from moe_runtime.local_group import run_local_group  # noqa: E402
-from moe_runtime.plan import resolve_tail  # noqa: E402
 from moe_runtime.router import route  # noqa: E402
-from moe_runtime.runner import build_rank_runners  # noqa: E402
+from moe_runtime.tp.collectives import Collectives  # noqa: E402  (the rank's type)
+from moe_runtime.tp.local_group import run_local_group  # noqa: E402
+from moe_runtime.tp.plan import resolve_tail  # noqa: E402
+from moe_runtime.tp.runner import build_rank_runners  # noqa: E402
 
 LAYER = 1
 GB = 1e9

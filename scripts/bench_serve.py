@@ -40,10 +40,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from bench_docs import write_results  # noqa: E402
 
-from moe_runtime.collectives import Collectives  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.local_group import run_local_group  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+from moe_runtime.tp.collectives import Collectives  # noqa: E402
+from moe_runtime.tp.local_group import run_local_group  # noqa: E402
 
 APP = "bench"
 SECTION = "## Serving (scripts/bench_serve.py)"
@@ -56,9 +56,9 @@ LAYER = 1
 def _inprocess_rank(comm: Collectives, checkpoint: str, tail: str, dtype: str, sizes: list[int],
                     min_time_s: float) -> dict[int, float]:
     """Seconds per forward at each T on this rank (identical iteration counts on every rank)."""
-    from moe_runtime.checkpoint import torch_dtype
-    from moe_runtime.plan import resolve_tail
-    from moe_runtime.runner import build_rank_runners
+    from moe_runtime.tp.plan import resolve_tail
+    from moe_runtime.tp.runner import build_rank_runners
+    from moe_runtime.units import torch_dtype
 
     cfg = LatentMoEConfig.from_pretrained(checkpoint)
     plan = resolve_tail(tail, cfg, comm.world)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from deployments.app import build_app
-    from moe_runtime.collectives import free_port
+    from moe_runtime.tp.collectives import free_port
 
     mbt = {"batched": args.max_batch_tokens, "unbatched": 16}
     results: dict[str, Any] = {

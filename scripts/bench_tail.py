@@ -28,15 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from moe_runtime.activation import GatedActivation  # noqa: E402
-from moe_runtime.checkpoint import torch_dtype  # noqa: E402
-from moe_runtime.collectives import Collectives  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.layer import routed_experts, shared_experts  # noqa: E402
-from moe_runtime.local_group import run_local_group  # noqa: E402
-from moe_runtime.plan import TailPlan  # noqa: E402
-from moe_runtime.routed_input import RoutedInputConfig  # noqa: E402
-from moe_runtime.runner import LatentMoERunner, build_rank_runners  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+from moe_runtime.tp.collectives import Collectives  # noqa: E402
+from moe_runtime.tp.local_group import run_local_group  # noqa: E402
+from moe_runtime.tp.plan import TailPlan  # noqa: E402
+from moe_runtime.tp.routed_input import RoutedInputConfig  # noqa: E402
+from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners  # noqa: E402
+from moe_runtime.units import torch_dtype  # noqa: E402
 
 LAYER = 1
 

@@ -23,9 +23,10 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from deployments.client import HTTPMoEClient, MoEClient  # noqa: E402
-from moe_runtime.checkpoint import load_layer_weights, torch_dtype  # noqa: E402
+from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.layer import moe_forward  # noqa: E402
+from moe_runtime.units import torch_dtype  # noqa: E402
 
 
 def load_serve_config(path: Path, checkpoint: str | None, port: int | None) -> dict[str, Any]:

@@ -38,10 +38,10 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from moe_runtime import mxfp4  # noqa: E402
 from moe_runtime.activation import GatedActivation  # noqa: E402
-from moe_runtime.backend_check import TOLERANCE  # noqa: E402
-from moe_runtime.collectives import Collectives, free_port, init_group  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.experts import get_backend  # noqa: E402
+from moe_runtime.experts.check import TOLERANCE  # noqa: E402
+from moe_runtime.tp.collectives import Collectives, free_port, init_group  # noqa: E402
 from moe_runtime.weights import ExpertWeights  # noqa: E402
 
 K3 = {"D": 3584, "E": 896, "K": 16, "I": 3072}
@@ -186,8 +186,8 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
 def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: int, out: str) -> None:
     from moe_runtime.checkpoint import load_layer_weights
     from moe_runtime.layer import moe_forward
-    from moe_runtime.plan import TailPlan, legal_tails
-    from moe_runtime.runner import build_rank_runners
+    from moe_runtime.tp.plan import TailPlan, legal_tails
+    from moe_runtime.tp.runner import build_rank_runners
 
     device = device_of(smoke, rank)
     if device.type == "cuda":

@@ -45,8 +45,8 @@ from deployments.app import build_app  # noqa: E402
 from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEServeError  # noqa: E402
 from deployments.cluster_spec import MI300X_RESOURCE  # noqa: E402
 from deployments.controller import tp_group_placement  # noqa: E402
-from moe_runtime.collectives import free_port  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+from moe_runtime.tp.collectives import free_port  # noqa: E402
 
 CONFIG = ROOT / "deployments" / "configs" / "two_tier.yaml"
 ACCELERATOR = MI300X_RESOURCE.split(":", 1)[1]

@@ -43,7 +43,7 @@ def local_serve(num_cpus: int, num_gpus: int) -> Iterator[int]:
     import ray
     from ray import serve
 
-    from moe_runtime.collectives import free_port
+    from moe_runtime.tp.collectives import free_port
 
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, namespace="serve",
              log_to_driver=False)

@@ -26,9 +26,9 @@ from ray import serve
 
 from deployments.afd import Decoder, LocalMoE, TierMoE, split_rows, tier_busy
 from deployments.app import build_app
-from moe_runtime.collectives import free_port
 from moe_runtime.synthetic import preset_config, write_checkpoint
 from moe_runtime.synthetic_decoder import write_decoder
+from moe_runtime.tp.collectives import free_port
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [100]]

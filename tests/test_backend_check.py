@@ -7,13 +7,13 @@ import logging
 import pytest
 import torch
 
-from moe_runtime import experts
-from moe_runtime.backend_check import TOLERANCE, probe_backend
-from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.experts import TorchExperts
-from moe_runtime.plan import TailPlan
-from moe_runtime.runner import build_rank_runners
+from moe_runtime.experts import base as experts
+from moe_runtime.experts.check import TOLERANCE, probe_backend
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.runner import build_rank_runners
 
 LAYER = 1
 
@@ -66,7 +66,7 @@ class Crashes:
 def fakes(monkeypatch):
     """Register the fake backends for this test only; ``auto`` prefers them in the given order."""
     for name, factory in {"swapped": GateUpSwapped, "loop": PerSlotLoop, "crashes": Crashes}.items():
-        monkeypatch.setitem(experts._REGISTRY, name, factory)
+        monkeypatch.setitem(experts._REGISTRY, name, experts.BackendEntry(factory))
 
     def prefer(*names: str) -> None:
         monkeypatch.setattr(experts, "AUTO_PREFERENCE", names)
@@ -112,7 +112,7 @@ def test_backend_that_cannot_even_be_built_is_refused(tiny_ckpt, fakes, monkeypa
     def broken_install(scratch_bytes):
         raise ImportError("cannot import name 'shuffle_weight_a16w4'")
 
-    monkeypatch.setitem(experts._REGISTRY, "broken", broken_install)
+    monkeypatch.setitem(experts._REGISTRY, "broken", experts.BackendEntry(broken_install))
     fakes("broken")
     (check,) = build(tiny_ckpt, "auto")[LAYER].backend_checks
     assert not check.passed and "ImportError: cannot import name" in check.error

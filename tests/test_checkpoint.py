@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from moe_runtime.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader, load_layer_weights
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.sharding import TPShard
 from moe_runtime.synthetic import PRESETS
+from moe_runtime.tp.sharding import TPShard
 
 REPO = Path(__file__).resolve().parents[1]
 K3 = "language_model.layers.{i}.block_sparse_moe."

@@ -35,7 +35,7 @@ from deployments.controller import (
 )
 from deployments.spec import DeploymentSpec
 from moe_runtime.synthetic import preset_config
-from moe_runtime.tuning import current_measurement, resolve_clock
+from moe_runtime.tp.tuning import current_measurement, resolve_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 MI300X = "accelerator_type:AMD-Instinct-MI300X-OAM"
@@ -266,8 +266,8 @@ def auto_app(tiny_ckpt):
     from deployments.app import build_app
     from deployments.client import MoEClient
     from moe_runtime.checkpoint import load_layer_weights
-    from moe_runtime.collectives import free_port
     from moe_runtime.config import LatentMoEConfig
+    from moe_runtime.tp.collectives import free_port
 
     metrics_port, http_port = free_port(), free_port()
     ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, namespace="controller_test",

@@ -10,14 +10,15 @@ import torch
 
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
-from moe_runtime.backend_check import probe_backend
 from moe_runtime.checkpoint import load_layer_weights
-from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.experts import aiter_unavailable_reason, get_backend
+from moe_runtime.experts import get_backend
+from moe_runtime.experts.aiter_fused import aiter_unavailable_reason
+from moe_runtime.experts.check import probe_backend
 from moe_runtime.layer import moe_forward
-from moe_runtime.plan import TailPlan
-from moe_runtime.runner import build_rank_runners
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.runner import build_rank_runners
 from moe_runtime.weights import ExpertWeights
 
 pytestmark = [

@@ -8,13 +8,13 @@ from test_tp_runner import LAYER, TAILS, assert_matches_reference, gather_output
 
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
-from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.experts import get_backend
-from moe_runtime.grouped_experts import GroupedExperts
-from moe_runtime.local_group import run_local_group
-from moe_runtime.plan import TailPlan
-from moe_runtime.runner import build_rank_runners
+from moe_runtime.experts.grouped import GroupedExperts
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.runner import build_rank_runners
 from moe_runtime.weights import ExpertWeights
 
 E, I, D, T, K = 6, 64, 96, 40, 3

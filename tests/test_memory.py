@@ -18,11 +18,14 @@ import torch
 from deployments.app import decide_app, plan_app
 from deployments.controller import decide, tail_decision
 from deployments.spec import DeploymentSpec, default_max_body_bytes, resolve_app
-from moe_runtime import memory
-from moe_runtime.checkpoint import load_layer_weights
+from moe_runtime.checkpoint import checkpoint_expert_formats, load_layer_weights, resolve_expert_formats
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.sharding import TPShard
+from moe_runtime.planning import memory
+from moe_runtime.planning.budget import Budget, cpu_budget, gpu_budget, node_memory_bytes
+from moe_runtime.planning.cost import STARTUP_FLOOR_S, forward_cost_s
 from moe_runtime.synthetic import preset_config, write_checkpoint
+from moe_runtime.tp.sharding import TPShard
+from moe_runtime.units import format_layers
 
 MI300X = "AMD-Instinct-MI300X-OAM"
 K3_RAW = preset_config("kimi-k3", num_hidden_layers=93)  # layer 0 dense, layers 1..92 MoE
@@ -87,12 +90,12 @@ def test_activation_and_workspace_formula_by_hand():
 
 
 def test_budgets():
-    assert memory.gpu_budget().bytes_per_rank == 172_800_000_000  # MI300X 192 GB x 0.9
-    cpu = memory.cpu_budget(2, 0.9, node_bytes=24_000_000_000)
+    assert gpu_budget().bytes_per_rank == 172_800_000_000  # MI300X 192 GB x 0.9
+    cpu = cpu_budget(2, 0.9, node_bytes=24_000_000_000)
     assert cpu.bytes_per_rank == 10_800_000_000 and "/ 2 rank(s)" in cpu.source
-    assert memory.node_memory_bytes() > 0
+    assert node_memory_bytes() > 0
     with pytest.raises(ValueError, match=r"memory_fraction must be in \(0, 1\]"):
-        memory.gpu_budget(192, 1.5)
+        gpu_budget(192, 1.5)
 
 
 def test_k3_split_over_mi300x_tp8_groups():
@@ -100,7 +103,7 @@ def test_k3_split_over_mi300x_tp8_groups():
     # them even packed; two groups of 46 (97.8 GB + workspace each) can.
     assert 92 * 2_126_792_192 == 195_664_881_664 > 172_800_000_000
     formats = dict.fromkeys(range(1, 93), "mxfp4")
-    split = memory.propose_split(K3, formats, "bfloat16", 8, memory.gpu_budget(), max_tokens=16384)
+    split = memory.propose_split(K3, formats, "bfloat16", 8, gpu_budget(), max_tokens=16384)
     assert split.ranges == ["1-46", "47-92"]
     head = 172_800_000_000 - (46 * 2_126_792_192 + 256 * 2**20 + 16384 * 189_632)
     assert [p.headroom_bytes for p in split.plans] == [head, head]
@@ -109,25 +112,25 @@ def test_k3_split_over_mi300x_tp8_groups():
     # Decoded to bf16 (7_560_250_880 B per layer) the same stack needs 5 groups of 18-19 layers:
     # 22 layers would be 166.3 GB of weights + 3.4 GB workspace; the balanced split uses 5.
     dense = memory.propose_split(K3, dict.fromkeys(range(1, 93), "dense"), "bfloat16", 8,
-                                 memory.gpu_budget(), max_tokens=16384)
+                                 gpu_budget(), max_tokens=16384)
     assert len(dense.groups) == 5 and sorted({len(g) for g in dense.groups}) == [18, 19]
     assert all(p.fits for p in dense.plans)
     # A small budget that fits one layer per group gives single-layer ranges.
-    tight = memory.Budget(3 * 10**9, "test")
+    tight = Budget(3 * 10**9, "test")
     assert memory.propose_split(K3, {1: "mxfp4", 2: "mxfp4"}, "bfloat16", 8, tight, max_tokens=1).ranges \
         == ["1", "2"]
 
 
 def test_refusal_carries_the_arithmetic():
     plan = memory.plan_memory(K3, dict.fromkeys(range(1, 93), "mxfp4"), "bfloat16", 8, max_tokens=8192,
-                              budget=memory.gpu_budget())
+                              budget=gpu_budget())
     assert not plan.fits
     # Room for layers: (172.8e9 - 268_435_456 - 8192 x 189_632) // 2_126_792_192 = 80.
     assert (172_800_000_000 - 268_435_456 - 8192 * 189_632) // 2_126_792_192 == 80
     with pytest.raises(ValueError, match=r"92 layer\(s\) \(1-92\) x ~2.13 GB.*= 195.66 GB.*At most 80"):
         plan.check()
     with pytest.raises(ValueError, match="one layer at TP 8 does not fit"):
-        memory.propose_split(K3, {1: "mxfp4"}, "bfloat16", 8, memory.Budget(10**9, "test"))
+        memory.propose_split(K3, {1: "mxfp4"}, "bfloat16", 8, Budget(10**9, "test"))
 
 
 def test_mxfp4_slices_must_fall_on_blocks():
@@ -139,14 +142,14 @@ def test_mxfp4_slices_must_fall_on_blocks():
 
 def test_formats_are_read_from_tensor_names(make_ckpt, tmp_path):
     cfg = LatentMoEConfig.from_dict(preset_config("tiny"))
-    assert memory.checkpoint_expert_formats(make_ckpt(mxfp4=True), cfg, [1, 2]) == {1: "mxfp4", 2: "mxfp4"}
-    assert memory.checkpoint_expert_formats(make_ckpt(), cfg, [1]) == {1: "dense"}
-    assert memory.resolve_expert_formats(cfg, [1], make_ckpt(), "dense") == {1: "dense"}
+    assert checkpoint_expert_formats(make_ckpt(mxfp4=True), cfg, [1, 2]) == {1: "mxfp4", 2: "mxfp4"}
+    assert checkpoint_expert_formats(make_ckpt(), cfg, [1]) == {1: "dense"}
+    assert resolve_expert_formats(cfg, [1], make_ckpt(), "dense") == {1: "dense"}
     with pytest.raises(ValueError, match="experts_format is 'mxfp4' but the checkpoint stores layers 1"):
-        memory.resolve_expert_formats(cfg, [1], make_ckpt(), "mxfp4")
+        resolve_expert_formats(cfg, [1], make_ckpt(), "mxfp4")
     config_only = write_checkpoint(tmp_path / "cfg", preset_config("tiny"), config_only=True)
-    assert memory.resolve_expert_formats(cfg, [1, 2], config_only) is None
-    assert memory.resolve_expert_formats(cfg, [1, 2], config_only, "mxfp4") == {1: "mxfp4", 2: "mxfp4"}
+    assert resolve_expert_formats(cfg, [1, 2], config_only) is None
+    assert resolve_expert_formats(cfg, [1, 2], config_only, "mxfp4") == {1: "mxfp4", 2: "mxfp4"}
     with pytest.raises(ValueError, match="give experts_format"):
         memory.plan_checkpoint(config_only, cfg)
 
@@ -207,7 +210,7 @@ def test_status_record_and_cpu_budget(tiny_ckpt):
     # No accelerator_type, no GPU here: the CPU budget, the node's memory over the 2 ranks.
     assert d.memory.budget.source.startswith("CPU: node memory") and d.memory_note.startswith("cpu budget")
     # Small checkpoint: the startup bound is the floor, and the spec the replicas get carries it.
-    assert d.startup_timeout_s == memory.STARTUP_FLOOR_S == resolved[0].spec.startup_timeout_s
+    assert d.startup_timeout_s == STARTUP_FLOOR_S == resolved[0].spec.startup_timeout_s
 
 
 def test_startup_timeout_is_derived_from_the_planned_bytes(k3_dir):
@@ -223,7 +226,7 @@ def test_startup_timeout_is_derived_from_the_planned_bytes(k3_dir):
 def test_warmup_measurement_stays_within_the_startup_bound():
     spec = DeploymentSpec(tp_size=2, dtype="bfloat16")  # auto, tokens [1, 16, 128, 1024], 3 reps
     plan = memory.plan_memory(K3, {1: "mxfp4"}, "bfloat16", 2, max_tokens=8192)
-    cpu_cost = partial(memory.forward_cost_s, plan, K3, device="cpu")
+    cpu_cost = partial(forward_cost_s, plan, K3, device="cpu")
     calls = 4 * 4  # (3 reps + 1 warm-up) x 4 legal tails
     # Estimates (s) at T = 1, 16, 128: cumulative 16 x (1.50 + 17.68) = 307 s fits 450 s; + 128 does not.
     assert calls * (cpu_cost(1) + cpu_cost(16)) < 450 < calls * (cpu_cost(1) + cpu_cost(16) + cpu_cost(128))
@@ -235,7 +238,7 @@ def test_warmup_measurement_stays_within_the_startup_bound():
     assert not d.pending and d.plan.tails == ("sharded",)
     assert "fewer than two token counts fit, so the static rule applies" in d.plan.reason
     # On a GPU the whole measurement is estimated at well under a minute: all counts measured.
-    gpu = tail_decision(spec, K3, partial(memory.forward_cost_s, plan, K3, device="gpu"), 450.0)
+    gpu = tail_decision(spec, K3, partial(forward_cost_s, plan, K3, device="gpu"), 450.0)
     assert gpu.measure.token_counts == (1, 16, 128, 1024) and gpu.bound is None
 
 
@@ -266,9 +269,9 @@ def test_shipped_k3_config_serves_every_moe_layer_once_and_fits(k3_dir):
     # The ranges are the planner's proposal for this device and token budget.
     spec = resolved[0].spec
     split = memory.propose_split(K3, dict.fromkeys(K3.moe_layers, "mxfp4"), "bfloat16", 8,
-                                 memory.gpu_budget(spec.device_memory_gb, spec.memory_fraction),
+                                 gpu_budget(spec.device_memory_gb, spec.memory_fraction),
                                  max_tokens=spec.max_forward_tokens)
-    assert [memory.format_layers(r.layers) for r in resolved] == split.ranges
+    assert [format_layers(r.layers) for r in resolved] == split.ranges
     assert decide([r.spec for r in resolved], K3)  # the pure controller agrees (format stated)
 
 
@@ -327,8 +330,8 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
 
     from deployments.app import build_app
     from deployments.client import MoEClient
-    from moe_runtime.collectives import free_port
     from moe_runtime.layer import moe_forward
+    from moe_runtime.tp.collectives import free_port
 
     log = tmp_path / "clock.log"
     monkeypatch.setenv(SLOW_CLOCK_LOG, str(log))  # inherited by the local Ray's workers

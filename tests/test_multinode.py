@@ -33,9 +33,9 @@ from deployments.client import MoEClient
 from deployments.cluster_spec import MI300X_RESOURCE
 from deployments.controller import tp_group_placement
 from moe_runtime.checkpoint import load_layer_weights
-from moe_runtime.collectives import free_port
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
+from moe_runtime.tp.collectives import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -19,14 +19,14 @@ from safetensors.torch import load_file
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
 from moe_runtime.checkpoint import INDEX_FILE, CheckpointReader, load_layer_weights
-from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
-from moe_runtime.local_group import run_local_group
-from moe_runtime.plan import TailPlan
-from moe_runtime.runner import LatentMoERunner, build_rank_runners
-from moe_runtime.sharding import TPShard
 from moe_runtime.synthetic import preset_config, write_checkpoint
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
+from moe_runtime.tp.sharding import TPShard
 from moe_runtime.weights import ExpertWeights
 
 LAYER = 1

@@ -37,9 +37,9 @@ from deployments.placement import (
 )
 from deployments.spec import AppArgs, DeploymentSpec
 from moe_runtime.checkpoint import load_layer_weights
-from moe_runtime.collectives import free_port
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
+from moe_runtime.tp.collectives import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MI300X = "accelerator_type:AMD-Instinct-MI300X-OAM"

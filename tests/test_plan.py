@@ -9,7 +9,8 @@ import re
 import pytest
 
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.plan import (
+from moe_runtime.synthetic import preset_config
+from moe_runtime.tp.plan import (
     TAILS,
     Shardability,
     TailPlan,
@@ -19,7 +20,6 @@ from moe_runtime.plan import (
     shardability_for,
     sharded_tail_shardability,
 )
-from moe_runtime.synthetic import preset_config
 
 BASE_TAILS = ("replicated", "overlap", "single_allreduce")
 

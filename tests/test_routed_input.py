@@ -16,12 +16,13 @@ import torch
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
 from moe_runtime.checkpoint import CheckpointReader
-from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import down_project, latent_norm, moe_forward, shared_experts
-from moe_runtime.local_group import run_local_group
-from moe_runtime.plan import TailPlan
-from moe_runtime.routed_input import (
+from moe_runtime.router import route
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.routed_input import (
     FP8_MAX,
     QUANT_MODES,
     RoutedInputConfig,
@@ -31,8 +32,7 @@ from moe_runtime.routed_input import (
     quantize,
     wire_bytes,
 )
-from moe_runtime.router import route
-from moe_runtime.runner import activation_quantizer, build_rank_runners, check_activation_quant
+from moe_runtime.tp.runner import activation_quantizer, build_rank_runners, check_activation_quant
 
 LAYER = 1
 P = 2

@@ -23,9 +23,9 @@ import yaml
 
 from deployments.client import HTTPMoEClient, MoEServeError
 from moe_runtime.checkpoint import load_layer_weights
-from moe_runtime.collectives import free_port
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
+from moe_runtime.tp.collectives import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from moe_runtime.sharding import SHARDING_TABLE, Split, TPShard, check_tp_size
+from moe_runtime.tp.sharding import SHARDING_TABLE, Split, TPShard, check_tp_size
 
 
 def raises(*fragments: str):

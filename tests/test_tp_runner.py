@@ -23,14 +23,14 @@ import torch
 from safetensors import safe_open
 
 from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
-from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward, shared_experts
-from moe_runtime.local_group import run_local_group
-from moe_runtime.plan import TailPlan, TailTier
-from moe_runtime.routed_input import RoutedInputConfig
-from moe_runtime.runner import build_rank_runners, sp_rows
-from moe_runtime.sharding import TPShard
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import TailPlan, TailTier
+from moe_runtime.tp.routed_input import RoutedInputConfig
+from moe_runtime.tp.runner import build_rank_runners, sp_rows
+from moe_runtime.tp.sharding import TPShard
 
 LAYER = 1  # the tiny preset's first MoE layer (layer 0 is dense)
 TAILS = ("replicated", "overlap", "sharded", "single_allreduce", "sequence_parallel")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_runtime.collectives import Collectives
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.plan import TailPlan, TailTier
-from moe_runtime.runner import build_rank_runners
-from moe_runtime.tuning import plan_from_timings, time_tails
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.plan import TailPlan, TailTier
+from moe_runtime.tp.runner import build_rank_runners
+from moe_runtime.tp.tuning import plan_from_timings, time_tails
 
 
 def test_plan_from_timings_merges_neighbouring_winners():

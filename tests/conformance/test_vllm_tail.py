@@ -23,8 +23,8 @@ from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 from vllm.models.kimi_k3.amd import latent_moe_runner as vllm_latent  # noqa: E402
 
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.plan import TailPlan, legal_tails, shardability_for, sharded_tail_shardability  # noqa: E402
-from moe_runtime.runner import build_rank_runners  # noqa: E402
+from moe_runtime.tp.plan import TailPlan, legal_tails, shardability_for, sharded_tail_shardability  # noqa: E402
+from moe_runtime.tp.runner import build_rank_runners  # noqa: E402
 
 
 class ThreadGroup:

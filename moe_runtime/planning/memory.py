@@ -17,65 +17,25 @@ Per rank the planner adds a workspace allowance: the experts' decode scratch bud
 256 MiB) plus activations for the largest forward, ``tokens x activation_bytes_per_token`` (see
 :func:`activation_bytes_per_token` for the per-token formula).
 
-Units: GB is 10**9 bytes throughout (an MI300X is sold as 192 GB of HBM3).
+Units: GB is 10**9 bytes (``moe_runtime.units``). Budgets are in ``budget``, time in ``cost``.
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import LatentMoEConfig
-from .experts import DEFAULT_SCRATCH_BYTES  # the torch backend's decode budget per rank
-from .sharding import check_tp_size
-from .weights import PARTS
+from ..checkpoint import EXPERT_FORMATS, MXFP4, resolve_expert_formats
+from ..config import LatentMoEConfig
+from ..experts import DEFAULT_SCRATCH_BYTES  # the torch backend's decode budget per rank
+from ..tp.sharding import check_tp_size
+from ..units import dtype_bytes, format_layers, gb
+from ..weights import PARTS
+from .budget import Budget
 
-MXFP4, DENSE = "mxfp4", "dense"
-EXPERT_FORMATS = (MXFP4, DENSE)
-GB = 10**9
 MXFP4_BLOCK = 32
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-MI300X_MEMORY_GB = 192.0
-DEFAULT_MEMORY_FRACTION = 0.9
-# Startup (moe_runtime never reads faster than storage allows): a TP group's ranks read their
-# slices at the same time from the node's storage; 0.25 GB/s is a slow network filesystem (local
-# NVMe is ~10x faster), so derived bounds are generous rather than tight.
-ASSUMED_READ_BYTES_PER_S = 0.25 * GB
-STARTUP_FLOOR_S = 900.0
-# Warm-up cost estimates (tail "auto"): deliberately slow figures, so an estimate errs long.
-ASSUMED_DEVICE_SPEED = {  # (bytes/s of memory traffic, FLOP/s)
-    "cpu": (1.0 * GB, 2.0e10),
-    "gpu": (1.0e12, 1.0e14),
-}
-
-
-def dtype_bytes(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"unknown compute dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
-
-
-def gb(n: float) -> str:
-    """Bytes for people: GB (1e9) down to MB (1e6) and kB, two decimals."""
-    for unit, size in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def format_layers(layers: Iterable[int]) -> str:
-    """Compact ranges: [1, 2, 3, 7] -> "1-3,7"."""
-    runs: list[list[int]] = []
-    for x in sorted(layers):
-        if runs and x == runs[-1][1] + 1:
-            runs[-1][1] = x
-        else:
-            runs.append([x, x])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # -- bytes per rank per layer ----------------------------------------------------------------
@@ -136,121 +96,6 @@ def activation_bytes_per_token(cfg: LatentMoEConfig, dtype: str, tp_size: int = 
     I_l, S_l = cfg.moe_intermediate_size // tp_size, cfg.shared_intermediate_size // tp_size
     return (
         H * (4 * b + 4) + 12 * E + 28 * K + 2 * D * (b + 8) + I_l * (3 * b + 12) + S_l * (3 * b + 12)
-    )
-
-
-# -- which format a checkpoint's experts are in -----------------------------------------------
-
-
-def checkpoint_has_weights(checkpoint: str | Path) -> bool:
-    from .checkpoint import INDEX_FILE, SINGLE_FILE
-
-    root = Path(checkpoint)
-    return (root / INDEX_FILE).is_file() or (root / SINGLE_FILE).is_file()
-
-
-def checkpoint_expert_formats(checkpoint: Any, cfg: LatentMoEConfig, layers: Iterable[int]) -> dict[int, str]:
-    """Per layer, ``"mxfp4"`` when expert 0's gate projection is stored as ``weight_packed`` +
-    ``weight_scale`` (uint8), ``"dense"`` when it is a plain ``weight``; reads names only.
-
-    ``checkpoint``: a folder or a ``CheckpointReader``.
-    """
-    from .checkpoint import CheckpointReader
-
-    reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
-    formats = {}
-    for layer in layers:
-        base = reader.layer_prefix(layer) + "experts.0.w1."
-        if base + "weight_packed" in reader and base + "weight_scale" in reader:
-            formats[layer] = MXFP4
-        elif base + "weight" in reader:
-            formats[layer] = DENSE
-        else:
-            raise ValueError(
-                f"checkpoint {reader.root} stores layer {layer}'s experts neither dense "
-                f"({base}weight) nor MXFP4 ({base}weight_packed + weight_scale)"
-            )
-    return formats
-
-
-def resolve_expert_formats(
-    cfg: LatentMoEConfig,
-    layers: Sequence[int],
-    checkpoint: str | Path | None = None,
-    experts_format: str | None = None,
-) -> dict[int, str] | None:
-    """The experts format of every layer: read from the checkpoint's tensor names when it holds
-    weights (an explicit ``experts_format`` must then agree), else ``experts_format`` (a
-    config-only checkpoint); None when neither says."""
-    if experts_format is not None and experts_format not in EXPERT_FORMATS:
-        raise ValueError(f"experts_format {experts_format!r} is not one of {EXPERT_FORMATS}")
-    if checkpoint is not None and checkpoint_has_weights(checkpoint):
-        found = checkpoint_expert_formats(checkpoint, cfg, layers)
-        wrong = sorted(layer for layer, f in found.items() if experts_format not in (None, f))
-        if wrong:
-            raise ValueError(
-                f"experts_format is {experts_format!r} but the checkpoint stores layers "
-                f"{format_layers(wrong)} as {found[wrong[0]]!r}"
-            )
-        return found
-    if experts_format is None:
-        return None
-    return dict.fromkeys(layers, experts_format)
-
-
-# -- budgets -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Bytes one rank may use, and where the number comes from."""
-
-    bytes_per_rank: int
-    source: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"bytes_per_rank": self.bytes_per_rank, "source": self.source}
-
-
-def _check_fraction(memory_fraction: float) -> None:
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-
-
-def gpu_budget(
-    device_memory_gb: float = MI300X_MEMORY_GB, memory_fraction: float = DEFAULT_MEMORY_FRACTION
-) -> Budget:
-    """One GPU per rank: ``device_memory_gb x memory_fraction``."""
-    _check_fraction(memory_fraction)
-    if not device_memory_gb > 0:
-        raise ValueError(f"device_memory_gb must be > 0, got {device_memory_gb}")
-    total = int(device_memory_gb * GB * memory_fraction)
-    return Budget(total, f"GPU: {device_memory_gb:g} GB x {memory_fraction:g} = {gb(total)} per rank")
-
-
-def node_memory_bytes() -> int:
-    """This node's memory: physical RAM, capped by the cgroup (container) limit when one is set."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
-
-
-def cpu_budget(
-    ranks: int, memory_fraction: float = DEFAULT_MEMORY_FRACTION, node_bytes: int | None = None
-) -> Budget:
-    """Ranks on CPU share their node: ``node memory x memory_fraction / ranks``."""
-    _check_fraction(memory_fraction)
-    node = node_memory_bytes() if node_bytes is None else node_bytes
-    per_rank = int(node * memory_fraction) // ranks
-    return Budget(
-        per_rank,
-        f"CPU: node memory {gb(node)} x {memory_fraction:g} / {ranks} rank(s) = {gb(per_rank)} per rank",
     )
 
 
@@ -485,52 +330,3 @@ def propose_split(
     return LayerSplit(tuple(plans))
 
 
-# -- time: startup bound and warm-up cost --------------------------------------------------------
-
-
-def startup_timeout_s(plan: MemoryPlan | None) -> float:
-    """Replica start bound: the group's weight bytes (every rank reads its slices from the same
-    node's storage) at ``ASSUMED_READ_BYTES_PER_S``, at least ``STARTUP_FLOOR_S``."""
-    if plan is None:
-        return STARTUP_FLOOR_S
-    read = plan.weights_bytes * plan.tp_size
-    return max(STARTUP_FLOOR_S, math.ceil(read / ASSUMED_READ_BYTES_PER_S))
-
-
-def forward_cost_s(plan: MemoryPlan, cfg: LatentMoEConfig, tokens: int, device: str) -> float:
-    """A deliberately pessimistic estimate of one forward of one layer on one rank.
-
-    Memory traffic: the layer's non-expert weights, plus the experts ``tokens`` are expected to
-    activate (a fraction ``1 - (1 - K/E)^T`` of them); packed experts also count their decoded
-    copy written and read once. FLOPs: ``2 T`` times (router E H + projections 2 D H + routed
-    K x 3 I_l D + shared 3 S_l H). Speeds: ``ASSUMED_DEVICE_SPEED[device]``.
-    """
-    bandwidth, flops = ASSUMED_DEVICE_SPEED[device]
-    layer = plan.layers[0]
-    parts = plan.per_layer[layer]
-    E, K = cfg.num_experts, cfg.num_experts_per_token
-    active = 1.0 - (1.0 - K / E) ** tokens
-    experts = parts["experts_packed"] + parts["experts_dense"]
-    if plan.formats[layer] == MXFP4:
-        decoded = E * 3 * (cfg.moe_intermediate_size // plan.tp_size) * cfg.routed_expert_hidden_size
-        experts += 2 * decoded * dtype_bytes(plan.dtype)
-    traffic = sum(parts.values()) - parts["experts_packed"] - parts["experts_dense"] + active * experts
-    H, D = cfg.hidden_size, cfg.routed_expert_hidden_size
-    I_l, S_l = cfg.moe_intermediate_size // plan.tp_size, cfg.shared_intermediate_size // plan.tp_size
-    work = 2 * tokens * (E * H + 2 * D * H + K * 3 * I_l * D + 3 * S_l * H)
-    return traffic / bandwidth + work / flops
-
-
-def bounded_token_counts(
-    token_counts: Sequence[int], cost_s: Any, calls_per_count: int, budget_s: float
-) -> tuple[list[int], float]:
-    """The ascending prefix of ``token_counts`` whose estimated measurement time
-    (``calls_per_count x cost_s(T)`` summed) fits ``budget_s``, and that estimate."""
-    kept, total = [], 0.0
-    for T in sorted(token_counts):
-        step = calls_per_count * cost_s(T)
-        if total + step > budget_s:
-            break
-        kept.append(T)
-        total += step
-    return kept, total

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .activation import GatedActivation
-from .experts import check_scratch_bytes, slots_by_expert
-from .weights import ExpertWeights
+from ..activation import GatedActivation
+from ..weights import ExpertWeights
+from .base import DEFAULT_SCRATCH_BYTES, check_scratch_bytes, register_backend, slots_by_expert
 
 GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -41,10 +41,11 @@ def _experts_mm(x_MD, counts_G, w13_GFD, w2_GDI, act: GatedActivation, act_quant
     return torch._grouped_mm(a, w2_GDI.transpose(1, 2), offs=offs)
 
 
+@register_backend("grouped", unavailable=grouped_unavailable_reason)
 class GroupedExperts:
     name = "grouped"
 
-    def __init__(self, scratch_bytes: int) -> None:
+    def __init__(self, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> None:
         reason = grouped_unavailable_reason()
         if reason is not None:
             raise ValueError(reason)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .config import LatentMoEConfig
+from ..config import LatentMoEConfig
 from .sharding import check_tp_size
 
 TAILS = ("replicated", "overlap", "sharded", "single_allreduce", "sequence_parallel")

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import mxfp4
+from .. import mxfp4
 
 QUANT_MODES = ("none", "mxfp4", "fp8-approx", "mxfp4-approx")
 REQUESTABLE_QUANT_MODES = ("auto", *QUANT_MODES)

@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .activation import GatedActivation
-from .experts import ActQuant, ExpertsBackend, get_backend
-from .weights import ExpertWeights
+from ..activation import GatedActivation
+from ..weights import ExpertWeights
+from .base import REFERENCE_BACKEND, ActQuant, ExpertsBackend, get_backend
 
 logger = logging.getLogger("moe_runtime")
 
@@ -102,7 +102,7 @@ def probe_backend(
     """Build the candidate and run the probe batch through it and the torch backend; compare."""
     if tolerance is None:
         tolerance = TOLERANCE_WITH_ACT_QUANT if act_quant is not None else TOLERANCE.get(experts.dtype, 2e-2)
-    reference = reference or get_backend("torch")
+    reference = reference or get_backend(REFERENCE_BACKEND)
     h, ids, weights = probe_batch(experts, top_k, tokens)
     with torch.inference_mode():
         ref = reference(h, ids, weights, experts, act, act_quant).float()
@@ -141,7 +141,7 @@ def verify_backend(
     """
     checks: list[BackendCheck] = []
     for name in candidates:
-        if name == "torch":
+        if name == REFERENCE_BACKEND:
             return name, checks
         check = probe_backend(name, functools.partial(get_backend, name, scratch_bytes), experts, act,
                               top_k=top_k, layer=layer, act_quant=act_quant)

@@ -7,7 +7,6 @@ Legend: T tokens (Tp padded to a multiple of P), H hidden, D latent, P TP size.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -15,29 +14,19 @@ from pathlib import Path
 
 import torch
 
-from . import mxfp4
-from .activation import GatedActivation
-from .backend_check import BackendCheck, verify_backend
-from .checkpoint import CheckpointReader, load_layer_weights
+from .. import mxfp4
+from ..activation import GatedActivation
+from ..checkpoint import MXFP4, CheckpointReader, checkpoint_expert_formats, load_layer_weights
+from ..config import LatentMoEConfig
+from ..experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
+from ..experts.check import BackendCheck, verify_backend
+from ..layer import down_project, latent_norm, routed_experts, shared_experts
+from ..logs import log_once
+from ..weights import LayerWeights
 from .collectives import Collectives
-from .config import LatentMoEConfig
-from .experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
-from .layer import down_project, latent_norm, routed_experts, shared_experts
-from .memory import MXFP4, checkpoint_expert_formats
 from .plan import TailPlan, legal_tails, shardability_for
 from .routed_input import ACTIVATION_QUANT_MODES, RoutedInputConfig, dequantize, quantize
 from .sharding import TPShard
-from .weights import LayerWeights
-
-logger = logging.getLogger("moe_runtime")
-_logged: set[str] = set()
-
-
-def log_once(message: str, log: logging.Logger = logger, level: int = logging.INFO) -> None:
-    """Log ``message`` the first time only (decisions, not per-request events)."""
-    if message not in _logged:
-        _logged.add(message)
-        log.log(level, message)
 
 
 class StageTimer:

@@ -1,6 +1,7 @@
 """Adapter from the experts-backend seam to AMD aiter's fused SiTUv2 MoE (ROCm only).
 
-Imported lazily, and only after ``experts.aiter_unavailable_reason()`` found a ROCm device and an
+Registered as ``aiter``; the aiter package itself is imported only when a backend is built, and
+only after :func:`aiter_unavailable_reason` found a ROCm device and an
 aiter build whose ``fused_moe`` takes the SiTU activation and its two betas (ROCm images that
 build aiter from source since its Kimi-K3 support; the PyPI wheel ``amd-aiter`` 0.1.7 has
 neither). It never serves unverified: ``backend_check`` compares it with the torch backend on the
@@ -31,20 +32,46 @@ experts (which the torch reference and ``status()`` still read).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import os
 
 import torch
 
-from .activation import GatedActivation
-from .weights import ExpertWeights
+from ..activation import GatedActivation
+from ..weights import ExpertWeights
+from .base import DEFAULT_SCRATCH_BYTES, register_backend
 
 _A4W4_ENV, _A8W4_ENV = "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4"
 
 
+def aiter_unavailable_reason() -> str | None:
+    """None when AMD's aiter offers a fused SiTU MoE here, else why it cannot be used."""
+    if not (torch.cuda.is_available() and torch.version.hip):
+        return "aiter needs a ROCm GPU; this process has none"
+    if importlib.util.find_spec("aiter") is None:
+        return "the aiter package (PyPI amd-aiter) is not installed"
+    try:
+        aiter = importlib.import_module("aiter")
+        fused_moe = importlib.import_module("aiter.fused_moe").fused_moe
+    except Exception as exc:  # a broken ROCm install must not take the torch path down
+        return f"import aiter failed: {exc}"
+    if not hasattr(getattr(aiter, "ActivationType", None), "Situv2"):
+        return "this aiter build has no SiTU (ActivationType.Situv2) fused MoE"
+    params = inspect.signature(fused_moe).parameters
+    if not {"beta", "linear_beta", "gate_mode"} <= params.keys():
+        return "this aiter build's fused_moe takes no SiTU beta / linear_beta / gate_mode"
+    return None
+
+
+@register_backend("aiter", unavailable=aiter_unavailable_reason)
 class AiterExperts:
+    """The fused kernel reads the resident experts directly: the scratch budget does not apply."""
+
     name = "aiter"
 
-    def __init__(self) -> None:
+    def __init__(self, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> None:
         import aiter
         from aiter.fused_moe import fused_moe
         from aiter.ops.shuffle import shuffle_scale_a16w4, shuffle_weight_a16w4

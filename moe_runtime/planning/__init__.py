@@ -1,0 +1,1 @@
+"""Planning before anything runs: bytes per rank (``memory``) and time estimates (``cost``)."""
