@@ -1,19 +1,17 @@
 """App builder: ``serve run deployments.app:build_app checkpoint=DIR tp_size=2 tail=sharded``
 or ``serve run deployments/configs/local.yaml``.
 
-Layers: arguments (:mod:`deployments.spec`) -> the controller's decisions (tail plan and Serve
-options per deployment, :mod:`deployments.controller`, pure) -> deployments
-(:mod:`deployments.deployment`, :mod:`deployments.http`). Every check that can fail before a
-replica starts (bad field, layer, TP size, illegal tail, autoscaling bounds, cluster capacity,
-resources no node of the Ray cluster can provide) raises ``ValueError`` here, at build time, as
-does a deployment whose layers do not fit its devices' memory (``moe_runtime.memory``, with the
-arithmetic). ``build_app`` also resolves each deployment's ``accelerator`` (``auto`` -> gpu or
-cpu) on the Ray cluster it is about to run on (:mod:`deployments.placement`).
+Layers: arguments (``deployments.config``) -> the controller's decisions, each concept decided
+once (``deployments.control``, pure) on the cluster the app will run on (``deployments.cluster``)
+-> Serve deployments (``deployments.serve``). Every check that can fail before a replica starts
+(bad field, layer, TP size, illegal tail, memory, autoscaling bounds, cluster capacity,
+resources no node of the Ray cluster can provide, Serve options) raises ``ValueError`` here, at
+build time, with the arithmetic.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from ray.serve import Application
@@ -21,45 +19,39 @@ from ray.serve import Application
 from moe_runtime.config import LatentMoEConfig
 
 from . import logger
-from .controller import Decision, decide
-from .deployment import MoEGroup
-from .http import Ingress
-from .options import ingress_options
-from .placement import ClusterView, current_cluster_view, launcher_configs, place_app
-from .spec import AppArgs, ResolvedDeployment, default_max_body_bytes, resolve_app
+from .common.layer_routing import LayerRoutes
+from .config.resolve import ResolvedDeployment, default_max_body_bytes
+from .config.spec import AppArgs
+from .control.capacity import check_placeable
+from .control.decide import Decision, decide
+from .control.options import ingress_options
+from .control.view import ClusterView
+from .serve.options import check_serve_options
 
 
 def decide_app(
-    args: AppArgs | dict[str, Any], cluster: ClusterView | None = None
+    args: AppArgs | dict[str, Any], view: ClusterView | None = None
 ) -> tuple[AppArgs, list[ResolvedDeployment], list[Decision]]:
-    """Validated arguments, resolved deployments and the controller's decision for each.
-
-    ``cluster``: the Ray cluster to place on; each ``accelerator`` is resolved on it and the
-    app refused when it cannot be placed. None (pure use, no Ray): ``auto`` keeps the GPU layout.
-    """
+    """Validated arguments, resolved deployments and the controller's decision for each, in the
+    order of ``args.deployments``, their Serve options validated by Serve. No Ray cluster is
+    needed. ``view``: the cluster to place on (None: the MI300X layout is assumed and placement
+    is not checked)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-    reasons: dict[str, str] = {}
-    if cluster is not None:
-        args, reasons = place_app(args, cluster)
-    args, resolved = resolve_app(args)
-    checkpoint = resolved[0].checkpoint
-    decisions = decide(args.deployments, LatentMoEConfig.from_pretrained(checkpoint), checkpoint=checkpoint)
-    ordered = [
-        replace(decisions[r.spec.name], accelerator_reason=reasons.get(r.spec.name)) for r in resolved
-    ]
-    # The replicas read the startup bound from their spec: the set or derived one.
-    resolved = [
-        replace(r, spec=r.spec.model_copy(update={"startup_timeout_s": d.startup_timeout_s}))
-        for r, d in zip(resolved, ordered, strict=True)
-    ]
-    return args, resolved, ordered
+    checkpoint = str(Path(args.checkpoint).expanduser().resolve())
+    cfg = LatentMoEConfig.from_pretrained(checkpoint)
+    decisions = decide(args.deployments, cfg, checkpoint=checkpoint, view=view)
+    ordered = [decisions[spec.name] for spec in args.deployments]
+    check_placeable(args, view, {d.deployment: d.accelerator for d in ordered})
+    for d in ordered:
+        check_serve_options(d.options, d.spec.deployment_config, f"deployment {d.deployment!r}")
+    return args, [d.resolved for d in ordered], ordered
 
 
-def plan_app(
-    args: AppArgs | dict[str, Any],
+def app_options(
+    args: AppArgs | dict[str, Any], view: ClusterView | None = None
 ) -> tuple[AppArgs, list[ResolvedDeployment], list[dict[str, Any]]]:
-    """Validated arguments, resolved deployments and their Serve options; no Ray needed."""
-    args, resolved, decisions = decide_app(args)
+    """Validated arguments, resolved deployments and their Serve options."""
+    args, resolved, decisions = decide_app(args, view)
     return args, resolved, [d.options for d in decisions]
 
 
@@ -69,16 +61,20 @@ def build_app(args: AppArgs) -> Application:
     Serve converts the ``args`` dict of ``serve run`` / a config file into :class:`AppArgs`
     (the annotation); a plain dict works too when called from Python.
     """
+    from .cluster.view import current_cluster_view, launcher_files
+    from .serve.deployment import MoEGroup
+    from .serve.http import Ingress
+
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-    cluster = current_cluster_view(launcher_configs(args.deployments))
-    args, resolved, decisions = decide_app(args, cluster)  # the controller logs each decision once
+    view = current_cluster_view(launcher_files(args.deployments))
+    args, resolved, decisions = decide_app(args, view)  # the controller logs each decision once
     groups = {}
-    for r, decision in zip(resolved, decisions, strict=True):
-        logger.info("building deployment %r; options %s", r.spec.name, decision.options)
-        groups[r.spec.name] = MoEGroup.options(**decision.options).bind(r, decision)
+    for decision in decisions:
+        logger.info("building deployment %r; options %s", decision.deployment, decision.options)
+        groups[decision.deployment] = MoEGroup.options(**decision.options).bind(decision)
     max_body = args.http_max_body_bytes or default_max_body_bytes(resolved)
     timeout = args.request_timeout_s or max(r.spec.call_timeout_s for r in resolved) + 30.0
-    layers = {r.spec.name: list(r.layers) for r in resolved}
+    routes = LayerRoutes({r.spec.name: r.layers for r in resolved}, args.default_deployment)
     return Ingress.options(**ingress_options(args.ingress_cpus, args.ingress_replicas)).bind(
-        groups, layers, args.default_deployment, max_body, timeout
+        groups, routes, max_body, timeout
     )

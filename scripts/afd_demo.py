@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from deployments.afd import Decoder, LocalMoE, TierMoE  # noqa: E402
+from deployments.client.afd import Decoder, LocalMoE, RemoteMoE  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
 from moe_runtime.synthetic_decoder import DECODER_FILE, write_decoder  # noqa: E402
@@ -64,12 +64,12 @@ def local_app(checkpoint: Path, app: str, deployments: list[dict[str, Any]], num
 
 def demo(checkpoint: Path, app: str, batch: int, tokens: int, micro_batches: int) -> bool:
     gen = torch.Generator().manual_seed(0)
-    tier = TierMoE.connect(app)
+    tier = RemoteMoE.connect(app)
     model = Decoder(checkpoint, tier)
     vocab = model.cfg.vocab_size
     prompts = [torch.randint(vocab, (int(n),), generator=gen).tolist()
                for n in torch.randint(2, 9, (batch,), generator=gen)]
-    routes = {layer: c.handle.deployment_name for layer, c in sorted(tier.by_layer.items())}
+    routes = tier.client.layer_routes().to_dict()["layers"]
     print(f"MoE layers -> deployments: {routes}")
     remote = model.generate(prompts, tokens, micro_batches)
     start = time.perf_counter()

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from afd_demo import ensure_checkpoint, local_app  # noqa: E402
 from bench_docs import write_results  # noqa: E402
 
-from deployments.afd import Decoder, LocalMoE, MoELayers, TierMoE, tier_busy  # noqa: E402
+from deployments.client.afd import Decoder, LocalMoE, MoELayers, RemoteMoE, tier_busy  # noqa: E402
 
 APP = "afd_bench"
 DEPLOYMENT = "moe"
@@ -67,20 +67,20 @@ def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def measure(model: Decoder, moe: TimedMoE, batch: int, m: int, args: argparse.Namespace,
-            tier: TierMoE | None = None) -> dict[str, Any]:
+            tier: RemoteMoE | None = None) -> dict[str, Any]:
     prompts = prompts_for(batch, args.prompt_len, model.cfg.vocab_size)
     model.generate(prompts, 2, m)  # warm-up: first calls, allocator, thread pools
     runs = []
     for _ in range(args.reps):
         moe.wait_s, moe.calls = 0.0, 0
-        before = tier.clients()[0].status() if tier else None
+        before = next(iter(tier.deployment_statuses().values())) if tier else None
         cpu = time.process_time()
         out = model.generate(prompts, args.tokens, m)
         wall = out.prefill_s + out.decode_s
         run = {"decode_s": out.decode_s, "prefill_s": out.prefill_s, "moe_wait_s": moe.wait_s,
                "moe_calls": moe.calls, "cpu_s": time.process_time() - cpu}
         if tier:
-            forwards, busy_s = tier_busy(before, tier.clients()[0].status())
+            forwards, busy_s = tier_busy(before, next(iter(tier.deployment_statuses().values())))
             run.update(tier_forwards=forwards, tier_busy_s=busy_s, tier_busy_frac=busy_s / wall)
         runs.append(run)
     best = sorted(runs, key=lambda r: r["decode_s"])[len(runs) // 2]  # the median run
@@ -103,7 +103,7 @@ def measure(model: Decoder, moe: TimedMoE, batch: int, m: int, args: argparse.Na
 
 
 def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int,
-            tier: TierMoE | None = None) -> dict[int, dict[str, float]]:
+            tier: RemoteMoE | None = None) -> dict[int, dict[str, float]]:
     """Per token count T: median ms of one MoE call awaited alone (in process: the forward; on
     the tier: the round trip) and, on the tier, the group's own forward ms from ``status()``.
     A batch of B in m micro-batches makes m calls of B/m tokens per layer, and a TP group runs
@@ -114,7 +114,7 @@ def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int
         for T in sizes:
             x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(T))
             loop.run_until_complete(moe(x, layer))  # warm-up
-            before = tier.clients()[0].status() if tier else None
+            before = next(iter(tier.deployment_statuses().values())) if tier else None
             times = []
             for _ in range(reps):
                 start = time.perf_counter()
@@ -122,7 +122,7 @@ def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int
                 times.append(time.perf_counter() - start)
             row = {"call_ms": round(statistics.median(times) * 1e3, 2)}
             if tier:
-                forwards, busy_s = tier_busy(before, tier.clients()[0].status())
+                forwards, busy_s = tier_busy(before, next(iter(tier.deployment_statuses().values())))
                 row["forward_ms"] = round(busy_s / forwards * 1e3, 2)
             out[T] = row
     finally:
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     deployment = {"name": DEPLOYMENT, "tp_size": args.tp, "tail": args.tail, "dtype": "float32",
                   "batch_wait_timeout_s": 0.0, "max_batch_tokens": 4096, "replica_cpus": 0.5}
     with local_app(ckpt, APP, [deployment], num_cpus=4, num_gpus=args.tp):
-        tier = TierMoE.connect(APP)
+        tier = RemoteMoE.connect(APP)
         moe = TimedMoE(tier)
         results["tier_call_ms"] = call_ms(tier, cfg.hidden_size, cfg.moe_layers[0], sizes, args.reps * 3,
                                           tier)

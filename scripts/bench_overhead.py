@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from deployments.app import build_app
     from deployments.client import HTTPMoEClient, MoEClient
-    from deployments.wire import WireTensor
+    from deployments.common.wire import WireTensor
     from moe_runtime.tp.collectives import free_port
 
     ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, namespace="serve",

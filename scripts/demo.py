@@ -119,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app, plan_app
+    from deployments.app import app_options, build_app
 
     config = load_serve_config(args.config, args.checkpoint, args.port)
     apps = config["applications"]
-    resolved_by_app = {a["name"]: plan_app(a["args"])[1] for a in apps}  # fail fast, before Ray
+    resolved_by_app = {a["name"]: app_options(a["args"])[1] for a in apps}  # fail fast, before Ray
     gpus = sum(gpus_needed(r) for r in resolved_by_app.values())
     http_options = dict(config.get("http_options") or {})
     base_url = f"http://{http_options.get('host', '127.0.0.1')}:{http_options.get('port', 8000)}"

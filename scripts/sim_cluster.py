@@ -43,8 +43,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from deployments.app import build_app  # noqa: E402
 from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEServeError  # noqa: E402
-from deployments.cluster_spec import MI300X_RESOURCE  # noqa: E402
-from deployments.controller import tp_group_placement  # noqa: E402
+from deployments.cluster.observe import tp_group_placement  # noqa: E402
+from deployments.control.launcher import MI300X_RESOURCE  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
 from moe_runtime.tp.collectives import free_port  # noqa: E402
 

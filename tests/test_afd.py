@@ -1,4 +1,4 @@
-"""The disaggregated decoder (deployments/afd.py): in process against itself, then through a real
+"""The disaggregated decoder (deployments/client/afd.py): in process against itself, then through a real
 local Serve app against the same model with ``moe_forward`` in process.
 
 Tolerances (float32 everywhere; logits are O(1..10)):
@@ -24,8 +24,8 @@ import ray
 import torch
 from ray import serve
 
-from deployments.afd import Decoder, LocalMoE, TierMoE, split_rows, tier_busy
 from deployments.app import build_app
+from deployments.client.afd import Decoder, LocalMoE, RemoteMoE, split_rows, tier_busy
 from moe_runtime.synthetic import preset_config, write_checkpoint
 from moe_runtime.synthetic_decoder import write_decoder
 from moe_runtime.tp.collectives import free_port
@@ -165,7 +165,7 @@ def tier(ckpt):
             {"name": "lo", "tp_size": 2, "layers": [1], **common},
             {"name": "hi", "tp_size": 1, "layers": [2], **common},
         ]}), name=APP, route_prefix="/")
-        yield TierMoE.connect(APP, timeout_s=60.0)
+        yield RemoteMoE.connect(APP, timeout_s=60.0)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -175,15 +175,14 @@ def tier(ckpt):
 @pytest.mark.slow
 def test_generation_through_the_tier_is_exact_for_every_m(ckpt, local, tier):
     _, ref = local
-    lo, hi = (tier.by_layer[layer] for layer in (1, 2))
-    assert lo.handle.deployment_name == "lo" and hi.handle.deployment_name == "hi"
-    before = {c.handle.deployment_name: c.status() for c in tier.clients()}
+    assert (tier.deployment_of(1), tier.deployment_of(2)) == ("lo", "hi")  # the app's routing table
+    before = tier.deployment_statuses()
     model = Decoder(ckpt, tier)
     for m in (1, 2, 4):
         out = model.generate(PROMPTS, NEW_TOKENS, micro_batches=m)
         assert torch.equal(out.tokens, ref.tokens), f"m={m}"
         torch.testing.assert_close(out.logits, ref.logits, **TOL, msg=f"m={m}")
-    after = {c.handle.deployment_name: c.status() for c in tier.clients()}
+    after = tier.deployment_statuses()
     for name, layer in (("lo", "1"), ("hi", "2")):
         forwards, busy_s = tier_busy(before[name], after[name])
         assert forwards > 0 and busy_s > 0

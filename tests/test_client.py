@@ -12,16 +12,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from deployments.client import (
-    HTTPMoEClient,
-    MoERequestError,
-    MoEServerError,
-    _translate,
-    choose_deployment,
-    encode_request,
-    forward_path,
-)
-from deployments.errors import (
+from deployments.client import HTTPMoEClient, MoERequestError, MoEServerError
+from deployments.client.client import _translate, encode_request, forward_path
+from deployments.common.errors import (
     GroupUnavailableError,
     ServeInputError,
     TooLargeError,
@@ -31,7 +24,8 @@ from deployments.errors import (
     http_status,
     root_cause,
 )
-from deployments.http import decode_body, encode_body
+from deployments.common.layer_routing import LayerRoutes
+from deployments.serve.http import decode_body, encode_body
 
 
 def test_request_codec_round_trip():
@@ -65,13 +59,14 @@ def test_decode_body_rejects_bad_bodies(body, message):
 def test_forward_paths_and_routing():
     assert forward_path(3) == "/v1/layers/3/forward"
     assert forward_path(3, "decode") == "/v1/decode/layers/3/forward"
-    layers = {"a": [1, 2], "b": [3, 4]}
-    assert choose_deployment(layers, "a", None, 2) == "a"
-    assert choose_deployment(layers, "a", None, 4) == "b"  # layer-split apps route by layer
-    assert choose_deployment(layers, "a", None, 9) == "a"  # the default explains the error
-    assert choose_deployment(layers, "a", "b", 1) == "b"  # explicit names win (b then says no)
+    routes = LayerRoutes.from_dict({"default": "a", "layers": {"a": [1, 2], "b": [3, 4]}})
+    assert routes.choose(2) == "a"
+    assert routes.choose(4) == "b"  # layer-split apps route by layer
+    assert routes.choose(9) == "a"  # the default explains the error
+    assert routes.choose(1, "b") == "b"  # explicit names win (b then says no)
     with pytest.raises(UnknownDeploymentError, match="unknown deployment 'c'"):
-        choose_deployment(layers, "a", "c", 1)
+        routes.choose(1, "c")
+    assert LayerRoutes.from_dict(routes.to_dict()) == routes
 
 
 class _Wrapped(Exception):
@@ -152,7 +147,7 @@ def test_http_client_non_json_error_and_connection_failure():
 def test_wire_tensor_round_trip(dtype):
     import pickle
 
-    from deployments.wire import WireTensor
+    from deployments.common.wire import WireTensor
 
     x = torch.randn(5, 7).to(dtype)
     w = WireTensor.from_torch(x)

@@ -26,14 +26,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from deployments.controller import (
-    AUTO_MEASURED,
-    MeasureSettings,
-    TailDecision,
-    decide,
-    measured_plan,
-)
-from deployments.spec import DeploymentSpec
+from deployments.config.spec import DeploymentSpec
+from deployments.control.decide import AUTO_MEASURED, MeasureSettings, TailDecision, decide, measured_plan
 from moe_runtime.synthetic import preset_config
 from moe_runtime.tp.tuning import current_measurement, resolve_clock
 
@@ -155,7 +149,7 @@ def test_max_replicas_is_clamped_to_the_mi300x_capacity(tp_size, capacity):
                                                "target_ongoing_requests": 12}}
     d = one(spec, cluster=cluster())
     auto = d.options["autoscaling_config"]
-    assert d.capacity == capacity  # 2 nodes x floor(8 GPUs / tp_size)
+    assert d.capacity.tp_groups == capacity  # 2 nodes x floor(8 GPUs / tp_size)
     assert auto["max_replicas"] == capacity and auto["min_replicas"] == 1
     assert auto["target_ongoing_requests"] == 12
     assert d.options["placement_group_bundles"] == [{"CPU": 1.0}] + [{"GPU": 1}] * tp_size
@@ -169,7 +163,7 @@ def test_max_replicas_is_clamped_to_the_mi300x_capacity(tp_size, capacity):
 def test_capacity_from_the_shipped_cluster_yaml():
     spec = {"tp_size": 8, "autoscaling": {"max_replicas": 64}}
     d = one(spec, cluster=ROOT / "cluster.yaml")  # 4 MI300X nodes x 8 GPUs
-    assert d.capacity == 4 and d.options["autoscaling_config"]["max_replicas"] == 4
+    assert d.capacity.tp_groups == 4 and d.options["autoscaling_config"]["max_replicas"] == 4
     # The spec's own cluster_config is read when no cluster is given.
     spec["autoscaling"]["cluster_config"] = str(ROOT / "cluster.yaml")
     assert one(spec).options["autoscaling_config"]["max_replicas"] == 4

@@ -11,29 +11,38 @@ import pytest
 import torch
 from ray.serve.exceptions import BackPressureError
 
-from deployments.client import HTTPMoEClient, MoEOverloadedError, MoEServerError, _translate
-from deployments.errors import GroupTimeoutError, GroupUnavailableError, http_status, retry_after_s, retryable
-from deployments.metrics import METRIC_NAMES, ReplicaStats
-from deployments.options import MAX_CONSTRUCTOR_RETRIES, deployment_options
-from deployments.spec import BATCHING_KNOBS, DeploymentSpec, with_batching
+from deployments.client import HTTPMoEClient, MoEOverloadedError, MoEServerError
+from deployments.client.client import _translate
+from deployments.common.errors import (
+    GroupTimeoutError,
+    GroupUnavailableError,
+    http_status,
+    retry_after_s,
+    retryable,
+)
+from deployments.config.spec import BATCHING_KNOBS, DeploymentSpec, with_batching
+from deployments.control.options import MAX_CONSTRUCTOR_RETRIES, deployment_options
+from deployments.serve.metrics import METRIC_NAMES, ReplicaStats
+from deployments.serve.options import check_serve_options
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_computed_options_bound_queues_retries_and_carry_the_batching_knobs():
-    opts = deployment_options(DeploymentSpec(max_batch_tokens=512))
+    opts = deployment_options(DeploymentSpec(max_batch_tokens=512), "cpu")
     assert opts["max_queued_requests"] == 256 and opts["backpressure_config"] == {"retry_after_s": 1.0}
     assert opts["max_constructor_retry_count"] == MAX_CONSTRUCTOR_RETRIES
     assert opts["user_config"] == {"max_batch_tokens": 512, "batch_wait_timeout_s": 0.002,
                                    "max_tokens_per_request": 8192}
-    assert opts["request_router_config"]["request_router_class"] == "deployments.routing:HealthyReplicaRouter"
+    assert opts["request_router_config"]["request_router_class"] == "deployments.serve.router:HealthyReplicaRouter"
 
 
 def test_deployment_config_is_merged_over_the_computed_options():
     spec = DeploymentSpec(num_replicas=2, deployment_config={
         "max_queued_requests": 8, "max_constructor_retry_count": 1,
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}})
-    opts = deployment_options(spec)
+    opts = deployment_options(spec, "cpu")
+    check_serve_options(opts, spec.deployment_config, "test")
     assert opts["max_queued_requests"] == 8 and opts["max_constructor_retry_count"] == 1
     # The given autoscaling config replaces the computed num_replicas (Serve takes one of them).
     assert "num_replicas" not in opts and opts["autoscaling_config"]["max_replicas"] == 3
@@ -50,8 +59,9 @@ def test_deployment_config_is_merged_over_the_computed_options():
     ({"user_config": {"wait": 1}}, r"unknown key\(s\) \['wait'\]"),
 ])
 def test_bad_deployment_config_fails_at_build_time(override, message):
-    with pytest.raises(ValueError, match=message):
-        deployment_options(DeploymentSpec(deployment_config=override))
+    spec = DeploymentSpec(deployment_config=override)
+    with pytest.raises(ValueError, match=message):  # merged here, then checked by Serve's own models
+        check_serve_options(deployment_options(spec, "gpu"), spec.deployment_config, f"deployment {spec.name!r}")
 
 
 def test_with_batching_validates_like_the_spec():
@@ -120,8 +130,8 @@ def test_dashboard_covers_every_metric():
     (None, 1, "actor calls (auto: TP 1"),
 ])
 def test_forward_transport_decision_without_a_graph(tiny_ckpt, compiled_graph, tp, expected):
-    from deployments.spec import resolve_app
-    from deployments.workers import TPGroup
+    from deployments.config.resolve import resolve_app
+    from deployments.serve.group import TPGroup
 
     _, (resolved,) = resolve_app({"checkpoint": str(tiny_ckpt), "tp_size": tp, "compiled_graph": compiled_graph})
     group = TPGroup(resolved, workers=[], names=[], infos=[])
@@ -131,7 +141,7 @@ def test_forward_transport_decision_without_a_graph(tiny_ckpt, compiled_graph, t
 
 def test_live_batching_changes_stay_within_the_planned_forward(tiny_ckpt):
     from deployments.app import decide_app
-    from deployments.deployment import check_planned_tokens
+    from deployments.serve.deployment import check_planned_tokens
 
     _, (resolved,), (decision,) = decide_app(
         {"checkpoint": str(tiny_ckpt), "max_batch_tokens": 64, "max_tokens_per_request": 128}

@@ -7,11 +7,17 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from deployments.app import plan_app
-from deployments.options import deployment_options, ingress_options, placement_bundles, worker_resources
-from deployments.spec import AppArgs, DeploymentSpec, format_layers, parse_layers
-from deployments.workers import cpu_threads, pick_device
+from deployments.app import app_options
+from deployments.config.spec import AppArgs, DeploymentSpec, parse_layers
+from deployments.control.options import (
+    deployment_options,
+    ingress_options,
+    placement_bundles,
+    worker_resources,
+)
+from deployments.serve.worker import cpu_threads, pick_device
 from moe_runtime.synthetic import preset_config, write_checkpoint
+from moe_runtime.units import format_layers
 
 MI300X = "AMD-Instinct-MI300X-OAM"
 
@@ -25,7 +31,7 @@ def k3_config_dir(tmp_path_factory):
 @pytest.mark.parametrize("P", [1, 2, 8])
 def test_bundles_strategy_and_resources(P):
     spec = DeploymentSpec(tp_size=P, replica_cpus=2)
-    opts = deployment_options(spec)
+    opts = deployment_options(spec, "gpu")
     assert opts["placement_group_bundles"] == [{"CPU": 2}] + [{"GPU": 1}] * P
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     # The replica sits in bundle 0 and asks for no GPU; its CPUs fit the bundle.
@@ -34,29 +40,29 @@ def test_bundles_strategy_and_resources(P):
     assert opts["health_check_timeout_s"] > spec.collective_timeout_s
     assert opts["logging_config"] == {"enable_access_log": False}  # one line per call costs CPU
     # Each worker asks for exactly what its bundle {"GPU": 1} holds.
-    assert worker_resources(spec) == {"num_cpus": 0, "num_gpus": 1, "resources": {}}
+    assert worker_resources(spec, "gpu") == {"num_cpus": 0, "num_gpus": 1, "resources": {}}
 
 
 @pytest.mark.parametrize("P", [1, 2, 8])
 def test_accelerator_type_pins_every_gpu_bundle(P):
     spec = DeploymentSpec(tp_size=P, accelerator_type=MI300X)
-    bundles = placement_bundles(spec)
+    bundles = placement_bundles(spec, "gpu")
     assert len(bundles) == 1 + P and bundles[0] == {"CPU": 1.0}
     key = f"accelerator_type:{MI300X}"
     assert all(b == {"GPU": 1, key: 0.001} for b in bundles[1:])
-    res = worker_resources(spec)["resources"]
+    res = worker_resources(spec, "gpu")["resources"]
     assert res == {key: 0.001}  # fits inside its bundle
 
 
 def test_autoscaling_bounds_use_the_token_policy():
     spec = DeploymentSpec(tp_size=8, autoscaling={"min_replicas": 1, "max_replicas": 6, "initial_replicas": 2})
-    opts = deployment_options(spec, capacity=4)
+    opts = deployment_options(spec, "gpu", max_replicas=4)
     cfg = opts["autoscaling_config"]
     assert "num_replicas" not in opts
-    assert cfg["min_replicas"] == 1 and cfg["max_replicas"] == 4  # capped by the cluster's capacity
+    assert cfg["min_replicas"] == 1 and cfg["max_replicas"] == 4  # the capacity's bound (control.capacity)
     assert cfg["initial_replicas"] == 2 and cfg["target_ongoing_requests"] > 0
-    assert cfg["policy"]["policy_function"] == "deployments.autoscaling:TokenAutoscalingPolicy"
-    plain = deployment_options(DeploymentSpec(autoscaling={"max_replicas": 3, "token_aware": False}))
+    assert cfg["policy"]["policy_function"] == "deployments.control.autoscaling:TokenAutoscalingPolicy"
+    plain = deployment_options(DeploymentSpec(autoscaling={"max_replicas": 3, "token_aware": False}), "gpu")
     assert "policy" not in plain["autoscaling_config"]
     assert plain["autoscaling_config"]["target_ongoing_requests"] == 8.0
 
@@ -65,12 +71,12 @@ def test_serve_accepts_the_options():
     """Serve's own validation of every option we generate (no cluster needed)."""
     from ray.serve.config import AutoscalingConfig
 
-    from deployments.deployment import MoEGroup
-    from deployments.http import Ingress
+    from deployments.serve.deployment import MoEGroup
+    from deployments.serve.http import Ingress
 
     for spec in (DeploymentSpec(tp_size=8, accelerator_type=MI300X),
                  DeploymentSpec(tp_size=2, autoscaling={"min_replicas": 1, "max_replicas": 3})):
-        opts = deployment_options(spec)
+        opts = deployment_options(spec, "gpu")
         MoEGroup.options(**opts)
         if "autoscaling_config" in opts:
             AutoscalingConfig(**opts["autoscaling_config"])
@@ -137,23 +143,23 @@ def test_app_args_merge_defaults_into_deployments():
 def test_build_time_errors_carry_the_arithmetic(tiny_ckpt, k3_config_dir):
     # tiny: moe_intermediate_size 64, hidden 128
     with pytest.raises(ValueError, match=r"TP size 3 does not divide moe_intermediate_size 64: 64 % 3 = 1"):
-        plan_app({"checkpoint": str(tiny_ckpt), "tp_size": 3})
+        app_options({"checkpoint": str(tiny_ckpt), "tp_size": 3})
     with pytest.raises(ValueError, match="tail 'sharded' is illegal here: TP size is 1"):
-        plan_app({"checkpoint": str(tiny_ckpt), "tp_size": 1, "tail": "sharded"})
+        app_options({"checkpoint": str(tiny_ckpt), "tp_size": 1, "tail": "sharded"})
     with pytest.raises(ValueError, match="layer 0 is not a MoE layer"):
-        plan_app({"checkpoint": str(tiny_ckpt), "layers": [0]})
+        app_options({"checkpoint": str(tiny_ckpt), "layers": [0]})
     with pytest.raises(ValueError, match="unknown layer 9"):
-        plan_app({"checkpoint": str(tiny_ckpt), "layers": "9"})
+        app_options({"checkpoint": str(tiny_ckpt), "layers": "9"})
     with pytest.raises(ValueError, match="no config.json"):
-        plan_app({"checkpoint": str(tiny_ckpt / "nope")})
+        app_options({"checkpoint": str(tiny_ckpt / "nope")})
     # The real K3 config at TP 8: sharded tail legal (auto picks it), 92 MoE layers.
-    _, resolved, options = plan_app({"checkpoint": str(k3_config_dir), "tp_size": 8, "tail": "auto",
+    _, resolved, options = app_options({"checkpoint": str(k3_config_dir), "tp_size": 8, "tail": "auto",
                                      "dtype": "bfloat16", "accelerator_type": MI300X})
     (r,) = resolved
     assert r.plan.tails == ("sharded",) and r.layers == tuple(range(1, 93))  # K3: layer 0 dense, 92 MoE layers
     assert len(options[0]["placement_group_bundles"]) == 9
     # auto at TP 1 falls back to replicated and says why.
-    _, (r1,), _ = plan_app({"checkpoint": str(tiny_ckpt), "tp_size": 1})
+    _, (r1,), _ = app_options({"checkpoint": str(tiny_ckpt), "tp_size": 1})
     assert r1.plan.tails == ("replicated",) and "TP size is 1" in r1.plan.reason
 
 
@@ -168,7 +174,7 @@ def test_shipped_configs_plan(tiny_ckpt, k3_config_dir):
         if name == "mi300x.yaml":
             for d in [args, *args["deployments"]]:
                 d.get("autoscaling", {}).pop("cluster_config", None)  # capacity is tested elsewhere
-        _, resolved, _ = plan_app(args)
+        _, resolved, _ = app_options(args)
         assert sum(r.spec.tp_size for r in resolved) == gpus
         served = sorted(layer for r in resolved for layer in r.layers)
         assert served == sorted(set(served))  # no layer served twice

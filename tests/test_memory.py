@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from deployments.app import decide_app, plan_app
-from deployments.controller import decide, tail_decision
-from deployments.spec import DeploymentSpec, default_max_body_bytes, resolve_app
+from deployments.app import app_options, decide_app
+from deployments.config.resolve import default_max_body_bytes, resolve_app, resolve_deployment
+from deployments.config.spec import DeploymentSpec
+from deployments.control.decide import decide, tail_decision
+from deployments.control.view import ClusterView
 from moe_runtime.checkpoint import checkpoint_expert_formats, load_layer_weights, resolve_expert_formats
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.planning import memory
@@ -183,12 +185,12 @@ def test_deployment_that_does_not_fit_is_refused_at_build(k3_dir, tiny_ckpt):
     base = {"checkpoint": str(k3_dir), "tp_size": 8, "dtype": "bfloat16", "accelerator_type": MI300X,
             "experts_format": "mxfp4", "max_tokens_per_request": 8192}
     with pytest.raises(ValueError, match=r"deployment 'moe' does not fit: 92 layer\(s\).*At most 80"):
-        plan_app(base)
+        app_options(base)
     # Dense (decoded) experts: 23 layers x 7_560_250_880 B = 173.9 GB > 172.8 GB; 22 would fit:
     # (172.8e9 - 268_435_456 - 8192 x 189_632) // 7_560_250_880 = 22.
     assert (172_800_000_000 - 268_435_456 - 8192 * 189_632) // 7_560_250_880 == 22
     with pytest.raises(ValueError, match=r"23 layer\(s\) \(1-23\).*dense.*At most 22"):
-        plan_app({**base, "experts_format": "dense", "layers": "1-23"})
+        app_options({**base, "experts_format": "dense", "layers": "1-23"})
     # ... a bigger device, or the packed format, fits.
     _, _, decisions = decide_app({**base, "experts_format": "dense", "layers": "1-23",
                                   "device_memory_gb": 256})
@@ -198,17 +200,23 @@ def test_deployment_that_does_not_fit_is_refused_at_build(k3_dir, tiny_ckpt):
     assert d.memory is None and "memory not checked" in d.memory_note
     # A real checkpoint: the format is read from it; a tiny GPU refuses the workspace alone.
     with pytest.raises(ValueError, match=r"budget GPU: 0.1 GB x 0.9 = 90.00 MB per rank"):
-        plan_app({"checkpoint": str(tiny_ckpt), "accelerator_type": MI300X, "device_memory_gb": 0.1})
+        app_options({"checkpoint": str(tiny_ckpt), "accelerator_type": MI300X, "device_memory_gb": 0.1})
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU budget applies where no GPU is visible")
 def test_status_record_and_cpu_budget(tiny_ckpt):
-    _, resolved, (d,) = decide_app({"checkpoint": str(tiny_ckpt), "tp_size": 2})
+    cpu_only = ClusterView("a CPU-only test cluster", ({"CPU": 2.0},))
+    _, resolved, (d,) = decide_app({"checkpoint": str(tiny_ckpt), "tp_size": 2}, cpu_only)
     record = d.to_dict()
     assert record["memory"]["bytes_per_rank_by_part"] == d.memory.by_part
     assert record["memory"]["fits"] and record["memory"]["headroom_bytes_per_rank"] > 0
-    # No accelerator_type, no GPU here: the CPU budget, the node's memory over the 2 ranks.
+    # No GPU in the cluster: the CPU budget, the node's memory over the 2 ranks.
     assert d.memory.budget.source.startswith("CPU: node memory") and d.memory_note.startswith("cpu budget")
+    # Logical GPUs (no accelerator_type: a CPU machine): GPU bundles, but the ranks compute on the
+    # CPU, so the memory is checked against the node's memory too -- one decision for both.
+    logical = ClusterView("a CPU machine with logical GPUs", ({"CPU": 4.0, "GPU": 2.0},))
+    _, _, (g,) = decide_app({"checkpoint": str(tiny_ckpt), "tp_size": 2}, logical)
+    assert g.options["placement_group_bundles"][1] == {"GPU": 1}
+    assert g.memory.budget.source.startswith("CPU: node memory") and g.to_dict()["compute"] == "cpu"
     # Small checkpoint: the startup bound is the floor, and the spec the replicas get carries it.
     assert d.startup_timeout_s == STARTUP_FLOOR_S == resolved[0].spec.startup_timeout_s
 
@@ -230,6 +238,7 @@ def test_warmup_measurement_stays_within_the_startup_bound():
     calls = 4 * 4  # (3 reps + 1 warm-up) x 4 legal tails
     # Estimates (s) at T = 1, 16, 128: cumulative 16 x (1.50 + 17.68) = 307 s fits 450 s; + 128 does not.
     assert calls * (cpu_cost(1) + cpu_cost(16)) < 450 < calls * (cpu_cost(1) + cpu_cost(16) + cpu_cost(128))
+    spec = resolve_deployment(spec, "<config>", K3)
     d = tail_decision(spec, K3, cpu_cost, 450.0)
     assert d.pending and d.measure.token_counts == (1, 16)
     assert "over the 450 s allowed" in d.bound and "measured at T = [1, 16] only" in d.bound
@@ -257,9 +266,9 @@ def test_body_limit_admits_a_full_request_of_7168_wide_input(k3_dir):
 def test_shipped_k3_config_serves_every_moe_layer_once_and_fits(k3_dir):
     import yaml
 
-    from deployments.spec import PROJECT_ROOT as ROOT
+    from deployments.config.spec import PROJECT_ROOT as ROOT
 
-    config = yaml.safe_load((ROOT / "deployments/configs/mi300x-k3.yaml").read_text())
+    config = yaml.safe_load((ROOT / "deployments/configs/mi300x.yaml").read_text())
     args = dict(config["applications"][0]["args"], checkpoint=str(k3_dir))
     _, resolved, decisions = decide_app(args)  # refuses at build time if any does not fit
     served = sorted(layer for r in resolved for layer in r.layers)

@@ -28,10 +28,10 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from deployments.app import build_app
-from deployments.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
 from deployments.client import MoEClient
-from deployments.cluster_spec import MI300X_RESOURCE
-from deployments.controller import tp_group_placement
+from deployments.cluster.observe import tp_group_placement
+from deployments.control.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
+from deployments.control.launcher import MI300X_RESOURCE
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward

@@ -25,17 +25,13 @@ import ray
 import torch
 import yaml
 
-from deployments.options import placement_bundles, worker_resources
-from deployments.placement import (
-    ClusterView,
-    NodeType,
-    check_placeable,
-    choose_accelerator,
-    current_cluster_view,
-    launcher_node_types,
-    place_app,
-)
-from deployments.spec import AppArgs, DeploymentSpec
+from deployments.cluster.view import current_cluster_view
+from deployments.config.spec import AppArgs, DeploymentSpec
+from deployments.control.accelerator import Accelerator, decide_accelerator
+from deployments.control.capacity import check_placeable
+from deployments.control.launcher import launcher_node_types
+from deployments.control.options import placement_bundles, worker_resources
+from deployments.control.view import ClusterView, NodeType
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
@@ -51,17 +47,30 @@ def app(**fields) -> AppArgs:
     return AppArgs.model_validate({"checkpoint": "unused", "tp_size": 2, **fields})
 
 
+def place_app(args: AppArgs, view: ClusterView) -> dict[str, Accelerator]:
+    """The controller's accelerator decision of every deployment, then the placement check."""
+    accelerators = {spec.name: decide_accelerator(spec, view) for spec in args.deployments}
+    check_placeable(args, view, accelerators)
+    return accelerators
+
+
+def choose_accelerator(spec: DeploymentSpec, view: ClusterView | None) -> tuple[str, str]:
+    decision = decide_accelerator(spec, view)
+    return decision.layout, decision.reason
+
+
 # -- pure: the choice and the check ----------------------------------------------------------
 
 
 def test_auto_is_cpu_without_gpus_and_sizes_cpu_bundles():
-    args, reasons = place_app(app(), CPU_ONLY)
-    (spec,) = args.deployments
-    assert spec.accelerator == "cpu"
-    assert "has no GPU and no node type the launcher can add has one" in reasons["moe"]
+    args = app()
+    (decision,) = place_app(args, CPU_ONLY).values()
+    assert (decision.layout, decision.compute) == ("cpu", "cpu")
+    assert "has no GPU and no node type the launcher can add has one" in decision.reason
     # 1 replica CPU + 2 ranks x 0.25: a TP-2 group fits a 2-core machine, next to the ingress.
-    assert placement_bundles(spec) == [{"CPU": 1.0}, {"CPU": 0.25}, {"CPU": 0.25}]
-    assert worker_resources(spec) == {"num_cpus": 0.25, "num_gpus": 0, "resources": {}}
+    (spec,) = args.deployments
+    assert placement_bundles(spec, decision.layout) == [{"CPU": 1.0}, {"CPU": 0.25}, {"CPU": 0.25}]
+    assert worker_resources(spec, decision.layout) == {"num_cpus": 0.25, "num_gpus": 0, "resources": {}}
 
 
 @pytest.mark.parametrize(
@@ -71,7 +80,7 @@ def test_auto_is_cpu_without_gpus_and_sizes_cpu_bundles():
         (ClusterView("c", ({"CPU": 4},), (NodeType("mi300x", {"CPU": 96, "GPU": 8}, 2),)), "gpu",
          "the launcher can add node type 'mi300x' with 8 GPU(s)"),
         (ClusterView("c", ({"CPU": 4},), (NodeType("mi300x", {"CPU": 96, "GPU": 8}, 0),)), "cpu", "no GPU"),
-        (None, "gpu", "could not be inspected"),
+        (None, "gpu", "no cluster view was given"),
     ],
 )
 def test_auto_choice(view, choice, why):
@@ -98,16 +107,16 @@ def test_gpu_on_a_cpu_only_cluster_names_what_is_missing_and_the_command():
 def test_missing_accelerator_type_and_cpus():
     view = ClusterView("c", ({"CPU": 16, "GPU": 8},))
     with pytest.raises(ValueError, match=rf"missing \{{{MI300X}: 0.008\}}.*ray up cluster.yaml"):
-        check_placeable(app(tp_size=8, accelerator="gpu", accelerator_type="AMD-Instinct-MI300X-OAM"), view)
+        place_app(app(tp_size=8, accelerator="gpu", accelerator_type="AMD-Instinct-MI300X-OAM"), view)
     with pytest.raises(ValueError, match=r"missing \{CPU: 1\}.*lower replica_cpus / worker_cpus"):
-        check_placeable(app(accelerator="cpu", replica_cpus=2.5), CPU_ONLY)
+        place_app(app(accelerator="cpu", replica_cpus=2.5), CPU_ONLY)
 
 
 def test_a_node_the_launcher_can_add_makes_it_placeable():
     cluster = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     view = ClusterView("c", ({"CPU": 16.0},), tuple(launcher_node_types(cluster)))
-    args, _ = place_app(app(tp_size=8, accelerator_type="AMD-Instinct-MI300X-OAM", replica_cpus=2), view)
-    assert args.deployments[0].accelerator == "gpu"
+    decisions = place_app(app(tp_size=8, accelerator_type="AMD-Instinct-MI300X-OAM", replica_cpus=2), view)
+    assert (decisions["moe"].layout, decisions["moe"].compute) == ("gpu", "gpu")
 
 
 def test_launcher_totals_count_live_nodes_once():
@@ -127,22 +136,34 @@ def test_minimums_must_fit_the_cluster_total():
     view = ClusterView("c", ({"CPU": 8, "GPU": 2}, {"CPU": 8, "GPU": 2}))
     two = [{"name": "a", "num_replicas": 2}, {"name": "b", "autoscaling": {"min_replicas": 1, "max_replicas": 3}}]
     with pytest.raises(ValueError, match=r"minimum replicas need GPU 6 \(a 2 x 2 \+ b 1 x 2\), but c has at most 4"):
-        check_placeable(app(deployments=two), view)
-    check_placeable(app(deployments=two[1:]), view)
+        place_app(app(deployments=two), view)
+    place_app(app(deployments=two[1:]), view)
 
 
+@pytest.mark.ray
 def test_view_before_serve_run_starts_ray(monkeypatch):
-    # `serve run <import path>` builds the app before ray.init: with RAY_ADDRESS=local it will
-    # start a fresh instance with this machine's resources, as Ray detects them.
+    # `serve run <import path>` builds the app before ray.init: the builder makes that same
+    # connection (here RAY_ADDRESS=local: a fresh instance with this machine's resources, as Ray
+    # detects them) through the public API, and serve run then keeps using it.
     assert not ray.is_initialized()
     monkeypatch.setenv("RAY_ADDRESS", "local")
     monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
-    view = current_cluster_view()
-    assert view.fresh_local and view.nodes[0]["CPU"] >= 1
-    if not torch.cuda.is_available():
-        assert view.gpus() == 0 and choose_accelerator(DeploymentSpec(), view)[0] == "cpu"
+    try:
+        view = current_cluster_view()
+        assert ray.is_initialized() and view.fresh_local and view.nodes[0]["CPU"] >= 1
+        if not torch.cuda.is_available():
+            assert view.gpus() == 0 and choose_accelerator(DeploymentSpec(), view)[0] == "cpu"
+    finally:
+        ray.shutdown()
     monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", json.dumps({"GPU": 2}))
-    assert current_cluster_view().gpus() == 2  # logical GPUs, as tests/test_serve_cli.py gives them
+    try:
+        view = current_cluster_view()
+        assert view.gpus() == 2  # logical GPUs, as tests/test_serve_cli.py gives them
+        # ... which carry no accelerator_type: GPU bundles, CPU compute (and the CPU memory budget).
+        decision = decide_accelerator(DeploymentSpec(), view)
+        assert (decision.layout, decision.compute) == ("gpu", "cpu") and "logical" in decision.reason
+    finally:
+        ray.shutdown()
 
 
 # -- Ray: a fresh local instance without GPUs ------------------------------------------------

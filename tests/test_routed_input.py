@@ -459,7 +459,7 @@ def test_w4a4_needs_mxfp4_experts_and_whole_blocks(ckpt: str, mxfp4_ckpt: str) -
 
 
 def test_deployment_spec_checks_w4a4_at_build_time(ckpt: str, mxfp4_ckpt: str) -> None:
-    from deployments.spec import resolve_app
+    from deployments.config.resolve import resolve_app
 
     args = {"tp_size": 2, "experts_activation_quant": "mxfp4"}
     _, [resolved] = resolve_app({"checkpoint": mxfp4_ckpt, **args})

@@ -30,7 +30,7 @@ from safetensors.torch import save as st_save
 
 from deployments.app import build_app
 from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEClient, MoERequestError, MoEServerError
-from deployments.workers import WORKER_NAMESPACE
+from deployments.serve.worker import WORKER_NAMESPACE
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward

@@ -156,6 +156,21 @@ def legal_tails(
     return ("sharded", *base) if shardable else base
 
 
+def check_sequence_parallel_tail(requested: str, sequence_parallel: bool) -> None:
+    """Sequence-parallel deployments run the sequence_parallel tail, so they request ``auto``."""
+    if sequence_parallel and requested != "auto":
+        raise ValueError(
+            f"tail {requested!r} cannot run sequence-parallel; sequence-parallel deployments "
+            "use tail 'auto' (the sequence_parallel tail)"
+        )
+
+
+def check_preshard(rule: Shardability, preshard_up_proj: bool) -> None:
+    """A pre-sharded ``Wup`` leaves each rank only its rows: the sharded tail must be legal."""
+    if preshard_up_proj and not rule.shardable:
+        raise ValueError(f"Wup is pre-sharded but the sharded tail is illegal: {rule.reason}")
+
+
 def resolve_tail(
     requested: str,
     cfg: LatentMoEConfig,
@@ -178,16 +193,11 @@ def resolve_tail(
     )
     if preshard_up_proj and sequence_parallel:
         raise ValueError("a pre-sharded Wup needs the sharded tail, which sequence parallelism excludes")
+    check_sequence_parallel_tail(requested, sequence_parallel)
     if sequence_parallel:
-        if requested != "auto":
-            raise ValueError(
-                f"tail {requested!r} cannot run sequence-parallel; sequence-parallel deployments "
-                "use tail 'auto' (the sequence_parallel tail)"
-            )
         return TailPlan.single("sequence_parallel", "sequence_parallel requested: reduce-scatter over tokens")
     rule = shardability_for(cfg, tp_size, preshard_up_proj)
-    if preshard_up_proj and not rule.shardable:
-        raise ValueError(f"Wup is pre-sharded but the sharded tail is illegal: {rule.reason}")
+    check_preshard(rule, preshard_up_proj)
     if preshard_up_proj and requested not in ("auto", "sharded"):
         raise ValueError(f"tail {requested!r} needs the full Wup on every rank; it is pre-sharded")
     if requested == "sharded":

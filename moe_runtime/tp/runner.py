@@ -24,7 +24,7 @@ from ..layer import down_project, latent_norm, routed_experts, shared_experts
 from ..logs import log_once
 from ..weights import LayerWeights
 from .collectives import Collectives
-from .plan import TailPlan, legal_tails, shardability_for
+from .plan import TailPlan, check_preshard, legal_tails, shardability_for
 from .routed_input import ACTIVATION_QUANT_MODES, RoutedInputConfig, dequantize, quantize
 from .sharding import TPShard
 
@@ -152,8 +152,7 @@ class LatentMoERunner:
         legal = legal_tails(cfg, shard.world, shard.preshard_up_proj, sequence_parallel)
         why = rule.reason
         if shard.preshard_up_proj:
-            if not legal:
-                raise ValueError(f"Wup is pre-sharded but the sharded tail is illegal: {rule.reason}")
+            check_preshard(rule, shard.preshard_up_proj)
             why = "Wup is pre-sharded, so only the sharded tail has the rows it needs"
         self.legal_tails, self._illegal_why = legal, why
         self.set_plan(plan)

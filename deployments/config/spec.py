@@ -1,42 +1,32 @@
 """Typed, validated arguments of the Serve application (``deployments.app:build_app``).
 
-Two layers, both pure (no Ray):
-
-* :class:`AppArgs` / :class:`DeploymentSpec` (pydantic): field-level validation of what a user
-  writes on the ``serve run`` command line or under ``args:`` in a Serve config. Top-level
-  deployment fields are the defaults of every entry of ``deployments:``; without a
-  ``deployments:`` list they describe the one deployment of the app.
-* :func:`resolve_app`: the checks that need the checkpoint's ``config.json`` (layers exist and
-  are MoE layers, the TP size divides the split dimensions, the requested tail is legal), with
-  the arithmetic in the ``ValueError``; it returns one :class:`ResolvedDeployment` per spec,
-  holding the tail plan every replica of that deployment runs.
+Pure (no Ray). :class:`AppArgs` / :class:`DeploymentSpec` (pydantic): field-level validation of
+what a user writes on the ``serve run`` command line or under ``args:`` in a Serve config.
+Top-level deployment fields are the defaults of every entry of ``deployments:``; without a
+``deployments:`` list they describe the one deployment of the app. The checks that need the
+checkpoint's ``config.json`` are in :mod:`deployments.config.resolve`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from moe_runtime.checkpoint import CheckpointReader
-from moe_runtime.config import LatentMoEConfig
 from moe_runtime.planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_GB
 from moe_runtime.planning.cost import STARTUP_FLOOR_S
-from moe_runtime.tp.plan import TailPlan, resolve_tail
-from moe_runtime.tp.runner import check_activation_quant
-from moe_runtime.tp.sharding import check_tp_size
-from moe_runtime.units import format_layers, torch_dtype
+from moe_runtime.tp.plan import check_sequence_parallel_tail
+from moe_runtime.units import SERVED_DTYPES
 
 Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
-DType = Literal["float32", "bfloat16"]
+DType = Literal[SERVED_DTYPES]
 Accelerator = Literal["auto", "gpu", "cpu"]
 # Relative ``cluster_config`` paths are resolved against the repository root (the directory that
 # holds ``deployments/``: ``~/latent-moe-serve`` on cluster nodes), never against the working
 # directory, which differs between ``serve run`` and the task in which Serve builds the app.
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
 DEFAULT_DEPLOYMENT = "moe"
 RAY_METRICS_INTERVAL_S = 10.0  # Ray Serve's default AutoscalingConfig.metrics_interval_s
@@ -45,7 +35,7 @@ RAY_METRICS_INTERVAL_S = 10.0  # Ray Serve's default AutoscalingConfig.metrics_i
 class AutoscalingSpec(BaseModel):
     """Replica bounds and targets; turned into Ray's ``autoscaling_config`` by ``options.py``.
 
-    ``token_aware`` uses the token-based policy of ``deployments.autoscaling`` (replicas report
+    ``token_aware`` uses the token-based policy of ``deployments.control.autoscaling`` (replicas report
     queued tokens and tokens/s); otherwise Ray's request-count policy with
     ``target_ongoing_requests``. ``cluster_config``: a cluster-launcher YAML whose MI300X
     capacity caps ``max_replicas`` (GPUs / tp_size, counting nodes the launcher may add), shared
@@ -127,7 +117,7 @@ class DeploymentSpec(BaseModel):
     # How long a TP-group call may run beyond the collective timeout (the forward's compute).
     call_margin_s: float = Field(30.0, gt=0)
     # tail "auto" with several legal tails at TP > 1: the controller times each on the group at
-    # warm-up at these token counts and keeps the fastest per range (deployments.controller);
+    # warm-up at these token counts and keeps the fastest per range (deployments.serve.group.tune_group);
     # [] turns the measurement off (auto is then the static rule: sharded when legal).
     auto_tune_tokens: list[int] = Field(default_factory=lambda: [1, 16, 128, 1024])
     auto_tune_reps: int = Field(3, ge=1)
@@ -153,11 +143,11 @@ class DeploymentSpec(BaseModel):
     # Where the ranks run. gpu: one {"GPU": 1} bundle per rank, NCCL/RCCL (logical GPUs on a CPU
     # machine run on CPU with gloo). cpu: one {"CPU": worker_cpus} bundle per rank, gloo.
     # auto: gpu when the Ray cluster has GPUs or its launcher can add a node type with GPUs,
-    # else cpu; decided and logged once at build time (deployments.placement).
+    # else cpu; decided and logged once at build time (deployments.control.accelerator).
     accelerator: Accelerator = "auto"
     # Ray CPUs each rank reserves: None = 0 beside a GPU, 0.25 on CPU bundles (a scheduling
     # token so that a small machine holds a TP group; a rank's torch threads come from the
-    # node's cores, deployments.workers.cpu_threads).
+    # node's cores, deployments.serve.worker.cpu_threads).
     worker_cpus: float | None = Field(None, gt=0)
     accelerator_type: str | None = None  # e.g. "AMD-Instinct-MI300X-OAM": pins workers to it
     # CPU-only serving, where ranks and the request path share cores: run the ranks this much
@@ -234,11 +224,7 @@ class DeploymentSpec(BaseModel):
     def _consistent(self) -> DeploymentSpec:
         if self.num_replicas is not None and self.autoscaling is not None:
             raise ValueError("give either num_replicas or autoscaling bounds, not both")
-        if self.sequence_parallel and self.tail != "auto":
-            raise ValueError(
-                f"tail {self.tail!r} cannot run sequence-parallel; sequence-parallel deployments "
-                "use tail 'auto' (the sequence_parallel tail)"
-            )
+        check_sequence_parallel_tail(self.tail, self.sequence_parallel)
         if self.accelerator == "cpu" and self.accelerator_type:
             raise ValueError(
                 f"accelerator 'cpu' runs the ranks on CPU bundles, but accelerator_type "
@@ -363,62 +349,3 @@ class AppArgs(BaseModel):
     def default_deployment(self) -> str:
         """The deployment behind ``/v1/layers/{layer}/forward`` and the app handle's default."""
         return self.deployments[0].name
-
-
-@dataclass(frozen=True)
-class ResolvedDeployment:
-    """A deployment spec checked against the checkpoint, with the tail plan its replicas run."""
-
-    spec: DeploymentSpec
-    checkpoint: str
-    layers: tuple[int, ...]
-    plan: TailPlan
-    hidden_size: int
-    num_experts: int
-
-    def describe(self) -> str:
-        return (
-            f"deployment {self.spec.name!r}: TP {self.spec.tp_size}, layers {format_layers(self.layers)}, "
-            f"dtype {self.spec.dtype}, tail {self.plan.describe()} ({self.plan.reason})"
-        )
-
-
-def resolve_deployment(spec: DeploymentSpec, checkpoint: str, cfg: LatentMoEConfig) -> ResolvedDeployment:
-    """Check ``spec`` against the model config; ValueError with the arithmetic when it cannot run."""
-    where = f"deployment {spec.name!r}"
-    try:
-        torch_dtype(spec.dtype)
-        if spec.layers is None:
-            layers = tuple(cfg.moe_layers)
-        else:
-            for layer in spec.layers:
-                cfg.check_moe_layer(layer)
-            layers = tuple(spec.layers)
-        check_tp_size(
-            spec.tp_size,
-            cfg.moe_intermediate_size,
-            cfg.shared_intermediate_size,
-            cfg.hidden_size if spec.preshard_up_proj else None,
-        )
-        plan = resolve_tail(spec.tail, cfg, spec.tp_size, spec.preshard_up_proj, spec.sequence_parallel)
-        if spec.experts_activation_quant != "none":  # config-only checkpoints plan with "none"
-            reader = CheckpointReader(checkpoint)
-            check_activation_quant(spec.experts_activation_quant, cfg, spec.tp_size, reader, layers)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    return ResolvedDeployment(spec, checkpoint, layers, plan, cfg.hidden_size, cfg.num_experts)
-
-
-def resolve_app(args: AppArgs | dict[str, Any]) -> tuple[AppArgs, list[ResolvedDeployment]]:
-    """Validate ``args`` and check every deployment against the checkpoint's config.json."""
-    if not isinstance(args, AppArgs):
-        args = AppArgs.model_validate(args)
-    checkpoint = str(Path(args.checkpoint).expanduser().resolve())
-    cfg = LatentMoEConfig.from_pretrained(checkpoint)
-    return args, [resolve_deployment(spec, checkpoint, cfg) for spec in args.deployments]
-
-
-def default_max_body_bytes(resolved: list[ResolvedDeployment]) -> int:
-    """Room for the largest legal request: fp32 hidden states and router logits, plus headers."""
-    worst = max(r.spec.max_tokens_per_request * (r.hidden_size + r.num_experts) * 4 for r in resolved)
-    return worst + (1 << 16)

@@ -35,9 +35,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import logger
-from .client import choose_deployment
-from .errors import (
+from moe_runtime.units import format_layers
+
+from .. import logger
+from ..common.errors import (
     GroupTimeoutError,
     ServeInputError,
     TooLargeError,
@@ -45,11 +46,10 @@ from .errors import (
     error_message,
     http_status,
     retry_after_s,
-    retryable,
     root_cause,
 )
-from .spec import format_layers
-from .wire import WireTensor
+from ..common.layer_routing import LayerRoutes, call_with_retry_async
+from ..common.wire import WireTensor
 
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 INPUT_TENSORS = ("hidden_states", "router_logits")
@@ -117,25 +117,19 @@ class MoEIngress:
     """Routes HTTP and app-handle calls to the TP-group deployments by name."""
 
     def __init__(
-        self,
-        groups: dict[str, Any],
-        layers: dict[str, list[int]],
-        default: str,
-        max_body_bytes: int,
-        request_timeout_s: float,
+        self, groups: dict[str, Any], routes: LayerRoutes, max_body_bytes: int, request_timeout_s: float
     ):
         self.groups = groups  # name -> DeploymentHandle
-        self.layers = layers  # name -> served layers
-        self.default = default
+        self.routes = routes  # name -> served layers, and the default deployment
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
         logger.info(
             "ingress: deployments %s (default %r), body limit %d bytes, request timeout %.0f s",
-            list(groups), default, max_body_bytes, request_timeout_s,
+            list(groups), routes.default, max_body_bytes, request_timeout_s,
         )
 
     def route(self, deployment: str | None, layer: Any) -> str:
-        return choose_deployment(self.layers, self.default, deployment, layer)
+        return self.routes.choose(layer, deployment)
 
     async def _call(self, what: str, response) -> Any:
         try:
@@ -155,19 +149,17 @@ class MoEIngress:
             raise root_cause(e) from None
 
     async def _forward(self, name: str, hidden_states: Any, layer: int, router_logits: Any) -> Any:
-        # Once more when the first replica's TP group broke (forwards are idempotent; the
-        # router has learnt by then to send the retry to a usable replica).
-        for attempt in range(2):
-            try:
-                response = self.groups[name].forward.remote(hidden_states, layer, router_logits)
-                return await self._call(f"layer {layer} of {name!r}", response)
-            except Exception as e:
-                if attempt or not retryable(e):
-                    raise
+        # The ingress is the hop nearest the replicas on this path: it makes the one retry
+        # (common.layer_routing).
+        def attempt():
+            response = self.groups[name].forward.remote(hidden_states, layer, router_logits)
+            return self._call(f"layer {layer} of {name!r}", response)
 
-    def routing(self) -> dict[str, Any]:
-        """What direct clients need to route by layer themselves (``MoEClient``)."""
-        return {"default": self.default, "layers": self.layers}
+        return await call_with_retry_async(attempt)
+
+    def layer_routes(self) -> dict[str, Any]:
+        """The app's routing table, for clients that route by layer themselves (``MoEClient``)."""
+        return self.routes.to_dict()
 
     async def health(self) -> dict[str, Any]:
         """Each deployment's group health, as one of its replicas reports it."""
@@ -179,8 +171,8 @@ class MoEIngress:
                 return name, {"healthy": False, "error": error_message(e)}
 
         results = dict(await asyncio.gather(*(one(n, h) for n, h in self.groups.items())))
-        deployments = {n: {"layers": format_layers(self.layers[n]), **r} for n, r in results.items()}
-        return {"ok": all(r["healthy"] for r in results.values()), "default": self.default,
+        deployments = {n: {"layers": format_layers(self.routes.layers[n]), **r} for n, r in results.items()}
+        return {"ok": all(r["healthy"] for r in results.values()), "default": self.routes.default,
                 "deployments": deployments}
 
     async def status(self) -> dict[str, Any]:
@@ -194,7 +186,7 @@ class MoEIngress:
                 return name, {"deployment": name, "healthy": False, "error": error_message(e)}
 
         results = await asyncio.gather(*(one(n, h) for n, h in self.groups.items()))
-        return {"default_deployment": self.default, "deployments": dict(results)}
+        return {"default_deployment": self.routes.default, "deployments": dict(results)}
 
     # -- HTTP -----------------------------------------------------------------------------
 
@@ -215,7 +207,7 @@ class MoEIngress:
             layer_id = parse_layer(layer)
             name = self.route(deployment, layer_id)
             x, logits = decode_body(await self._read_body(request))
-            # F32 travels as numpy: the deployment's numpy rules apply (see deployment.py).
+            # F32 travels as numpy: the deployment's numpy rules apply (see serve/deployment.py).
             hidden = x.numpy() if x.dtype == torch.float32 else WireTensor.from_torch(x)
             if logits is not None:
                 logits = WireTensor.from_torch(logits)

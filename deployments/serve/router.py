@@ -1,7 +1,8 @@
 """Serve request router of the TP-group deployments: power of two choices among healthy replicas.
 
 Each replica reports ``{"healthy": bool}`` through Serve's ``record_routing_stats`` hook (every
-``request_routing_stats_period_s``). A replica whose TP group broke stays in Serve's replica
+``common.layer_routing.ROUTING_STATS_PERIOD_S``; ``control.options`` names this class in each
+deployment's ``request_router_config``). A replica whose TP group broke stays in Serve's replica
 set until its health check fails a few times; meanwhile this router sends requests only to
 replicas that report a usable group (all of them when none does, so the caller gets the
 broken replica's clear 503 rather than a hang).
@@ -13,9 +14,6 @@ import random
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
-
-ROUTING_STATS_PERIOD_S = 0.5
-ROUTER_CLASS = "deployments.routing:HealthyReplicaRouter"
 
 
 def healthy(replica: RunningReplica) -> bool:

@@ -1,6 +1,6 @@
 """Attention-FFN disaggregation: a small K3-like decoder on the client, its MoE layers on the tier.
 
-    moe = TierMoE.connect("default")              # one direct handle per TP-group deployment
+    moe = RemoteMoE.connect("default")            # routes each MoE layer to the deployment serving it
     model = Decoder(checkpoint, moe)              # embedding, attention, layer-0 MLP, LM head here
     out = model.generate(prompts, max_new_tokens=16, micro_batches=2)   # greedy
 
@@ -8,7 +8,7 @@ The decoder runs the non-MoE half of the model in this process: embedding, per l
 attention (a plain causal GQA attention with RoPE and a KV cache: a **stand-in** for K3's own
 KDA/MLA attention, which is out of scope), residual adds, the dense layers (layer 0) as local
 MLPs, the final norm and the LM head. Every MoE layer is one call to an :class:`MoELayers`:
-:class:`TierMoE` sends it to the TP-group deployment serving that layer (routed by layer when an
+:class:`RemoteMoE` sends it to the TP-group deployment serving that layer (routed by layer when an
 app splits layers over deployments); :class:`LocalMoE` runs ``moe_runtime``'s single-device
 ``moe_forward`` in process: the same model, undisaggregated, the reference for exactness.
 
@@ -48,6 +48,7 @@ from moe_runtime.synthetic_decoder import (
     check_decoder_fields,
 )
 
+from ..common.layer_routing import LayerRoutes
 from .client import DEFAULT_TIMEOUT_S, MoEClient
 
 
@@ -98,38 +99,35 @@ class LocalMoE:
         return moe_forward(x_TH, self.weights[layer], self.cfg, self.backend)
 
 
-class TierMoE:
-    """The MoE layers on the tier: each layer goes straight to the TP-group deployment serving it."""
+class RemoteMoE:
+    """MoE layers on the tier: one :class:`MoEClient` that routes each layer by the app's routing
+    table (``common.layer_routing``), straight to the TP-group deployment serving it."""
 
-    def __init__(self, by_layer: dict[int, MoEClient]):
-        self.by_layer = dict(by_layer)
-        self.layers = frozenset(self.by_layer)
+    def __init__(self, client: MoEClient):
+        self.client = client
+        self.layers = frozenset(x for served in client.layer_routes().layers.values() for x in served)
 
     @classmethod
     def connect(cls, app_name: str = "default", deployments: dict[str, Iterable[int]] | None = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> TierMoE:
-        """Direct handles to ``deployments`` (name -> layers; default: asked from the app's
-        ``status()``). A layer served by several deployments goes to the first listed (the app's
-        default deployment comes first in its status)."""
-        if deployments is None:
-            status = MoEClient(app_name, timeout_s=timeout_s).status()["deployments"]
-            broken = {name: st.get("error") for name, st in status.items() if "layers" not in st}
-            if broken:
-                raise RuntimeError(f"app {app_name!r}: deployment(s) without a status: {broken}")
-            deployments = {name: st["layers"] for name, st in status.items()}
-        by_layer: dict[int, MoEClient] = {}
-        for name, layers in deployments.items():
-            client = MoEClient.direct(name, app_name, timeout_s=timeout_s)
-            for layer in layers:
-                by_layer.setdefault(int(layer), client)
-        return cls(by_layer)
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteMoE:
+        """``deployments``: name -> layers to use instead of the app's own table (the first
+        listed is the default); None: asked from the app's ingress now."""
+        routes = None
+        if deployments is not None:
+            table = {name: [int(x) for x in layers] for name, layers in deployments.items()}
+            routes = LayerRoutes.from_dict({"default": next(iter(table)), "layers": table})
+        return cls(MoEClient(app_name, timeout_s=timeout_s, routes=routes))
 
     async def __call__(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
-        return await self.by_layer[layer].forward_async(x_TH, layer)
+        return await self.client.forward_async(x_TH, layer)
 
-    def clients(self) -> list[MoEClient]:
-        """One client per deployment in use."""
-        return list({id(c): c for c in self.by_layer.values()}.values())
+    def deployment_of(self, layer: int) -> str:
+        return self.client.layer_routes().choose(layer)
+
+    def deployment_statuses(self) -> dict[str, dict[str, Any]]:
+        """Each deployment's own ``status()`` (one replica's counters), by name."""
+        return {name: MoEClient.direct(name, self.client.app_name, self.client.timeout_s).status()
+                for name in self.client.layer_routes().layers}
 
 
 @dataclass

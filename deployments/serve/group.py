@@ -1,180 +1,41 @@
-"""TP-group workers (DESIGN §5.1): one Ray actor per rank, driven by the replica that owns them.
+"""The replica's side of its TP group: start the workers, forward batches, health, warm-up.
 
-The replica runs in bundle 0 of its own placement group and starts rank ``r`` in bundle
-``1 + r`` with one (possibly logical) GPU. Rank 0 picks a free port on its node IP; every
-rank joins the process group with a finite timeout and loads only its shard of every served
-layer, once. :class:`TPGroup` is the replica's side: it sends the same batch to every rank,
-returns rank 0's output (sequence parallel: every rank's rows, in order), bounds every call by
-the collective timeout plus a margin, and marks the group broken on the first failure so the
-replica turns unhealthy and Serve replaces it.
+:class:`TPGroup` sends the same batch to every rank, returns rank 0's output (sequence parallel:
+every rank's rows, in order), bounds every call by the collective timeout plus a margin, and
+marks the group broken on the first failure so the replica turns unhealthy and Serve replaces
+it. :func:`tune_group` measures a pending ``auto`` tail on the group at warm-up: every rank
+times each legal tail at ``auto_tune_tokens`` (the tails run collectives), rank 0's timings
+decide the plan (fastest tail per token range), and every rank adopts it on every served layer.
+The measurement's clock is injectable (``tune_clock: "module:callable"``, resolved on the
+workers) so tests are deterministic.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from moe_runtime.config import LatentMoEConfig
-from moe_runtime.tp.collectives import Collectives, default_backend, free_port, init_group
-from moe_runtime.tp.runner import build_rank_runners
-from moe_runtime.tp.tuning import apply_plan, measure_runners
-from moe_runtime.units import torch_dtype
+from moe_runtime.logs import log_once
 
-from . import logger
-from .errors import GroupTimeoutError, GroupUnavailableError, error_message
-from .options import worker_resources
-from .spec import ResolvedDeployment
-from .wire import WireTensor
+from .. import logger
+from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message
+from ..common.wire import WireTensor
+from ..config.resolve import ResolvedDeployment
+from ..control.accelerator import Accelerator
+from ..control.decide import TailDecision, measured_plan
+from ..control.options import worker_resources
+from .worker import WORKER_NAMESPACE, TPWorker
 
-WORKER_NAMESPACE = "latent_moe_serve"
 INLINE_BYTES = 64 * 1024  # below Ray's inline-argument limit (100 KiB by default)
 LIVENESS_POLL_S = 1.0  # a compiled-graph forward running longer checks that its ranks are alive
-# Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
-_VISIBILITY_VARS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
-
-
-def pick_device(gpu_ids: Sequence[Any], cuda_available: bool, env: Mapping[str, str]) -> str:
-    """The torch device of a worker that Ray assigned ``gpu_ids``.
-
-    No usable GPU (a CPU build of torch, or *logical* GPUs on a CPU machine): ``"cpu"``.
-    Otherwise the local index of the first assigned id: its position in the process's visible
-    list when a visibility variable is set (Ray sets it to the assigned ids, so usually 0), or
-    the id itself when none is (ROCm images that preset
-    ``RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES`` let every actor see every GPU).
-    """
-    if not cuda_available or not gpu_ids:
-        return "cpu"
-    assigned = str(gpu_ids[0])
-    for var in _VISIBILITY_VARS:
-        visible = env.get(var)
-        if visible is None or visible.strip() in ("", "NoDevFiles"):
-            continue
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if assigned in ids:
-            return f"cuda:{ids.index(assigned)}"
-        raise RuntimeError(f"Ray assigned GPU {assigned}, which is not in {var}={visible!r}")
-    return f"cuda:{int(assigned)}"
-
-
-def cpu_threads(world: int, cpus: int | None = None) -> int:
-    """Torch threads per worker: the node's CPUs shared by the ``world`` ranks, at least 1."""
-    if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cpus = os.cpu_count() or 1
-    return max(1, cpus // world)
-
-
-class TPWorker:
-    """One rank of a TP group (a Ray actor; methods run one at a time, in submission order)."""
-
-    def __init__(self, rank: int, resolved: ResolvedDeployment):
-        # A plain actor process: let the runtime's decisions (tail, backend, device) reach its log.
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        spec = resolved.spec
-        self.rank, self.world, self.resolved = rank, spec.tp_size, resolved
-        torch.set_num_threads(cpu_threads(self.world))
-        # Ray has set this actor's GPU visibility before __init__ runs: only now touch torch.cuda.
-        cuda = torch.cuda.is_available()
-        self.device = torch.device(pick_device(ray.get_gpu_ids() if cuda else [], cuda, os.environ))
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if spec.worker_nice_increment and self.device.type == "cpu":
-            os.nice(spec.worker_nice_increment)
-        self.backend = default_backend(self.device)
-        self.comm: Collectives | None = None
-        self.runners: dict = {}
-        self.load_s = 0.0
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0: this node's IP and a free port on it for the process-group store."""
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port(ip)
-
-    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
-        """Join the group (finite timeout) and load this rank's shard of every served layer."""
-        r = self.resolved
-        if self.world > 1:
-            init_group(self.rank, self.world, master_addr, master_port, self.backend,
-                       r.spec.collective_timeout_s)
-        self.comm = Collectives(self.rank, self.world, self.device)
-        start = time.perf_counter()
-        cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
-        self.runners = build_rank_runners(
-            r.checkpoint, cfg, r.layers, self.comm, r.plan,
-            dtype=torch_dtype(r.spec.dtype), device=self.device, backend=r.spec.backend,
-            preshard_up_proj=r.spec.preshard_up_proj,
-            experts_activation_quant=r.spec.experts_activation_quant,
-        )
-        self.load_s = time.perf_counter() - start
-        return self.info()
-
-    def forward(
-        self, layer: int, x_TH: WireTensor, router_logits_TE: WireTensor | None
-    ) -> tuple[WireTensor | None, str]:
-        """Run ``layer`` on the batch; rank 0 returns ``out [T, H]`` (sequence parallel: every
-        rank returns its own rows), the others None; plus the tail that ran."""
-        runner = self.runners[layer]
-        x = x_TH.to_torch(writable=False).to(self.device, non_blocking=True)
-        logits = router_logits_TE
-        if logits is not None:
-            logits = logits.to_torch(writable=False).to(self.device)
-        with torch.inference_mode():
-            out = runner.forward(x, logits)
-        tail = runner.last_tail
-        if self.rank != 0 and tail != "sequence_parallel":
-            return None, tail
-        return WireTensor.from_torch(out), tail
-
-    def measure_tails(self, settings: Any, tails: list[str]) -> dict[str, dict[int, float]]:
-        """Warm-up: time ``tails`` on this rank (every rank at once: the tails run collectives)."""
-        return measure_runners(self.runners, settings.token_counts, settings.reps, settings.clock, tails)
-
-    def set_plan(self, plan: Any) -> None:
-        """Adopt the controller's (measured) plan on every served layer."""
-        apply_plan(self.runners, plan)
-
-    def barrier(self) -> int:
-        """The health collective: a tiny all-reduce that every rank must join."""
-        self.comm.barrier_check()
-        return self.rank
-
-    def info(self) -> dict[str, Any]:
-        resident = sum(r.resident_bytes() for r in self.runners.values())
-        first = next(iter(self.runners.values()), None)
-        by_part: dict[str, int] = {}
-        for runner in self.runners.values():
-            for part, n in runner.resident_bytes_by_part().items():
-                by_part[part] = by_part.get(part, 0) + n
-        return {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "device": str(self.device),
-            "backend": self.backend,
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "torch_threads": torch.get_num_threads(),
-            "niceness": os.nice(0),
-            "resident_bytes": resident,
-            "resident_bytes_by_part": by_part,
-            "load_bytes_read": sum(r.load_bytes_read for r in self.runners.values()),
-            "load_s": round(self.load_s, 3),
-            "experts_backend": first.backend_name if first else None,
-            # the load-time probes of non-torch experts backends, with their numbers (backend_check.py)
-            "experts_backend_checks": [c.to_dict() for c in first.backend_checks] if first else [],
-        }
 
 
 class _RankFailure(Exception):
@@ -200,7 +61,7 @@ class TPGroup:
         self.transport: str | None = None  # how forwards reach the ranks, once decided
 
     @classmethod
-    def start(cls, resolved: ResolvedDeployment, tag: str) -> TPGroup:
+    def start(cls, resolved: ResolvedDeployment, accelerator: Accelerator, tag: str) -> TPGroup:
         """Start ``tp_size`` workers in bundles ``1..P`` of the current placement group."""
         spec = resolved.spec
         startup_timeout_s = spec.startup_bound_s
@@ -208,10 +69,10 @@ class TPGroup:
         if pg is None:
             raise RuntimeError(
                 f"deployment {spec.name!r} must run in a placement group of 1 + {spec.tp_size} bundles "
-                "(placement_group_bundles in its options, see deployments.options)"
+                "(placement_group_bundles in its options, see deployments.control.options)"
             )
         actor_cls = ray.remote(TPWorker)
-        resources = worker_resources(spec)
+        resources = worker_resources(spec, accelerator.layout)
         workers, names = [], []
         for rank in range(spec.tp_size):
             name = f"{tag}:rank{rank}"
@@ -228,7 +89,7 @@ class TPGroup:
                         placement_group_bundle_index=1 + rank,
                         placement_group_capture_child_tasks=False,
                     ),
-                ).remote(rank, resolved)
+                ).remote(rank, resolved, accelerator.compute)
             )
             names.append(name)
         try:
@@ -430,3 +291,22 @@ class TPGroup:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(w, no_restart=True)
         self.workers = []
+
+
+def tune_group(workers: Sequence[Any], decision: TailDecision, name: str, timeout_s: float) -> TailDecision:
+    """Replica side: measure a pending ``auto`` decision on the group's workers and apply it.
+
+    ``workers``: the rank-ordered ``TPWorker`` actor handles (methods ``measure_tails`` and
+    ``set_plan``). Returns the decision unchanged when nothing is to be measured.
+    """
+    if not decision.pending:
+        return decision
+    import ray
+
+    refs = [w.measure_tails.remote(decision.measure, list(decision.candidates)) for w in workers]
+    timings = ray.get(refs, timeout=timeout_s)[0]  # rank 0's: every rank must adopt one plan
+    plan = measured_plan(decision, timings)
+    ray.get([w.set_plan.remote(plan) for w in workers], timeout=timeout_s)
+    measured = decision.with_measurement(plan)
+    log_once(f"controller: deployment {name!r}: tail {plan.describe()} ({plan.reason})", logger)
+    return measured

@@ -1,22 +1,24 @@
-"""Cluster-launcher configs: validation against Ray's schema and MI300X TP-group capacity.
+"""Cluster-launcher configs (``cluster.yaml``, ``cluster.local.yaml``; DESIGN §5.4): validation
+against Ray's schema, node types, and how many MI300X TP groups their nodes can host.
 
-Pure functions over the YAML of ``cluster.yaml`` / ``cluster.local.yaml`` (DESIGN §5.4); no
-Ray instance is started. The capacity feeds the controller's autoscaling bounds (§5.5): a
-deployment's ``max_replicas`` never exceeds the TP groups the launcher's nodes can host.
+Pure: no Ray import and no Ray instance. Ray's launcher schema is read as a data file from the
+installed ``ray`` distribution, without importing it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources as importlib_resources
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
+
+from .view import NodeType, clean_resources
 
 MI300X_RESOURCE = "accelerator_type:AMD-Instinct-MI300X-OAM"
 # Ray's local provider replaces any node types with this single one (on-prem configs).
@@ -42,9 +44,13 @@ class NodeTypeCapacity:
 
 
 def ray_schema() -> dict[str, Any]:
-    """The installed Ray's cluster-launcher schema (``ray/autoscaler/ray-schema.json``)."""
-    text = importlib_resources.files("ray.autoscaler").joinpath("ray-schema.json").read_text()
-    return json.loads(text)
+    """The installed Ray's cluster-launcher schema (``ray/autoscaler/ray-schema.json``), read as a
+    file of the distribution (``find_spec`` locates the package without importing it)."""
+    spec = importlib.util.find_spec("ray")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("Ray is not installed here, so cluster-launcher configs cannot be validated")
+    path = Path(next(iter(spec.submodule_search_locations))) / "autoscaler" / "ray-schema.json"
+    return json.loads(path.read_text())
 
 
 def validate_cluster_config(config: Any, source: str = "cluster config") -> None:
@@ -162,72 +168,7 @@ def mi300x_gpus(config: dict[str, Any]) -> tuple[int, str]:
     return gpus, " + ".join(f"{n} {c.name} x {c.gpus_per_node}" for c, n in counted)
 
 
-@dataclass(frozen=True)
-class GroupDemand:
-    """One deployment's claim on the cluster: TP groups of ``tp_size`` GPUs, min..max of them."""
-
-    name: str
-    tp_size: int
-    min_replicas: int
-    max_replicas: int
-
-
-@dataclass(frozen=True)
-class Share:
-    """A deployment's part of the shared budget: its maximum replicas, and why when clamped."""
-
-    max_replicas: int
-    reason: str | None = None
-
-
-def share_gpus(demands: Sequence[GroupDemand], config: dict[str, Any]) -> dict[str, Share]:
-    """The shared capacity budget of an app's deployments on one cluster (DESIGN §5.5).
-
-    Deployments share nodes, so their TP groups together must fit the cluster's MI300X GPUs:
-    the minimums (sum of min_replicas x tp_size) must fit, or ValueError with the arithmetic;
-    when the maximums do not, each deployment keeps its minimum and the GPUs left are shared in
-    proportion to what each may add (whole TP groups, leftovers in table order), and the
-    clamped ones get the reason. Each is also capped by the groups of its size the nodes can
-    host (a group never spans nodes).
-    """
-    total, spelled = mi300x_gpus(config)
-    caps = {d.name: max_tp_groups(config, d.tp_size) for d in demands}
-    wanted = {d.name: min(d.max_replicas, caps[d.name]) for d in demands}
-    floor_gpus = sum(d.min_replicas * d.tp_size for d in demands)
-    terms = " + ".join(f"{d.name} {d.min_replicas} x {d.tp_size}" for d in demands)
-    if floor_gpus > total:
-        raise ValueError(
-            f"the app's minimum TP groups need {floor_gpus} GPUs ({terms}), but the cluster's MI300X "
-            f"nodes offer at most {total} ({spelled}, nodes the launcher may add included); lower "
-            "min_replicas / num_replicas or raise the launcher's max_workers"
-        )
-    ceiling = sum(wanted[d.name] * d.tp_size for d in demands)
-    shares = {d.name: Share(wanted[d.name], None if wanted[d.name] == d.max_replicas else
-                            f"max_replicas {d.max_replicas} -> {wanted[d.name]}: the nodes host at most "
-                            f"{caps[d.name]} TP groups of {d.tp_size}") for d in demands}
-    if ceiling <= total:
-        return shares
-    spare = total - floor_gpus
-    extra = {d.name: (wanted[d.name] - d.min_replicas) * d.tp_size for d in demands}
-    want_extra = sum(extra.values())
-    grant = {d.name: int(spare * extra[d.name] / want_extra) // d.tp_size for d in demands}
-    left = spare - sum(grant[d.name] * d.tp_size for d in demands)
-    added = True
-    while added:  # leftovers: one more group at a time where it still fits, in table order
-        added = False
-        for d in demands:
-            if d.min_replicas + grant[d.name] < wanted[d.name] and d.tp_size <= left:
-                grant[d.name] += 1
-                left -= d.tp_size
-                added = True
-    asked = " + ".join(f"{d.name} {wanted[d.name]} x {d.tp_size}" for d in demands)
-    for d in demands:
-        limit = d.min_replicas + grant[d.name]
-        if limit < d.max_replicas:
-            shares[d.name] = Share(max(limit, 1), (
-                f"max_replicas {d.max_replicas} -> {max(limit, 1)}: the app's deployments share the "
-                f"cluster's {total} MI300X GPUs ({spelled}); together their maximums ask {ceiling} "
-                f"({asked}), their minimums take {floor_gpus}, and the {spare} GPUs left are shared in "
-                "proportion to what each deployment may add"
-            ))
-    return shares
+def launcher_node_types(config: Mapping[str, Any]) -> list[NodeType]:
+    """Worker node types of a cluster-launcher config (the head is already a live node)."""
+    return [NodeType(c.name, clean_resources(c.resources), c.max_workers)
+            for c in node_capacities(dict(config)) if not c.is_head and c.max_workers > 0]

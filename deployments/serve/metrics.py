@@ -35,18 +35,20 @@ TOKEN_BOUNDARIES = [float(2**i) for i in range(17)]  # 1 .. 65536
 RATE_WINDOW_S = 10.0  # tokens/s reported to the autoscaler is measured over this window
 RECENT_BATCHES = 256
 
-REQUESTS = "moe_requests"
-TOKENS = "moe_tokens"
-FORWARD_LATENCY = "moe_forward_latency_ms"
-BATCH_TOKENS = "moe_batch_tokens"
-TAIL_BATCHES = "moe_tail_batches"
-QUEUED_TOKENS = "moe_queued_tokens"
-ERRORS = "moe_errors"
-GROUP_HEALTHY = "moe_group_healthy"
-TAIL_PLAN = "moe_tail_plan"
-TAIL_TIMING = "moe_tail_timing_ms"
-METRIC_NAMES = (REQUESTS, TOKENS, FORWARD_LATENCY, BATCH_TOKENS, TAIL_BATCHES, QUEUED_TOKENS, ERRORS,
-                GROUP_HEALTHY, TAIL_PLAN, TAIL_TIMING)
+REQUESTS_METRIC = "moe_requests"
+TOKENS_METRIC = "moe_tokens"
+FORWARD_LATENCY_METRIC = "moe_forward_latency_ms"
+BATCH_TOKENS_METRIC = "moe_batch_tokens"
+TAIL_BATCHES_METRIC = "moe_tail_batches"
+QUEUED_TOKENS_METRIC = "moe_queued_tokens"
+ERRORS_METRIC = "moe_errors"
+GROUP_HEALTHY_METRIC = "moe_group_healthy"
+TAIL_PLAN_METRIC = "moe_tail_plan"
+TAIL_TIMING_METRIC = "moe_tail_timing_ms"
+METRIC_NAMES = (
+    REQUESTS_METRIC, TOKENS_METRIC, FORWARD_LATENCY_METRIC, BATCH_TOKENS_METRIC, TAIL_BATCHES_METRIC,
+    QUEUED_TOKENS_METRIC, ERRORS_METRIC, GROUP_HEALTHY_METRIC, TAIL_PLAN_METRIC, TAIL_TIMING_METRIC,
+)
 
 
 class ReplicaStats:
@@ -69,30 +71,32 @@ class ReplicaStats:
         self.max_batch_tokens_seen = 0
         self._done: deque[tuple[float, int]] = deque()
 
-        self._requests = metrics.Counter(REQUESTS, description="Answered forward requests")
-        self._tokens = metrics.Counter(TOKENS, description="Tokens of answered forward requests")
+        self._requests = metrics.Counter(REQUESTS_METRIC, description="Answered forward requests")
+        self._tokens = metrics.Counter(TOKENS_METRIC, description="Tokens of answered forward requests")
         self._latency = metrics.Histogram(
-            FORWARD_LATENCY, description="Wall time of one TP-group forward (ms)",
+            FORWARD_LATENCY_METRIC, description="Wall time of one TP-group forward (ms)",
             boundaries=LATENCY_BOUNDARIES_MS, tag_keys=("layer", "tail"),
         )
         self._batch_tokens = metrics.Histogram(
-            BATCH_TOKENS, description="Tokens per TP-group forward", boundaries=TOKEN_BOUNDARIES,
+            BATCH_TOKENS_METRIC, description="Tokens per TP-group forward", boundaries=TOKEN_BOUNDARIES,
             tag_keys=("layer",),
         )
         self._tail_batches = metrics.Counter(
-            TAIL_BATCHES, description="TP-group forwards per tail run", tag_keys=("layer", "tail")
+            TAIL_BATCHES_METRIC, description="TP-group forwards per tail run", tag_keys=("layer", "tail")
         )
-        self._queued = metrics.Gauge(QUEUED_TOKENS, description="Tokens admitted and not yet answered")
+        self._queued = metrics.Gauge(QUEUED_TOKENS_METRIC, description="Tokens admitted and not yet answered")
         self._errors = metrics.Counter(
-            ERRORS, description="Failed requests (client: 4xx, server: 5xx)", tag_keys=("kind",)
+            ERRORS_METRIC, description="Failed requests (client: 4xx, server: 5xx)", tag_keys=("kind",)
         )
-        self._healthy = metrics.Gauge(GROUP_HEALTHY, description="1 while the replica's TP group is usable")
+        self._healthy = metrics.Gauge(
+            GROUP_HEALTHY_METRIC, description="1 while the replica's TP group is usable"
+        )
         self._tail_plan = metrics.Gauge(
-            TAIL_PLAN, description="Controller decision: 1 per tier of the tail plan",
+            TAIL_PLAN_METRIC, description="Controller decision: 1 per tier of the tail plan",
             tag_keys=("tail", "max_tokens"),
         )
         self._tail_timing = metrics.Gauge(
-            TAIL_TIMING, description="Warm-up timing of a tail at a token count (ms)",
+            TAIL_TIMING_METRIC, description="Warm-up timing of a tail at a token count (ms)",
             tag_keys=("tail", "tokens"),
         )
         self._queued.set(0)

@@ -1,19 +1,20 @@
-"""Serve deployment options as pure functions of the validated arguments (no cluster needed).
+"""Serve deployment options as pure functions of the validated spec and the controller's
+decisions (no Ray: Serve validates the merged result in ``deployments.serve.options``).
 
 A TP-group replica owns a placement group of ``1 + P`` bundles packed on one node:
 bundle 0 (``{"CPU": c}``) holds the replica actor, which asks for no GPU; bundle ``1 + r``
 holds the worker of rank ``r``: ``{"GPU": 1}`` (plus a sliver of the accelerator-type resource
-when one is pinned) on GPUs, ``{"CPU": worker_cpus}`` when ``accelerator`` is ``cpu``.
-``STRICT_PACK`` keeps a TP group on one node. An ``accelerator: auto`` not yet resolved against
-a cluster (``deployments.placement`` does that at build time) gets the GPU layout.
+when one is pinned) with the ``gpu`` layout, ``{"CPU": worker_cpus}`` with the ``cpu`` layout
+(the layout is the accelerator decision's, ``deployments.control.accelerator``). ``STRICT_PACK``
+keeps a TP group on one node.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .routing import ROUTER_CLASS, ROUTING_STATS_PERIOD_S
-from .spec import BATCHING_KNOBS, AutoscalingSpec, DeploymentSpec, with_batching
+from ..common.layer_routing import ROUTING_STATS_PERIOD_S
+from ..config.spec import BATCHING_KNOBS, AutoscalingSpec, DeploymentSpec, with_batching
 
 # Ray's convention for "must run on this accelerator type" (what ``accelerator_type=`` sets).
 # Ray gives the resource 1 per node, so P ranks of a node ask P x 0.001 of it together.
@@ -23,19 +24,19 @@ CPU_RANK_CPUS = 0.25  # default worker_cpus of a CPU rank (see DeploymentSpec.wo
 # before the deploy fails; Serve's default (20, with backoff) takes far longer to say so.
 MAX_CONSTRUCTOR_RETRIES = 3
 RETRY_AFTER_S = 1.0  # Retry-After of a request refused by max_queued_requests
+ROUTER_CLASS = "deployments.serve.router:HealthyReplicaRouter"
+LAYOUTS = ("gpu", "cpu")
 
 
 def accelerator_resource(accelerator_type: str) -> str:
     return f"accelerator_type:{accelerator_type}"
 
 
-def uses_gpus(spec: DeploymentSpec) -> bool:
-    return spec.accelerator != "cpu"
-
-
-def rank_bundle(spec: DeploymentSpec) -> dict[str, float]:
-    """The placement-group bundle of one rank."""
-    if not uses_gpus(spec):
+def rank_bundle(spec: DeploymentSpec, layout: str) -> dict[str, float]:
+    """The placement-group bundle of one rank with the ``gpu`` or ``cpu`` layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "cpu":
         return {"CPU": spec.worker_cpus or CPU_RANK_CPUS}
     bundle: dict[str, float] = {"GPU": 1}
     if spec.worker_cpus:
@@ -45,23 +46,23 @@ def rank_bundle(spec: DeploymentSpec) -> dict[str, float]:
     return bundle
 
 
-def worker_resources(spec: DeploymentSpec) -> dict[str, Any]:
+def worker_resources(spec: DeploymentSpec, layout: str) -> dict[str, Any]:
     """What one worker actor asks for: exactly its bundle (see :func:`placement_bundles`)."""
-    bundle = rank_bundle(spec)
+    bundle = rank_bundle(spec, layout)
     extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
     return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0), "resources": extra}
 
 
-def placement_bundles(spec: DeploymentSpec) -> list[dict[str, float]]:
+def placement_bundles(spec: DeploymentSpec, layout: str) -> list[dict[str, float]]:
     """``[{"CPU": c}] + [rank bundle] * P``: the replica's bundle, then one per rank."""
-    return [{"CPU": spec.replica_cpus}] + [rank_bundle(spec) for _ in range(spec.tp_size)]
+    return [{"CPU": spec.replica_cpus}] + [rank_bundle(spec, layout) for _ in range(spec.tp_size)]
 
 
-def autoscaling_config(spec: DeploymentSpec, capacity: int | None = None) -> dict[str, Any]:
+def autoscaling_config(spec: DeploymentSpec, max_replicas: int | None = None) -> dict[str, Any]:
     """Ray's ``autoscaling_config`` dict, via the project's token-aware builder.
 
-    ``capacity``: TP groups of this size the cluster can host (None: unknown); it caps
-    ``max_replicas``.
+    ``max_replicas``: the bound after the app's capacity budget (``control.capacity``); None:
+    the spec's own.
     """
     from .autoscaling import TokenScalingParams, build_autoscaling_config
 
@@ -74,8 +75,7 @@ def autoscaling_config(spec: DeploymentSpec, capacity: int | None = None) -> dic
     )
     config = build_autoscaling_config(
         min_replicas=a.min_replicas,
-        max_replicas=a.max_replicas,
-        capacity=capacity,
+        max_replicas=a.max_replicas if max_replicas is None else max_replicas,
         target_ongoing_requests=a.target_ongoing_requests,
         params=params,
         token_aware=a.token_aware,
@@ -88,21 +88,13 @@ def autoscaling_config(spec: DeploymentSpec, capacity: int | None = None) -> dic
     return config
 
 
-def cluster_capacity(spec: DeploymentSpec) -> int | None:
-    """TP groups the autoscaling spec's cluster config can host, or None without one."""
-    if spec.autoscaling is None or spec.autoscaling.cluster_config is None:
-        return None
-    from .cluster_spec import load_cluster_config, max_tp_groups
-
-    return max_tp_groups(load_cluster_config(spec.autoscaling.cluster_config), spec.tp_size)
-
-
-def deployment_options(spec: DeploymentSpec, capacity: int | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``Deployment.options`` for one TP-group deployment."""
+def deployment_options(spec: DeploymentSpec, layout: str, max_replicas: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``Deployment.options`` for one TP-group deployment, with the spec's
+    ``deployment_config`` merged over them (Serve validates the result: ``serve.options``)."""
     options: dict[str, Any] = {
         "name": spec.name,
         "ray_actor_options": {"num_cpus": spec.replica_cpus, "num_gpus": 0},
-        "placement_group_bundles": placement_bundles(spec),
+        "placement_group_bundles": placement_bundles(spec, layout),
         "placement_group_strategy": "STRICT_PACK",
         "max_ongoing_requests": spec.max_ongoing_requests,
         "health_check_period_s": spec.health_check_period_s,
@@ -118,43 +110,22 @@ def deployment_options(spec: DeploymentSpec, capacity: int | None = None) -> dic
                                   "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S},
     }
     if spec.autoscaling is not None:
-        if capacity is None:
-            capacity = cluster_capacity(spec)
-        options["autoscaling_config"] = autoscaling_config(spec, capacity)
+        options["autoscaling_config"] = autoscaling_config(spec, max_replicas)
     else:
         options["num_replicas"] = spec.num_replicas or 1
-    options = merge_serve_options(options, spec.deployment_config, f"deployment {spec.name!r}")
+    options = merge_serve_options(options, spec.deployment_config)
     with_batching(spec, options["user_config"])  # its knobs must be legal before any replica starts
     return options
 
 
-class _OptionsProbe:
-    """A stand-in deployment class: only its options are validated."""
-
-
-def merge_serve_options(computed: dict[str, Any], overrides: dict[str, Any], where: str) -> dict[str, Any]:
-    """``overrides`` (a spec's ``deployment_config``) over the computed options, validated by
-    Serve's own models; ``ValueError`` naming the offending option."""
-    import inspect
-
-    from ray import serve
-    from ray.serve.deployment import Deployment
-
-    internal = {"self", "func_or_class", "name", "version", "_init_args", "_init_kwargs", "_internal"}
-    allowed = set(inspect.signature(Deployment.options).parameters) - internal
-    unknown = sorted(set(overrides) - allowed)
-    if unknown:
-        raise ValueError(f"{where}: deployment_config has unknown Serve option(s) {unknown}; "
-                         f"allowed: {sorted(allowed)}")
+def merge_serve_options(computed: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` (a spec's ``deployment_config``) over the computed options; the one given of
+    ``num_replicas`` / ``autoscaling_config`` wins over the computed other."""
     merged = {**computed, **overrides}
-    if "num_replicas" in overrides:  # the one given wins over the computed other
+    if "num_replicas" in overrides:
         merged.pop("autoscaling_config", None)
     elif "autoscaling_config" in overrides:
         merged.pop("num_replicas", None)
-    try:  # Serve's own validation (DeploymentConfig, replica options), as at deploy time
-        serve.deployment(_OptionsProbe).options(**merged)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{where}: invalid Serve options after merging deployment_config: {e}") from None
     return merged
 
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 QUEUED_TOKENS = "queued_tokens"  # tokens waiting in the replica's batch queue
 TOKENS_PER_S = "tokens_per_s"  # tokens the replica processed per second, recently
 
-POLICY_IMPORT_PATH = "deployments.autoscaling:TokenAutoscalingPolicy"
+POLICY_IMPORT_PATH = "deployments.control.autoscaling:TokenAutoscalingPolicy"
 
 # Our keys in the policy state (Ray keeps its own delay counters in the same dict).
 _UP_SINCE = "token_upscale_since"
@@ -151,7 +151,7 @@ def token_autoscaling_policy(
 ) -> tuple[int, dict[str, Any]]:
     """Ray Serve policy function: :func:`desired_replicas` on an ``AutoscalingContext``.
 
-    Usable directly as ``policy_function="deployments.autoscaling:token_autoscaling_policy"``
+    Usable directly as ``policy_function="deployments.control.autoscaling:token_autoscaling_policy"``
     (default params); :class:`TokenAutoscalingPolicy` takes tuned params via policy_kwargs.
     """
     params = params or TokenScalingParams()
@@ -183,7 +183,6 @@ def build_autoscaling_config(
     *,
     min_replicas: int,
     max_replicas: int,
-    capacity: int | None,
     target_ongoing_requests: float,
     params: TokenScalingParams | None = None,
     token_aware: bool = True,
@@ -191,28 +190,11 @@ def build_autoscaling_config(
 ) -> dict[str, Any]:
     """The ``autoscaling_config`` dict of one deployment (keys of Ray's AutoscalingConfig).
 
-    ``capacity``: TP groups the cluster can host (:func:`deployments.cluster_spec.max_tp_groups`),
-    None when unknown. ``max_replicas`` is clamped to it; ``min_replicas`` above it is an error.
-    ``token_aware=False`` keeps Ray's request-count policy (``target_ongoing_requests``), with
-    the same delays applied by Ray instead.
+    The bounds are the validated spec's (``AutoscalingSpec``), ``max_replicas`` already within the
+    cluster's capacity (``deployments.control.capacity``). ``token_aware=False`` keeps Ray's
+    request-count policy (``target_ongoing_requests``), with the same delays applied by Ray instead.
     """
     params = params or TokenScalingParams()
-    if min_replicas < 0 or max_replicas < 1 or max_replicas < min_replicas:
-        raise ValueError(
-            f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, "
-            f"got min {min_replicas}, max {max_replicas}"
-        )
-    if not target_ongoing_requests > 0:
-        raise ValueError(f"target_ongoing_requests must be > 0, got {target_ongoing_requests}")
-    if capacity is not None:
-        if capacity < 1:
-            raise ValueError(f"the cluster can host {capacity} TP groups of this deployment")
-        if min_replicas > capacity:
-            raise ValueError(
-                f"min_replicas {min_replicas} > {capacity} TP groups the cluster can host"
-            )
-        max_replicas = min(max_replicas, capacity)
-
     config: dict[str, Any] = {
         "min_replicas": min_replicas,
         "max_replicas": max_replicas,

@@ -3,9 +3,9 @@
 Handle API: ``forward(hidden_states, layer, router_logits=None)`` and ``status()``.
 
 Input kinds: a torch tensor must already have the deployment's dtype (so must a
-:class:`~deployments.wire.WireTensor`, the faster internal form the clients send). A numpy array must be
-float32 (numpy has no bfloat16): a float32 deployment takes it as is, a bfloat16 deployment
-rounds it to bfloat16 on the replica (round-to-nearest-even, as ``torch.Tensor.to`` does).
+:class:`~deployments.common.wire.WireTensor`, the faster internal form the clients send). A numpy
+array must be float32 (numpy has no bfloat16): a float32 deployment takes it as is, a bfloat16
+deployment rounds it to bfloat16 on the replica (round-to-nearest-even, as ``torch.Tensor.to`` does).
 The output comes back in the kind that came in: a torch tensor in the deployment dtype, or a
 float32 numpy array (bfloat16 results widened exactly). Router logits may be any floating
 dtype (the router works in fp32).
@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -33,19 +33,17 @@ from ray import serve
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import check_input
-from moe_runtime.units import torch_dtype
+from moe_runtime.units import format_layers, torch_dtype
 
-from . import logger
-from .autoscaling import QUEUED_TOKENS, TOKENS_PER_S
-from .controller import Decision, tail_decision, tune_group
-from .errors import ServeInputError, TooLargeError, UnknownLayerError, http_status, retryable
+from .. import logger
+from ..common.errors import ServeInputError, TooLargeError, UnknownLayerError, http_status, retryable
+from ..common.layer_routing import sleep_before_broken_answer
+from ..common.wire import WireTensor
+from ..config.spec import DeploymentSpec, with_batching
+from ..control.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
+from ..control.decide import Decision
+from .group import TPGroup, tune_group
 from .metrics import ReplicaStats
-from .routing import ROUTING_STATS_PERIOD_S
-from .spec import DeploymentSpec, ResolvedDeployment, format_layers, with_batching
-from .wire import WireTensor
-from .workers import TPGroup
-
-BROKEN_ANSWER_DELAY_S = 3 * ROUTING_STATS_PERIOD_S
 
 
 @dataclass
@@ -88,10 +86,10 @@ def to_tensor(value: Any, what: str, dtype: torch.dtype | None) -> torch.Tensor:
     raise ServeInputError(f"{what} must be a numpy array or a torch tensor, got {type(value).__name__}")
 
 
-def check_planned_tokens(spec: DeploymentSpec, decision: Decision | None) -> None:
+def check_planned_tokens(spec: DeploymentSpec, decision: Decision) -> None:
     """A live batching change must stay within the forward size the memory planner sized the
     deployment for at build time (ValueError with the numbers otherwise; lowering is free)."""
-    plan = None if decision is None else decision.memory
+    plan = decision.memory
     if plan is not None and spec.max_forward_tokens > plan.workspace.tokens:
         raise ValueError(
             f"user_config of deployment {spec.name!r}: forwards of up to {spec.max_forward_tokens} tokens "
@@ -112,27 +110,25 @@ class _TokenBudgetWarningFilter(logging.Filter):
 class MoEGroupDeployment:
     """One replica: a TP group of ``tp_size`` workers serving the deployment's layers."""
 
-    def __init__(self, resolved: ResolvedDeployment, decision: Decision | None = None):
-        """``decision``: the controller's, made at build time (None: made here, without the
-        Serve options); a pending ``auto`` plan is measured on this replica's group now."""
+    def __init__(self, decision: Decision):
+        """``decision``: the controller's, made at build time; a pending ``auto`` tail is
+        measured on this replica's group now (warm-up)."""
+        resolved = decision.resolved
         spec = resolved.spec
         self.resolved, self.spec = resolved, spec
         self.cfg = LatentMoEConfig.from_pretrained(resolved.checkpoint)
         self.dtype = torch_dtype(spec.dtype)
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id if ctx is not None else "local"
-        self.group = TPGroup.start(resolved, tag=f"{spec.name}:{self.replica}")
+        self.group = TPGroup.start(resolved, decision.accelerator, tag=f"{spec.name}:{self.replica}")
         try:
-            # The controller's tail decision; "auto" is measured on this group now (warm-up).
-            tail = decision.tail if decision is not None else tail_decision(spec, self.cfg)
-            self.decision = tune_group(self.group.workers, tail, spec.name, spec.startup_bound_s)
+            tail = tune_group(self.group.workers, decision.tail, spec.name, spec.startup_bound_s)
         except BaseException:
             self.group.shutdown()
             raise
-        self.plan = self.decision.plan
-        # What status() reports: the build-time decision (options, capacity) with this
-        # replica's tail decision (measured when auto).
-        self.serve_decision = None if decision is None else replace(decision, tail=self.decision)
+        # The build-time decision with this replica's tail (measured when auto): status() reports it.
+        self.decision = decision.with_tail(tail)
+        self.plan = tail.plan
         self.stats = ReplicaStats()
         self.stats.decision(self.plan)
         logging.getLogger("ray.serve").addFilter(_TokenBudgetWarningFilter())
@@ -159,7 +155,7 @@ class MoEGroupDeployment:
         spec = with_batching(self.spec, user_config)
         if spec == self.spec:
             return
-        check_planned_tokens(spec, self.serve_decision)
+        check_planned_tokens(spec, self.decision)
         self.spec = spec
         for queue in self._queues.values():
             queue.set_max_batch_size(spec.max_batch_tokens)
@@ -258,7 +254,7 @@ class MoEGroupDeployment:
                     # The router learns of the broken group within ROUTING_STATS_PERIOD_S
                     # (record_routing_stats); answering after that lets the caller's one
                     # retry (forwards are idempotent) land on a usable replica.
-                    await asyncio.sleep(BROKEN_ANSWER_DELAY_S)
+                    await sleep_before_broken_answer()
             raise
         finally:
             self._in_flight -= 1
@@ -307,7 +303,7 @@ class MoEGroupDeployment:
             "preshard_up_proj": spec.preshard_up_proj,
             "tail_plan": self.plan.to_dict(),
             "tail_reason": self.plan.reason,
-            "controller": (self.serve_decision or self.decision).to_dict(),
+            "controller": self.decision.to_dict(),
             "layers": list(self.resolved.layers),
             "dtype": spec.dtype,
             "device": self.group.infos[0]["device"],
@@ -328,11 +324,10 @@ class MoEGroupDeployment:
     def _memory_status(self) -> dict[str, Any]:
         """The planner's bytes per rank by part and headroom (build time), and what each rank
         reports it holds."""
-        decision = self.serve_decision
-        plan = None if decision is None or decision.memory is None else decision.memory
+        plan = self.decision.memory
         return {
             "planned": None if plan is None else plan.to_dict(),
-            "note": None if decision is None else decision.memory_note,
+            "note": self.decision.memory_note,
             "resident_bytes_per_rank": [info.get("resident_bytes") for info in self.group.infos],
         }
 
@@ -350,11 +345,11 @@ class MoEGroupDeployment:
             raise
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Read by ``deployments.routing.HealthyReplicaRouter``: route around a broken group."""
+        """Read by ``deployments.serve.router.HealthyReplicaRouter``: route around a broken group."""
         return {"healthy": self.group.broken is None}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Token-level load for the token-aware autoscaling policy (``deployments.autoscaling``)."""
+        """Token-level load for the token-aware autoscaling policy (``deployments.control.autoscaling``)."""
         return {QUEUED_TOKENS: float(self.stats.queued_tokens), TOKENS_PER_S: self.stats.tokens_per_s()}
 
     def __del__(self) -> None:

@@ -27,8 +27,9 @@ from ray.serve.exceptions import BackPressureError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from .errors import UnknownDeploymentError, error_message, http_status, retryable, root_cause
-from .wire import WireTensor
+from ..common.errors import error_message, http_status, root_cause
+from ..common.layer_routing import LayerRoutes, call_with_retry, call_with_retry_async
+from ..common.wire import WireTensor
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -73,37 +74,25 @@ def _translate(exc: BaseException) -> NoReturn:
     _raise(error_message(cause), http_status(cause), type(cause).__name__)
 
 
-def choose_deployment(layers: dict[str, list[int]], default: str, deployment: str | None, layer: Any) -> str:
-    """The deployment to call: the named one, else the default when it serves ``layer``, else
-    the first that does (apps split by layer ranges), else the default (which says what is wrong)."""
-    if deployment is not None:
-        if deployment not in layers:
-            raise UnknownDeploymentError(f"unknown deployment {deployment!r}; this app serves {list(layers)}")
-        return deployment
-    if layer in layers[default]:
-        return default
-    return next((name for name, served in layers.items() if layer in served), default)
-
-
 class MoEClient:
     """Serve-handle client of the MoE app.
 
     Forwards go straight to the TP-group deployment that serves the layer (the app's routing
-    table is fetched from the ingress once), so only HTTP pays the ingress hop;
-    ``via_ingress=True`` sends them through the ingress instead. ``status()`` asks the ingress
-    (every deployment). A forward that meets a broken TP group (503, the replica is being
-    replaced) is retried once: forwards are idempotent, and Serve routes away from a broken
-    replica (``deployments.routing``).
+    table, ``common.layer_routing.LayerRoutes``, is fetched from the ingress once), so only HTTP
+    pays the ingress hop; ``via_ingress=True`` sends them through the ingress instead.
+    ``status()`` asks the ingress (every deployment). A forward that meets a broken TP group
+    (503, the replica is being replaced) is retried once by the hop nearest the replicas: this
+    client on the direct path, the ingress with ``via_ingress`` (at most 2 attempts either way).
     """
 
     def __init__(self, app_name: str = "default", *, deployment: str | None = None, via_ingress: bool = False,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, handle: Any = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, handle: Any = None, routes: LayerRoutes | None = None):
         from ray import serve
 
         self.app_name, self.deployment, self.via_ingress = app_name, deployment, via_ingress
         self.timeout_s = timeout_s
         self.handle = handle if handle is not None else serve.get_app_handle(app_name)  # the ingress
-        self._routing: dict[str, Any] | None = None
+        self.routes = routes  # fetched from the ingress on first use when None
         self._groups: dict[str, Any] = {}  # deployment -> its DeploymentHandle
 
     @classmethod
@@ -112,16 +101,33 @@ class MoEClient:
         """Bound to TP-group deployment ``deployment``: forwards and ``status()`` go to it."""
         from ray import serve
 
-        client = cls(app_name, deployment=deployment, timeout_s=timeout_s,
-                     handle=serve.get_deployment_handle(deployment, app_name))
-        client._routing = {"default": deployment, "layers": None}
-        client._groups[deployment] = client.handle
+        handle = serve.get_deployment_handle(deployment, app_name)
+        client = cls(app_name, deployment=deployment, timeout_s=timeout_s, handle=handle,
+                     routes=LayerRoutes.single(deployment))
+        client._groups[deployment] = handle
         return client
 
+    def layer_routes(self) -> LayerRoutes:
+        """The app's routing table (asked from the ingress once)."""
+        if self.routes is None:
+            try:
+                table = self.handle.layer_routes.remote().result(timeout_s=self.timeout_s)
+            except Exception as e:
+                _translate(e)
+            self.routes = LayerRoutes.from_dict(table)
+        return self.routes
+
+    async def layer_routes_async(self) -> LayerRoutes:
+        if self.routes is None:
+            try:
+                table = await asyncio.wait_for(self.handle.layer_routes.remote(), self.timeout_s)
+            except Exception as e:
+                _translate(e)
+            self.routes = LayerRoutes.from_dict(table)
+        return self.routes
+
     def _group(self, layer: int):
-        routing = self._routing
-        name = routing["default"] if routing["layers"] is None else choose_deployment(
-            routing["layers"], routing["default"], self.deployment, layer)
+        name = self.routes.choose(layer, self.deployment)
         if name not in self._groups:
             from ray import serve
 
@@ -141,34 +147,27 @@ class MoEClient:
     def forward(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
                 router_logits: np.ndarray | torch.Tensor | None = None) -> np.ndarray | torch.Tensor:
         """``[T, H]`` output of MoE ``layer`` (blocking; not from inside an event loop)."""
+        def attempt():
+            return self._forward_call(hidden_states, layer, router_logits).result(timeout_s=self.timeout_s)
+
+        if not self.via_ingress:
+            self.layer_routes()
         try:
-            if self._routing is None and not self.via_ingress:
-                self._routing = self.handle.routing.remote().result(timeout_s=self.timeout_s)
-            for attempt in range(2):
-                try:
-                    call = self._forward_call(hidden_states, layer, router_logits)
-                    out = call.result(timeout_s=self.timeout_s)
-                    break
-                except Exception as e:
-                    if attempt or not retryable(e):
-                        raise
+            out = attempt() if self.via_ingress else call_with_retry(attempt)
         except Exception as e:
             _translate(e)
         return out.to_torch() if isinstance(out, WireTensor) else out
 
     async def forward_async(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
                             router_logits: np.ndarray | torch.Tensor | None = None) -> Any:
+        async def attempt():
+            call = self._forward_call(hidden_states, layer, router_logits)
+            return await asyncio.wait_for(call, self.timeout_s)
+
+        if not self.via_ingress:
+            await self.layer_routes_async()
         try:
-            if self._routing is None and not self.via_ingress:
-                self._routing = await asyncio.wait_for(self.handle.routing.remote(), self.timeout_s)
-            for attempt in range(2):
-                try:
-                    call = self._forward_call(hidden_states, layer, router_logits)
-                    out = await asyncio.wait_for(call, self.timeout_s)
-                    break
-                except Exception as e:
-                    if attempt or not retryable(e):
-                        raise
+            out = await (attempt() if self.via_ingress else call_with_retry_async(attempt))
         except Exception as e:
             _translate(e)
         return out.to_torch() if isinstance(out, WireTensor) else out

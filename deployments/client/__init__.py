@@ -1,0 +1,18 @@
+"""Python clients of the MoE app: Serve handles (``MoEClient``), HTTP (``HTTPMoEClient``,
+``AsyncHTTPMoEClient``), and ``afd`` (a decoder whose MoE layers run on the tier)."""
+
+from .client import (
+    DEFAULT_TIMEOUT_S,
+    AsyncHTTPMoEClient,
+    HTTPMoEClient,
+    MoEClient,
+    MoEOverloadedError,
+    MoERequestError,
+    MoEServeError,
+    MoEServerError,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S", "AsyncHTTPMoEClient", "HTTPMoEClient", "MoEClient", "MoEOverloadedError",
+    "MoERequestError", "MoEServeError", "MoEServerError",
+]

@@ -1,0 +1,178 @@
+"""A TP-group worker (DESIGN §5.1): one Ray actor per rank (worker process code only).
+
+The replica (``serve.group.TPGroup``) starts rank ``r`` in bundle ``1 + r`` of its placement
+group. Rank 0 picks a free port on its node IP; every rank joins the process group with a
+finite timeout and loads only its shard of every served layer, once. Where it computes is the
+controller's decision (``control.accelerator``): ``cpu``, or ``gpu`` on the device Ray assigned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.tp.collectives import Collectives, default_backend, free_port, init_group
+from moe_runtime.tp.runner import build_rank_runners
+from moe_runtime.tp.tuning import apply_plan, measure_runners
+from moe_runtime.units import torch_dtype
+
+from .. import logger
+from ..common.wire import WireTensor
+from ..config.resolve import ResolvedDeployment
+
+WORKER_NAMESPACE = "latent_moe_serve"
+# Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
+_VISIBILITY_VARS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def pick_device(gpu_ids: Sequence[Any], cuda_available: bool, env: Mapping[str, str]) -> str:
+    """The torch device of a worker that Ray assigned ``gpu_ids``.
+
+    No usable GPU (a CPU build of torch, or *logical* GPUs on a CPU machine): ``"cpu"``.
+    Otherwise the local index of the first assigned id: its position in the process's visible
+    list when a visibility variable is set (Ray sets it to the assigned ids, so usually 0), or
+    the id itself when none is (ROCm images that preset
+    ``RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES`` let every actor see every GPU).
+    """
+    if not cuda_available or not gpu_ids:
+        return "cpu"
+    assigned = str(gpu_ids[0])
+    for var in _VISIBILITY_VARS:
+        visible = env.get(var)
+        if visible is None or visible.strip() in ("", "NoDevFiles"):
+            continue
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if assigned in ids:
+            return f"cuda:{ids.index(assigned)}"
+        raise RuntimeError(f"Ray assigned GPU {assigned}, which is not in {var}={visible!r}")
+    return f"cuda:{int(assigned)}"
+
+
+def cpu_threads(world: int, cpus: int | None = None) -> int:
+    """Torch threads per worker: the node's CPUs shared by the ``world`` ranks, at least 1."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cpus = os.cpu_count() or 1
+    return max(1, cpus // world)
+
+
+class TPWorker:
+    """One rank of a TP group (a Ray actor; methods run one at a time, in submission order)."""
+
+    def __init__(self, rank: int, resolved: ResolvedDeployment, compute: str):
+        """``compute``: the controller's decision, ``gpu`` or ``cpu``."""
+        # A plain actor process: let the runtime's decisions (tail, backend, device) reach its log.
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        spec = resolved.spec
+        self.rank, self.world, self.resolved = rank, spec.tp_size, resolved
+        torch.set_num_threads(cpu_threads(self.world))
+        self.device_note: str | None = None
+        if compute == "cpu":
+            self.device = torch.device("cpu")
+        else:
+            # Ray has set this actor's GPU visibility before __init__ runs: only now touch torch.cuda.
+            cuda = torch.cuda.is_available()
+            self.device = torch.device(pick_device(ray.get_gpu_ids() if cuda else [], cuda, os.environ))
+            if self.device.type == "cpu":
+                self.device_note = (
+                    "the controller decided GPU compute, but this process sees no usable GPU "
+                    f"(torch.cuda available: {cuda}, Ray GPU ids: {ray.get_gpu_ids()}): computing on CPU"
+                )
+                logger.warning("rank %d of %r: %s", rank, spec.name, self.device_note)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if spec.worker_nice_increment and self.device.type == "cpu":
+            os.nice(spec.worker_nice_increment)
+        self.backend = default_backend(self.device)
+        self.comm: Collectives | None = None
+        self.runners: dict = {}
+        self.load_s = 0.0
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0: this node's IP and a free port on it for the process-group store."""
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the group (finite timeout) and load this rank's shard of every served layer."""
+        r = self.resolved
+        if self.world > 1:
+            init_group(self.rank, self.world, master_addr, master_port, self.backend,
+                       r.spec.collective_timeout_s)
+        self.comm = Collectives(self.rank, self.world, self.device)
+        start = time.perf_counter()
+        cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
+        self.runners = build_rank_runners(
+            r.checkpoint, cfg, r.layers, self.comm, r.plan,
+            dtype=torch_dtype(r.spec.dtype), device=self.device, backend=r.spec.backend,
+            preshard_up_proj=r.spec.preshard_up_proj,
+            experts_activation_quant=r.spec.experts_activation_quant,
+        )
+        self.load_s = time.perf_counter() - start
+        return self.info()
+
+    def forward(
+        self, layer: int, x_TH: WireTensor, router_logits_TE: WireTensor | None
+    ) -> tuple[WireTensor | None, str]:
+        """Run ``layer`` on the batch; rank 0 returns ``out [T, H]`` (sequence parallel: every
+        rank returns its own rows), the others None; plus the tail that ran."""
+        runner = self.runners[layer]
+        x = x_TH.to_torch(writable=False).to(self.device, non_blocking=True)
+        logits = router_logits_TE
+        if logits is not None:
+            logits = logits.to_torch(writable=False).to(self.device)
+        with torch.inference_mode():
+            out = runner.forward(x, logits)
+        tail = runner.last_tail
+        if self.rank != 0 and tail != "sequence_parallel":
+            return None, tail
+        return WireTensor.from_torch(out), tail
+
+    def measure_tails(self, settings: Any, tails: list[str]) -> dict[str, dict[int, float]]:
+        """Warm-up: time ``tails`` on this rank (every rank at once: the tails run collectives)."""
+        return measure_runners(self.runners, settings.token_counts, settings.reps, settings.clock, tails)
+
+    def set_plan(self, plan: Any) -> None:
+        """Adopt the controller's (measured) plan on every served layer."""
+        apply_plan(self.runners, plan)
+
+    def barrier(self) -> int:
+        """The health collective: a tiny all-reduce that every rank must join."""
+        self.comm.barrier_check()
+        return self.rank
+
+    def info(self) -> dict[str, Any]:
+        resident = sum(r.resident_bytes() for r in self.runners.values())
+        first = next(iter(self.runners.values()), None)
+        by_part: dict[str, int] = {}
+        for runner in self.runners.values():
+            for part, n in runner.resident_bytes_by_part().items():
+                by_part[part] = by_part.get(part, 0) + n
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "device": str(self.device),
+            "device_note": self.device_note,
+            "backend": self.backend,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "torch_threads": torch.get_num_threads(),
+            "niceness": os.nice(0),
+            "resident_bytes": resident,
+            "resident_bytes_by_part": by_part,
+            "load_bytes_read": sum(r.load_bytes_read for r in self.runners.values()),
+            "load_s": round(self.load_s, 3),
+            "experts_backend": first.backend_name if first else None,
+            # the load-time probes of non-torch experts backends, with their numbers (backend_check.py)
+            "experts_backend_checks": [c.to_dict() for c in first.backend_checks] if first else [],
+        }
