@@ -201,8 +201,9 @@ def test_measured_plan_keeps_the_fastest_tail_per_range():
     plan = measured_plan(d, timings)
     assert [(t.max_tokens, t.tail) for t in plan.tiers] == [(1, "single_allreduce"), (16, "overlap"),
                                                              (None, "sharded")]
-    done = d.with_measurement(plan)
+    done = d.with_measurement(plan, "measured", 1.0)
     assert not done.pending and done.measured and done.choice == plan.describe()
+    assert done.to_dict()["plan_source"] == "measured" and done.to_dict()["measured_at"] == 1.0
     assert done.to_dict()["timings_ms"]["overlap"] == {"1": 2.5, "16": 2.0, "256": 9.0}
     with pytest.raises(ValueError, match="not legal candidates"):
         measured_plan(one({"tp_size": 2}, preset_config("tiny", num_shared_experts=0)).tail, timings)
@@ -278,7 +279,7 @@ def auto_app(tiny_ckpt):
         serve.run(build_app(args), name="ctl", route_prefix="/")
         cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
         yield SimpleNamespace(
-            client=MoEClient("ctl", timeout_s=60), url=f"http://127.0.0.1:{http_port}",
+            args=args, client=MoEClient("ctl", timeout_s=60), url=f"http://127.0.0.1:{http_port}",
             metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", cfg=cfg,
             weights=load_layer_weights(tiny_ckpt, cfg, 1, torch.float32),
         )
@@ -348,3 +349,31 @@ def test_metrics_reach_the_prometheus_endpoint(auto_app):
     plan_lines = [line for line in body.splitlines() if line.startswith("ray_moe_tail_plan{")]
     assert any('deployment="decode"' in line and 'max_tokens="16"' in line and 'tail="overlap"' in line
                for line in plan_lines), plan_lines
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_new_replicas_reuse_the_measured_plan_and_remeasure_forces_one(auto_app):
+    """Runs last in this module: it redeploys the app (a new replica, the same plan key)."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.client import MoEClient
+
+    first = auto_app.client.status()
+    ctl = first["deployments"]["decode"]["controller"]
+    assert ctl["plan_source"] == "measured" and ctl["measured_at"] > 0
+    assert {r["state"] for r in first["warmup"]["decode"]} == {"measured"}
+    assert ctl["measure_estimate_s"] is not None  # the planner's estimate, logged at the start
+    serve.delete("ctl")
+    serve.run(build_app(auto_app.args), name="ctl", route_prefix="/")
+    again = MoEClient("ctl", timeout_s=60).status()
+    reused = again["deployments"]["decode"]
+    assert reused["controller"]["plan_source"] == "reused"
+    assert reused["controller"]["measured_at"] == ctl["measured_at"]  # the first replica's measurement
+    assert reused["tail_plan"]["tiers"] == EXPECTED_TIERS and reused["controller"]["timings_ms"] == ctl["timings_ms"]
+    assert "reused" in {r["state"] for r in again["warmup"]["decode"]}
+    serve.delete("ctl")
+    serve.run(build_app({**auto_app.args, "remeasure_tail": True}), name="ctl", route_prefix="/")
+    forced = MoEClient("ctl", timeout_s=60).status()["deployments"]["decode"]["controller"]
+    assert forced["plan_source"] == "measured" and forced["measured_at"] > ctl["measured_at"]

@@ -231,7 +231,7 @@ def test_startup_timeout_is_derived_from_the_planned_bytes(k3_dir):
     assert d.startup_timeout_s == 1200  # an explicit value wins
 
 
-def test_warmup_measurement_stays_within_the_startup_bound():
+def test_warmup_measurement_stays_within_its_limit():
     spec = DeploymentSpec(tp_size=2, dtype="bfloat16")  # auto, tokens [1, 16, 128, 1024], 3 reps
     plan = memory.plan_memory(K3, {1: "mxfp4"}, "bfloat16", 2, max_tokens=8192)
     cpu_cost = partial(forward_cost_s, plan, K3, device="cpu")
@@ -241,11 +241,15 @@ def test_warmup_measurement_stays_within_the_startup_bound():
     spec = resolve_deployment(spec, "<config>", K3)
     d = tail_decision(spec, K3, cpu_cost, 450.0)
     assert d.pending and d.measure.token_counts == (1, 16)
-    assert "over the 450 s allowed" in d.bound and "measured at T = [1, 16] only" in d.bound
-    # Too little time for two counts: the static rule, and the reason says why.
+    assert "over the warm-up limit of 450 s" in d.bound and "measured at T = [1, 16] only" in d.bound
+    assert "the static rule's sharded above T = 16" in d.bound and d.estimate_s < 450
+    # Time for one count: T = 1 is measured, the rule-based tail serves above it.
     d = tail_decision(spec, K3, cpu_cost, 100.0)
+    assert d.pending and d.measure.token_counts == (1,)
+    # Not even T = 1 (16 x 1.5 s): the static rule, and the reason says why.
+    d = tail_decision(spec, K3, cpu_cost, 10.0)
     assert not d.pending and d.plan.tails == ("sharded",)
-    assert "fewer than two token counts fit, so the static rule applies" in d.plan.reason
+    assert "not even T = 1 fits, so the static rule applies" in d.plan.reason
     # On a GPU the whole measurement is estimated at well under a minute: all counts measured.
     gpu = tail_decision(spec, K3, partial(forward_cost_s, plan, K3, device="gpu"), 450.0)
     assert gpu.measure.token_counts == (1, 16, 128, 1024) and gpu.bound is None

@@ -122,9 +122,17 @@ class DeploymentSpec(BaseModel):
     auto_tune_tokens: list[int] = Field(default_factory=lambda: [1, 16, 128, 1024])
     auto_tune_reps: int = Field(3, ge=1)
     tune_clock: str | None = None  # "module:callable" clock of the measurement (tests)
-    # Workers start, join the group and load their shards within this bound (replica start);
-    # the warm-up measurement of tail "auto" gets the same bound. None: derived at build time
-    # from the memory planner's bytes (moe_runtime.memory.startup_timeout_s).
+    # The warm-up measurement's time limit: the token counts whose measurement the planner's
+    # cost model estimates within it are timed (ascending), the rule-based tail serves above the
+    # largest one; measuring also stops once this much time has passed. A measured plan is
+    # stored cluster-wide under a key of what determines it (checkpoint, layers, TP size,
+    # dtype, device, backend, code) and reused by every later replica with the same key;
+    # remeasure_tail: true measures anew and replaces it.
+    warmup_limit_s: float = Field(120.0, gt=0)
+    remeasure_tail: bool = False
+    # Workers start, join the group and load their shards within this bound (replica start).
+    # None: derived at build time from the memory planner's bytes
+    # (moe_runtime.planning.cost.startup_timeout_s).
     startup_timeout_s: float | None = Field(None, gt=0)
     # Memory (DESIGN §8): each rank's layers + workspace must fit device_memory_gb (per GPU,
     # GB = 1e9 B) x memory_fraction, or on CPU the node's memory x memory_fraction / tp_size;

@@ -48,9 +48,8 @@ from .view import ClusterView
 CONFIG_ONLY = "<config>"  # the checkpoint of a decision made from a config alone
 
 AUTO_MEASURED = "auto: measured at warm-up"
-# Share of the startup bound the warm-up measurement may take by the planner's estimate (the
-# estimate uses deliberately slow device figures; the measurement's own bound is the whole).
-MEASURE_SHARE = 0.5
+# Where a replica's tail plan came from (status(): controller.plan_source).
+STATIC, MEASURED, REUSED = "static", "measured", "reused"
 
 
 @dataclass(frozen=True)
@@ -91,6 +90,9 @@ class TailDecision:
     measured: bool = False
     why_static: str | None = None  # auto without measurement: why
     bound: str | None = None  # token counts left out of the measurement: why
+    estimate_s: float | None = None  # the planner's estimate of the whole measurement
+    plan_source: str = STATIC  # static | measured (on this replica) | reused (a stored measurement)
+    measured_at: float | None = None  # unix time of the measurement behind the plan
 
     @property
     def pending(self) -> bool:
@@ -112,8 +114,9 @@ class TailDecision:
             )
         return self.plan.reason
 
-    def with_measurement(self, plan: TailPlan) -> TailDecision:
-        return replace(self, plan=plan, measured=True)
+    def with_measurement(self, plan: TailPlan, source: str, at: float) -> TailDecision:
+        """The decision once warm-up ran: ``plan`` measured here, or ``reused`` from the store."""
+        return replace(self, plan=plan, measured=True, plan_source=source, measured_at=at)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able record (status(), GET /v1/status, logs)."""
@@ -130,6 +133,9 @@ class TailDecision:
             "measured": self.measured,
             "measure": None if self.measure is None else self.measure.to_dict(),
             "measure_bound": self.bound,
+            "measure_estimate_s": None if self.estimate_s is None else round(self.estimate_s, 1),
+            "plan_source": self.plan_source,
+            "measured_at": self.measured_at,
             "plan": None if self.pending else self.plan.to_dict(),
             "timings_ms": {t: {str(k): round(v, 4) for k, v in per.items()}
                            for t, per in self.plan.timings_ms.items()},
@@ -226,8 +232,9 @@ def tail_decision(
     was resolved), then auto: static or measured.
 
     ``cost_s``: estimated seconds of one forward at T tokens (``moe_runtime.planning.cost``);
-    with it, only the token counts whose estimated measurement fits ``limit_s`` are measured,
-    and auto stays static when fewer than two do.
+    with it, only the ascending token counts whose estimated measurement fits ``limit_s`` (the
+    spec's ``warmup_limit_s``) are measured, the rule-based tail serving above them; auto stays
+    static when not even the smallest fits.
     """
     spec, static = resolved.spec, resolved.plan
     P = spec.tp_size
@@ -244,7 +251,7 @@ def tail_decision(
         why = f"{candidates[0]} is the only legal tail"
     elif settings is None:
         why = "measurement is off (auto_tune_tokens is empty)"
-    bound = None
+    bound, estimate = None, None
     if why is None and cost_s is not None and limit_s is not None:
         calls = (settings.reps + 1) * len(candidates)  # time_tails: a warm-up call + reps per tail
         kept, estimate = bounded_token_counts(settings.token_counts, cost_s, calls, limit_s)
@@ -253,16 +260,17 @@ def tail_decision(
             full = sum(calls * cost_s(T) for T in settings.token_counts)
             bound = (
                 f"measuring T = {list(settings.token_counts)} ({calls} forwards each) is estimated at "
-                f"{full:.0f} s, over the {limit_s:.0f} s allowed ({MEASURE_SHARE:g} x startup bound)"
+                f"{full:.0f} s, over the warm-up limit of {limit_s:.0f} s (warmup_limit_s)"
             )
-            if len(kept) < 2:
-                why = f"{bound}; fewer than two token counts fit, so the static rule applies"
+            if not kept:
+                why = f"{bound}; not even T = {settings.token_counts[0]} fits, so the static rule applies"
             else:
-                bound += f"; measured at T = {kept} only (estimated {estimate:.0f} s)"
+                bound += (f"; measured at T = {kept} only (estimated {estimate:.0f} s), the static rule's "
+                          f"{static.tails[-1]} above T = {kept[-1]}")
                 settings = replace(settings, token_counts=tuple(kept))
     if why is not None:
         return replace(base, why_static=why, plan=replace(static, reason=f"{static.reason} ({why})"))
-    return replace(base, measure=settings, bound=bound)
+    return replace(base, measure=settings, bound=bound, estimate_s=estimate)
 
 
 def memory_budget(spec: DeploymentSpec, compute: str, node_bytes: int | None = None) -> Budget:
@@ -352,7 +360,7 @@ def decide(
         memory, note = memory_decision(resolved, cfg, accelerator)
         startup = spec.startup_timeout_s or derived_startup_timeout_s(memory)
         cost = None if memory is None else partial(forward_cost_s, memory, cfg, device=accelerator.compute)
-        tail = tail_decision(resolved, cfg, cost, MEASURE_SHARE * startup)
+        tail = tail_decision(resolved, cfg, cost, spec.warmup_limit_s)
         # The replicas read the startup bound from their spec: the set or derived one.
         resolved = replace(resolved, spec=spec.model_copy(update={"startup_timeout_s": startup}))
         try:
@@ -371,13 +379,21 @@ def decide(
     return decisions
 
 
-def measured_plan(decision: TailDecision, timings: Timings) -> TailPlan:
-    """The per-range plan of rank 0's ``timings``, restricted to the decision's candidates."""
+def measured_plan(decision: TailDecision, timings: Timings, unmeasured: Sequence[int] = ()) -> TailPlan:
+    """The per-range plan of rank 0's ``timings``, restricted to the decision's candidates; above
+    the largest measured count the static rule's tail serves when ``unmeasured`` counts (cut by
+    the warm-up limit) or the decision's bound left larger batches unmeasured."""
     unknown = sorted(set(timings) - set(decision.candidates))
     if unknown:
         raise ValueError(
             f"timings for tails {unknown} that are not legal candidates {list(decision.candidates)}"
         )
-    return plan_from_timings(
+    plan = plan_from_timings(
         timings, reason=f"auto: measured at warm-up on the TP {decision.tp_size} group over {list(timings)}"
     )
+    if unmeasured or decision.bound is not None:
+        largest = max(T for per in timings.values() for T in per)
+        why = (f"T = {list(unmeasured)} not measured within warmup_limit_s" if unmeasured
+               else "larger counts were left out by the warm-up limit")
+        plan = plan.with_fallback_above(largest, decision.plan.tails[-1], why)
+    return plan

@@ -122,7 +122,7 @@ class MoEGroupDeployment:
         self.replica = ctx.replica_id.unique_id if ctx is not None else "local"
         self.group = TPGroup.start(resolved, decision.accelerator, tag=f"{spec.name}:{self.replica}")
         try:
-            tail = tune_group(self.group.workers, decision.tail, spec.name, spec.startup_bound_s)
+            tail = tune_group(self.group.workers, decision, self.replica)
         except BaseException:
             self.group.shutdown()
             raise

@@ -17,6 +17,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -24,14 +25,18 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_runtime.logs import log_once
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.tuning import Clock, Timings
 
 from .. import logger
+from ..cluster import kv
 from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message
 from ..common.wire import WireTensor
 from ..config.resolve import ResolvedDeployment
 from ..control.accelerator import Accelerator
-from ..control.decide import TailDecision, measured_plan
+from ..control.decide import MEASURED, REUSED, Decision, TailDecision, measured_plan
 from ..control.options import worker_resources
+from ..control.warmup import plan_key, plan_key_fields
 from .worker import WORKER_NAMESPACE, TPWorker
 
 INLINE_BYTES = 64 * 1024  # below Ray's inline-argument limit (100 KiB by default)
@@ -293,20 +298,79 @@ class TPGroup:
         self.workers = []
 
 
-def tune_group(workers: Sequence[Any], decision: TailDecision, name: str, timeout_s: float) -> TailDecision:
-    """Replica side: measure a pending ``auto`` decision on the group's workers and apply it.
+def tune_group(
+    workers: Sequence[Any], decision: Decision, replica: str, clock: Clock = time.time
+) -> TailDecision:
+    """Replica side: settle a pending ``auto`` tail on the group's workers (``TPWorker`` handles,
+    rank-ordered) and return the settled tail decision (unchanged when nothing is pending).
 
-    ``workers``: the rank-ordered ``TPWorker`` actor handles (methods ``measure_tails`` and
-    ``set_plan``). Returns the decision unchanged when nothing is to be measured.
+    A plan stored under the same key (``control.warmup``) is reused unless the spec asks to
+    remeasure. Otherwise each token count is timed in turn (every rank at once), with a log line
+    and a progress record (``status()`` of the ingress: ``warmup``) per finished count; once
+    ``warmup_limit_s`` has passed the remaining counts are left to the rule-based tail. The
+    measured plan is stored for every later replica with the same key.
     """
-    if not decision.pending:
-        return decision
-    import ray
+    tail, spec = decision.tail, decision.spec
+    if not tail.pending:
+        return tail
 
-    refs = [w.measure_tails.remote(decision.measure, list(decision.candidates)) for w in workers]
-    timings = ray.get(refs, timeout=timeout_s)[0]  # rank 0's: every rank must adopt one plan
-    plan = measured_plan(decision, timings)
+    settings = tail.measure
+    fields = plan_key_fields(decision.resolved, decision.accelerator, tail.candidates,
+                             settings.token_counts, settings.reps, settings.clock)
+    key = kv.PLAN_PREFIX + plan_key(fields)
+    progress_key = f"{kv.PROGRESS_PREFIX}{spec.name}:{replica}"
+    timeout_s = spec.call_timeout_s + spec.warmup_limit_s
+    stored = None if spec.remeasure_tail else kv.get_json(key)
+    if stored is not None:
+        plan = TailPlan.from_dict(stored["plan"])
+        ray.get([w.set_plan.remote(plan) for w in workers], timeout=timeout_s)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(stored["measured_at"]))
+        log_once(f"warm-up: deployment {spec.name!r} reuses the tail plan measured at {when} UTC "
+                 f"(key {key}): {plan.describe()}", logger)
+        kv.put_json(progress_key, {"deployment": spec.name, "replica": replica, "state": REUSED,
+                                   "key": key, "measured_at": stored["measured_at"]})
+        return tail.with_measurement(plan, REUSED, stored["measured_at"])
+
+    counts = list(settings.token_counts)
+    estimate = f"~{tail.estimate_s:.0f} s by the planner's estimate" if tail.estimate_s is not None else \
+        "no estimate (memory not planned)"
+    logger.info("warm-up: deployment %r replica %s measures tails %s at T = %s, %d reps each: %s "
+                "(limit warmup_limit_s = %.0f s)", spec.name, replica, list(tail.candidates), counts,
+                settings.reps, estimate, spec.warmup_limit_s)
+    start = clock()
+    timings: Timings = {t: {} for t in tail.candidates}
+    done: list[int] = []
+    for T in counts:
+        if done and clock() - start > spec.warmup_limit_s:
+            break
+        one = replace(settings, token_counts=(T,))
+        refs = [w.measure_tails.remote(one, list(tail.candidates)) for w in workers]
+        rank0 = ray.get(refs, timeout=timeout_s)[0]  # rank 0's: every rank must adopt one plan
+        for t, per in rank0.items():
+            timings[t].update(per)
+        done.append(T)
+        elapsed = clock() - start
+        left = _remaining_estimate(elapsed, done, counts)
+        logger.info("warm-up: deployment %r: T = %d measured (%d/%d) in %.1f s total, ~%.0f s left: %s",
+                    spec.name, T, len(done), len(counts), elapsed, left,
+                    ", ".join(f"{t} {per[T]:.2f} ms" for t, per in rank0.items()))
+        kv.put_json(progress_key, {"deployment": spec.name, "replica": replica, "state": "measuring",
+                                   "measured_tokens": done, "token_counts": counts,
+                                   "elapsed_s": round(elapsed, 1),
+                                   "remaining_s": round(left, 1), "estimate_s": tail.estimate_s})
+    unmeasured = [T for T in counts if T not in done]
+    plan = measured_plan(tail, timings, unmeasured)
     ray.get([w.set_plan.remote(plan) for w in workers], timeout=timeout_s)
-    measured = decision.with_measurement(plan)
-    log_once(f"controller: deployment {name!r}: tail {plan.describe()} ({plan.reason})", logger)
-    return measured
+    now = time.time()
+    kv.put_json(key, {"plan": plan.to_dict(), "measured_at": now, "fields": fields})
+    kv.put_json(progress_key, {"deployment": spec.name, "replica": replica, "state": MEASURED, "key": key,
+                               "measured_tokens": done, "elapsed_s": round(clock() - start, 1)})
+    log_once(f"warm-up: deployment {spec.name!r}: tail {plan.describe()} ({plan.reason}); "
+             f"stored as {key}", logger)
+    return tail.with_measurement(plan, MEASURED, now)
+
+
+def _remaining_estimate(elapsed: float, done: Sequence[int], counts: Sequence[int]) -> float:
+    """Seconds left if time grows with tokens as it did so far (measured counts' tokens -> time)."""
+    left = [T for T in counts if T not in done]
+    return elapsed * sum(left) / max(1, sum(done))

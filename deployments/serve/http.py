@@ -9,8 +9,10 @@ Routes:
   answer: safetensors with ``output [T, H]``. ``hidden_states`` is F32 (any deployment: it
   takes the numpy path of the handle API, so a bfloat16 deployment rounds it and answers F32)
   or BF16 (bfloat16 deployments only; answered in BF16).
-* ``GET /v1/status``: JSON status of every deployment. ``GET /healthz``: 200 when every
-  deployment answers with a usable TP group, 503 otherwise (JSON details either way).
+* ``GET /v1/status``: JSON status of every deployment, and every replica's warm-up record
+  (``warmup``: a starting replica's progress, or whether its tail plan was measured or reused).
+  ``GET /healthz``: 200 when every deployment answers with a usable TP group, 503 otherwise (JSON
+  details either way).
 
 Errors are JSON ``{"error": message, "type": class, "status": code}``: 400 malformed body /
 missing or unexpected tensor / bad shape, dtype or values, 404 unknown layer, deployment or
@@ -38,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moe_runtime.units import format_layers
 
 from .. import logger
+from ..cluster import kv
 from ..common.errors import (
     GroupTimeoutError,
     ServeInputError,
@@ -186,7 +189,16 @@ class MoEIngress:
                 return name, {"deployment": name, "healthy": False, "error": error_message(e)}
 
         results = await asyncio.gather(*(one(n, h) for n, h in self.groups.items()))
-        return {"default_deployment": self.routes.default, "deployments": dict(results)}
+        return {"default_deployment": self.routes.default, "deployments": dict(results),
+                "warmup": self.warmup()}
+
+    def warmup(self) -> dict[str, list[dict[str, Any]]]:
+        """Each deployment's replicas' warm-up records (measuring with progress, measured or
+        reused), from the cluster's store: a starting replica cannot answer status() itself."""
+        records: dict[str, list[dict[str, Any]]] = {name: [] for name in self.groups}
+        for record in kv.entries(kv.PROGRESS_PREFIX).values():
+            records.setdefault(record["deployment"], []).append(record)
+        return records
 
     # -- HTTP -----------------------------------------------------------------------------
 

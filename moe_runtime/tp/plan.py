@@ -130,6 +130,26 @@ class TailPlan:
             low = (tier.max_tokens or math.inf) + 1
         return "; ".join(parts)
 
+    @classmethod
+    def from_dict(cls, record: dict) -> TailPlan:
+        """The plan :meth:`to_dict` wrote (JSON: token counts come back as strings)."""
+        tiers = tuple(TailTier(t["max_tokens"], t["tail"]) for t in record["tiers"])
+        timings = {tail: {int(T): float(ms) for T, ms in per.items()}
+                   for tail, per in record.get("timings_ms", {}).items()}
+        return cls(tiers, record["reason"], timings)
+
+    def with_fallback_above(self, max_tokens: int, tail: str, why: str) -> TailPlan:
+        """This plan up to ``max_tokens`` tokens, and ``tail`` above (merged when the same)."""
+        tiers = [t for t in self.tiers if t.max_tokens is not None and t.max_tokens < max_tokens]
+        top = self.tail_for(max_tokens)
+        tiers.append(TailTier(max_tokens, top))
+        if top == tail:
+            tiers[-1] = TailTier(None, tail)
+        else:
+            tiers.append(TailTier(None, tail))
+        reason = f"{self.reason}; above T = {max_tokens}: {tail} ({why})"
+        return TailPlan(tuple(tiers), reason, self.timings_ms)
+
     def to_dict(self) -> dict:
         return {
             "tiers": [{"max_tokens": t.max_tokens, "tail": t.tail} for t in self.tiers],

@@ -1,0 +1,182 @@
+"""Warm-up: time from `serve.run` to the first answer, cold (no stored tail plan) and warm (the
+plan measured by an earlier replica reused), and from a rank's SIGKILL to the next answer (the
+replaced replica reuses the plan). One run, one local Ray instance, CPU ranks.
+
+    python scripts/bench_warmup.py                                   # small preset, ~2 min
+    python scripts/bench_warmup.py --checkpoint /work/ckpt/k3-1layer --dtype bfloat16 --layers 1 \\
+        --max-tokens 64                                              # real size (heavy demo)
+
+Each phase deploys the same app (TP --tp, tail auto, ``auto_tune_tokens`` 1,16,128,1024, the
+default ``warmup_limit_s``) and sends one --tokens forward; it checks that the answer equals the
+first phase's bit for bit. Writes JSON + PNG under --out and the "## Warm-up
+(scripts/bench_warmup.py)" section of docs/benchmarks.md (--docs); verdicts come from the data.
+Target: warm start <= cold start - the cold measurement's time (nothing measured again), and a
+replaced replica answers again without measuring (plan_source: reused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from bench_docs import write_results  # noqa: E402
+
+from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+
+APP = "warmup"
+SECTION = "## Warm-up (scripts/bench_warmup.py)"
+
+
+def deploy_and_answer(args: dict[str, Any], x: torch.Tensor, layer: int) -> tuple[float, float, Any, dict]:
+    """Seconds from serve.run to ready and to the first answer, the answer, and the status."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.client import MoEClient
+
+    start = time.perf_counter()
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    ready = time.perf_counter() - start
+    client = MoEClient(APP, timeout_s=3600)
+    out = client.forward(x, layer)
+    answered = time.perf_counter() - start
+    return ready, answered, out, client.status()
+
+
+def answer_after_rank_kill(x: torch.Tensor, layer: int, deadline_s: float) -> tuple[float, int, dict]:
+    """SIGKILL rank 0 of the serving replica; seconds until a forward answers again, and the
+    number of calls that failed meanwhile (each retried until the deadline)."""
+    from deployments.client import MoEClient
+
+    client = MoEClient(APP, timeout_s=600)
+    pid = client.status()["deployments"]["moe"]["workers"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    start, failures = time.perf_counter(), 0
+    while time.perf_counter() - start < deadline_s:
+        try:
+            client.forward(x, layer)
+            return time.perf_counter() - start, failures, client.status()
+        except Exception:
+            failures += 1
+            time.sleep(1.0)
+    raise TimeoutError(f"no answer within {deadline_s:.0f} s after the rank was killed")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = ["cold", "warm", "replaced"]
+    values = [results[p]["answered_s"] for p in phases]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(phases, values, color=["tab:red", "tab:green", "tab:blue"])
+    ax.set_ylabel("seconds to the first answer")
+    ax.set_title(f"warm-up, {results['checkpoint_name']} TP {results['tp']} {results['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    cold, warm, rep = results["cold"], results["warm"], results["replaced"]
+    measure_s = cold["answered_s"] - warm["answered_s"]
+    lines = [
+        SECTION, "",
+        f"`python scripts/bench_warmup.py {results['argv']}` on {results['machine']} "
+        f"(load average {results['load_before']:.1f} before, {results['load_after']:.1f} after"
+        f"{'; contended' if results['load_before'] > 2.5 else ''}); "
+        f"JSON `{json_path}`, plot `{png_path}`.", "",
+        "| phase | plan | ready (s) | first answer (s) |", "|---|---|---|---|",
+        f"| cold: nothing stored | {cold['plan_source']} | {cold['ready_s']:.1f} "
+        f"| {cold['answered_s']:.1f} |",
+        f"| warm: stored plan | {warm['plan_source']} | {warm['ready_s']:.1f} | {warm['answered_s']:.1f} |",
+        f"| rank SIGKILL -> answered again | {rep['plan_source']} | | {rep['answered_s']:.1f} "
+        f"({rep['failed_calls']} failed call(s) before) |", "",
+        f"Measured tail plan: {cold['plan']}. Warm start saves {measure_s:.1f} s "
+        f"({warm['answered_s'] / cold['answered_s']:.2f} x the cold time). "
+        f"Verdicts: warm start reuses the plan — "
+        f"{'met' if warm['plan_source'] == 'reused' else 'MISSED'}; the replaced replica reuses it — "
+        f"{'met' if rep['plan_source'] == 'reused' else 'MISSED'}; answers equal across phases — "
+        f"{'met' if results['answers_equal'] else 'MISSED'}.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, help="default: a generated small checkpoint")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--layers", default=None, help="served layers (default: all)")
+    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=None, help="max_tokens_per_request / max_batch_tokens")
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_warmup")
+    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
+    args = ap.parse_args(argv)
+    import ray
+    from ray import serve
+
+    from deployments.client import MoEClient
+    from deployments.cluster import kv
+    from moe_runtime.config import LatentMoEConfig
+
+    ckpt = args.checkpoint
+    if ckpt is None:
+        ckpt = ROOT / "checkpoints/small"
+        if not (ckpt / "config.json").exists():
+            write_checkpoint(ckpt, preset_config("small"), seed=0)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    layer = cfg.moe_layers[0] if args.layers is None else int(str(args.layers).split(",")[0].split("-")[0])
+    app = {"checkpoint": str(ckpt), "tp_size": args.tp, "dtype": args.dtype, "tail": "auto",
+           "accelerator": "cpu", "auto_tune_tokens": [1, 16, 128, 1024], "ingress_replicas": 1}
+    if args.layers is not None:
+        app["layers"] = args.layers
+    if args.max_tokens is not None:
+        app.update(max_tokens_per_request=args.max_tokens, max_batch_tokens=args.max_tokens)
+    x = torch.randn(args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.float32 if args.dtype == "float32" else torch.bfloat16)
+    load_before = os.getloadavg()[0]
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="serve")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": 0})
+        for key in kv.entries(kv.PLAN_PREFIX):  # cold: nothing stored
+            kv.delete(key)
+        phases: dict[str, Any] = {}
+        ready, answered, cold_out, status = deploy_and_answer(app, x, layer)
+        ctl = status["deployments"]["moe"]["controller"]
+        phases["cold"] = {"ready_s": ready, "answered_s": answered, "plan_source": ctl["plan_source"],
+                          "plan": ctl["choice"]}
+        serve.delete(APP)
+        ready, answered, warm_out, status = deploy_and_answer(app, x, layer)
+        phases["warm"] = {"ready_s": ready, "answered_s": answered,
+                          "plan_source": status["deployments"]["moe"]["controller"]["plan_source"]}
+        seconds, failures, status = answer_after_rank_kill(x, layer, deadline_s=3600)
+        phases["replaced"] = {"answered_s": seconds, "failed_calls": failures,
+                              "plan_source": status["deployments"]["moe"]["controller"]["plan_source"]}
+        replaced_out = MoEClient(APP, timeout_s=600).forward(x, layer)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    results = {
+        **phases, "checkpoint_name": ckpt.name, "tp": args.tp, "dtype": args.dtype,
+        "argv": " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{os.cpu_count()} CPUs", "load_before": load_before, "load_after": os.getloadavg()[0],
+        "answers_equal": bool(torch.equal(cold_out, warm_out) and torch.equal(cold_out, replaced_out)),
+    }
+    write_results(results, args.out, "bench_warmup", ROOT, plot, markdown, args.docs and Path(args.docs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
