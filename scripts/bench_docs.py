@@ -109,3 +109,15 @@ def write_results(results: dict[str, Any], out_dir: Path, name: str, root: Path,
         update_section(docs, section, section_name or name)
         print(f"updated {docs}")
     return section
+
+
+def render_section(json_path: Path, markdown: Callable[[dict[str, Any], str, str], str], docs: Path,
+                   name: str, root: Path) -> str:
+    """Rewrite a benchmark's docs section from a JSON it wrote earlier (no measurement)."""
+    results = json.loads(json_path.read_text())
+    png = json_path.with_suffix(".png")
+    rel = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in (json_path, png)]
+    section = markdown(results, *rel)
+    update_section(docs, section, name)
+    print(f"updated {docs} from {json_path}")
+    return section

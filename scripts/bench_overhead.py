@@ -305,7 +305,7 @@ def markdown(runs: list[dict[str, Any]], json_path: str, png_path: str) -> str:
     lines = [
         SECTION,
         "",
-        f"Run: `python scripts/bench_overhead.py {' '.join(results.get('argv', []))}`".replace(" `", "`")
+        "Run: " + f"`python scripts/bench_overhead.py {' '.join(results.get('argv', []))}`".replace(" `", "`")
         + f" (label `{results['label']}`) -- {env['date']}, {env['cpus']} CPUs, torch {env['torch']}, "
         f"`tiny` preset (H = {env['hidden_size']}), float32, layer 1; {env['calls_per_path']} calls per path "
         f"in {env['rounds']} interleaved rounds, one request in flight; "

@@ -175,7 +175,7 @@ def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
     lines = [
         SECTION,
         "",
-        f"Run: `python scripts/bench_served_real.py {' '.join(r['argv'])}`".replace(" `", "`")
+        "Run: " + f"`python scripts/bench_served_real.py {' '.join(r['argv'])}`".replace(" `", "`")
         + f" -- {env['date']}, {env['cpus']} CPUs, torch {env['torch']}; {what} (H = {m['hidden_size']}, "
         f"D = {m['routed_expert_hidden_size']}, E = {m['num_experts']}, k = {m['num_experts_per_token']}, "
         f"I = {m['moe_intermediate_size']}), layer {r['layer']}, TP {r['tp']}, {r['dtype']}, "

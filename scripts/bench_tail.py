@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
-from bench_docs import load_label, verdict, verdict_word, write_results  # noqa: E402
+from bench_docs import load_label, render_section, verdict, verdict_word, write_results  # noqa: E402
 
 from moe_runtime.activation import GatedActivation  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
@@ -279,7 +279,7 @@ def markdown(result: dict, json_path: str, png_path: str) -> str:
     lines = [
         SECTION,
         "",
-        f"Run: `python scripts/bench_tail.py {' '.join(result['argv'])}`".replace(" `", "`")
+        "Run: " + f"`python scripts/bench_tail.py {' '.join(result['argv'])}`".replace(" `", "`")
         + f" -- {m['date']}, {m['cpus']} CPUs, torch {m['torch']}, `{result['preset']}` preset "
         f"(H={model['hidden_size']}, "
         f"D={model['routed_expert_hidden_size']}, E={model['num_experts']}, "
@@ -370,8 +370,7 @@ def reading(result: dict) -> str:
                        f"{by['none']['gather_ms']:.2f} ms; " + ", ".join(
                            f"{q} gather {by[q]['gather_ms']:.2f} ms" for q in ("fp8-approx", "mxfp4-approx")
                            if q in by) + ".")
-    text = " ".join(out) or "nothing to compare."
-    return text[0].upper() + text[1:]
+    return " ".join(sentence[0].upper() + sentence[1:] for sentence in out) or "Nothing to compare."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,7 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tail-reps", type=int, default=9)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_tail")
     ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
+    ap.add_argument("--render", type=Path, help="measure nothing: rewrite the docs section from this JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        render_section(args.render, markdown, Path(args.docs), "bench_tail", ROOT)
+        return 0
     ckpt = args.checkpoint
     preset = args.preset if ckpt is None else f"checkpoint {ckpt}"
     if ckpt is None:

@@ -159,7 +159,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     lines = [
         SECTION,
         "",
-        f"Run: `python scripts/probe_compiled_graph.py {' '.join(results['argv'])}`".replace(" `", "`")
+        "Run: " + f"`python scripts/probe_compiled_graph.py {' '.join(results['argv'])}`".replace(" `", "`")
         + f" -- {env['date']}, {env['cpus']} CPUs, torch {env['torch']}, Ray {env['ray']}, `tiny` "
         f"checkpoint (H = {env['hidden_size']}), float32, layer 1, TP ranks on logical GPUs (gloo); "
         f"{env['calls_per_variant']} calls per variant and T in {env['rounds']} interleaved rounds, one "
