@@ -55,13 +55,14 @@ SECTION = "## Served layer: `serve run`, one POST, vs the CLI (scripts/bench_ser
 APP = "served"
 
 
-def serve_config(ckpt: Path, tp: int, dtype: str, layer: int, port: int, tokens: int) -> dict[str, Any]:
+def serve_config(ckpt: Path, tp: int, dtype: str, layer: int, port: int, tokens: int,
+                 tail: str) -> dict[str, Any]:
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
         "applications": [{
             "name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
-            "args": {"checkpoint": str(ckpt), "tp_size": tp, "dtype": dtype, "layers": [layer],
+            "args": {"checkpoint": str(ckpt), "tp_size": tp, "dtype": dtype, "layers": [layer], "tail": tail,
                      "max_tokens_per_request": max(tokens, 16), "max_batch_tokens": max(tokens, 16),
                      "num_replicas": 1},
         }],
@@ -112,12 +113,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                   "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
                   "moe_intermediate_size": cfg.moe_intermediate_size},
         "tp": args.tp, "dtype": args.dtype, "layer": layer, "tokens": args.tokens, "seed": args.seed,
+        "tail": args.tail,
     }
 
     print("CLI reference ...", flush=True)
     cli = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(ckpt), "--layer", str(layer),
            "--input", str(work / "in.safetensors"), "--output", str(work / "cli.safetensors"),
-           "--tp", str(args.tp), "--dtype", args.dtype]
+           "--tp", str(args.tp), "--dtype", args.dtype, "--tail", args.tail]
     rc, cli_mem = measure(cli, args.interval, cwd=ROOT, env=env)
     if rc != 0:
         raise SystemExit(f"the CLI reference failed (exit {rc}): {' '.join(cli)}")
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     port = free_port()
     (work / "serve.yaml").write_text(yaml.safe_dump(serve_config(ckpt, args.tp, args.dtype, layer, port,
-                                                                 args.tokens)))
+                                                                 args.tokens, args.tail)))
     serve_bin = str(Path(sys.executable).with_name("serve"))
     print(f"serve run (HTTP on 127.0.0.1:{port}) ...", flush=True)
     start = time.perf_counter()
@@ -142,10 +144,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             raise SystemExit(f"`serve run` was not ready within {args.ready_timeout} s (exit "
                              f"{proc.poll()}); log: {work / 'serve.log'}")
         served["ready_s"] = round(time.perf_counter() - start, 2)
-        status = client.status()
         t0 = time.perf_counter()
         out = client.forward(x, layer)
         served["answer_s"] = round(time.perf_counter() - t0, 3)
+        status = client.status()  # after the first forward, which decides the group transport
         served["status"] = 200  # HTTPMoEClient raises on anything else
         served.update(rel_error(out.float(), ref.float()))
         dep = next(iter(status.get("deployments", {}).values()), status)
@@ -178,7 +180,8 @@ def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
         "Run: " + f"`python scripts/bench_served_real.py {' '.join(r['argv'])}`".replace(" `", "`")
         + f" -- {env['date']}, {env['cpus']} CPUs, torch {env['torch']}; {what} (H = {m['hidden_size']}, "
         f"D = {m['routed_expert_hidden_size']}, E = {m['num_experts']}, k = {m['num_experts_per_token']}, "
-        f"I = {m['moe_intermediate_size']}), layer {r['layer']}, TP {r['tp']}, {r['dtype']}, "
+        f"I = {m['moe_intermediate_size']}), layer {r['layer']}, TP {r['tp']}, tail {r['tail']}, "
+        f"{r['dtype']}, "
         f"{r['tokens']} tokens (seed {r['seed']}); "
         f"{load_label(env['loadavg_before'], env['loadavg_after'], env['cpus'])}. Raw data: `{json_path}`.",
         "",
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--layer", type=int, help="default: the first MoE layer")
+    ap.add_argument("--tail", default="sharded", help="the same tail for the CLI and the deployment")
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--interval", type=float, default=0.2, help="RSS sampling period, seconds")

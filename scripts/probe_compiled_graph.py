@@ -116,17 +116,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         deployments = [{"name": name(tp, graph), "tp_size": tp, "compiled_graph": graph,
-                        "batch_wait_timeout_s": 0.0} for tp in TPS for graph in (True, False)]
+                        "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5}
+                       for tp in TPS for graph in (True, False)]
         serve.run(build_app({"checkpoint": str(ckpt), "layers": [LAYER], "auto_tune_tokens": [],
                              "dtype": "float32", "deployments": deployments}), name=APP, route_prefix=None)
         clients = {d["name"]: MoEClient.direct(d["name"], APP, timeout_s=120) for d in deployments}
-        transports = {n: c.status()["group_transport"] for n, c in clients.items()}
-        print("transports:", transports, flush=True)
         inputs = {T: torch.randn(T, H, generator=torch.Generator().manual_seed(T)) for T in SIZES}
         for c in clients.values():  # warm-up: handles, channels, first forwards
             for T in SIZES:
                 for _ in range(5):
                     c.forward(inputs[T], LAYER)
+        # Decided at the group's first forward: asked after the warm-up.
+        transports = {n: c.status()["group_transport"] for n, c in clients.items()}
+        print("transports:", transports, flush=True)
         per_round = max(1, args.calls // args.rounds)
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds}: {per_round} calls per variant and T, load "
