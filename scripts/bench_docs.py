@@ -1,40 +1,123 @@
-"""Record a benchmark's results in docs/benchmarks.md: each script owns one ``## `` section."""
+"""Record a benchmark's results in docs/benchmarks.md: each script owns one section, between markers.
+
+A script's section sits between ``<!-- bench:NAME begin -->`` and ``<!-- bench:NAME end -->`` and is
+rewritten whole from the run's JSON on every run; text outside the markers is never touched. A
+section that predates the markers (found by its ``## `` heading) is replaced up to the next ``## ``
+heading the first time, and carries the markers from then on.
+
+Helpers every section uses: :func:`verdict` (met / missed computed from a measured value and its
+target), :func:`load_label` (the machine's load average, and whether the run was contended), and
+:func:`commentary` (text that is not computed from the data, labelled with the run it was written for).
+"""
 
 from __future__ import annotations
 
 import json
+import operator
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# A run is "contended" when other work already kept at least half the machine's CPUs busy when it
+# started (1-minute load average before the run >= CPUs / 2): its timings carry that noise.
+CONTENDED_LOAD_PER_CPU = 0.5
+_OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
 
-def update_section(docs: Path, section: str) -> None:
-    """Replace the section whose heading is ``section``'s first line, or append it at the end."""
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- bench:{name} begin -->", f"<!-- bench:{name} end -->"
+
+
+def update_section(docs: Path, section: str, name: str | None = None) -> None:
+    """Put ``section`` in ``docs`` between ``name``'s markers (``name`` defaults to the section's
+    heading): replace what the markers hold, else the old unmarked section with that heading, else
+    append it at the end."""
     heading = section.splitlines()[0]
+    begin, end = markers(name or heading.lstrip("# ").strip())
+    block = f"{begin}\n{section.rstrip()}\n{end}\n"
     text = docs.read_text() if docs.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1)
+    marked = re.compile(rf"^{re.escape(begin)}\n.*?^{re.escape(end)}\n?", re.S | re.M)
+    unmarked = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |^<!-- bench:|\Z)", re.S | re.M)
+    if marked.search(text):
+        text = marked.sub(lambda _: block, text, count=1)
+    elif unmarked.search(text):
+        text = unmarked.sub(lambda _: block + "\n", text, count=1)
     else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
+        text = text.rstrip("\n") + "\n\n" + block
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text.rstrip("\n") + "\n")
 
 
+def verdict(value: float | None, op: str, target: float) -> dict[str, Any]:
+    """A target check from the data: ``{"value", "target": "op target", "met": bool | None}``."""
+    met = None if value is None else bool(_OPS[op](value, target))
+    return {"value": value, "target": f"{op} {target}", "met": met}
+
+
+def verdict_word(met: bool | None) -> str:
+    return {True: "met", False: "**missed**", None: "not measured"}[met]
+
+
+def machine_load(cpus: int | None = None) -> dict[str, Any]:
+    """The load average now and the CPUs this process may use (for a benchmark's JSON)."""
+    return {"loadavg": [round(v, 2) for v in os.getloadavg()],
+            "cpus": cpus or len(os.sched_getaffinity(0))}
+
+
+def is_contended(load_before: list[float] | float, cpus: int) -> bool:
+    one_minute = load_before[0] if isinstance(load_before, list | tuple) else load_before
+    return one_minute >= CONTENDED_LOAD_PER_CPU * cpus
+
+
+def load_label(load_before: list[float] | float, load_after: list[float] | float | None, cpus: int) -> str:
+    """'load average X before, Y after on N CPUs' plus a contended warning when it applies."""
+    def one(v):
+        return v[0] if isinstance(v, list | tuple) else v
+
+    text = f"1-minute load average {one(load_before):.2f} before"
+    if load_after is not None:
+        text += f", {one(load_after):.2f} after"
+    text += f" on {cpus} CPUs"
+    if is_contended(load_before, cpus):
+        text += (" -- **contended**: other work held at least half the CPUs when the run started, "
+                 "so every timing below carries that noise")
+    return text
+
+
+def commentary(written_for: str, text: str) -> str:
+    """Prose that the script does not compute, labelled with the run it was written for."""
+    return f"*Commentary written for the run of {written_for} (not recomputed by this run):* {text}"
+
+
 def write_results(results: dict[str, Any], out_dir: Path, name: str, root: Path,
-                  plot: Callable[[dict[str, Any], Path], None],
-                  markdown: Callable[[dict[str, Any], str, str], str], docs: Path | None) -> str:
-    """``{name}.json`` and ``{name}.png`` under ``out_dir``; the markdown section (printed, and
-    recorded in ``docs`` when given), which names the files relative to ``root``."""
+                  plot: Callable[[dict[str, Any], Path], None] | None,
+                  markdown: Callable[[dict[str, Any], str, str], str], docs: Path | None,
+                  section_name: str | None = None) -> str:
+    """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``; the markdown section
+    (printed, and recorded in ``docs`` when given), which names the files relative to ``root``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
-    plot(results, png_path)
+    if plot is not None:
+        plot(results, png_path)
     rel = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in (json_path, png_path)]
     section = markdown(results, *rel)
     print("\n" + section)
     if docs:
-        update_section(docs, section)
+        update_section(docs, section, section_name or name)
         print(f"updated {docs}")
+    return section
+
+
+def render_section(json_path: Path, markdown: Callable[[dict[str, Any], str, str], str], docs: Path,
+                   name: str, root: Path) -> str:
+    """Rewrite a benchmark's docs section from a JSON it wrote earlier (no measurement)."""
+    results = json.loads(json_path.read_text())
+    png = json_path.with_suffix(".png")
+    rel = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in (json_path, png)]
+    section = markdown(results, *rel)
+    update_section(docs, section, name)
+    print(f"updated {docs} from {json_path}")
     return section

@@ -14,7 +14,9 @@ forward decides whether the tier is usable. One run (tiny checkpoint, float32, l
 Every path is called sequentially (one request in flight: the lone-decode-request case) for
 TP 1 and 2 and T in {1, 16}; the rounds are interleaved so a noisy neighbour hits every path
 alike. Prints p50/p99 and the overhead over the in-process forward and over the matching
-floor, and writes JSON + PNG under ``--out``.
+floor, and writes JSON + PNG under ``--out`` and its section of docs/benchmarks.md (``--docs``;
+'' to skip), with each target's verdict computed from the run's rows (and the runs of
+``--compare``, side by side).
 
     python scripts/bench_overhead.py --label before      # ~2 minutes on 2 cores
     python scripts/bench_overhead.py --label after --compare artifacts/bench_overhead/before.json
@@ -40,8 +42,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+from bench_docs import load_label, update_section, verdict, verdict_word  # noqa: E402
 
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
@@ -53,6 +57,9 @@ LAYER = 1
 TPS = (1, 2)
 SIZES = (1, 16)
 TARGETS_MS = {"direct_over_floor": 1.5, "app_over_direct": 1.0, "http_over_direct": 3.0}
+TARGET_TEXT = {"direct_over_floor": "direct - in-process forward - floor", "app_over_direct": "app - direct",
+               "http_over_direct": "HTTP - direct"}
+SECTION = "## Data-plane overhead (scripts/bench_overhead.py)"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -274,14 +281,60 @@ def compare_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(results: dict[str, Any]) -> list[str]:
-    out = []
-    for r in results["overheads"]:
-        for key, limit in TARGETS_MS.items():
-            ok = r[f"{key}_ms"] <= limit
-            out.append(f"TP {r['tp']} T {r['T']}: {key} {r[f'{key}_ms']:+.2f} ms "
-                       f"(target <= {limit}: {'met' if ok else 'MISSED'})")
+def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per target: the verdict of every (TP, T) row, and the headline: met only when every row met,
+    with the worst row's value (what would have to improve)."""
+    out = {}
+    for key, limit in TARGETS_MS.items():
+        rows = [dict(verdict(r[f"{key}_ms"], "<=", limit), tp=r["tp"], T=r["T"])
+                for r in results["overheads"]]
+        worst = max(rows, key=lambda v: v["value"])
+        out[key] = {"rows": rows, "met": all(v["met"] for v in rows), "rows_met": sum(v["met"] for v in rows),
+                    "worst": worst, "best": min(rows, key=lambda v: v["value"]), "target": f"<= {limit} ms"}
     return out
+
+
+def verdicts(results: dict[str, Any]) -> list[str]:
+    return [f"TP {v['tp']} T {v['T']}: {key} {v['value']:+.2f} ms (target {v['target']}: "
+            f"{'met' if v['met'] else 'MISSED'})" for key, t in targets(results).items() for v in t["rows"]]
+
+
+def markdown(runs: list[dict[str, Any]], json_path: str, png_path: str) -> str:
+    """The section from this run (the last of ``runs``) and the ones it is compared with."""
+    results, env = runs[-1], runs[-1]["env"]
+    lines = [
+        SECTION,
+        "",
+        "Run: " + f"`python scripts/bench_overhead.py {' '.join(results.get('argv', []))}`".replace(" `", "`")
+        + f" (label `{results['label']}`) -- {env['date']}, {env['cpus']} CPUs, torch {env['torch']}, "
+        f"`tiny` preset (H = {env['hidden_size']}), float32, layer 1; {env['calls_per_path']} calls per path "
+        f"in {env['rounds']} interleaved rounds, one request in flight; "
+        f"{load_label(env['loadavg_before'], env['loadavg_after'], env['cpus'])}. Raw data and plot: "
+        f"`{json_path}`, `{png_path}`.",
+        "",
+        "Paths: `inprocess` = the runner with no Ray (TP 2: `local_group` ranks); Ray's floors on the same "
+        "payload: `actor` (a bare actor call), `serve_echo` (Serve handle -> a deployment returning its "
+        "input), `serve_actorP` (Serve handle -> a deployment awaiting one call on each of P actors: the "
+        "shape of the replica -> TP group hop); ours: `direct` (`MoEClient.direct`), `app` (the ingress "
+        "handle), `http` (proxy and ingress). p50 / p99 per call, ms:",
+        "",
+        paths_table(results),
+        "",
+        "Overheads (p50, ms; floor = `serve_actorP` with P = TP size):",
+        "",
+        table(results),
+    ]
+    if len(runs) > 1:
+        lines += ["", "Side by side with the compared runs (p50 ms; each run's own load in its JSON):", "",
+                  compare_table(runs)]
+    lines += ["", "Targets (verdicts computed from the rows above; a target is met only when every (TP, T) "
+              "row meets it):", ""]
+    for key, t in targets(results).items():
+        w, b = t["worst"], t["best"]
+        lines.append(f"- {TARGET_TEXT[key]} {t['target']}: {verdict_word(t['met'])} -- {t['rows_met']} of "
+                     f"{len(t['rows'])} rows; worst TP {w['tp']}, T = {w['T']}: {w['value']:+.2f} ms; best "
+                     f"TP {b['tp']}, T = {b['T']}: {b['value']:+.2f} ms.")
+    return "\n".join(lines)
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -318,9 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", type=Path, nargs="*", default=[],
                     help="earlier JSON results to plot alongside")
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_overhead")
+    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
     args.app_overrides = json.loads(args.app_args)
     results = run(args)
+    results["argv"] = sys.argv[1:] if argv is None else argv
+    results["targets"] = targets(results)
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out / f"{args.label}.json", args.out / f"{args.label}.png"
     json_path.write_text(json.dumps(results, indent=2) + "\n")
@@ -333,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print("\n" + compare_table(runs))
     print(f"\nwrote {json_path} and {png_path}")
+    if args.docs:
+        rel = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in (json_path, png_path)]
+        update_section(Path(args.docs), markdown(runs, *rel), "bench_overhead")
+        print(f"updated {args.docs}")
     return 0
 
 

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from bench_docs import write_results  # noqa: E402
+from bench_docs import commentary, load_label, verdict, verdict_word, write_results  # noqa: E402
 
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
@@ -48,6 +48,19 @@ from moe_runtime.tp.local_group import run_local_group  # noqa: E402
 APP = "bench"
 SECTION = "## Serving (scripts/bench_serve.py)"
 LAYER = 1
+# The notes below that no run recomputes, and the run they were written for.
+COMMENTARY_RUN = "2026-12-02 (small preset, TP 2, float32, 2 CPUs, load 2.31 before the run)"
+COMMENTARY = (
+    "the load generator runs in the driver process on the same CPUs as the TP ranks, so on a small "
+    "machine every served number pays for it; the in-process baseline has the CPUs to itself. Ray "
+    "worker niceness is set to the driver's (0), so Ray's default of 15 does not starve the served "
+    "side. With 16-token requests the request path (driver router, replica event loop, raylet) needs "
+    "about as much CPU as the forwards; when the ranks take every core, requests reach the replica "
+    "late and batches stay small -- hence `worker_nice_increment` for CPU-only deployments (no effect "
+    "on GPUs). HTTP moves safetensors bodies through the proxy and the ingress (extra copies of "
+    "T x H x 4 bytes each way). Batches form continuously: requests that arrive during a forward are "
+    "released together when it ends, so with a closed loop the 32 clients settle into cohorts that "
+    "alternate.")
 
 
 # -- in-process baseline ----------------------------------------------------------------------
@@ -197,8 +210,8 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, TP ranks "
         f"+{env['worker_nice_increment']}. "
         f"Closed loop: each client sends its next request when the previous answer arrives; "
-        f"{env['duration_s']} s per row. 1-minute load average before the run: "
-        f"{env['loadavg_1min_before']} (anything else running skews every number). "
+        f"{env['duration_s']} s per row; "
+        f"{load_label(env['loadavg_before'], env.get('loadavg_after'), env['cpus'])}. "
         f"Raw data: `{json_path}`, plot: `{png_path}`.",
         "",
         "In-process runner (moe_runtime `local_group`, no Ray), same TP size and batch sizes:",
@@ -224,34 +237,47 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
             f"{r['requests_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['forwards']} | "
             f"{r['mean_batch_tokens'] or 0:.0f} |"
         )
-    verdict = {True: "met", False: "**missed**", None: "not measured"}
+    handle, batching = t["handle_vs_inprocess"], t["batching_speedup"]
     lines += [
         "",
-        "Targets:",
+        "Targets (verdicts computed from the rows above):",
         "",
-        f"- handle path at {t['large_tokens']}-token requests / in-process: "
-        f"**{t['handle_vs_inprocess']:.2f}** (target >= 0.8: {verdict[t['handle_vs_inprocess'] >= 0.8]}); "
+        f"- handle path at {t['large_tokens']}-token requests / in-process: **{handle['value']:.2f}** "
+        f"(target {handle['target']}: {verdict_word(handle['met'])}); "
         f"app handle {t['app_vs_inprocess']:.2f}, HTTP {t['http_vs_inprocess']:.2f}.",
         f"- 32 concurrent 16-token clients, batching / max_batch_tokens = 16: "
-        f"**{t['batching_speedup']:.1f}x** (target >= 3: {verdict[t['batching_speedup'] >= 3]}) with the "
-        f"ranks at worker_nice_increment {env['worker_nice_increment']}"
+        f"**{batching['value']:.1f}x** "
+        f"(target {batching['target']}: {verdict_word(batching['met'])}) with the ranks at "
+        f"worker_nice_increment {env['worker_nice_increment']}"
         + (f"; {t['batching_speedup_nice0']:.1f}x with the ranks at the replica's priority "
            "(rows `batching-nice0`)." if "batching_speedup_nice0" in t else "."),
         "",
-        "Notes: the load generator runs in the driver process on the same CPUs as the TP ranks, so "
-        "on a small machine every served number pays for it; the in-process baseline has the CPUs "
-        "to itself. Ray worker niceness is set to the driver's (0), so Ray's default of 15 does not "
-        "starve the served side. With 16-token requests the request path (driver router, replica "
-        "event loop, raylet) needs about as much CPU as the forwards; when the ranks take every "
-        "core, requests reach the replica late and batches stay small -- hence "
-        "`worker_nice_increment` for CPU-only deployments (no effect on GPUs). HTTP moves "
-        "safetensors bodies through the proxy and the ingress (extra copies of T x H x 4 bytes each "
-        "way). Batches form continuously: requests that arrive during a forward are released "
-        "together when it ends, so with a closed loop the 32 clients settle into two cohorts that "
-        "alternate (mean batch about half of 32 x 16 tokens).",
+        "Computed from this run: " + computed_notes(results),
+        "",
+        commentary(COMMENTARY_RUN, COMMENTARY),
         "",
     ]
     return "\n".join(lines)
+
+
+def computed_notes(results: dict[str, Any]) -> str:
+    """What the rows say about batching and the paths, every figure from this run."""
+    notes = []
+    for r in results["scenarios"]:
+        key = (r["scenario"], r["path"], r["deployment"])
+        if key == ("batching", "handle", "batched") and r["mean_batch_tokens"]:
+            offered = r["clients"] * r["tokens_per_request"]
+            notes.append(f"with {r['clients']} clients of {r['tokens_per_request']} tokens the batched "
+                         f"deployment ran {r['forwards']} forwards of {r['mean_batch_tokens']:.0f} tokens "
+                         "on average, "
+                         f"{r['mean_batch_tokens'] / offered:.0%} of the {offered} tokens in flight")
+    large = {r["path"]: r for r in results["scenarios"] if r["scenario"] == "large"}
+    if "handle" in large and "http" in large:
+        notes.append(f"at {large['handle']['tokens_per_request']}-token requests HTTP reached "
+                     f"{large['http']['tokens_per_s'] / large['handle']['tokens_per_s']:.2f} of the handle "
+                     "path's "
+                     f"tokens/s (p50 {large['http']['p50_ms']:.0f} vs {large['handle']['p50_ms']:.0f} ms)")
+    return ("; ".join(notes) + ".") if notes else "no scenario to compare."
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -289,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     H = cfg.hidden_size
     cpus = len(os.sched_getaffinity(0))
-    load_before = os.getloadavg()[0]  # other work on the machine skews every number below
+    load_before = os.getloadavg()  # other work on the machine skews every number below
 
     import ray
     from ray import serve
@@ -305,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "ray": ray.__version__, "preset": args.preset, "hidden_size": H,
             "dtype": args.dtype, "tp_size": args.tp, "tail": args.tail, "duration_s": args.duration,
             "worker_niceness": args.worker_niceness, "worker_nice_increment": args.worker_nice_increment,
-            "loadavg_1min_before": round(load_before, 2),
+            "loadavg_before": [round(v, 2) for v in load_before],
         },
         "max_batch_tokens": mbt,
         "scenarios": [],
@@ -365,14 +391,16 @@ def main(argv: list[str] | None = None) -> int:
         return next(r for r in results["scenarios"]
                     if (r["scenario"], r["path"], r["deployment"]) == (scenario, path, dep))
 
+    results["env"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     inproc = results["inprocess"][str(args.large_tokens)]["tokens_per_s"]
     results["targets"] = {
         "large_tokens": args.large_tokens,
-        "handle_vs_inprocess": find("large", "handle", "batched")["tokens_per_s"] / inproc,
+        "handle_vs_inprocess": verdict(find("large", "handle", "batched")["tokens_per_s"] / inproc, ">=",
+                                       0.8),
         "app_vs_inprocess": find("large", "app", "batched")["tokens_per_s"] / inproc,
         "http_vs_inprocess": find("large", "http", "batched")["tokens_per_s"] / inproc,
-        "batching_speedup": find("batching", "handle", "batched")["tokens_per_s"]
-        / find("batching", "handle", "unbatched")["tokens_per_s"],
+        "batching_speedup": verdict(find("batching", "handle", "batched")["tokens_per_s"]
+                                    / find("batching", "handle", "unbatched")["tokens_per_s"], ">=", 3),
     }
     if args.worker_nice_increment:
         results["targets"]["batching_speedup_nice0"] = (

@@ -4,28 +4,41 @@ For each P and T it reports the median time of the tail alone (everything after 
 experts, replayed on the same partials) and of the whole layer, the per-stage breakdown,
 the bytes per token each rank hands to the tail's collectives (measured by counting), the
 fastest tail per T (crossovers), and the token-sharded routed input's down-projection
-time. ``single_allreduce_wide`` is the earlier packing of the single all-reduce,
-``[S | (gamma*L)Wup^T | L]`` in fp32 (width 2H + D), replayed here for comparison with
-today's ``[S | L]`` in the deployment dtype (H + D). The load average before and after the
-run goes into the JSON (the machine may be shared). Writes JSON + PNG; the table goes to
-docs/benchmarks.md.
+time per routed-input mode (``off``, exact ``none``, and the lossy ``fp8-approx`` /
+``mxfp4-approx``, named as the deployment option names them). ``single_allreduce_wide`` is the
+earlier packing of the single all-reduce, ``[S | (gamma*L)Wup^T | L]`` in fp32 (width 2H + D),
+replayed here for comparison with today's ``[S | L]`` in the deployment dtype (H + D).
+
+Stage times come from the same replays as the totals: each replay is timed whole and by stage
+(the runner's stage timer, marks inside the timed interval), the reported total is the median
+replay's and the stage breakdown is that same replay's, so the stages of a row never add up to
+more than its total (``other`` is the rest: Python between the marks).
+
+The load average before and after the run goes into the JSON (the machine may be shared; a run
+started on a loaded machine is labelled contended). Writes JSON + PNG under --out and its own
+section of docs/benchmarks.md (--docs; '' to skip), targets and their verdicts computed from the
+data.
+
+    python scripts/bench_tail.py --tp 1 2 --tokens 1 16 256 2048       # small preset, minutes
+    python scripts/bench_tail.py --preset tiny --tp 1 2 --tokens 1 16 --docs ''   # seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
+from bench_docs import load_label, render_section, verdict, verdict_word, write_results  # noqa: E402
 
 from moe_runtime.activation import GatedActivation  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
@@ -39,18 +52,38 @@ from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners  # noqa: E
 from moe_runtime.units import torch_dtype  # noqa: E402
 
 LAYER = 1
+SECTION = "## Tails (scripts/bench_tail.py)"
+ROUTED_INPUT_MODES = ("off", "none", "fp8-approx", "mxfp4-approx")  # dense experts: no exact mxfp4
 
 
-def _median_ms(fn, reps: int, sync) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+def timed_replays(runner: LatentMoERunner, fn, reps: int) -> dict:
+    """``fn`` once to warm up, then ``reps`` replays each timed whole and by stage in the same call.
+
+    Returns the median replay (by total; the lower middle one for an even count): its total
+    ``ms``, its ``stages_ms`` (the runner's stage timer, started inside the timed interval, so they
+    add up to at most ``ms``), ``other_ms`` (the rest), and every replay's total (``all_ms``).
+    """
+    timer = runner.timer
+    fn()
+    replays = []
+    timer.enabled = True
+    try:
+        for _ in range(reps):
+            timer.totals.clear()
+            timer.sync()
+            start = time.perf_counter()
+            timer.start()
+            fn()
+            timer.sync()
+            total = (time.perf_counter() - start) * 1e3
+            replays.append((total, {stage: secs * 1e3 for stage, secs in timer.totals.items()}))
+    finally:
+        timer.enabled = False
+        timer.totals.clear()
+    ordered = sorted(replays, key=lambda r: r[0])
+    total, stages = ordered[(len(ordered) - 1) // 2]
+    return {"ms": total, "stages_ms": stages, "other_ms": total - sum(stages.values()),
+            "all_ms": [r[0] for r in replays]}
 
 
 def _replay_tail(runner: LatentMoERunner, tail: str, L, S, dtype) -> None:
@@ -85,19 +118,6 @@ def _collective_bytes_per_token(comm: Collectives, run, T: int) -> float:
     return sum(comm.nbytes.values()) / T
 
 
-def _stage_medians(runner: LatentMoERunner, run, reps: int) -> dict[str, float]:
-    runner.timer.enabled = True
-    per_stage: dict[str, list[float]] = {}
-    for _ in range(reps):
-        runner.timer.totals.clear()
-        runner.timer.start()
-        run()
-        for stage, secs in runner.timer.totals.items():
-            per_stage.setdefault(stage, []).append(secs * 1e3)
-    runner.timer.enabled = False
-    return {stage: statistics.median(v) for stage, v in per_stage.items()}
-
-
 def _rank_bench(comm: Collectives, ckpt: str, tokens: list[int], dtype_name: str, tail_reps: int) -> dict:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     dtype = torch_dtype(dtype_name)
@@ -126,35 +146,37 @@ def _rank_bench(comm: Collectives, ckpt: str, tokens: list[int], dtype_name: str
             tails[WIDE] = (base, partial(_replay_wide_single_allreduce, base, L.clone(), S, dtype))
         for tail, (runner, run_tail) in tails.items():
             run_layer = None if tail == WIDE else partial(runner.forward, x, tail=tail)
-            tail_ms = _median_ms(run_tail, tail_reps if T < 4096 else max(3, tail_reps // 2), base.timer.sync)
+            tail_t = timed_replays(runner, run_tail, tail_reps if T < 4096 else max(3, tail_reps // 2))
+            layer_t = None if run_layer is None else timed_replays(runner, run_layer, full_reps)
             rows.append(
                 {
                     "P": P,
                     "T": T,
                     "tail": tail,
-                    "tail_ms": tail_ms,
-                    "layer_ms": None
-                    if run_layer is None
-                    else _median_ms(run_layer, full_reps, base.timer.sync),
+                    "tail_ms": tail_t["ms"],
+                    "tail_stages_ms": tail_t["stages_ms"],
+                    "tail_other_ms": tail_t["other_ms"],
+                    "tail_all_ms": tail_t["all_ms"],
+                    "layer_ms": None if layer_t is None else layer_t["ms"],
+                    "layer_stages_ms": {} if layer_t is None else layer_t["stages_ms"],
+                    "layer_other_ms": None if layer_t is None else layer_t["other_ms"],
                     "collective_bytes_per_token": _collective_bytes_per_token(comm, run_tail, T),
-                    "tail_stages_ms": _stage_medians(runner, run_tail, 3),
-                    "layer_stages_ms": {}
-                    if run_layer is None
-                    else _stage_medians(runner, run_layer, full_reps),
                 }
             )
         if P > 1:
-            for quant in ("off", "none", "fp8-approx", "mxfp4-approx"):  # dense experts: no exact mxfp4
+            for quant in ROUTED_INPUT_MODES:
                 ri = RoutedInputConfig(quant != "off", "none" if quant == "off" else quant, 1)
                 r = LatentMoERunner(cfg, base.w, comm, base.plan, shard, routed_input=ri)
-                st = _stage_medians(r, partial(r.routed_input_latent, x), max(3, tail_reps // 2))
+                st = timed_replays(r, partial(r.routed_input_latent, x), max(3, tail_reps // 2))
                 routed.append(
                     {
                         "P": P,
                         "T": T,
                         "routed_input": quant,
-                        "down_proj_ms": st.get("down_proj", 0.0),
-                        "gather_ms": st.get("collectives", 0.0),
+                        "total_ms": st["ms"],
+                        "down_proj_ms": st["stages_ms"].get("down_proj", 0.0),
+                        "gather_ms": st["stages_ms"].get("collectives", 0.0),
+                        "other_ms": st["other_ms"],
                     }
                 )
     return {"rows": rows, "routed_input": routed}
@@ -217,20 +239,162 @@ def _plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def compute_targets(rows: list[dict], routed: list[dict], tp: list[int], tokens: list[int]) -> dict:
+    """Each target's measured ratio and its verdict, from the rows (nothing assumed)."""
+
+    def tail_ms(P: int, T: int, tail: str) -> float | None:
+        hit = [r["tail_ms"] for r in rows if (r["P"], r["T"], r["tail"]) == (P, T, tail)]
+        return hit[0] if hit else None
+
+    targets = {}
+    for T in [t for t in tokens if t >= 2048]:
+        s, r = tail_ms(2, T, "sharded"), tail_ms(2, T, "replicated")
+        if s and r:
+            targets[f"P2_T{T}_sharded_over_replicated"] = verdict(s / r, "<=", 0.75)
+    for P in [p for p in tp if p > 1]:
+        for T in tokens:
+            new, old = tail_ms(P, T, "single_allreduce"), tail_ms(P, T, WIDE)
+            if new and old:
+                targets[f"P{P}_T{T}_single_allreduce_over_wide"] = verdict(new / old, "<", 1)
+    for P in [p for p in tp if p > 1]:  # at P = 1 there is no collective to save
+        s, r = tail_ms(P, 1, "single_allreduce"), tail_ms(P, 1, "replicated")
+        if s and r:
+            targets[f"P{P}_T1_single_allreduce_over_replicated"] = verdict(s / r, "<", 1)
+    Tmax = max(tokens)
+    off = [x for x in routed if x["P"] == 2 and x["T"] == Tmax and x["routed_input"] == "off"]
+    on = [x for x in routed if x["P"] == 2 and x["T"] == Tmax and x["routed_input"] == "none"]
+    if off and on and on[0]["down_proj_ms"] > 0:
+        speedup = off[0]["down_proj_ms"] / on[0]["down_proj_ms"]
+        targets[f"P2_T{Tmax}_down_proj_speedup"] = verdict(speedup, ">=", 1.6)
+    return targets
+
+
+def _stage(r: dict, key: str, stage: str) -> str:
+    v = r[key].get(stage)
+    return "" if v is None else f"{v:.2f}"
+
+
+def markdown(result: dict, json_path: str, png_path: str) -> str:
+    m, model = result["machine"], result["model"]
+    lines = [
+        SECTION,
+        "",
+        "Run: " + f"`python scripts/bench_tail.py {' '.join(result['argv'])}`".replace(" `", "`")
+        + f" -- {m['date']}, {m['cpus']} CPUs, torch {m['torch']}, `{result['preset']}` preset "
+        f"(H={model['hidden_size']}, "
+        f"D={model['routed_expert_hidden_size']}, E={model['num_experts']}, "
+        f"k={model['num_experts_per_token']}, I={model['moe_intermediate_size']}, "
+        f"{model['num_shared_experts']} shared experts), {result['dtype']}, "
+        f"gloo on CPU, TP {', '.join(map(str, result['tp']))}; "
+        f"{load_label(m['loadavg_before'], m['loadavg_after'], m['cpus'])}. "
+        f"Raw data: `{json_path}`, plot `{png_path}` (`artifacts/` is not committed).",
+        "",
+        "Tail = everything after the experts (collectives, norm, up-projection), replayed on the same "
+        "partials; layer = a whole forward. Each number is the median of its replays; the stage "
+        "columns "
+        "are the stages *of that same replay* (one timed call gives the total and its stages), so they "
+        "never add up to more than the total; `other` is the rest (Python between the stage marks).",
+        "",
+        "| P | T | tail | tail ms | tail: collectives | tail: up-proj | tail: other | layer ms "
+        "| layer: down-proj | layer: experts | layer: collectives | layer: up-proj | layer: other "
+        "| B/token |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        layer = "" if r["layer_ms"] is None else f"{r['layer_ms']:.2f}"
+        lother = "" if r["layer_other_ms"] is None else f"{r['layer_other_ms']:.2f}"
+        lines.append(
+            f"| {r['P']} | {r['T']} | {r['tail']} | {r['tail_ms']:.2f} "
+            f"| {_stage(r, 'tail_stages_ms', 'collectives')} "
+            f"| {_stage(r, 'tail_stages_ms', 'up_proj')} | {r['tail_other_ms']:.2f} | {layer} "
+            f"| {_stage(r, 'layer_stages_ms', 'down_proj')} | {_stage(r, 'layer_stages_ms', 'experts')} "
+            f"| {_stage(r, 'layer_stages_ms', 'collectives')} | {_stage(r, 'layer_stages_ms', 'up_proj')} "
+            f"| {lother} | {r['collective_bytes_per_token']:.0f} |"
+        )
+    lines += ["", f"`{WIDE}` is the earlier fp32 `[S | (gamma*L)Wup^T | L]` packing, replayed for comparison "
+              "(tail only). Fastest tail per token count (sequence_parallel and the wide replay excluded: "
+              "the first returns only a rank's rows):", ""]
+    for P, best in result["crossovers"].items():
+        lines.append(f"- TP {P}: " + " -> ".join(f"T={b['T']}: {b['fastest_tail']} ({b['tail_ms']:.2f} ms)"
+                                                  for b in best))
+    if result["routed_input"]:
+        lines += ["", "Token-sharded routed input (per rank): the routed-input modes by their deployment "
+                  "names; `fp8-approx` and `mxfp4-approx` are lossy (they change a request's output with "
+                  "its batch), "
+                  "`none` is the exact token-sharded gather, `off` the replicated down-projection. "
+                  "Stages of the median replay, as above:", "",
+                  "| P | T | routed input | total ms | down-proj ms | all-gather (+quant) ms | other ms |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]
+        for x in result["routed_input"]:
+            lines.append(f"| {x['P']} | {x['T']} | {x['routed_input']} | {x['total_ms']:.2f} | "
+                         f"{x['down_proj_ms']:.2f} | {x['gather_ms']:.2f} | {x['other_ms']:.2f} |")
+    lines += ["", "Targets (ratios of the medians above; verdicts computed by the script):", ""]
+    if not result["targets"]:
+        lines.append("- none measurable with these TP sizes and token counts")
+    for name, t in result["targets"].items():
+        lines.append(f"- {name}: **{t['value']:.2f}** (target {t['target']}: {verdict_word(t['met'])})")
+    lines += ["", "Reading (computed from this run): " + reading(result)]
+    return "\n".join(lines)
+
+
+def reading(result: dict) -> str:
+    """Sentences whose every claim is a comparison of this run's numbers."""
+    out = []
+    for P, best in result["crossovers"].items():
+        winners = [b["fastest_tail"] for b in best]
+        if len(set(winners)) == 1:
+            out.append(f"at TP {P} `{winners[0]}` was the fastest tail at every T measured.")
+        else:
+            out.append(f"at TP {P} the fastest tail changed with T ({', '.join(dict.fromkeys(winners))}), "
+                       "which is why `tail: auto` measures on the deployment's own group.")
+    rows = result["rows"]
+    for P in sorted({r["P"] for r in rows if r["P"] > 1}):
+        for T in sorted({r["T"] for r in rows if r["P"] == P}):
+            by = {r["tail"]: r for r in rows if (r["P"], r["T"]) == (P, T)}
+            if "sharded" in by and "replicated" in by:
+                s, rp = by["sharded"], by["replicated"]
+                su, ru = s["tail_stages_ms"].get("up_proj"), rp["tail_stages_ms"].get("up_proj")
+                if su is not None and ru:
+                    out.append(f"TP {P}, T={T}: sharded tail {s['tail_ms']:.2f} ms vs replicated "
+                               f"{rp['tail_ms']:.2f} ms, up-projection {su:.2f} vs {ru:.2f} ms "
+                               f"({su / ru:.2f}x).")
+    routed = result["routed_input"]
+    for P in sorted({x["P"] for x in routed}):
+        Tmax = max(x["T"] for x in routed if x["P"] == P)
+        by = {x["routed_input"]: x for x in routed if (x["P"], x["T"]) == (P, Tmax)}
+        if "off" in by and "none" in by and by["none"]["down_proj_ms"] > 0:
+            out.append(f"Token-sharded routed input at TP {P}, T={Tmax}: down-projection "
+                       f"{by['off']['down_proj_ms']:.2f} -> {by['none']['down_proj_ms']:.2f} ms "
+                       f"({by['off']['down_proj_ms'] / by['none']['down_proj_ms']:.2f}x), for an all-gather "
+                       "of "
+                       f"{by['none']['gather_ms']:.2f} ms; " + ", ".join(
+                           f"{q} gather {by[q]['gather_ms']:.2f} ms" for q in ("fp8-approx", "mxfp4-approx")
+                           if q in by) + ".")
+    return " ".join(sentence[0].upper() + sentence[1:] for sentence in out) or "Nothing to compare."
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--checkpoint", type=Path, help="default: generate the small preset")
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, help="default: generate the --preset checkpoint")
+    ap.add_argument("--preset", default="small", choices=("tiny", "medium", "small"))
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048, 8192])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--tail-reps", type=int, default=9)
-    ap.add_argument("--out", type=Path, default=Path("artifacts/bench_tail"))
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_tail")
+    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
+    ap.add_argument("--render", type=Path, help="measure nothing: rewrite the docs section from this JSON")
     args = ap.parse_args(argv)
+    if args.render:
+        render_section(args.render, markdown, Path(args.docs), "bench_tail", ROOT)
+        return 0
     ckpt = args.checkpoint
+    preset = args.preset if ckpt is None else f"checkpoint {ckpt}"
     if ckpt is None:
-        ckpt = Path("artifacts/checkpoints/small")
+        ckpt = ROOT / f"artifacts/checkpoints/{args.preset}"
         if not (ckpt / "config.json").is_file():
-            write_checkpoint(ckpt, preset_config("small"), progress=True)
+            write_checkpoint(ckpt, preset_config(args.preset), progress=True)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     load_before = os.getloadavg()
     rows, routed = [], []
@@ -242,12 +406,16 @@ def main(argv: list[str] | None = None) -> int:
         rows += res[0]["rows"]
         routed += res[0]["routed_input"]
     result = {
+        "argv": argv,
+        "preset": preset,
+        "tp": args.tp,
         "machine": {
-            "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "cpus": len(os.sched_getaffinity(0)),
             "platform": platform.platform(),
             "torch": torch.__version__,
-            "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
+            "loadavg_before": [round(v, 2) for v in load_before],
+            "loadavg_after": [round(v, 2) for v in os.getloadavg()],
         },
         "dtype": args.dtype,
         "model": {
@@ -264,75 +432,9 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "routed_input": routed,
         "crossovers": _crossovers(rows),
+        "targets": compute_targets(rows, routed, args.tp, args.tokens),
     }
-
-    def tail_ms(P: int, T: int, tail: str) -> float | None:
-        hit = [r["tail_ms"] for r in rows if (r["P"], r["T"], r["tail"]) == (P, T, tail)]
-        return hit[0] if hit else None
-
-    targets = {}
-    for T in [t for t in args.tokens if t >= 2048]:
-        s, r = tail_ms(2, T, "sharded"), tail_ms(2, T, "replicated")
-        if s and r:
-            targets[f"P2_T{T}_sharded_over_replicated"] = {
-                "ratio": s / r,
-                "target": "<= 0.75",
-                "met": s / r <= 0.75,
-            }
-    for P in [p for p in args.tp if p > 1]:
-        for T in args.tokens:
-            new, old = tail_ms(P, T, "single_allreduce"), tail_ms(P, T, WIDE)
-            if new and old:
-                targets[f"P{P}_T{T}_single_allreduce_over_wide"] = {
-                    "ratio": new / old,
-                    "target": "< 1",
-                    "met": new < old,
-                }
-    for P in [p for p in args.tp if p > 1]:  # at P = 1 there is no collective to save
-        s, r = tail_ms(P, 1, "single_allreduce"), tail_ms(P, 1, "replicated")
-        if s and r:
-            targets[f"P{P}_T1_single_allreduce_over_replicated"] = {
-                "ratio": s / r,
-                "target": "< 1",
-                "met": s < r,
-            }
-    Tmax = max(args.tokens)
-    off = [x for x in routed if x["P"] == 2 and x["T"] == Tmax and x["routed_input"] == "off"]
-    on = [x for x in routed if x["P"] == 2 and x["T"] == Tmax and x["routed_input"] == "none"]
-    if off and on:
-        speedup = off[0]["down_proj_ms"] / on[0]["down_proj_ms"]
-        targets[f"P2_T{Tmax}_down_proj_speedup"] = {
-            "ratio": speedup,
-            "target": ">= 1.6",
-            "met": speedup >= 1.6,
-        }
-    result["targets"] = targets
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_tail.json").write_text(json.dumps(result, indent=1))
-    _plot(result, args.out / "bench_tail.png")
-
-    print(f"load average before {load_before}, after {result['machine']['loadavg_after']}")
-    header = f"{'P':>2} {'T':>5} {'tail':<22} {'tail ms':>9} {'layer ms':>9} {'B/token':>8}"
-    print(f"\n{header}  stages of the tail (ms)")
-    for r in rows:
-        st = ", ".join(f"{k} {v:.2f}" for k, v in r["tail_stages_ms"].items())
-        layer = "-" if r["layer_ms"] is None else f"{r['layer_ms']:.1f}"
-        print(
-            f"{r['P']:>2} {r['T']:>5} {r['tail']:<22} {r['tail_ms']:>9.2f} {layer:>9} "
-            f"{r['collective_bytes_per_token']:>8.0f}  {st}"
-        )
-    print("\nrouted input (per rank):")
-    for x in routed:
-        print(
-            f"P {x['P']} T {x['T']:>5} {x['routed_input']:<12} down-proj {x['down_proj_ms']:8.2f} ms  "
-            f"gather {x['gather_ms']:7.2f} ms"
-        )
-    print("\nfastest tail per T:", json.dumps(result["crossovers"]))
-    print("targets:")
-    for name, t in targets.items():
-        print(f"  {name}: {t['ratio']:.3f} (target {t['target']}) {'MET' if t['met'] else 'MISSED'}")
-    print(f"wrote {args.out / 'bench_tail.json'} and {args.out / 'bench_tail.png'}")
+    write_results(result, args.out, "bench_tail", ROOT, _plot, markdown, args.docs and Path(args.docs))
     return 0
 
 

@@ -2,13 +2,17 @@
 # One prepared GPU check (issue 11 item 7), bounded to under 8 minutes: the GPU-marked tests
 # (tests/test_gpu.py), then the GPU timings of scripts/gpu_timings.py: torch vs grouped experts
 # backend at Kimi-K3 per-rank shapes for T = 1..8192, all-reduce / reduce-scatter of the latent,
-# and a TP-2 tail comparison when two GPUs exist. Writes JSON (and each stage's log) under OUT_DIR.
+# and a TP-2 tail comparison when two GPUs exist. Writes under OUT_DIR each stage's log, the
+# timings as JSON lines (experts.jsonl, collectives.jsonl, tail.jsonl: one record per point, written
+# the moment it is measured, so a stage cut off by its limit keeps what it measured) and summary.json.
 #
 #   scripts/gpu_check.sh [OUT_DIR] [--cpu-smoke]     (OUT_DIR default: $OUT, else artifacts/gpu_check)
 #
 # --cpu-smoke runs every stage on the CPU with tiny shapes: a dry run where no GPU is lent.
 # It uses $PYTHON (default python3) as it finds it: a GPU machine brings its own torch build and
-# nothing is installed here. Exit status: 0 when every stage passed, else 1 (see summary.json).
+# nothing is installed here. Exit status (scripts/gpu_check_summary.py): 0 when every stage passed
+# and, outside --cpu-smoke, torch saw a GPU and at least one GPU-marked test ran rather than
+# skipped; else 1, with the reasons under "problems" in summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=()
@@ -53,31 +57,10 @@ json.dump(info, open('$OUT_DIR/environment.json', 'w'), indent=2)
 print(json.dumps(info))
 "
 stage gpu_tests 110 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py --junitxml "$OUT_DIR/gpu_tests.xml"
-stage experts 180 "$PY" scripts/gpu_timings.py experts --out "$OUT_DIR/experts.json" --reps "$REPS" \
+stage experts 180 "$PY" scripts/gpu_timings.py experts --out "$OUT_DIR/experts.jsonl" --reps "$REPS" \
   --point-budget-s 2 "${SMOKE[@]}"
-stage collectives 60 "$PY" scripts/gpu_timings.py collectives --out "$OUT_DIR/collectives.json" \
+stage collectives 60 "$PY" scripts/gpu_timings.py collectives --out "$OUT_DIR/collectives.jsonl" \
   --reps "$REPS" "${SMOKE[@]}"
-stage tail 90 "$PY" scripts/gpu_timings.py tail --out "$OUT_DIR/tail.json" --reps "$REPS" "${SMOKE[@]}"
+stage tail 90 "$PY" scripts/gpu_timings.py tail --out "$OUT_DIR/tail.jsonl" --reps "$REPS" "${SMOKE[@]}"
 
-"$PY" - "$OUT_DIR" "${SMOKE[@]:-}" "${STAGES[@]}" <<'EOF'
-import json, sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-out, smoke, stages = Path(sys.argv[1]), sys.argv[2] == "--smoke", sys.argv[3:]
-summary = {"cpu_smoke": smoke, "stages": {}}
-for item in stages:
-    name, rc, seconds, limit = item.split(":")
-    summary["stages"][name] = {"exit": int(rc), "seconds": int(seconds), "limit_s": int(limit),
-                               "timed_out": int(rc) in (124, 137)}
-junit = out / "gpu_tests.xml"
-if junit.exists():
-    suite = ET.parse(junit).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    summary["gpu_tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-summary["passed"] = all(s["exit"] == 0 for s in summary["stages"].values())
-summary["total_seconds"] = sum(s["seconds"] for s in summary["stages"].values())
-(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-print(json.dumps(summary, indent=2))
-sys.exit(0 if summary["passed"] else 1)
-EOF
+"$PY" scripts/gpu_check_summary.py "$OUT_DIR" "${SMOKE[@]}" "${STAGES[@]}"

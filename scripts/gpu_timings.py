@@ -1,6 +1,9 @@
 """GPU timings for scripts/gpu_check.sh: experts backends, latent collectives, a TP-2 tail comparison.
 
-Subcommands, each writing one JSON file (``--out``):
+Subcommands, each writing one JSON-lines file (``--out``) as it measures: a header record (shapes,
+machine, load average), then one record per measured point, appended and flushed the moment it is
+measured, then a closing record. A stage cut off by gpu_check.sh's time limit keeps every point it
+measured and lacks only the closing record (``read_rows`` reports it as partial).
 
 * ``experts``: the ``torch`` and ``grouped`` experts backends side by side at Kimi-K3 per-rank
   shapes (D = 3584, E = 896, K = 16, I_local = 3072 / P; default P = 8, one MI300X node), dense
@@ -21,7 +24,6 @@ Legend: T tokens, D latent, E experts, K slots per token, I intermediate, P TP s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,10 +33,12 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from jsonl_rows import RowWriter, read_rows  # noqa: E402
 
 from moe_runtime import mxfp4  # noqa: E402
 from moe_runtime.activation import GatedActivation  # noqa: E402
@@ -120,12 +124,13 @@ def routing(T: int, E: int, K: int, device, seed: int):
     return ids, weights / weights.sum(1, keepdim=True)
 
 
-def run_experts(args) -> dict:
+def run_experts(args) -> None:
     device = device_of(args.smoke)
     shape, tokens = (SMOKE, SMOKE_TOKENS) if args.smoke else (K3, TOKENS)
     P = 1 if args.smoke else args.tp  # the tiny smoke experts hold one MXFP4 block per row at P = 1
     backends = {name: get_backend(name) for name in ("torch", "grouped")}
-    rows = []
+    out = RowWriter(args.out, what="experts", shape=dict(shape, P=P, I_local=shape["I"] // P),
+                    dtype="bfloat16", machine=machine(device))
     for fmt in ("dense", "mxfp4"):
         ex = synthetic_experts(shape, P, torch.bfloat16, fmt == "mxfp4", device)
         for T in tokens:
@@ -144,9 +149,8 @@ def run_experts(args) -> dict:
             print(f"experts {fmt:5} T={T:5d}: torch {row['torch']['median_ms']:9.3f} ms, grouped "
                   f"{row['grouped']['median_ms']:9.3f} ms ({row['grouped_speedup']:.2f}x), rel diff "
                   f"{row['grouped_vs_torch_rel_diff']:.1e}", flush=True)
-            rows.append(row)
-    return {"shape": dict(shape, P=P, I_local=shape["I"] // P), "dtype": "bfloat16",
-            "machine": machine(device), "rows": rows}
+            out.row(row)
+    out.close()
 
 
 # -- collectives --------------------------------------------------------------------------------
@@ -159,7 +163,9 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
     init_group(rank, world, "127.0.0.1", port, "gloo" if smoke else "nccl", 120.0)
     comm = Collectives(rank, world, device)
     D = (SMOKE if smoke else K3)["D"]
-    rows = []
+    note = None if world > 1 else "one device: a world of one reduces nothing; launch overhead only"
+    writer = RowWriter(Path(out), what="collectives", world=world, backend="gloo" if smoke else "nccl",
+                       note=note, D=D, machine=machine(device)) if rank == 0 else None
     try:
         for dtype in (torch.bfloat16, torch.float32):
             for T in SMOKE_TOKENS if smoke else TOKENS:
@@ -168,16 +174,14 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
                 ar = median_ms(partial(comm.all_reduce, x), device, reps)
                 rs = median_ms(partial(comm.reduce_scatter, x), device, reps)
                 nbytes = x.numel() * x.element_size()
-                rows.append({"dtype": str(dtype).removeprefix("torch."), "T": T, "bytes": nbytes,
-                             "all_reduce": ar, "reduce_scatter": rs,
-                             # ring all-reduce moves 2 (P-1)/P of the buffer per rank
-                             "all_reduce_bus_GBps": 2 * (world - 1) / world * nbytes / ar["median_ms"] / 1e6})
+                bus = 2 * (world - 1) / world * nbytes / ar["median_ms"] / 1e6  # ring: 2 (P-1)/P per rank
+                if writer:
+                    writer.row({"dtype": str(dtype).removeprefix("torch."), "T": T, "bytes": nbytes,
+                                "all_reduce": ar, "reduce_scatter": rs, "all_reduce_bus_GBps": bus})
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        note = None if world > 1 else "one device: a world of one reduces nothing; launch overhead only"
-        Path(out).write_text(json.dumps({"world": world, "backend": "gloo" if smoke else "nccl", "note": note,
-                                         "D": D, "machine": machine(device), "rows": rows}, indent=2) + "\n")
+    if writer:
+        writer.close()
 
 
 # -- TP-2 tail comparison -----------------------------------------------------------------------
@@ -198,7 +202,8 @@ def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: i
     layer = cfg.moe_layers[0]
     dtype = torch.bfloat16
     ref_w = load_layer_weights(ckpt, cfg, layer, dtype).to(device) if rank == 0 else None
-    rows = []
+    writer = RowWriter(Path(out), what="tail", world=world, checkpoint=cfg.to_dict(),
+                       machine=machine(device)) if rank == 0 else None
     try:
         runner = build_rank_runners(ckpt, cfg, [layer], comm, TailPlan.single("replicated", "gpu check"),
                                     dtype=dtype, device=device)[layer]
@@ -209,16 +214,15 @@ def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: i
                 with torch.inference_mode():
                     timing = median_ms(partial(runner.forward, x, tail=tail), device, reps)
                     got = runner.forward(x, tail=tail)
-                    if rank == 0:
+                    if writer:
                         ref = moe_forward(x, ref_w, cfg)
                         rel = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
-                        rows.append({"tail": tail, "T": T, "layer": timing, "rel_diff_vs_single_gpu": rel,
-                                     "within_tolerance": rel <= TAIL_TOLERANCE})
+                        writer.row({"tail": tail, "T": T, "layer": timing, "rel_diff_vs_single_gpu": rel,
+                                    "within_tolerance": rel <= TAIL_TOLERANCE})
     finally:
         dist.destroy_process_group()
-    if rank == 0:
-        result = {"world": world, "checkpoint": cfg.to_dict(), "machine": machine(device), "rows": rows}
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    if writer:
+        writer.close()
 
 
 def spawn(fn, world: int, *args) -> None:
@@ -228,7 +232,7 @@ def spawn(fn, world: int, *args) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=("experts", "collectives", "tail"))
-    ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    ap.add_argument("--out", type=Path, required=True, help="JSON-lines file to write (one record per point)")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run with tiny shapes")
     ap.add_argument("--tp", type=int, default=8, help="TP size whose per-rank expert shapes are timed")
     ap.add_argument("--reps", type=int, default=10)
@@ -239,14 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "experts":
         if K3["I"] % args.tp:
             ap.error(f"--tp {args.tp} does not divide K3's intermediate size {K3['I']}")
-        args.out.write_text(json.dumps(run_experts(args), indent=2) + "\n")
+        run_experts(args)
     elif args.what == "collectives":
         world = 2 if args.smoke else max(1, torch.cuda.device_count())
         spawn(_collectives_rank, world, args.smoke, args.reps, str(args.out))
     else:
         gpus = 2 if args.smoke else torch.cuda.device_count()
         if gpus < 2:
-            args.out.write_text(json.dumps({"skipped": f"{gpus} GPU(s): the TP-2 tail needs two"}) + "\n")
+            RowWriter(args.out, what="tail", skipped=f"{gpus} GPU(s): the TP-2 tail needs two").close()
             print(f"tail: skipped, {gpus} GPU(s)")
             return 0
         from moe_runtime.synthetic import preset_config, write_checkpoint
@@ -256,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = write_checkpoint(Path(tmp) / "ckpt", raw, seed=0)
             spawn(_tail_rank, 2, args.smoke, str(ckpt), args.reps, str(args.out))
     print(f"{args.what}: wrote {args.out} in {time.perf_counter() - start:.1f} s")
-    bad = [r for r in json.loads(args.out.read_text()).get("rows", []) if not r.get("within_tolerance", True)]
+    _, rows, _ = read_rows(args.out)
+    bad = [r for r in rows if not r.get("within_tolerance", True)]
     for r in bad:
         print(f"OUT OF TOLERANCE: {r}")
     return 1 if bad else 0

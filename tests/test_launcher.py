@@ -130,6 +130,29 @@ def test_docker_commands_of_head_and_worker(path: Path) -> None:
     assert any("/root/latent-moe-serve && pip install -c /tmp/torch-pin.txt -e" in c for c in setups)
 
 
+# The fast experts backends need torch >= 2.8 (aiter: torch.float4_e2m1fn_x2; grouped:
+# torch._grouped_mm); below it `auto` would serve with the slow per-expert loop.
+MIN_WORKER_TORCH = (2, 8)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_images_run_the_fast_backends_with_one_python_and_torch(path: Path) -> None:
+    """The worker tag names its torch and Python (rocm/pytorch:rocm<R>_ubuntu<U>_py<M>_pytorch_release_<T>):
+    torch >= 2.8, the head image's Python minor equal to the workers', the head's CPU torch the
+    workers' release (the app is built on the head and runs on the workers)."""
+    config = prepared(path)
+    docker = config["docker"]
+    worker = re.fullmatch(r"rocm/pytorch:rocm[\d.]+_ubuntu[\d.]+_py3\.(\d+)_pytorch_release_(\d+)\.(\d+)\.(\d+)",
+                          docker.get("worker_image", docker["image"]))
+    assert worker, docker["image"]
+    py_minor, torch_version = worker[1], tuple(int(v) for v in worker.group(2, 3, 4))
+    assert torch_version[:2] >= MIN_WORKER_TORCH, torch_version
+    head = re.fullmatch(r"rayproject/ray:2\.60\.0-py3(\d+)-cpu", docker["head_image"])
+    assert head and head[1] == py_minor, (docker["head_image"], py_minor)
+    (pin,) = [c for c in config["head_setup_commands"] if "torch==" in c]
+    assert f'"torch=={".".join(map(str, torch_version))}"' in pin and "whl/cpu" in pin
+
+
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_host_commands_mount_the_model_share_without_group_tricks(path: Path) -> None:
     init = prepared(path)["initialization_commands"]

@@ -28,6 +28,10 @@ prepares weights for it (``fused_moe/oracle/mxfp4.py``, ``experts/rocm_aiter_moe
 
 The shuffled copies are made once per layer on first use and kept next to the checkpoint-layout
 experts (which the torch reference and ``status()`` still read).
+
+Torch: the two dtypes above are looked up by name (:data:`REQUIRED_TORCH_DTYPES`); a torch without
+them (2.7 has ``float8_e8m0fnu`` but not ``float4_e2m1fn_x2``, which came with 2.8) makes the backend
+unavailable with a reason naming the torch version, never an ``AttributeError`` at the first forward.
 """
 
 from __future__ import annotations
@@ -44,10 +48,29 @@ from ..weights import ExpertWeights
 from .base import DEFAULT_SCRATCH_BYTES, register_backend
 
 _A4W4_ENV, _A8W4_ENV = "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4"
+# The torch dtypes the adapter views aiter's operands as, and what each holds. torch 2.8 is the
+# first release with both (checked in the type stubs of the PyPI wheels: 2.7.1 lacks the first).
+REQUIRED_TORCH_DTYPES = {
+    "float4_e2m1fn_x2": "the packed MXFP4 expert weights (two e2m1 values per byte)",
+    "float8_e8m0fnu": "the E8M0 block scales",
+}
+
+
+def torch_dtypes_reason() -> str | None:
+    """None when this torch has every dtype in :data:`REQUIRED_TORCH_DTYPES`, else what is missing."""
+    missing = [n for n in REQUIRED_TORCH_DTYPES if not isinstance(getattr(torch, n, None), torch.dtype)]
+    if not missing:
+        return None
+    what = "; ".join(f"torch.{name} ({REQUIRED_TORCH_DTYPES[name]})" for name in missing)
+    return (f"torch {torch.__version__} lacks {what}, which aiter's fused MoE takes: it needs torch >= 2.8 "
+            "(a ROCm PyTorch image with torch 2.8 or later; cluster.yaml pins one)")
 
 
 def aiter_unavailable_reason() -> str | None:
     """None when AMD's aiter offers a fused SiTU MoE here, else why it cannot be used."""
+    reason = torch_dtypes_reason()
+    if reason is not None:
+        return reason
     if not (torch.cuda.is_available() and torch.version.hip):
         return "aiter needs a ROCm GPU; this process has none"
     if importlib.util.find_spec("aiter") is None:
@@ -72,6 +95,10 @@ class AiterExperts:
     name = "aiter"
 
     def __init__(self, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> None:
+        reason = torch_dtypes_reason()
+        if reason is not None:
+            raise ValueError(reason)
+        self._fp4_dtype, self._e8m0_dtype = (getattr(torch, name) for name in REQUIRED_TORCH_DTYPES)
         import aiter
         from aiter.fused_moe import fused_moe
         from aiter.ops.shuffle import shuffle_scale_a16w4, shuffle_weight_a16w4
@@ -86,10 +113,10 @@ class AiterExperts:
             E = experts.num_experts
 
             def weight(packed: torch.Tensor) -> torch.Tensor:
-                return self._shuffle_weight(packed.view(torch.float4_e2m1fn_x2), 16, False)
+                return self._shuffle_weight(packed.view(self._fp4_dtype), 16, False)
 
             def scale(s: torch.Tensor) -> torch.Tensor:
-                return self._shuffle_scale(s.view(torch.float8_e8m0fnu).reshape(-1, s.shape[-1]), E, False)
+                return self._shuffle_scale(s.view(self._e8m0_dtype).reshape(-1, s.shape[-1]), E, False)
 
             self._prepared = {
                 "w1": weight(experts.w13), "w2": weight(experts.w2),

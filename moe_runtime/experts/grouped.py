@@ -14,6 +14,8 @@ Legend: T tokens, K slots per token, M = T * K rows sorted by expert, D latent, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..activation import GatedActivation
@@ -24,9 +26,25 @@ GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def grouped_unavailable_reason() -> str | None:
-    """None when this torch has the grouped GEMM op, else why the backend cannot run."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm (added in torch 2.8)"
+    """None when this torch has the grouped GEMM op (and, on a GPU, it runs), else why not."""
+    if not callable(getattr(torch, "_grouped_mm", None)):
+        return f"torch {torch.__version__} has no torch._grouped_mm (it needs torch >= 2.8)"
+    if torch.cuda.is_available():
+        return grouped_mm_fails_on(f"cuda:{torch.cuda.current_device()}")
+    return None
+
+
+@functools.cache
+def grouped_mm_fails_on(device: str) -> str | None:
+    """One tiny bf16 ``torch._grouped_mm`` on ``device``: None when it runs, else the error. Some
+    builds have the op but no kernel for the device (ROCm torch 2.8 raises "grouped gemm is not
+    supported on ROCM"; ROCm's 2.9 builds carry a fallback)."""
+    try:
+        a = torch.ones(4, 8, dtype=torch.bfloat16, device=device)
+        b = torch.ones(2, 8, 8, dtype=torch.bfloat16, device=device)
+        torch._grouped_mm(a, b, offs=torch.tensor([2, 4], dtype=torch.int32, device=device))
+    except Exception as exc:  # RuntimeError / NotImplementedError from the op's dispatch
+        return f"torch {torch.__version__}'s torch._grouped_mm does not run on {device}: {exc}"
     return None
 
 

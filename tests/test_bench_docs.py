@@ -1,0 +1,52 @@
+"""scripts/bench_docs.py: each benchmark rewrites only its own marked section of benchmarks.md."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from bench_docs import commentary, is_contended, load_label, update_section, verdict  # noqa: E402
+
+DOC = """# Benchmarks
+
+## A (scripts/a.py)
+
+old A text
+
+### A's subsection
+
+old numbers
+
+## B (by hand)
+
+B stays.
+"""
+
+
+def test_first_run_replaces_the_unmarked_section_then_only_its_markers(tmp_path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(DOC)
+    update_section(docs, "## A (scripts/a.py)\n\nnew A, run 1\n", "bench_a")
+    text = docs.read_text()
+    assert "old A text" not in text and "old numbers" not in text and "new A, run 1" in text
+    assert "<!-- bench:bench_a begin -->\n## A (scripts/a.py)" in text
+    assert text.endswith("## B (by hand)\n\nB stays.\n")
+    # Text added by hand after the end marker survives the next run; only the marked block changes.
+    docs.write_text(text.replace("<!-- bench:bench_a end -->\n", "<!-- bench:bench_a end -->\n\nA note.\n"))
+    update_section(docs, "## A (scripts/a.py)\n\nnew A, run 2\n", "bench_a")
+    text = docs.read_text()
+    assert "run 1" not in text and "new A, run 2" in text and "A note." in text and "B stays." in text
+    assert text.count("bench:bench_a begin") == 1
+    update_section(docs, "## C (scripts/c.py)\n\nC\n", "bench_c")  # a new section goes at the end
+    assert docs.read_text().rstrip().endswith("C\n<!-- bench:bench_c end -->")
+
+
+def test_verdicts_and_labels_are_computed() -> None:
+    assert verdict(0.7, "<=", 0.75) == {"value": 0.7, "target": "<= 0.75", "met": True}
+    assert verdict(0.75, ">=", 0.8)["met"] is False and verdict(None, ">=", 1)["met"] is None
+    assert is_contended([1.0, 0, 0], 2) and not is_contended([0.9, 0, 0], 2)
+    assert "contended" not in load_label([0.2, 0, 0], [0.5, 0, 0], 2)
+    assert "**contended**" in load_label([7.5, 0, 0], None, 2)
+    assert commentary("2026-12-03, load 10", "why.").startswith("*Commentary written for the run of 2026-12-03")
