@@ -1,6 +1,6 @@
 """The replica -> TP-group forward hop with ``compiled_graph`` forced on and off, side by side.
 
-What ``compiled_graph: auto`` (on at TP > 1, off at TP 1; deployments/spec.py) rests on. One local
+What ``compiled_graph: auto`` (on at TP > 1, off at TP 1; deployments/config/spec.py) rests on. One local
 Ray instance (CPU, TP ranks on logical GPUs, gloo) serves one app with four deployments of the same
 tiny checkpoint: TP 1 and TP 2, each with the graph on and off. Every variant is called the same
 way, one request in flight (a lone decode call), in interleaved rounds so that a noisy neighbour
@@ -48,7 +48,7 @@ LAYER = 1
 TPS = (1, 2)
 SIZES = (1, 16)
 SECTION = "## Compiled graph on vs off: the replica -> TP-group hop (scripts/probe_compiled_graph.py)"
-AUTO = {1: False, 2: True}  # what compiled_graph: auto picks (deployments/spec.py)
+AUTO = {1: False, 2: True}  # what compiled_graph: auto picks (deployments/config/spec.py)
 
 
 def name(tp: int, graph: bool) -> str:
