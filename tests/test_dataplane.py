@@ -91,7 +91,7 @@ def test_direct_client_routes_by_layer(app):
     x = rand(5, 0)
     torch.testing.assert_close(app.client.forward(x, 1), reference(app, x), **FP32_TOL)
     # Forwards skip the ingress: the routing table came from it once, the handles are the groups'.
-    assert app.client._routing["default"] == "pool" and set(app.client._groups) == {"pool"}
+    assert app.client.routes.default == "pool" and set(app.client._groups) == {"pool"}
     tight = MoEClient(APP, deployment="tight", timeout_s=BOUND_S)
     torch.testing.assert_close(tight.forward(x, 1), reference(app, x), **FP32_TOL)
     via = MoEClient(APP, deployment="tight", via_ingress=True, timeout_s=BOUND_S)

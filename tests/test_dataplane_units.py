@@ -113,6 +113,9 @@ def test_only_a_broken_group_is_retried():
     assert retryable(GroupUnavailableError("rank 1 died"))
     assert not retryable(GroupTimeoutError("timed out"))  # it may still be running
     assert not retryable(ValueError("bad shape"))
+    from ray.exceptions import ActorDiedError
+
+    assert retryable(ActorDiedError())  # the replica was killed under the request: another one can answer
     with pytest.raises(MoEServerError):
         _translate(GroupUnavailableError("rank 1 died"))
 

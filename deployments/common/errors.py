@@ -64,10 +64,14 @@ def retry_after_s(exc: BaseException) -> float | None:
 
 
 def retryable(exc: BaseException) -> bool:
-    """A forward that met a broken TP group: another replica can answer it (not a timeout,
-    which may have run, and not backpressure, which a retry would only add to)."""
+    """A forward that met a broken TP group, or a replica that died under it (Serve replacing
+    an unhealthy replica kills it with its requests): another replica can answer it. Not a
+    timeout, which may still run, and not backpressure, which a retry would only add to."""
     cause = root_cause(exc)
-    return isinstance(cause, GroupUnavailableError) and not isinstance(cause, GroupTimeoutError)
+    if isinstance(cause, GroupUnavailableError):
+        return not isinstance(cause, GroupTimeoutError)
+    # Ray's RayActorError (ActorDiedError...), matched by name: this module imports no Ray.
+    return any(c.__name__ == "RayActorError" for c in type(cause).__mro__)
 
 
 def error_message(exc: BaseException) -> str:

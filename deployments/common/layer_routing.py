@@ -7,7 +7,8 @@ the layer, else the first that does (apps split by layer ranges), else the defau
 says what is wrong).
 
 Retry: a forward is attempted at most ``MAX_ATTEMPTS`` = 2 times on any path, once more only
-when it met a broken TP group (``errors.retryable``; forwards are idempotent). The retry is made
+when it met a broken TP group or a replica that died (``errors.retryable``; forwards are
+idempotent). The retry is made
 by the hop nearest the replicas: ``MoEClient`` when it calls a deployment directly, the ingress
 for HTTP and ``MoEClient(via_ingress=True)`` (which then does not retry itself). A replica whose
 group broke answers after ``BROKEN_ANSWER_DELAY_S``, by when the request router
