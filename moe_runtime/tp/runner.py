@@ -161,6 +161,9 @@ class LatentMoERunner:
         self.backend_name = backend
         self.backend = get_backend(backend, scratch_bytes)
         self.backend_checks: list[BackendCheck] = []  # the load-time probes (build_rank_runners)
+        # how the backend runs these experts (torch: fused MXFP4 on CPU, decode, dense) and why
+        path = getattr(self.backend, "path", None)
+        self.experts_path, self.experts_path_reason = path(weights.experts) if path else (backend, "")
         self.act = GatedActivation.from_config(cfg)
         self.device = weights.down_DH.device
         self.timer = StageTimer(self.device)
@@ -176,7 +179,8 @@ class LatentMoERunner:
         }
         if shard.rank == 0:
             log_once(
-                f"latent-MoE runner: TP {shard.world}, device {self.device}, backend {backend}, "
+                f"latent-MoE runner: TP {shard.world}, device {self.device}, backend {backend} "
+                f"(experts path {self.experts_path}: {self.experts_path_reason}), "
                 f"tails {plan.describe()} ({plan.reason}), routed input "
                 f"{'token-sharded/' + self.routed_input.quant if self.routed_input.enabled else 'replicated'}"
                 f", experts activations {experts_activation_quant}"
