@@ -187,3 +187,27 @@ def test_build_failure_is_a_reason_not_an_error(monkeypatch, tmp_path) -> None:
         assert mxfp4_cpu._load() == (None, f"{mxfp4_cpu.ENV_SWITCH}=0 in the environment")
     finally:
         mxfp4_cpu._load.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [1, 3, 4, 5, 9])  # every token-group tail (4, 3, 2, 1)
+def test_bf16_kernel_within_fp32_summation_bound_and_dense_linear(T) -> None:
+    gen = torch.Generator().manual_seed(T)
+    K, N = 544, 19  # 17 blocks: more than one K chunk when T is large enough
+    x, w = torch.randn(T, K, generator=gen).bfloat16(), torch.randn(N, K, generator=gen).bfloat16()
+    exact, magnitude = x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t()
+    got = mxfp4_cpu.bf16_linear(x, w).double()
+    assert ((got - exact).abs() <= gamma(K - 1) * magnitude).all()  # item 3: bf16 products are exact
+    # dense_linear rounds once to bf16 where torch's bf16 GEMM rounds its fp32 sum: equal, or one
+    # bf16 ulp apart where the two fp32 orders straddle a rounding midpoint (item 4)
+    ours, torchs = mxfp4_cpu.dense_linear(x, w), x @ w.t()
+    assert ours.dtype == torch.bfloat16
+    assert ((ours.float() - torchs.float()).abs() <= 2.0**-8 * torchs.float().abs()).all()
+    xf, wf = x.float(), w.float()  # fp32 (and anything but bf16 x bf16): torch itself
+    assert torch.equal(mxfp4_cpu.dense_linear(xf, wf), xf @ wf.t())
+
+
+def test_dense_linear_falls_back_to_torch(monkeypatch) -> None:
+    monkeypatch.setattr(mxfp4_cpu, "_load", lambda: (None, "no C++ compiler found (test)"))
+    x, w = torch.randn(2, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    assert torch.equal(mxfp4_cpu.dense_linear(x, w), x @ w.t())

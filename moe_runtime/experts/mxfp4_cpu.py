@@ -8,9 +8,14 @@ compiler into a per-user cache (keyed by the source, the flags and the compiler)
 ninja. Its OpenMP calls resolve to the ``libgomp.so.1`` torch has already loaded, so both share
 one thread pool.
 
+The same library holds ``bf16_linear``: the dense parts (shared experts, latent down- and
+up-projections) in bf16 on a CPU without bf16 arithmetic, where torch's bf16 GEMM reaches ~5
+GFLOP/s at any T (measured, docs/benchmarks.md); ``dense_linear`` picks it for bf16 CPU GEMMs.
+
 When it cannot be used (not x86-64 with AVX2 + FMA, no compiler, a failed build, or
 ``MOE_RUNTIME_MXFP4_CPU=0``), ``unavailable_reason()`` says why; the ``torch`` experts backend
-then decodes active experts in chunks as before and logs that reason once as a WARNING.
+then decodes active experts in chunks as before and logs that reason once as a WARNING, and the
+dense parts use torch's GEMM.
 
 Legend: T tokens (rows of x), K reduction width (a multiple of 32), N output rows.
 """
@@ -35,7 +40,7 @@ from .. import mxfp4
 logger = logging.getLogger("moe_runtime")
 
 SOURCE = Path(__file__).with_name("csrc") / "mxfp4_cpu.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 3
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 ENV_SWITCH = "MOE_RUNTIME_MXFP4_CPU"  # "0": never use the fused kernel (the decode fallback)
 CACHE_ENV = "MOE_RUNTIME_CACHE"  # where built kernels live (default ~/.cache/moe_runtime)
@@ -107,6 +112,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.mxfp4_linear.argtypes = [p, i64, i64, p, p, i64, p, i64, ctypes.c_int]
     lib.mxfp4_linear.restype = None
+    lib.bf16_linear.argtypes = [p, i64, i64, p, i64, p, i64, ctypes.c_int]
+    lib.bf16_linear.restype = None
     logger.info(f"fused MXFP4 CPU kernel: {target}")
     return lib, None
 
@@ -146,3 +153,31 @@ def linear(x_TK: torch.Tensor, packed_NK2: torch.Tensor, scale_NKb: torch.Tensor
         lib.mxfp4_linear(x.data_ptr(), T, K, packed.data_ptr(), scale.data_ptr(), N, out.data_ptr(), N,
                          torch.get_num_threads())
     return out
+
+
+def bf16_linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for a bf16 CPU weight as fp32 ``[T, N]``: the weights widened to fp32 in registers
+    (exact), products and sums in fp32: a memory-bound GEMV on CPUs without bf16 arithmetic, where
+    torch's bf16 GEMM is compute-poor. K a multiple of 32."""
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(why)
+    T, K = x_TK.shape
+    N = w_NK.shape[0]
+    if w_NK.shape != (N, K) or K % mxfp4.BLOCK or w_NK.dtype != torch.bfloat16 or w_NK.device.type != "cpu":
+        raise ValueError(f"bf16 linear: x {tuple(x_TK.shape)} needs a CPU bf16 weight [N, {K}] with K a "
+                         f"multiple of {mxfp4.BLOCK}; got {w_NK.dtype} {tuple(w_NK.shape)} on {w_NK.device}")
+    x, w = x_TK.float().contiguous(), w_NK.contiguous()
+    out = torch.empty(T, N, dtype=torch.float32)
+    if T and N:
+        lib.bf16_linear(x.data_ptr(), T, K, w.data_ptr(), N, out.data_ptr(), N, torch.get_num_threads())
+    return out
+
+
+def dense_linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in ``x``'s dtype: bf16 CPU GEMMs through ``bf16_linear`` (rounded to bf16 once, as
+    torch's bf16 GEMM rounds its fp32 accumulator) when the kernel is built, else torch."""
+    if (x_TK.dtype == torch.bfloat16 and w_NK.dtype == torch.bfloat16 and w_NK.device.type == "cpu"
+            and x_TK.dim() == 2 and w_NK.shape[1] % mxfp4.BLOCK == 0 and _load()[0] is not None):
+        return bf16_linear(x_TK, w_NK).to(torch.bfloat16)
+    return x_TK @ w_NK.t()

@@ -20,6 +20,7 @@ from ..checkpoint import MXFP4, CheckpointReader, checkpoint_expert_formats, loa
 from ..config import LatentMoEConfig
 from ..experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
 from ..experts.check import BackendCheck, verify_backend
+from ..experts.mxfp4_cpu import dense_linear
 from ..layer import down_project, latent_norm, routed_experts, shared_experts
 from ..logs import log_once
 from ..weights import LayerWeights
@@ -287,7 +288,7 @@ class LatentMoERunner:
         return latent_norm(L_TD, self.w, self.cfg.rms_norm_eps)
 
     def _up(self, L_hat_TD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return L_hat_TD.to(dtype) @ self.w.up_HD.t()
+        return dense_linear(L_hat_TD.to(dtype), self.w.up_HD)
 
     # -- tails (DESIGN §4) ----------------------------------------------------------------
 

@@ -53,19 +53,38 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// TB tokens of one row; NA independent accumulators per token (more when TB is small, so the FMA
-// latency chain does not bound a GEMV).
-template <int TB, int NA>
-inline void row_tokens(const float* x, int64_t ldx, int64_t K, const uint8_t* prow, const uint8_t* srow,
-                       float* out, int64_t ldo) {
-  const __m128i lut = lut_x2();
+// The 32 weights of block b of one row as four 8-lane fp32 vectors, in the order x is laid out.
+struct Mxfp4Row {  // x in nibble order (see the header)
+  const uint8_t* p;
+  const uint8_t* s;
+  __m128i lut;
+  inline void operator()(int64_t b, __m256 w[4]) const {
+    decode_block(p + b * (BLOCK / 2), kTables.scale[s[b]], lut, w[0], w[1], w[2], w[3]);
+  }
+};
+
+struct Bf16Row {  // x in natural order; bf16 -> fp32 is exact (the bits shifted up by 16)
+  const uint16_t* w;
+  inline void operator()(int64_t b, __m256 out[4]) const {
+    const uint16_t* q = w + b * BLOCK;
+    for (int v = 0; v < 4; ++v) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 8 * v));
+      out[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+  }
+};
+
+// TB tokens of one row over blocks [b0, b1), added to out[t * ldo]; NA independent accumulators
+// per token (more when TB is small, so the FMA latency chain does not bound a GEMV).
+template <int TB, int NA, class Row>
+inline void row_tokens(const Row& row, const float* x, int64_t ldx, int64_t b0, int64_t b1, float* out,
+                       int64_t ldo) {
   __m256 acc[TB][NA];
   for (int t = 0; t < TB; ++t)
     for (int a = 0; a < NA; ++a) acc[t][a] = _mm256_setzero_ps();
-  const int64_t nblocks = K / BLOCK;
-  for (int64_t b = 0; b < nblocks; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     __m256 w[4];
-    decode_block(prow + b * (BLOCK / 2), kTables.scale[srow[b]], lut, w[0], w[1], w[2], w[3]);
+    row(b, w);
     const float* xb = x + b * BLOCK;
     for (int t = 0; t < TB; ++t) {
       const float* xt = xb + t * ldx;
@@ -76,24 +95,47 @@ inline void row_tokens(const float* x, int64_t ldx, int64_t K, const uint8_t* pr
   for (int t = 0; t < TB; ++t) {
     __m256 s = acc[t][0];
     for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[t][a]);
-    out[t * ldo] = hsum(s);
+    out[t * ldo] += hsum(s);
   }
 }
 
-inline void one_row(const float* x, int64_t T, int64_t K, const uint8_t* prow, const uint8_t* srow,
-                    float* out, int64_t ldo) {
+template <class Row>
+inline void one_row(const Row& row, const float* x, int64_t T, int64_t K, int64_t b0, int64_t b1, float* out,
+                    int64_t ldo) {
+  // 4 tokens x 2 accumulators + 4 weight vectors + constants fit AVX2's 16 registers (6 tokens spill)
   int64_t t = 0;
-  for (; t + 6 <= T; t += 6) row_tokens<6, 2>(x + t * K, K, K, prow, srow, out + t * ldo, ldo);
-  const int64_t left = T - t;
+  for (; t + 4 <= T; t += 4) row_tokens<4, 2>(row, x + t * K, K, b0, b1, out + t * ldo, ldo);
   const float* xt = x + t * K;
   float* ot = out + t * ldo;
-  switch (left) {
-    case 5: row_tokens<5, 2>(xt, K, K, prow, srow, ot, ldo); break;
-    case 4: row_tokens<4, 2>(xt, K, K, prow, srow, ot, ldo); break;
-    case 3: row_tokens<3, 4>(xt, K, K, prow, srow, ot, ldo); break;
-    case 2: row_tokens<2, 4>(xt, K, K, prow, srow, ot, ldo); break;
-    case 1: row_tokens<1, 4>(xt, K, K, prow, srow, ot, ldo); break;
+  switch (T - t) {
+    case 3: row_tokens<3, 2>(row, xt, K, b0, b1, ot, ldo); break;
+    case 2: row_tokens<2, 4>(row, xt, K, b0, b1, ot, ldo); break;
+    case 1: row_tokens<1, 4>(row, xt, K, b0, b1, ot, ldo); break;
     default: break;
+  }
+}
+
+constexpr int64_t ROW_TILE = 8;
+constexpr int64_t X_CHUNK_BYTES = 16384;  // x's slice of a K chunk for all tokens: within L1
+
+// out [T, N] = x [T, K] . W^T, rows of W from make_row(n). Row tiles in parallel; within a tile,
+// K in chunks whose x slice stays in L1 while every row of the tile and every token uses it.
+template <class MakeRow>
+void linear(const float* x, int64_t T, int64_t K, int64_t N, float* out, int64_t ldo, int nthreads,
+            MakeRow make_row) {
+  const int64_t nblocks = K / BLOCK;
+  int64_t chunk = X_CHUNK_BYTES / (4 * BLOCK * (T > 0 ? T : 1));
+  chunk = chunk < 8 ? 8 : chunk;  // >= 256 elements: the per-chunk horizontal sums stay cheap
+  const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    const int64_t n0 = tile * ROW_TILE, n1 = n0 + ROW_TILE < N ? n0 + ROW_TILE : N;
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t t = 0; t < T; ++t) out[t * ldo + n] = 0.0f;
+    for (int64_t b0 = 0; b0 < nblocks; b0 += chunk) {
+      const int64_t b1 = b0 + chunk < nblocks ? b0 + chunk : nblocks;
+      for (int64_t n = n0; n < n1; ++n) one_row(make_row(n), x, T, K, b0, b1, out + n, ldo);
+    }
   }
 }
 
@@ -105,11 +147,16 @@ extern "C" {
 // (row stride ldo). K must be a multiple of 32; all tensors contiguous.
 void mxfp4_linear(const float* x, int64_t T, int64_t K, const uint8_t* packed, const uint8_t* scale,
                   int64_t N, float* out, int64_t ldo, int nthreads) {
-  const int64_t row_bytes = K / 2, row_scales = K / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t n = 0; n < N; ++n)
-    one_row(x, T, K, packed + n * row_bytes, scale + n * row_scales, out + n, ldo);
+  const __m128i lut = lut_x2();
+  linear(x, T, K, N, out, ldo, nthreads,
+         [=](int64_t n) { return Mxfp4Row{packed + n * (K / 2), scale + n * (K / BLOCK), lut}; });
 }
 
-int mxfp4_abi_version() { return 1; }
+// x [T, K] fp32, w [N, K] bf16 (as uint16 bits), out [T, N] fp32. K a multiple of 32.
+void bf16_linear(const float* x, int64_t T, int64_t K, const uint16_t* w, int64_t N, float* out, int64_t ldo,
+                 int nthreads) {
+  linear(x, T, K, N, out, ldo, nthreads, [=](int64_t n) { return Bf16Row{w + n * K}; });
+}
+
+int mxfp4_abi_version() { return 3; }
 }
