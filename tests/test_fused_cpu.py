@@ -155,6 +155,8 @@ def test_default_path_and_fallback(monkeypatch, caplog) -> None:
     assert packed_path(packed, "decode")[0] == "decode"
     expected = "fused" if mxfp4_cpu.unavailable_reason() is None else "decode"
     assert packed_path(packed)[0] == expected  # fused is the CPU default when it builds
+    # fp16: the decode path's fp16 weights under/overflow where fp32 does not: decode keeps them
+    assert packed_path(_experts(torch.float16, E=2))[0] == "decode"
     # no compiler (or any build failure): a WARNING with the reason, and the decode path serves
     monkeypatch.setattr(mxfp4_cpu, "_load", lambda: (None, "no C++ compiler found (test)"))
     with caplog.at_level(logging.WARNING, logger="moe_runtime"):

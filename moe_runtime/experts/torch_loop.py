@@ -30,6 +30,7 @@ from .base import (
 )
 
 PACKED_PATHS = ("auto", "fused", "decode")
+FUSED_DTYPES = (torch.float32, torch.bfloat16)  # decoded weights exact in both (same exponent range)
 
 
 def packed_path(experts: ExpertWeights, requested: str = "auto") -> tuple[str, str]:
@@ -40,6 +41,9 @@ def packed_path(experts: ExpertWeights, requested: str = "auto") -> tuple[str, s
         return "decode", "decode requested"
     on_cpu = experts.w13.device.type == "cpu"
     reason = mxfp4_cpu.unavailable_reason() if on_cpu else f"experts on {experts.w13.device.type}, not CPU"
+    if reason is None and experts.dtype not in FUSED_DTYPES:
+        # an fp16 decode under/overflows where fp32 does not: only fp32/bf16 keep the exact semantics
+        reason = f"the fused path keeps the decode path's results only in {FUSED_DTYPES}, not {experts.dtype}"
     if reason is None:
         return "fused", f"fused MXFP4 decode + GEMM ({mxfp4_cpu.KERNEL_NAME}, AVX2/FMA, OpenMP)"
     if requested == "fused":
