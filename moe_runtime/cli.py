@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from .checkpoint import EXPERT_FORMATS, CheckpointReader, resolve_expert_formats
 from .config import LatentMoEConfig
-from .experts import DEFAULT_SCRATCH_BYTES, select_backend
+from .experts import DEFAULT_SCRATCH_BYTES, mxfp4_cpu, select_backend
 from .layer import check_input
 from .planning import memory
 from .planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_GB, cpu_budget, gpu_budget
@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         help="mxfp4: W4A4 emulation of MXFP4 experts (what ROCm production runs)",
     )
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
+    fw.add_argument("--repeat", type=int, default=1,
+                    help="run the forward N times after loading; prints the first and the median time")
     fw.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     fw.add_argument(
         "--run-timeout", type=float, default=3600.0, help="whole TP run (load included), seconds"
@@ -92,6 +94,7 @@ def _rank_forward(
     experts_activation_quant: str,
     x,
     logits,
+    repeat: int = 1,
 ) -> tuple[torch.Tensor, dict]:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     runner = build_rank_runners(
@@ -108,15 +111,20 @@ def _rank_forward(
         progress=None if comm.rank == 0 else False,  # one bar, and only on a terminal
         experts_activation_quant=experts_activation_quant,
     )[layer]
+    comm.loaded()  # wait for the slowest rank's load; only then does the collective timeout apply
     stats = {
         "load_s": runner.load_s,
         "bytes_read": runner.load_bytes_read,
         "resident_by_part": runner.resident_bytes_by_part(),
         "rss_after_load": process_rss(),
     }
-    start = time.perf_counter()
-    out = runner.forward(x, logits)
-    stats["forward_s"] = time.perf_counter() - start
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = runner.forward(x, logits)
+        times.append(time.perf_counter() - start)
+    stats["forward_s"], stats["forward_times_s"] = times[0], times
+    stats["experts_path"] = f"{runner.experts_path} ({runner.experts_path_reason})"
     return out, stats
 
 
@@ -180,6 +188,7 @@ def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
     plan = memory.plan_checkpoint(
         args.checkpoint, cfg, [args.layer], args.dtype, args.tp, args.preshard_up_proj, args.experts_format,
         max_tokens=args.max_tokens, scratch_bytes=int(args.scratch_mb * 2**20), budget=budget,
+        experts_path=cli_experts_path(),
     )
     parts = ", ".join(f"{name} {gb(n)}" for name, n in plan.by_part.items() if n)
     return [
@@ -187,6 +196,13 @@ def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
         f"memory: {plan.arithmetic()}",
         f"memory fits: {plan.fits}",
     ]
+
+
+def cli_experts_path() -> str:
+    """How this process's ranks run packed experts: CPU ranks take the fused kernel when it builds."""
+    if torch.cuda.is_available():
+        return "decode"
+    return "fused" if mxfp4_cpu.unavailable_reason() is None else "decode"
 
 
 def plan_layers(args: argparse.Namespace) -> int:
@@ -227,6 +243,8 @@ def forward(args: argparse.Namespace) -> int:
         print(f"experts backend: {backend} ({backend_reason}; non-torch backends are probed at load)")
         print("\n".join(explain_memory(args, cfg)))
         return 0
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
     if args.input is None or args.output is None:
         raise ValueError("forward needs --input and --output (or --explain)")
     reader = CheckpointReader(args.checkpoint)
@@ -246,6 +264,7 @@ def forward(args: argparse.Namespace) -> int:
         args.experts_activation_quant,
         x,
         logits,
+        args.repeat,
     )
     if args.tp == 1:
         results = [_rank_forward(Collectives(), *rank_args)]
@@ -266,7 +285,17 @@ def forward(args: argparse.Namespace) -> int:
     )
     for rank, (_, stats) in enumerate(results):
         print(_load_summary(rank, stats))
+    print(f"experts path: {results[0][1]['experts_path']}")
+    print(forward_times_line(results[0][1]["forward_times_s"]))
     return 0
+
+
+def forward_times_line(times_s: list[float]) -> str:
+    """``forward ms: first F, median M over N`` (rank 0's forwards; the ranks run in lockstep)."""
+    ms = sorted(t * 1e3 for t in times_s)
+    n = len(ms)
+    median = ms[n // 2] if n % 2 else (ms[n // 2 - 1] + ms[n // 2]) / 2
+    return f"forward ms: first {times_s[0] * 1e3:.1f}, median {median:.1f} over {n}"
 
 
 def main(argv: list[str] | None = None) -> int:

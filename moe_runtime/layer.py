@@ -12,6 +12,7 @@ import torch
 from .activation import GatedActivation
 from .config import LatentMoEConfig
 from .experts import ActQuant, ExpertsBackend, get_backend
+from .experts.mxfp4_cpu import dense_linear  # x @ W^T; bf16 on CPU: the fp32-accumulating kernel
 from .router import route
 from .weights import LayerWeights
 
@@ -54,7 +55,7 @@ def check_input(
 
 def down_project(x_TH: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     """Routed input transform: ``h = x · Wdown^T``."""
-    return x_TH @ w.down_DH.t()
+    return dense_linear(x_TH, w.down_DH)
 
 
 def routed_experts(
@@ -85,8 +86,8 @@ def shared_experts(x_TH: torch.Tensor, w: LayerWeights, act: GatedActivation) ->
     """``S = act(x·Wsg^T, x·Wsu^T) · Wsd^T`` in the input dtype (partial under TP)."""
     if not w.has_shared:
         return None
-    a = act(x_TH @ w.shared_gate_SH.t(), x_TH @ w.shared_up_SH.t()).to(x_TH.dtype)
-    return a @ w.shared_down_HS.t()
+    a = act(dense_linear(x_TH, w.shared_gate_SH), dense_linear(x_TH, w.shared_up_SH)).to(x_TH.dtype)
+    return dense_linear(a, w.shared_down_HS)
 
 
 def moe_forward(
@@ -102,6 +103,6 @@ def moe_forward(
     act = GatedActivation.from_config(cfg)
     h_TD = down_project(x_TH, w)
     L_TD = routed_experts(x_TH, h_TD, w, cfg, be, act, router_logits_TE, act_quant)
-    R_TH = latent_norm(L_TD, w, cfg.rms_norm_eps).to(x_TH.dtype) @ w.up_HD.t()
+    R_TH = dense_linear(latent_norm(L_TD, w, cfg.rms_norm_eps).to(x_TH.dtype), w.up_HD)
     S_TH = shared_experts(x_TH, w, act)
     return R_TH if S_TH is None else R_TH + S_TH

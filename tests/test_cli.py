@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe_runtime.checkpoint import load_layer_weights
+from moe_runtime.cli import forward_times_line
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +91,37 @@ def test_errors(tiny_ckpt, tmp_path):
     res = cli("--checkpoint", tiny_ckpt, "--layer", 1, "--input", tmp_path / "junk.safetensors",
               "--output", tmp_path / "o.safetensors")
     assert res.returncode == 2 and "not a readable safetensors file" in res.stderr
+
+
+def test_repeat_prints_first_and_median(tiny_ckpt, io, tmp_path):
+    d, ref = io
+    out = tmp_path / "o.safetensors"
+    res = cli("--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors", "--output", out,
+              "--repeat", 3, "--tp", 2)
+    assert res.returncode == 0, res.stderr
+    line = [s for s in res.stdout.splitlines() if s.startswith("forward ms:")]
+    assert len(line) == 1 and re.fullmatch(r"forward ms: first [\d.]+, median [\d.]+ over 3", line[0]), res.stdout
+    torch.testing.assert_close(load_file(out)["output"], ref, rtol=1e-5, atol=1e-5)  # as test_tp2_every_tail
+    res = cli("--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors", "--output", out,
+              "--repeat", 0)
+    assert res.returncode == 2 and "--repeat must be at least 1, got 0" in res.stderr
+
+
+def test_forward_times_line() -> None:
+    assert forward_times_line([0.5, 0.1, 0.2, 0.3]) == "forward ms: first 500.0, median 250.0 over 4"
+
+
+def _slow_rank_loads_then_reduces(comm: Collectives, delay_s: float) -> float:
+    if comm.rank == 1:
+        time.sleep(delay_s)  # a rank that loads more slowly than its peer
+    comm.loaded()
+    t = torch.ones(1)
+    comm.all_reduce(t)
+    return float(t)
+
+
+def test_collective_timeout_starts_after_load() -> None:
+    # rank 1 "loads" 3 s longer than rank 0, the collective timeout is 1 s: the first collective
+    # after load must not expire (the wait for the peer's load is under the run timeout).
+    res = run_local_group(2, _slow_rank_loads_then_reduces, 3.0, timeout_s=120, collective_timeout_s=1.0)
+    assert res == [2.0, 2.0]

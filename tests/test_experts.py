@@ -41,7 +41,7 @@ def test_packed_equals_decoded_for_any_chunking(dtype, experts_per_chunk) -> Non
     packed, dense = _packed_and_dense(dtype)
     h, ids, weights = _batch(dtype, num_experts=5)
     scratch_bytes = int((experts_per_chunk + 0.5) * packed.decoded_bytes_per_expert())
-    got = TorchExperts(scratch_bytes)(h, ids, weights, packed, ACT)
+    got = TorchExperts(scratch_bytes, packed="decode")(h, ids, weights, packed, ACT)
     ref = TorchExperts()(h, ids, weights, dense, ACT)
     # Same decode function, so the same weight bits, and the same per-expert GEMMs on the same
     # rows in the same order: the results are bit-identical, no tolerance is needed.

@@ -9,7 +9,7 @@ from test_tp_runner import LAYER, TAILS, assert_matches_reference, gather_output
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.experts import get_backend
+from moe_runtime.experts import TorchExperts, get_backend
 from moe_runtime.experts.grouped import GroupedExperts
 from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
@@ -60,7 +60,8 @@ def test_grouped_equals_torch_backend(dtype, packed, tokens, num_experts, act_qu
     ex = experts(dtype, packed)
     h, ids, w = batch(dtype, tokens, num_experts)
     got = get_backend("grouped")(h, ids, w, ex, ACT, act_quant)
-    ref = get_backend("torch")(h, ids, w, ex, ACT, act_quant)
+    # packed: against the torch backend's decode path (the fused CPU path is test_fused_cpu's)
+    ref = TorchExperts(packed="decode")(h, ids, w, ex, ACT, act_quant)
     assert got.dtype == torch.float32 and got.shape == (tokens, D)
     # On CPU the grouped GEMM multiplies each row block exactly as the per-expert GEMM does, and
     # the combine adds the same rows in the same (expert-sorted) order: bit-identical.

@@ -89,6 +89,13 @@ def test_activation_and_workspace_formula_by_hand():
     plan = memory.plan_memory(K3, {1: "mxfp4"}, "bfloat16", 8, max_tokens=4096)
     assert plan.workspace.total == 256 * 2**20 + 4096 * 189_632
     assert plan.total_bytes == 2_126_792_192 + 256 * 2**20 + 4096 * 189_632
+    # the fused MXFP4 CPU path holds no decode scratch, and fp32 copies of each expert's rows:
+    # 16 D + 16 I_l = 16 * 3584 + 16 * 384 per token
+    fused = memory.plan_memory(K3, {1: "mxfp4"}, "bfloat16", 8, max_tokens=4096, experts_path="fused")
+    assert fused.workspace.scratch_bytes == 0
+    assert fused.workspace.total == 4096 * (189_632 + 16 * 3584 + 16 * 384)
+    with pytest.raises(ValueError, match="experts_path must be one of"):
+        memory.plan_memory(K3, {1: "mxfp4"}, "bfloat16", 8, experts_path="fast")
 
 
 def test_budgets():

@@ -15,11 +15,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_fused_cpu import assert_fused_close  # tests/ is on sys.path (pytest rootdir-relative import)
 
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
 from moe_runtime.checkpoint import INDEX_FILE, CheckpointReader, load_layer_weights
 from moe_runtime.config import LatentMoEConfig
+from moe_runtime.experts import TorchExperts
 from moe_runtime.layer import moe_forward
 from moe_runtime.synthetic import preset_config, write_checkpoint
 from moe_runtime.tp.collectives import Collectives
@@ -61,11 +63,17 @@ def _rank_packed_vs_decoded(comm: Collectives, ckpt: str) -> dict:
             plan = TailPlan.single("sequence_parallel" if sp else "replicated", "test")
             packed = build_rank_runners(ckpt, cfg, [LAYER], comm, plan, dtype=dtype)[LAYER]
             decoded = LatentMoERunner(cfg, _decoded(packed.w), comm, plan, packed.shard)
+            # the same packed weights through the decode path and (the CPU default) the fused one
+            fused = packed.backend
+            unfused = TorchExperts(packed.backend.scratch_bytes, packed="decode")
             out[(dtype, "bytes")] = (packed.load_bytes_read, packed.resident_bytes_by_part())
             for tail in packed.legal_tails if dtype == torch.bfloat16 else ("replicated",):
                 for T in TOKENS:
                     x = _input(T, cfg.hidden_size, dtype)
-                    out[(dtype, tail, T)] = (packed.forward(x, tail=tail), decoded.forward(x, tail=tail))
+                    packed.backend = unfused
+                    got = packed.forward(x, tail=tail)
+                    packed.backend = fused
+                    out[(dtype, tail, T)] = (got, decoded.forward(x, tail=tail), packed.forward(x, tail=tail))
     return out
 
 
@@ -112,13 +120,16 @@ def test_packed_forward_equals_decoded_forward(medium: Path, P: int) -> None:
             assert parts == _expected_parts(P, dtype), (r, dtype)
             # this rank's slices only: every replicated tensor plus 1/P of each split one
             assert bytes_read == sum(stored.values()) - split + split // P, (r, dtype)
-        for key, (got, ref) in res.items():
+        for key, value in res.items():
             if key[1] == "bytes":
                 continue
+            got, ref, fused = value
             tails_seen.add(key[1])
             # The decoded weights come from the same mxfp4.decode, bit for bit, and both runs do
             # the same GEMMs on the same rows in the same order (collectives too): exactly equal.
             torch.testing.assert_close(got, ref, rtol=0, atol=0, msg=f"rank {r} {key}")
+            # The fused path differs only in the order of fp32 additions (test_fused_cpu derives it)
+            assert_fused_close(fused, ref, key[0], f"rank {r} {key}")
     expected_tails = {"replicated", "overlap", "single_allreduce"}  # at P = 1 nothing is sharded
     if P > 1:
         expected_tails |= {"sharded", "sequence_parallel"}

@@ -6,7 +6,7 @@ package is imported only when that backend is built). ``check`` probes a candida
 the reference before it serves.
 """
 
-from . import aiter_fused, grouped, torch_loop  # noqa: F401  (registration)
+from . import aiter_fused, grouped, mxfp4_cpu, torch_loop  # noqa: F401  (registration; mxfp4_cpu: the kernel)
 from .base import (
     AUTO_PREFERENCE,
     DEFAULT_SCRATCH_BYTES,

@@ -15,7 +15,9 @@ Bytes per rank per MoE layer, by part (the keys of ``LayerWeights.nbytes_by_part
 
 Per rank the planner adds a workspace allowance: the experts' decode scratch budget (default
 256 MiB) plus activations for the largest forward, ``tokens x activation_bytes_per_token`` (see
-:func:`activation_bytes_per_token` for the per-token formula).
+:func:`activation_bytes_per_token` for the per-token formula). The fused MXFP4 CPU path
+(``experts_path="fused"``, the torch backend's CPU default for packed experts) decodes in
+registers: no scratch, but fp32 copies of each expert's rows (``FUSED_BYTES_PER_TOKEN``).
 
 Units: GB is 10**9 bytes (``moe_runtime.units``). Budgets are in ``budget``, time in ``cost``.
 """
@@ -73,6 +75,17 @@ def layer_bytes(
     parts["up_projection"] = (H // tp_size if preshard_up_proj else H) * D * b
     parts["router"] = E * H * 4 + E * 4
     return parts
+
+
+EXPERTS_PATHS = ("decode", "fused")
+
+
+def fused_bytes_per_token(cfg: LatentMoEConfig, tp_size: int = 1) -> int:
+    """What the fused MXFP4 CPU path adds per token of an expert's rows, all fp32: the input rows
+    and their nibble-ordered copy (2 x 4 D), gate|up (4 x 2 I_l), the activation and its
+    nibble-ordered copy (2 x 4 I_l), the output rows and their rounded-back copy (2 x 4 D)."""
+    D, I_l = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size // tp_size
+    return 16 * D + 16 * I_l
 
 
 def activation_bytes_per_token(cfg: LatentMoEConfig, dtype: str, tp_size: int = 1) -> int:
@@ -218,11 +231,17 @@ def plan_memory(
     max_tokens: int = 2048,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     budget: Budget | None = None,
+    experts_path: str = "decode",
 ) -> MemoryPlan:
     """The plan of one TP group serving ``formats``' layers (layer -> experts format).
 
     ``max_tokens``: tokens of the largest forward a rank runs (activations are sized for it).
+    ``experts_path``: how packed experts run (``decode``: in ``scratch_bytes``; ``fused``: the
+    CPU kernel, no scratch, ``fused_bytes_per_token`` more per token). Dense experts need no scratch
+    either way, but the default keeps the allowance (as before).
     """
+    if experts_path not in EXPERTS_PATHS:
+        raise ValueError(f"experts_path must be one of {EXPERTS_PATHS}, got {experts_path!r}")
     if not formats:
         raise ValueError("no layers to plan")
     for layer in formats:
@@ -230,7 +249,10 @@ def plan_memory(
     per_layer = {
         layer: layer_bytes(cfg, fmt, dtype, tp_size, preshard_up_proj) for layer, fmt in formats.items()
     }
-    workspace = Workspace(scratch_bytes, max_tokens, activation_bytes_per_token(cfg, dtype, tp_size))
+    per_token = activation_bytes_per_token(cfg, dtype, tp_size)
+    if experts_path == "fused":
+        scratch_bytes, per_token = 0, per_token + fused_bytes_per_token(cfg, tp_size)
+    workspace = Workspace(scratch_bytes, max_tokens, per_token)
     return MemoryPlan(tp_size, dtype, preshard_up_proj, per_layer, dict(formats), workspace, budget)
 
 

@@ -53,16 +53,31 @@ class Collectives:
     assert and report each tail's collective cost.
     """
 
-    def __init__(self, rank: int = 0, world: int = 1, device: torch.device | str = "cpu"):
+    def __init__(self, rank: int = 0, world: int = 1, device: torch.device | str = "cpu",
+                 collective_timeout_s: float | None = None):
         if world > 1 and not dist.is_initialized():
             raise RuntimeError(f"TP size {world} needs an initialised process group")
         self.rank, self.world, self.device = rank, world, torch.device(device)
+        self.collective_timeout_s = collective_timeout_s  # what ``loaded()`` applies
         self.counts: Counter[str] = Counter()
         self.nbytes: Counter[str] = Counter()
 
     def _count(self, kind: str, t: torch.Tensor) -> None:
         self.counts[kind] += 1
         self.nbytes[kind] += t.numel() * t.element_size()
+
+    def loaded(self, collective_timeout_s: float | None = None) -> None:
+        """Call on every rank once its weights are loaded: wait for the peers' loads (under the
+        group's rendezvous timeout, which must cover a slow load), then give every later
+        collective ``collective_timeout_s`` (None: keep the current timeout). So a rank that
+        loads more slowly than its peer never trips the forward's collective timeout."""
+        collective_timeout_s = collective_timeout_s or self.collective_timeout_s
+        if self.world == 1 or collective_timeout_s is None:
+            return
+        if collective_timeout_s <= 0:
+            raise ValueError(f"collective timeout must be positive seconds, got {collective_timeout_s}")
+        dist.barrier()
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective_timeout_s))
 
     @classmethod
     def from_default_group(cls, device: torch.device | str = "cpu") -> Collectives:

@@ -23,13 +23,15 @@ from .collectives import Collectives, free_port, init_group
 
 
 def _rank_main(
-    rank: int, world: int, port: int, timeout_s: float, threads: int, fn: Callable, args: tuple, results
+    rank: int, world: int, port: int, timeouts: tuple[float, float], threads: int, fn: Callable, args: tuple,
+    results,
 ) -> None:
     try:
         torch.set_num_threads(threads)
-        init_group(rank, world, "127.0.0.1", port, "gloo", timeout_s)
+        rendezvous_s, collective_s = timeouts
+        init_group(rank, world, "127.0.0.1", port, "gloo", rendezvous_s)
         try:
-            value = fn(Collectives(rank, world), *args)
+            value = fn(Collectives(rank, world, collective_timeout_s=collective_s), *args)
         finally:
             dist.destroy_process_group()
         # Serialise here: tensors passed through the queue as shared memory would vanish
@@ -48,7 +50,11 @@ def run_local_group(
     timeout_s: float = 300.0,
     collective_timeout_s: float = 60.0,
 ) -> list[Any]:
-    """Run ``fn(comm, *args)`` on ``world`` spawned ranks and return their results."""
+    """Run ``fn(comm, *args)`` on ``world`` spawned ranks and return their results.
+
+    The group's rendezvous (and every collective until ``fn`` calls ``comm.loaded()``) may take up
+    to ``timeout_s``, so ranks that load at different speeds meet; ``comm.loaded()`` then gives
+    the collectives ``collective_timeout_s``: the collective timeout starts after load."""
     if world < 1:
         raise ValueError(f"TP size must be >= 1, got {world}")
     ctx = mp.get_context("spawn")
@@ -59,7 +65,8 @@ def run_local_group(
         ctx.Process(
             target=_rank_main,
             daemon=True,
-            args=(r, world, port, collective_timeout_s, threads, fn, args, results),
+            args=(r, world, port, (max(timeout_s, collective_timeout_s), collective_timeout_s), threads, fn,
+                  args, results),
         )
         for r in range(world)
     ]

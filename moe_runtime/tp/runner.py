@@ -20,6 +20,7 @@ from ..checkpoint import MXFP4, CheckpointReader, checkpoint_expert_formats, loa
 from ..config import LatentMoEConfig
 from ..experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
 from ..experts.check import BackendCheck, verify_backend
+from ..experts.mxfp4_cpu import dense_linear
 from ..layer import down_project, latent_norm, routed_experts, shared_experts
 from ..logs import log_once
 from ..weights import LayerWeights
@@ -160,6 +161,9 @@ class LatentMoERunner:
         self.backend_name = backend
         self.backend = get_backend(backend, scratch_bytes)
         self.backend_checks: list[BackendCheck] = []  # the load-time probes (build_rank_runners)
+        # how the backend runs these experts (torch: fused MXFP4 on CPU, decode, dense) and why
+        path = getattr(self.backend, "path", None)
+        self.experts_path, self.experts_path_reason = path(weights.experts) if path else (backend, "")
         self.act = GatedActivation.from_config(cfg)
         self.device = weights.down_DH.device
         self.timer = StageTimer(self.device)
@@ -175,7 +179,8 @@ class LatentMoERunner:
         }
         if shard.rank == 0:
             log_once(
-                f"latent-MoE runner: TP {shard.world}, device {self.device}, backend {backend}, "
+                f"latent-MoE runner: TP {shard.world}, device {self.device}, backend {backend} "
+                f"(experts path {self.experts_path}: {self.experts_path_reason}), "
                 f"tails {plan.describe()} ({plan.reason}), routed input "
                 f"{'token-sharded/' + self.routed_input.quant if self.routed_input.enabled else 'replicated'}"
                 f", experts activations {experts_activation_quant}"
@@ -282,7 +287,7 @@ class LatentMoERunner:
         return latent_norm(L_TD, self.w, self.cfg.rms_norm_eps)
 
     def _up(self, L_hat_TD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return L_hat_TD.to(dtype) @ self.w.up_HD.t()
+        return dense_linear(L_hat_TD.to(dtype), self.w.up_HD)
 
     # -- tails (DESIGN §4) ----------------------------------------------------------------
 
