@@ -106,8 +106,10 @@ class TPWorker:
         """Join the group (finite timeout) and load this rank's shard of every served layer."""
         r = self.resolved
         if self.world > 1:
+            # Until every rank has loaded, the group's timeout is the startup bound: a rank that
+            # loads more slowly than its peer must not trip the forward's collective timeout.
             init_group(self.rank, self.world, master_addr, master_port, self.backend,
-                       r.spec.collective_timeout_s)
+                       r.spec.startup_bound_s)
         self.comm = Collectives(self.rank, self.world, self.device)
         start = time.perf_counter()
         cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
@@ -118,6 +120,7 @@ class TPWorker:
             experts_activation_quant=r.spec.experts_activation_quant,
         )
         self.load_s = time.perf_counter() - start
+        self.comm.loaded(r.spec.collective_timeout_s)  # then every collective gets its own bound
         return self.info()
 
     def forward(
@@ -173,6 +176,8 @@ class TPWorker:
             "load_bytes_read": sum(r.load_bytes_read for r in self.runners.values()),
             "load_s": round(self.load_s, 3),
             "experts_backend": first.backend_name if first else None,
+            # packed experts: the fused CPU kernel, or the decode path and why
+            "experts_path": f"{first.experts_path} ({first.experts_path_reason})" if first else None,
             # the load-time probes of non-torch experts backends, with their numbers (backend_check.py)
             "experts_backend_checks": [c.to_dict() for c in first.backend_checks] if first else [],
         }
