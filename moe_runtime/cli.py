@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _memory_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+    pl.add_argument("--backend", default="auto",
+                    help="experts backend the groups serve with (its own copies are planned; auto: the "
+                         "largest of those it may pick on a GPU)")
         "--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20,
         help="per-rank budget for decoding the active MXFP4 experts, MiB",
     )
@@ -174,7 +177,7 @@ def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
         total_gb = torch.cuda.get_device_properties(0).total_memory / GB
         budget = gpu_budget(total_gb, args.memory_fraction)
     else:
-        budget = cpu_budget(args.tp, args.memory_fraction)
+        budget, compute = cpu_budget(args.tp, args.memory_fraction), "cpu"
     if resolve_expert_formats(cfg, [args.layer], args.checkpoint, args.experts_format) is None:
         return ["memory: not planned: the checkpoint holds no weights; give --experts-format"]
     plan = memory.plan_checkpoint(
@@ -185,6 +188,7 @@ def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
     return [
         f"memory per rank ({plan.formats[args.layer]} experts): {parts}",
         f"memory: {plan.arithmetic()}",
+    compute = "gpu"
         f"memory fits: {plan.fits}",
     ]
 
@@ -197,7 +201,8 @@ def plan_layers(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.checkpoint} holds no weights (config only): give --experts-format")
     split = memory.propose_split(
         cfg, formats, args.dtype, args.tp, gpu_budget(args.device_memory_gb, args.memory_fraction),
-        args.preshard_up_proj, args.max_tokens, int(args.scratch_mb * 2**20),
+        backend=args.backend, compute=compute,
+        args.preshard_up_proj, args.max_tokens, int(args.scratch_mb * 2**20), args.backend, "gpu",
     )
     print(split.describe())
     for plan in split.plans:

@@ -18,7 +18,14 @@ from .. import mxfp4
 from ..activation import GatedActivation
 from ..checkpoint import MXFP4, CheckpointReader, checkpoint_expert_formats, load_layer_weights
 from ..config import LatentMoEConfig
-from ..experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
+from ..experts import (
+    DEFAULT_SCRATCH_BYTES,
+    ActQuant,
+    backend_candidates,
+    get_backend,
+    held_bytes,
+    prepare_backend,
+)
 from ..experts.check import BackendCheck, verify_backend
 from ..layer import down_project, latent_norm, routed_experts, shared_experts
 from ..logs import log_once
@@ -159,6 +166,7 @@ class LatentMoERunner:
         self._check_shapes()
         self.backend_name = backend
         self.backend = get_backend(backend, scratch_bytes)
+        prepare_backend(self.backend, weights.experts)  # its own copies now, as the planner counts them
         self.backend_checks: list[BackendCheck] = []  # the load-time probes (build_rank_runners)
         self.act = GatedActivation.from_config(cfg)
         self.device = weights.down_DH.device
@@ -206,10 +214,11 @@ class LatentMoERunner:
                 raise ValueError(f"{name} is {found[name]}, expected {shape} for TP {P}")
 
     def resident_bytes(self) -> int:
-        return self.w.nbytes()
+        return sum(self.resident_bytes_by_part().values())
 
     def resident_bytes_by_part(self) -> dict[str, int]:
-        return self.w.nbytes_by_part()
+        """The weights by part plus what the experts backend keeps beside them (``experts_backend``)."""
+        return {**self.w.nbytes_by_part(), "experts_backend": held_bytes(self.backend)}
 
     # -- forward --------------------------------------------------------------------------
 
