@@ -86,3 +86,29 @@ def test_errors(tiny_ckpt, tmp_path):
     res = cli("--checkpoint", tiny_ckpt, "--layer", 1, "--input", tmp_path / "junk.safetensors",
               "--output", tmp_path / "o.safetensors")
     assert res.returncode == 2 and "not a readable safetensors file" in res.stderr
+
+
+def test_random_input_is_seeded_hidden_states_in_the_layer_dtype(tiny_ckpt, tmp_path, capsys):
+    from moe_runtime.cli import main, random_input
+
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    x = random_input(5, cfg, torch.bfloat16, seed=7)
+    assert x.shape == (5, 128) and x.dtype == torch.bfloat16
+    assert torch.equal(x, random_input(5, cfg, torch.bfloat16, seed=7))  # seeded
+    assert not torch.equal(x, random_input(5, cfg, torch.bfloat16, seed=8))
+    # The CLI runs exactly that input (no input file needed): same output as the reference on it.
+    out = tmp_path / "o.safetensors"
+    assert main(["forward", "--checkpoint", str(tiny_ckpt), "--layer", "2", "--random-input", "5",
+                 "--seed", "7", "--output", str(out)]) == 0
+    x32 = random_input(5, cfg, torch.float32, seed=7)
+    ref = moe_forward(x32, load_layer_weights(tiny_ckpt, cfg, 2), cfg)
+    torch.testing.assert_close(load_file(out)["output"], ref, rtol=1e-5, atol=1e-5)
+    assert "layer 2: 5 tokens x 128" in capsys.readouterr().out
+    # Bad counts and both sources at once are refused.
+    assert main(["forward", "--checkpoint", str(tiny_ckpt), "--layer", "2", "--random-input", "0",
+                 "--output", str(out)]) == 2
+    assert "--random-input needs a positive token count, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["forward", "--checkpoint", str(tiny_ckpt), "--layer", "2", "--random-input", "2",
+              "--input", str(out), "--output", str(out)])
+    assert "not allowed with argument" in capsys.readouterr().err
