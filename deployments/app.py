@@ -76,5 +76,5 @@ def build_app(args: AppArgs) -> Application:
     timeout = args.request_timeout_s or max(r.spec.call_timeout_s for r in resolved) + 30.0
     routes = LayerRoutes({r.spec.name: r.layers for r in resolved}, args.default_deployment)
     return Ingress.options(**ingress_options(args.ingress_cpus, args.ingress_replicas)).bind(
-        groups, routes, max_body, timeout
+        groups, routes, max_body, timeout, args.http_token_env, args.http_token_required
     )

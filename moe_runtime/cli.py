@@ -32,7 +32,13 @@ def _parser() -> argparse.ArgumentParser:
     fw = sub.add_parser("forward", help="run one MoE layer")
     fw.add_argument("--checkpoint", required=True, type=Path)
     fw.add_argument("--layer", required=True, type=int)
-    fw.add_argument("--input", type=Path, help="safetensors with hidden_states [T, H] (+ router_logits)")
+    source = fw.add_mutually_exclusive_group()
+    source.add_argument("--input", type=Path, help="safetensors with hidden_states [T, H] (+ router_logits)")
+    source.add_argument(
+        "--random-input", type=int, metavar="T",
+        help="instead of --input: T tokens of seeded standard-normal hidden_states [T, H] in --dtype",
+    )
+    fw.add_argument("--seed", type=int, default=0, help="--random-input: the generator's seed")
     fw.add_argument("--output", type=Path, help="safetensors to write with output [T, H]")
     fw.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     fw.add_argument("--backend", default="auto", help="experts backend: auto, torch, grouped, aiter")
@@ -66,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     pl.add_argument("--preshard-up-proj", action="store_true")
     pl.add_argument("--device-memory-gb", type=float, default=MI300X_MEMORY_GB, help="per GPU, GB")
+    pl.add_argument("--backend", default="auto",
+                    help="experts backend the groups serve with (its own copies are planned; auto: the "
+                         "largest of those it may pick on a GPU)")
     _memory_options(pl)
     return ap
 
@@ -174,21 +183,33 @@ def _read_input(path: Path, cfg: LatentMoEConfig, dtype: torch.dtype):
     return x, logits
 
 
+def random_input(tokens: int, cfg: LatentMoEConfig, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """``--random-input``: seeded standard-normal ``hidden_states [T, H]`` in ``dtype`` (drawn
+    in float32, so a seed gives the same numbers, rounded, in every dtype)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"--random-input needs a positive token count, got {tokens!r}")
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, cfg.hidden_size, generator=gen).to(dtype)
+    check_input(x, cfg, dtype, None)
+    return x
+
+
 def explain_memory(args: argparse.Namespace, cfg: LatentMoEConfig) -> list[str]:
     """``--explain`` lines: the planner's bytes per rank by part for the layer, and headroom."""
+    compute = "gpu"
     if args.device_memory_gb is not None:
         budget = gpu_budget(args.device_memory_gb, args.memory_fraction)
     elif torch.cuda.is_available():
         total_gb = torch.cuda.get_device_properties(0).total_memory / GB
         budget = gpu_budget(total_gb, args.memory_fraction)
     else:
-        budget = cpu_budget(args.tp, args.memory_fraction)
+        budget, compute = cpu_budget(args.tp, args.memory_fraction), "cpu"
     if resolve_expert_formats(cfg, [args.layer], args.checkpoint, args.experts_format) is None:
         return ["memory: not planned: the checkpoint holds no weights; give --experts-format"]
     plan = memory.plan_checkpoint(
         args.checkpoint, cfg, [args.layer], args.dtype, args.tp, args.preshard_up_proj, args.experts_format,
         max_tokens=args.max_tokens, scratch_bytes=int(args.scratch_mb * 2**20), budget=budget,
-        experts_path=cli_experts_path(),
+        experts_path=cli_experts_path(), backend=args.backend, compute=compute,
     )
     parts = ", ".join(f"{name} {gb(n)}" for name, n in plan.by_part.items() if n)
     return [
@@ -213,7 +234,7 @@ def plan_layers(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.checkpoint} holds no weights (config only): give --experts-format")
     split = memory.propose_split(
         cfg, formats, args.dtype, args.tp, gpu_budget(args.device_memory_gb, args.memory_fraction),
-        args.preshard_up_proj, args.max_tokens, int(args.scratch_mb * 2**20),
+        args.preshard_up_proj, args.max_tokens, int(args.scratch_mb * 2**20), args.backend, "gpu",
     )
     print(split.describe())
     for plan in split.plans:
@@ -245,12 +266,15 @@ def forward(args: argparse.Namespace) -> int:
         return 0
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
-    if args.input is None or args.output is None:
-        raise ValueError("forward needs --input and --output (or --explain)")
+    if (args.input is None and args.random_input is None) or args.output is None:
+        raise ValueError("forward needs --input (or --random-input T) and --output (or --explain)")
     reader = CheckpointReader(args.checkpoint)
     reader.layer_prefix(args.layer)  # fail before spawning ranks
     check_activation_quant(args.experts_activation_quant, cfg, args.tp, reader, [args.layer])
-    x, logits = _read_input(args.input, cfg, dtype)
+    if args.random_input is not None:
+        x, logits = random_input(args.random_input, cfg, dtype, args.seed), None
+    else:
+        x, logits = _read_input(args.input, cfg, dtype)
     start = time.perf_counter()
     rank_args = (
         str(args.checkpoint),

@@ -12,6 +12,7 @@ from . import mxfp4
 PARTS = (
     "experts_packed",
     "experts_dense",
+    "experts_backend",  # an experts backend's own copies in its layout (aiter: shuffled MXFP4)
     "shared_experts",
     "latent_projections",
     "up_projection",
@@ -21,6 +22,23 @@ PARTS = (
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+def expert_shapes(
+    num_experts: int, intermediate: int, latent: int, packed: bool
+) -> dict[str, tuple[int, ...]]:
+    """The shapes of one rank's routed-expert tensors (``ExpertWeights.shapes()``), from the
+    sizes alone: E experts, ``intermediate`` = I_local rows, ``latent`` = D. Packed: uint8
+    nibbles + E8M0 scales; dense: ``w13`` and ``w2`` in the compute dtype."""
+    E, F, D, I = num_experts, 2 * intermediate, latent, intermediate
+    if not packed:
+        return {"w13": (E, F, D), "w2": (E, D, I)}
+    return {
+        "w13": (E, F, D // 2),
+        "w2": (E, D, I // 2),
+        "w13_scale": (E, F, D // mxfp4.BLOCK),
+        "w2_scale": (E, D, I // mxfp4.BLOCK),
+    }
 
 
 @dataclass
@@ -111,6 +129,10 @@ class ExpertWeights:
         out = (F * D + D * I) * size
         return out + (mxfp4.DECODE_TEMP_BYTES_PER_ELEMENT * F * D if self.packed else 0)
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape per tensor name (what experts backends size their own copies from)."""
+        return {name: tuple(t.shape) for name, t in self.tensors().items()}
+
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"w13": self.w13, "w2": self.w2, "w13_scale": self.w13_scale, "w2_scale": self.w2_scale}
         return {name: t for name, t in named.items() if t is not None}
@@ -161,12 +183,14 @@ class LayerWeights:
         return {name: tuple(t.shape) for name, t in self.tensors().items()}
 
     def nbytes_by_part(self) -> dict[str, int]:
-        """Resident bytes by part (``PARTS``; every key present, 0 when absent)."""
+        """Resident bytes by part (``PARTS``; every key present, 0 when absent). The loaded
+        weights hold no backend copies (``experts_backend`` 0): the runner adds its backend's."""
         experts = self.experts.nbytes()
         shared = (self.shared_gate_SH, self.shared_up_SH, self.shared_down_HS)
         return {
             "experts_packed": experts if self.experts.packed else 0,
             "experts_dense": 0 if self.experts.packed else experts,
+            "experts_backend": 0,
             "shared_experts": sum(map(_nbytes, shared)),
             "latent_projections": _nbytes(self.down_DH) + _nbytes(self.norm_D),
             "up_projection": _nbytes(self.up_HD),

@@ -6,7 +6,7 @@ if [ "${1:-}" = "--vllm" ]; then
   shift
   source "$(dirname "$0")/vllm_env.sh"
   python -c "import vllm, torch; print('vllm', vllm.__version__, '| torch', torch.__version__)"
-  exec python -m pytest -q -ra tests/conformance "$@"
+  exec python scripts/conformance_lane.py "$@"   # pytest -q -ra tests/conformance; records docs/conformance-lane.json
 fi
 source "$(dirname "$0")/env.sh"
 ruff check .

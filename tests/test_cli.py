@@ -125,3 +125,29 @@ def test_collective_timeout_starts_after_load() -> None:
     # after load must not expire (the wait for the peer's load is under the run timeout).
     res = run_local_group(2, _slow_rank_loads_then_reduces, 3.0, timeout_s=120, collective_timeout_s=1.0)
     assert res == [2.0, 2.0]
+
+
+def test_random_input_is_seeded_hidden_states_in_the_layer_dtype(tiny_ckpt, tmp_path, capsys):
+    from moe_runtime.cli import main, random_input
+
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    x = random_input(5, cfg, torch.bfloat16, seed=7)
+    assert x.shape == (5, 128) and x.dtype == torch.bfloat16
+    assert torch.equal(x, random_input(5, cfg, torch.bfloat16, seed=7))  # seeded
+    assert not torch.equal(x, random_input(5, cfg, torch.bfloat16, seed=8))
+    # The CLI runs exactly that input (no input file needed): same output as the reference on it.
+    out = tmp_path / "o.safetensors"
+    assert main(["forward", "--checkpoint", str(tiny_ckpt), "--layer", "2", "--random-input", "5",
+                 "--seed", "7", "--output", str(out)]) == 0
+    x32 = random_input(5, cfg, torch.float32, seed=7)
+    ref = moe_forward(x32, load_layer_weights(tiny_ckpt, cfg, 2), cfg)
+    torch.testing.assert_close(load_file(out)["output"], ref, rtol=1e-5, atol=1e-5)
+    assert "layer 2: 5 tokens x 128" in capsys.readouterr().out
+    # Bad counts and both sources at once are refused.
+    assert main(["forward", "--checkpoint", str(tiny_ckpt), "--layer", "2", "--random-input", "0",
+                 "--output", str(out)]) == 2
+    assert "--random-input needs a positive token count, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["forward", "--checkpoint", str(tiny_ckpt), "--layer", "2", "--random-input", "2",
+              "--input", str(out), "--output", str(out)])
+    assert "not allowed with argument" in capsys.readouterr().err

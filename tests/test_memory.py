@@ -60,12 +60,20 @@ def test_k3_layer_bytes_by_part_match_hand_arithmetic(P, fmt, preshard):
     expected = {
         "experts_packed": packed if fmt == "mxfp4" else 0,
         "experts_dense": dense if fmt == "dense" else 0,
+        "experts_backend": 0,  # torch keeps no copies of its own
         "shared_experts": shared,
         "latent_projections": K3_LATENT,
         "up_projection": 7168 // P * 3584 * 2 if preshard else K3_UP_FULL,
         "router": K3_ROUTER,
     }
     assert memory.layer_bytes(K3, fmt, "bfloat16", P, preshard) == expected
+    # aiter keeps a shuffled copy of MXFP4 experts (one byte per packed byte) and none of dense
+    # ones (it cannot run them); auto plans it where it may be picked (GPUs), never on CPUs.
+    aiter = {**expected, "experts_backend": packed if fmt == "mxfp4" else 0}
+    assert memory.layer_bytes(K3, fmt, "bfloat16", P, preshard, backend="aiter") == aiter
+    assert memory.layer_bytes(K3, fmt, "bfloat16", P, preshard, backend="auto", compute="gpu") == aiter
+    assert memory.layer_bytes(K3, fmt, "bfloat16", P, preshard, backend="auto", compute="cpu") == expected
+    assert memory.layer_bytes(K3, fmt, "bfloat16", P, preshard, backend="grouped") == expected
 
 
 def test_k3_totals_and_float32():
@@ -118,6 +126,22 @@ def test_k3_split_over_mi300x_tp8_groups():
     assert [p.headroom_bytes for p in split.plans] == [head, head]
     assert split.describe().startswith("92 MoE layers, TP 8, bfloat16, GPU: 192 GB x 0.9")
     assert "2 groups of 46 layers (1-46, 47-92)" in split.describe()
+    # Served by aiter (what backend: auto may pick on MI300X), each layer also holds the shuffled
+    # copy of its experts: 2_126_792_192 + 1_965_293_568 = 4_092_085_760 B, so at most
+    # (172.8e9 - 268_435_456 - 16384 x 189_632) // 4_092_085_760 = 41 layers per group: 3 groups.
+    assert (172_800_000_000 - 268_435_456 - 16384 * 189_632) // 4_092_085_760 == 41
+    for backend in ("aiter", "auto"):
+        split = memory.propose_split(K3, formats, "bfloat16", 8, gpu_budget(), max_tokens=16384, backend=backend)
+        assert split.ranges == ["1-31", "32-62", "63-92"]
+        assert [p.experts_backend for p in split.plans] == ["aiter"] * 3
+        heads = [172_800_000_000 - (n * 4_092_085_760 + 256 * 2**20 + 16384 * 189_632) for n in (31, 31, 30)]
+        assert [p.headroom_bytes for p in split.plans] == heads
+        assert split.plans[0].by_part["experts_backend"] == 31 * 1_965_293_568
+        assert "aiter backend + 60.92 GB of its own copies" in split.plans[0].arithmetic()
+    # On CPUs auto can only pick torch: nothing extra, the two groups again.
+    cpu = memory.propose_split(K3, formats, "bfloat16", 8, gpu_budget(), max_tokens=16384, backend="auto",
+                               compute="cpu")
+    assert cpu.ranges == ["1-46", "47-92"] and cpu.plans[0].experts_backend == "torch"
     # Decoded to bf16 (7_560_250_880 B per layer) the same stack needs 5 groups of 18-19 layers:
     # 22 layers would be 166.3 GB of weights + 3.4 GB workspace; the balanced split uses 5.
     dense = memory.propose_split(K3, dict.fromkeys(range(1, 93), "dense"), "bfloat16", 8,
@@ -177,6 +201,88 @@ def test_real_load_holds_exactly_the_planned_bytes(make_ckpt, preset, P, mxfp4):
             w = load_layer_weights(ckpt, cfg, 1, torch.bfloat16, TPShard(rank, P, preshard))
             assert w.experts.packed == mxfp4
             assert w.nbytes_by_part() == plan.by_part, (rank, preshard)
+
+
+def _stand_in_aiter(monkeypatch, pad: int = 0) -> None:
+    """A fake ``aiter`` package exposing what ``AiterExperts`` imports. Its shuffles permute
+    (as aiter's do: same shape, dtype and element count); ``pad`` extra elements per weight
+    stand for a shuffle that would not, to show that the accounting check catches it."""
+    import sys
+    import types
+
+    def permute(t: torch.Tensor) -> torch.Tensor:
+        flat = t.view(torch.uint8).flip(-1).contiguous()
+        if pad:
+            flat = torch.cat([flat.reshape(-1), torch.zeros(pad, dtype=torch.uint8)])
+        return flat.view(t.dtype)
+
+    aiter = types.ModuleType("aiter")
+    aiter.ActivationType = types.SimpleNamespace(Situv2="situv2")
+    aiter.QuantType = types.SimpleNamespace(per_1x32="per_1x32")
+    fused = types.ModuleType("aiter.fused_moe")
+    fused.fused_moe = lambda *a, beta=None, linear_beta=None, gate_mode=None, **k: None
+    ops, shuffle = types.ModuleType("aiter.ops"), types.ModuleType("aiter.ops.shuffle")
+    shuffle.shuffle_weight_a16w4 = lambda w, block, gate_up: permute(w)
+    shuffle.shuffle_scale_a16w4 = lambda s, experts, gate_up: permute(s)
+    for name, module in {"aiter": aiter, "aiter.fused_moe": fused, "aiter.ops": ops,
+                         "aiter.ops.shuffle": shuffle}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_backend_extra_bytes_are_asked_of_the_backend_by_shapes():
+    from moe_runtime.experts import planned_backends, planned_extra_bytes, resident_extra_bytes
+    from moe_runtime.weights import expert_shapes
+
+    k3_tp8 = expert_shapes(896, 384, 3584, packed=True)
+    assert k3_tp8 == {"w13": (896, 768, 1792), "w2": (896, 3584, 192), "w13_scale": (896, 768, 112),
+                      "w2_scale": (896, 3584, 12)}
+    # aiter's shuffled copy: one byte per packed element, 896 x (768 x (1792 + 112) + 3584 x (192 + 12)).
+    assert resident_extra_bytes("aiter", k3_tp8) == 896 * (768 * 1904 + 3584 * 204) == 1_965_293_568
+    assert resident_extra_bytes("aiter", expert_shapes(896, 384, 3584, packed=False)) == 0
+    assert resident_extra_bytes("torch", k3_tp8) == resident_extra_bytes("grouped", k3_tp8) == 0
+    assert planned_backends("auto", "gpu") == ["aiter", "torch"] and planned_backends("auto", "cpu") == ["torch"]
+    assert planned_extra_bytes("auto", "gpu", k3_tp8) == ("aiter", 1_965_293_568)
+    assert planned_extra_bytes("auto", "gpu", expert_shapes(896, 384, 3584, False)) == ("torch", 0)
+    with pytest.raises(ValueError, match="unknown experts backend 'nope'"):
+        planned_backends("nope", "gpu")
+    with pytest.raises(ValueError, match="compute must be one of .* got 'tpu'"):
+        planned_backends("auto", "tpu")
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_aiter_load_holds_exactly_the_planned_bytes(make_ckpt, monkeypatch, P):
+    """As for torch above, with the aiter backend (a stand-in for its shuffles, no ROCm here): the
+    runner's resident bytes by part, shuffled copies included, equal the planner's."""
+    from moe_runtime.experts import base
+    from moe_runtime.experts.aiter_fused import AiterExperts
+    from moe_runtime.tp.collectives import Collectives
+    from moe_runtime.tp.plan import TailPlan
+    from moe_runtime.tp.runner import LatentMoERunner
+
+    _stand_in_aiter(monkeypatch)
+    entry = base._REGISTRY["aiter"]
+    monkeypatch.setitem(base._REGISTRY, "aiter", base.BackendEntry(
+        entry.factory, base.always_available, entry.extra_bytes, entry.compute))
+    ckpt = make_ckpt("tiny", mxfp4=True)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    plan = memory.plan_checkpoint(ckpt, cfg, [1], "bfloat16", P, backend="aiter")
+    assert plan.by_part["experts_backend"] == plan.by_part["experts_packed"] > 0
+    for rank in range(P):
+        w = load_layer_weights(ckpt, cfg, 1, torch.bfloat16, TPShard(rank, P))
+        if P == 1:  # one rank: a whole runner (single device), which prepares its backend at load
+            runner = LatentMoERunner(cfg, w, Collectives(), TailPlan.single("replicated", "test"),
+                                     TPShard(0, 1), "aiter")
+            assert runner.resident_bytes_by_part() == plan.by_part
+            assert runner.resident_bytes() == plan.weights_bytes
+        else:
+            experts = AiterExperts()
+            experts.prepare(w.experts)
+            assert {**w.nbytes_by_part(), "experts_backend": experts.held_bytes()} == plan.by_part, rank
+    # A shuffle that padded would make the plan wrong: refused when the copies are made (the
+    # load-time probe runs this first, so auto falls back to torch with the reason).
+    _stand_in_aiter(monkeypatch, pad=32)
+    with pytest.raises(ValueError, match=r"aiter's shuffled experts take \d+ B but the memory planner counts"):
+        AiterExperts().prepare(load_layer_weights(ckpt, cfg, 1, torch.bfloat16, TPShard(0, 1)).experts)
 
 
 # -- deployments: build-time refusal, status fields, startup bound, warm-up bound -------------------
@@ -290,8 +396,11 @@ def test_shipped_k3_config_serves_every_moe_layer_once_and_fits(k3_dir):
     spec = resolved[0].spec
     split = memory.propose_split(K3, dict.fromkeys(K3.moe_layers, "mxfp4"), "bfloat16", 8,
                                  gpu_budget(spec.device_memory_gb, spec.memory_fraction),
-                                 max_tokens=spec.max_forward_tokens)
+                                 max_tokens=spec.max_forward_tokens, backend=spec.backend)
     assert [format_layers(r.layers) for r in resolved] == split.ranges
+    # backend auto on MI300X may pick aiter: its shuffled copies are planned (3 groups, not 2).
+    assert spec.backend == "auto" and len(resolved) == 3
+    assert all(d.memory.experts_backend == "aiter" and d.memory.by_part["experts_backend"] > 0 for d in decisions)
     assert decide([r.spec for r in resolved], K3)  # the pure controller agrees (format stated)
 
 
@@ -312,10 +421,15 @@ def test_cli_explain_prints_bytes_by_part_and_headroom(make_ckpt, k3_dir, capsys
     assert main(["forward", "--checkpoint", str(k3_dir), "--layer", "1", "--explain"]) == 0
     assert "memory: not planned: the checkpoint holds no weights" in capsys.readouterr().out
     # `plan`: the split of every MoE layer for a device.
-    assert main(["plan", "--checkpoint", str(k3_dir), "--experts-format", "mxfp4", "--max-tokens", "16384"]) == 0
+    assert main(["plan", "--checkpoint", str(k3_dir), "--experts-format", "mxfp4", "--max-tokens", "16384",
+                 "--backend", "torch"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].endswith("2 groups of 46 layers (1-46, 47-92) with at least 71.59 GB headroom per rank")
     assert len(out) == 3 and out[1].strip().startswith("46 layer(s) (1-46) x ~2.13 GB per rank")
+    # The default backend is auto: on a GPU it may be aiter, whose shuffled copies are planned.
+    assert main(["plan", "--checkpoint", str(k3_dir), "--experts-format", "mxfp4", "--max-tokens", "16384"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("3 groups of 30/31 layers (1-31, 32-62, 63-92) with at least 42.57 GB headroom per rank")
     assert main(["plan", "--checkpoint", str(k3_dir)]) == 2  # format unknown: a clear error
     assert "give --experts-format" in capsys.readouterr().err
 

@@ -97,6 +97,7 @@ def _expected_parts(P: int, dtype: torch.dtype) -> dict[str, int]:
         # gate+up [2*I_l, D] and down [D, I_l]: a nibble per weight plus one scale byte per 32
         "experts_packed": E * (2 * I_l * D + D * I_l) * 17 // 32,
         "experts_dense": 0,
+        "experts_backend": 0,
         "shared_experts": 3 * Is_l * H * b,
         "latent_projections": D * H * b + D * 4,  # Wdown + fp32 norm gamma
         "up_projection": H * D * b,

@@ -126,9 +126,9 @@ def test_launcher_totals_count_live_nodes_once():
     view = ClusterView("c", ({"CPU": 16.0}, worker), tuple(launcher_node_types(cluster)))
     assert view.totals() == {"CPU": 16 + 4 * 96, "GPU": 4 * 8, MI300X: 4}
     args = yaml.safe_load((ROOT / "deployments/configs/mi300x.yaml").read_text())["applications"][0]["args"]
-    place_app(AppArgs.model_validate({**args, "checkpoint": "unused"}), view)  # 2 groups of 8 fit
-    args["autoscaling"] = {**args["autoscaling"], "min_replicas": 3, "max_replicas": 3}
-    with pytest.raises(ValueError, match=r"need GPU 48 \(layers-01-46 3 x 8 \+ layers-47-92 3 x 8\), but c has at most 32"):
+    place_app(AppArgs.model_validate({**args, "checkpoint": "unused"}), view)  # 3 groups of 8 fit
+    args["autoscaling"] = {**args["autoscaling"], "min_replicas": 2, "max_replicas": 2}
+    with pytest.raises(ValueError, match=r"need GPU 48 \(layers-01-31 2 x 8 \+ layers-32-62 2 x 8 \+ layers-63-92 2 x 8\), but c has at most 32"):
         place_app(AppArgs.model_validate({**args, "checkpoint": "unused"}), view)
 
 

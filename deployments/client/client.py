@@ -10,8 +10,11 @@ request refused because the deployment's queue is full (``max_queued_requests``)
     client = MoEClient(via_ingress=True)       # through the app's ingress (one hop more)
     out = client.forward(x_TH, layer=1)        # numpy or torch in, the same kind out
     out = await client.forward_async(x_TH, 1)
-    with HTTPMoEClient("http://127.0.0.1:8000") as http:
+    with HTTPMoEClient("http://127.0.0.1:8000", token=os.environ["LMS_HTTP_TOKEN"]) as http:
         out = http.forward(x_TH, 1, deployment="prefill")
+
+``token``: the ingress's shared secret (sent as ``Authorization: Bearer <token>``), when the
+ingress requires one (``LMS_HTTP_TOKEN`` where it runs); never logged or shown in a repr.
 """
 
 from __future__ import annotations
@@ -219,6 +222,15 @@ def _as_torch(value: np.ndarray | torch.Tensor) -> torch.Tensor:
     raise TypeError(f"expected a numpy array or torch tensor, got {type(value).__name__}")
 
 
+def auth_headers(token: str | None) -> dict[str, str]:
+    """The ``Authorization`` header for ``token`` (none without one)."""
+    if token is None:
+        return {}
+    if not isinstance(token, str) or not token or token != token.strip() or not token.isprintable():
+        raise ValueError("token must be a non-empty printable string without surrounding whitespace")
+    return {"Authorization": f"Bearer {token}"}
+
+
 def _raise_http(response: httpx.Response) -> NoReturn:
     try:
         body = response.json()
@@ -235,8 +247,10 @@ class HTTPMoEClient:
     """Blocking HTTP client (httpx); safetensors bodies, no pickle."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, deployment: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, client: httpx.Client | None = None):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, client: httpx.Client | None = None,
+                 token: str | None = None):
         self.deployment = deployment
+        self._auth = auth_headers(token)
         self.client = client or httpx.Client(base_url=base_url, timeout=timeout_s)
 
     def forward(self, hidden_states: np.ndarray | torch.Tensor, layer: int,
@@ -245,7 +259,7 @@ class HTTPMoEClient:
         body = encode_request(hidden_states, router_logits)
         try:
             r = self.client.post(forward_path(layer, deployment or self.deployment), content=body,
-                                 headers={"content-type": "application/octet-stream"})
+                                 headers={"content-type": "application/octet-stream", **self._auth})
         except httpx.HTTPError as e:
             raise MoEServerError(f"HTTP request failed: {e!r}", 503) from None
         return decode_response(r, isinstance(hidden_states, np.ndarray))
@@ -258,7 +272,7 @@ class HTTPMoEClient:
 
     def _get_json(self, path: str) -> dict[str, Any]:
         try:
-            r = self.client.get(path)
+            r = self.client.get(path, headers=self._auth)
         except httpx.HTTPError as e:
             raise MoEServerError(f"HTTP request failed: {e!r}", 503) from None
         if r.status_code != 200:
@@ -280,8 +294,9 @@ class AsyncHTTPMoEClient:
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, deployment: str | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, client: httpx.AsyncClient | None = None,
-                 max_connections: int = 64):
+                 max_connections: int = 64, token: str | None = None):
         self.deployment = deployment
+        self._auth = auth_headers(token)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self.client = client or httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits)
 
@@ -291,13 +306,13 @@ class AsyncHTTPMoEClient:
         body = encode_request(hidden_states, router_logits)
         try:
             r = await self.client.post(forward_path(layer, deployment or self.deployment), content=body,
-                                       headers={"content-type": "application/octet-stream"})
+                                       headers={"content-type": "application/octet-stream", **self._auth})
         except httpx.HTTPError as e:
             raise MoEServerError(f"HTTP request failed: {e!r}", 503) from None
         return decode_response(r, isinstance(hidden_states, np.ndarray))
 
     async def status(self) -> dict[str, Any]:
-        r = await self.client.get("/v1/status")
+        r = await self.client.get("/v1/status", headers=self._auth)
         if r.status_code != 200:
             _raise_http(r)
         return r.json()

@@ -319,6 +319,11 @@ class AppArgs(BaseModel):
     ingress_replicas: int = Field(2, ge=1)
     # Bound of an ingress -> deployment call (HTTP and app-handle paths); None: derived.
     request_timeout_s: float | None = Field(None, gt=0)
+    # HTTP bearer token: the NAME of the environment variable the ingress reads where it runs (the
+    # token itself is never an argument, so it cannot reach status(), logs or the Serve config);
+    # unset or empty: HTTP is open. http_token_required: an ingress without it refuses to start.
+    http_token_env: str = Field("LMS_HTTP_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    http_token_required: bool = False
 
     @model_validator(mode="before")
     @classmethod

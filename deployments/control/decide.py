@@ -299,7 +299,8 @@ def memory_decision(
             )
         plan = plan_memory(
             cfg, formats, spec.dtype, spec.tp_size, spec.preshard_up_proj, spec.max_forward_tokens,
-            budget=memory_budget(spec, accelerator.compute),
+            budget=memory_budget(spec, accelerator.compute), backend=spec.backend,
+            compute=accelerator.compute,  # the backend's own copies, where the ranks compute
         )
     except ValueError as e:
         raise ValueError(f"deployment {spec.name!r}: {e}") from None

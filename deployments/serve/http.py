@@ -13,16 +13,29 @@ Routes:
   (``warmup``: a starting replica's progress, or whether its tail plan was measured or reused).
   ``GET /healthz``: 200 when every deployment answers with a usable TP group, 503 otherwise (JSON
   details either way).
+* ``GET /openapi.json``: the OpenAPI schema of these routes (forward bodies declared as binary).
+
+Authentication (optional): when the environment variable named by ``http_token_env`` (default
+``LMS_HTTP_TOKEN``) is set where an ingress replica runs, the forward and status routes require
+``Authorization: Bearer <that value>`` (compared in constant time) and answer 401 otherwise;
+``/healthz`` and ``/openapi.json`` stay open (they reveal no data). The token never leaves the
+replica's environment: not in the app's arguments, ``status()``, logs or reprs.
+``http_token_required: true`` makes a replica without the variable refuse to start. The
+app-handle path (inside the Ray cluster) is not token-checked: access to the cluster is its door.
 
 Errors are JSON ``{"error": message, "type": class, "status": code}``: 400 malformed body /
 missing or unexpected tensor / bad shape, dtype or values, 404 unknown layer, deployment or
 route, 413 too many tokens or a body over ``max_body_bytes``; 5xx are ours (503: the TP group
 broke and its replica is being replaced, or the deployment's queue is full
-(``max_queued_requests``; with a ``Retry-After`` header); 504: a call outlived its bound).
+(``max_queued_requests``; with a ``Retry-After`` header); 504: a call outlived its bound); 401
+a missing or wrong token (with ``WWW-Authenticate: Bearer``).
 """
 
 import asyncio
+import hmac
 import math
+import os
+import re
 from typing import Any
 
 import numpy as np
@@ -30,6 +43,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from ray import serve
 from safetensors import SafetensorError
 from safetensors.numpy import save as st_save_numpy
@@ -57,8 +71,93 @@ from ..common.wire import WireTensor
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 INPUT_TENSORS = ("hidden_states", "router_logits")
 HEALTH_TIMEOUT_S = 5.0
+HTTP_TOKEN_ENV = "LMS_HTTP_TOKEN"
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
-api = FastAPI(title="latent-moe-serve", docs_url=None, redoc_url=None)
+# docs_url / redoc_url off (no HTML UI to serve); the schema itself stays at /openapi.json.
+api = FastAPI(title="latent-moe-serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: the message, the error's class and the HTTP status."""
+
+    error: str
+    type: str
+    status: int
+
+
+ERROR_WHY = {
+    400: "malformed or invalid input",
+    401: "missing or wrong bearer token",
+    404: "unknown layer or deployment",
+    413: "too many tokens or body too large",
+    503: "TP group failed or queue full",
+    504: "timed out",
+}
+ERROR_RESPONSES = {code: {"model": ErrorBody, "description": why} for code, why in ERROR_WHY.items()}
+FORWARD_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "description": "safetensors file with hidden_states [T, H] (F32, or BF16 for bfloat16 "
+                       "deployments) and optionally router_logits [T, E]",
+        "content": {SAFETENSORS_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    },
+}
+FORWARD_RESPONSES = {
+    200: {"description": "safetensors file with output [T, H]",
+          "content": {SAFETENSORS_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+    **ERROR_RESPONSES,
+}
+
+
+class BearerToken:
+    """The ingress's shared secret: compared in constant time, never shown (repr, str, logs)."""
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: str):
+        self._secret = secret.encode()
+
+    def __repr__(self) -> str:
+        return "BearerToken(<hidden>)"
+
+    __str__ = __repr__
+
+    def matches(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header value is ``Bearer <the secret>``."""
+        scheme, _, value = (authorization or "").partition(" ")
+        # compare_digest runs in time independent of where the values differ (not of the length).
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self._secret)
+
+
+def check_token_env(name: str) -> str:
+    if not isinstance(name, str) or not ENV_NAME.match(name):
+        raise ValueError(
+            f"http_token_env must name an environment variable ([A-Za-z_][A-Za-z0-9_]*), got {name!r}"
+        )
+    return name
+
+
+def token_from_env(name: str = HTTP_TOKEN_ENV, required: bool = False) -> BearerToken | None:
+    """The token in environment variable ``name`` (None when unset or empty); ``required``: a
+    ValueError when it is missing, naming the variable (never its value)."""
+    value = os.environ.get(check_token_env(name), "")
+    if not value:
+        if required:
+            raise ValueError(
+                f"http_token_required is set but ${name} is empty or unset where the ingress runs: set it "
+                "in the environment of every Ray node (or the app's runtime_env) before deploying"
+            )
+        return None
+    if value != value.strip() or not value.isprintable():
+        raise ValueError(f"${name} must be printable with no surrounding whitespace (its value is not shown)")
+    return BearerToken(value)
+
+
+def unauthorized(token_env: str) -> JSONResponse:
+    message = f"missing or wrong bearer token: send 'Authorization: Bearer <the ingress's ${token_env}>'"
+    return JSONResponse({"error": message, "type": "Unauthorized", "status": 401}, status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
 
 
 def error_response(exc: BaseException) -> JSONResponse:
@@ -120,16 +219,32 @@ class MoEIngress:
     """Routes HTTP and app-handle calls to the TP-group deployments by name."""
 
     def __init__(
-        self, groups: dict[str, Any], routes: LayerRoutes, max_body_bytes: int, request_timeout_s: float
+        self, groups: dict[str, Any], routes: LayerRoutes, max_body_bytes: int, request_timeout_s: float,
+        token_env: str = HTTP_TOKEN_ENV, token_required: bool = False,
     ):
         self.groups = groups  # name -> DeploymentHandle
         self.routes = routes  # name -> served layers, and the default deployment
         self.max_body_bytes = max_body_bytes
         self.request_timeout_s = request_timeout_s
+        self.token_env = token_env
+        self._token = token_from_env(token_env, token_required)  # read here: where the ingress runs
         logger.info(
-            "ingress: deployments %s (default %r), body limit %d bytes, request timeout %.0f s",
-            list(groups), routes.default, max_body_bytes, request_timeout_s,
+            "ingress: deployments %s (default %r), body limit %d bytes, request timeout %.0f s, HTTP %s",
+            list(groups), routes.default, max_body_bytes, request_timeout_s, self.http_auth()["mode"],
         )
+
+    def http_auth(self) -> dict[str, Any]:
+        """How the HTTP routes are guarded (never the token itself)."""
+        env = self.token_env
+        if self._token is None:
+            return {"mode": f"open (no ${env} set)", "token_env": env, "required": False}
+        return {"mode": f"bearer token from ${env}", "token_env": env, "required": True}
+
+    def _refused(self, request: Request) -> JSONResponse | None:
+        """A 401 answer unless the request carries the token (None: let it through)."""
+        if self._token is None or self._token.matches(request.headers.get("authorization")):
+            return None
+        return unauthorized(self.token_env)
 
     def route(self, deployment: str | None, layer: Any) -> str:
         return self.routes.choose(layer, deployment)
@@ -189,8 +304,8 @@ class MoEIngress:
                 return name, {"deployment": name, "healthy": False, "error": error_message(e)}
 
         results = await asyncio.gather(*(one(n, h) for n, h in self.groups.items()))
-        return {"default_deployment": self.routes.default, "deployments": dict(results),
-                "warmup": self.warmup()}
+        return {"default_deployment": self.routes.default, "http_auth": self.http_auth(),
+                "deployments": dict(results), "warmup": self.warmup()}
 
     def warmup(self) -> dict[str, list[dict[str, Any]]]:
         """Each deployment's replicas' warm-up records (measuring with progress, measured or
@@ -232,17 +347,19 @@ class MoEIngress:
                 logger.warning("HTTP forward failed: %s", error_message(e))
             return error_response(e)
 
-    @api.post("/v1/layers/{layer}/forward")
+    @api.post("/v1/layers/{layer}/forward", openapi_extra=FORWARD_OPENAPI, responses=FORWARD_RESPONSES,
+              response_class=Response)
     async def http_forward_default(self, layer: str, request: Request) -> Response:
-        return await self._http_forward(request, layer, None)
+        return self._refused(request) or await self._http_forward(request, layer, None)
 
-    @api.post("/v1/{deployment}/layers/{layer}/forward")
+    @api.post("/v1/{deployment}/layers/{layer}/forward", openapi_extra=FORWARD_OPENAPI,
+              responses=FORWARD_RESPONSES, response_class=Response)
     async def http_forward(self, deployment: str, layer: str, request: Request) -> Response:
-        return await self._http_forward(request, layer, deployment)
+        return self._refused(request) or await self._http_forward(request, layer, deployment)
 
-    @api.get("/v1/status")
-    async def get_status(self) -> JSONResponse:
-        return JSONResponse(await self.status())
+    @api.get("/v1/status", responses={401: ERROR_RESPONSES[401]})
+    async def get_status(self, request: Request) -> JSONResponse:
+        return self._refused(request) or JSONResponse(await self.status())
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:

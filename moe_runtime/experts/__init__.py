@@ -16,8 +16,13 @@ from .base import (
     backend_candidates,
     check_scratch_bytes,
     get_backend,
+    held_bytes,
+    planned_backends,
+    planned_extra_bytes,
+    prepare_backend,
     register_backend,
     registered_backends,
+    resident_extra_bytes,
     select_backend,
     slots_by_expert,
     unavailable_reason,
@@ -26,6 +31,7 @@ from .torch_loop import TorchExperts
 
 __all__ = [
     "AUTO_PREFERENCE", "DEFAULT_SCRATCH_BYTES", "REFERENCE_BACKEND", "ActQuant", "ExpertsBackend",
-    "TorchExperts", "backend_candidates", "check_scratch_bytes", "get_backend", "register_backend",
-    "registered_backends", "select_backend", "slots_by_expert", "unavailable_reason",
+    "TorchExperts", "backend_candidates", "check_scratch_bytes", "get_backend", "held_bytes",
+    "planned_backends", "planned_extra_bytes", "prepare_backend", "register_backend", "registered_backends",
+    "resident_extra_bytes", "select_backend", "slots_by_expert", "unavailable_reason",
 ]

@@ -26,8 +26,15 @@ prepares weights for it (``fused_moe/oracle/mxfp4.py``, ``experts/rocm_aiter_moe
   aiter's quantiser agrees with ours.
 * ``beta`` / ``linear_beta`` are the SiTU betas; routing weights fp32, ids int32, hidden bf16.
 
-The shuffled copies are made once per layer on first use and kept next to the checkpoint-layout
-experts (which the torch reference and ``status()`` still read).
+Memory: the shuffled copies are made once per layer, at load (the runner calls :meth:`prepare`),
+and kept **next to** the checkpoint-layout experts for good. Both are planned:
+:func:`shuffled_bytes` (registered as this backend's ``extra_bytes``) is the memory planner's
+``experts_backend`` part, and :meth:`prepare` refuses a shuffle whose bytes differ from it, so
+planned bytes = held bytes. Why not drop the packed copy after shuffling: it is the reference's
+input (the load-time probe runs torch on it; ``status()`` and the W4A4 check read it), the
+shuffled layout is readable by aiter alone, and a path that frees it could not be run without a
+ROCm GPU. The sizes assume aiter's shuffles permute without padding (same element count and
+1-byte elements: fp4x2 and E8M0), from its source; not measured on a ROCm GPU.
 
 Torch: the two dtypes above are looked up by name (:data:`REQUIRED_TORCH_DTYPES`); a torch without
 them (2.7 has ``float8_e8m0fnu`` but not ``float4_e2m1fn_x2``, which came with 2.8) makes the backend
@@ -39,13 +46,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import math
 import os
 
 import torch
 
 from ..activation import GatedActivation
 from ..weights import ExpertWeights
-from .base import DEFAULT_SCRATCH_BYTES, register_backend
+from .base import DEFAULT_SCRATCH_BYTES, Shapes, register_backend
 
 _A4W4_ENV, _A8W4_ENV = "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4"
 # The torch dtypes the adapter views aiter's operands as, and what each holds. torch 2.8 is the
@@ -88,7 +96,20 @@ def aiter_unavailable_reason() -> str | None:
     return None
 
 
-@register_backend("aiter", unavailable=aiter_unavailable_reason)
+def shuffled_bytes(shapes: Shapes) -> int:
+    """Bytes of the shuffled copies aiter keeps for MXFP4 experts of ``shapes``: one 1-byte
+    element (fp4x2 nibble pair, or E8M0 scale) per packed element; dense experts, which aiter's
+    SiTUv2 cannot run, get none."""
+    if "w13_scale" not in shapes:
+        return 0
+    return sum(math.prod(shapes[name]) for name in ("w13", "w2", "w13_scale", "w2_scale"))
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+@register_backend("aiter", unavailable=aiter_unavailable_reason, extra_bytes=shuffled_bytes, compute=("gpu",))
 class AiterExperts:
     """The fused kernel reads the resident experts directly: the scratch budget does not apply."""
 
@@ -108,6 +129,15 @@ class AiterExperts:
         self._prepared_for: ExpertWeights | None = None
         self._prepared: dict[str, torch.Tensor] = {}
 
+    def held_bytes(self) -> int:
+        """Bytes of the shuffled copies this backend holds now."""
+        return _nbytes(self._prepared)
+
+    def prepare(self, experts: ExpertWeights) -> None:
+        """Shuffle ``experts`` for the fused kernel now (the runner calls it at load)."""
+        if experts.packed:
+            self._prepare(experts)
+
     def _prepare(self, experts: ExpertWeights) -> dict[str, torch.Tensor]:
         if self._prepared_for is not experts:
             E = experts.num_experts
@@ -118,11 +148,18 @@ class AiterExperts:
             def scale(s: torch.Tensor) -> torch.Tensor:
                 return self._shuffle_scale(s.view(self._e8m0_dtype).reshape(-1, s.shape[-1]), E, False)
 
-            self._prepared = {
+            self._prepared, self._prepared_for = {}, None  # the previous layer's copies go first
+            prepared = {
                 "w1": weight(experts.w13), "w2": weight(experts.w2),
                 "w1_scale": scale(experts.w13_scale), "w2_scale": scale(experts.w2_scale),
             }
-            self._prepared_for = experts
+            held, planned = _nbytes(prepared), shuffled_bytes(experts.shapes())
+            if held != planned:
+                raise ValueError(
+                    f"aiter's shuffled experts take {held} B but the memory planner counts {planned} B "
+                    f"for shapes {experts.shapes()}: the plan would be wrong"
+                )
+            self._prepared, self._prepared_for = prepared, experts
         return self._prepared
 
     def __call__(

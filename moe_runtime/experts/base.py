@@ -10,7 +10,7 @@ rows stacked over up rows), I_local = intermediate rows this rank holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,13 +50,27 @@ def always_available() -> str | None:
     return None
 
 
+Shapes = Mapping[str, tuple[int, ...]]  # ExpertWeights.shapes(): tensor name -> shape
+COMPUTE_KINDS = ("cpu", "gpu")
+
+
+def no_extra_bytes(shapes: Shapes) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     """A registered backend: ``factory(scratch_bytes=...)`` builds it; ``unavailable()`` says why
-    it cannot run in this process (None: it can)."""
+    it cannot run in this process (None: it can); ``extra_bytes(shapes)`` is what it keeps per
+    layer beside the checkpoint-layout experts of those shapes (its own layout; a pure function
+    of shapes, so the memory planner asks it before any weight exists, and the backend holds
+    exactly that); ``compute`` the kinds of device it can ever run on (the planner plans ``auto``
+    for every candidate that may be picked where the ranks compute)."""
 
     factory: Callable[..., ExpertsBackend]
     unavailable: Callable[[], str | None] = always_available
+    extra_bytes: Callable[[Shapes], int] = no_extra_bytes
+    compute: tuple[str, ...] = COMPUTE_KINDS
 
 
 _REGISTRY: dict[str, BackendEntry] = {}
@@ -65,11 +79,22 @@ _REGISTRY: dict[str, BackendEntry] = {}
 AUTO_PREFERENCE: tuple[str, ...] = ("aiter",)
 
 
-def register_backend(name: str, unavailable: Callable[[], str | None] = always_available) -> Callable:
-    """Decorator: register ``factory`` under ``name`` with its availability hook."""
+def register_backend(
+    name: str,
+    unavailable: Callable[[], str | None] = always_available,
+    extra_bytes: Callable[[Shapes], int] = no_extra_bytes,
+    compute: tuple[str, ...] = COMPUTE_KINDS,
+) -> Callable:
+    """Decorator: register ``factory`` under ``name`` with its availability hook, the bytes it
+    keeps beside the experts, and the devices it can run on."""
+    unknown = set(compute) - set(COMPUTE_KINDS)
+    if not compute or unknown:
+        raise ValueError(
+            f"backend {name!r}: compute must be a non-empty subset of {COMPUTE_KINDS}, got {compute}"
+        )
 
     def wrap(factory: Callable[..., ExpertsBackend]) -> Callable[..., ExpertsBackend]:
-        _REGISTRY[name] = BackendEntry(factory, unavailable)
+        _REGISTRY[name] = BackendEntry(factory, unavailable, extra_bytes, tuple(compute))
         return factory
 
     return wrap
@@ -84,6 +109,49 @@ def unavailable_reason(name: str) -> str | None:
     if name not in _REGISTRY:
         return f"unknown experts backend {name!r}; known: {registered_backends()}"
     return _REGISTRY[name].unavailable()
+
+
+def resident_extra_bytes(name: str, shapes: Shapes) -> int:
+    """Bytes backend ``name`` keeps per layer beside checkpoint-layout experts of ``shapes``."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown experts backend {name!r}; known: {registered_backends()}")
+    return _REGISTRY[name].extra_bytes(shapes)
+
+
+def planned_backends(requested: str, compute: str) -> list[str]:
+    """The backends a rank computing on ``compute`` ("cpu" | "gpu") may serve with when
+    ``requested``: the requested one, or for ``auto`` every preference that can run on that
+    device, then torch. Decided where the plan is made (a CPU head plans for ROCm workers), so
+    availability in this process is not asked: a candidate that may win on the ranks is planned."""
+    if compute not in COMPUTE_KINDS:
+        raise ValueError(f"compute must be one of {COMPUTE_KINDS}, got {compute!r}")
+    if requested != "auto":
+        if requested not in _REGISTRY:
+            raise ValueError(f"unknown experts backend {requested!r}; known: {registered_backends()}")
+        return [requested]
+    return [n for n in AUTO_PREFERENCE if n in _REGISTRY and compute in _REGISTRY[n].compute] + [
+        REFERENCE_BACKEND
+    ]
+
+
+def planned_extra_bytes(requested: str, compute: str, shapes: Shapes) -> tuple[str, int]:
+    """The backend among :func:`planned_backends` that keeps the most beside the experts, and
+    those bytes (the planner counts the worst case; on a tie, the later one: torch)."""
+    best = max(reversed(planned_backends(requested, compute)), key=lambda n: resident_extra_bytes(n, shapes))
+    return best, resident_extra_bytes(best, shapes)
+
+
+def held_bytes(backend: ExpertsBackend) -> int:
+    """Bytes a built backend holds now beside the experts (``held_bytes()``; none by default)."""
+    held = getattr(backend, "held_bytes", None)
+    return 0 if held is None else int(held())
+
+
+def prepare_backend(backend: ExpertsBackend, experts: ExpertWeights) -> None:
+    """Let a backend make its own copies of a layer's experts now (at load), not on first use."""
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(experts)
 
 
 def get_backend(name: str, scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> ExpertsBackend:

@@ -25,11 +25,11 @@ ASSUMED_DEVICE_SPEED = {  # (bytes/s of memory traffic, FLOP/s)
 
 
 def startup_timeout_s(plan: MemoryPlan | None) -> float:
-    """Replica start bound: the group's weight bytes (every rank reads its slices from the same
-    node's storage) at ``ASSUMED_READ_BYTES_PER_S``, at least ``STARTUP_FLOOR_S``."""
+    """Replica start bound: the group's bytes read from the checkpoint (every rank reads its slices
+    from the same node's storage) at ``ASSUMED_READ_BYTES_PER_S``, at least ``STARTUP_FLOOR_S``."""
     if plan is None:
         return STARTUP_FLOOR_S
-    read = plan.weights_bytes * plan.tp_size
+    read = plan.read_bytes * plan.tp_size
     return max(STARTUP_FLOOR_S, math.ceil(read / ASSUMED_READ_BYTES_PER_S))
 
 
@@ -50,7 +50,8 @@ def forward_cost_s(plan: MemoryPlan, cfg: LatentMoEConfig, tokens: int, device: 
     if plan.formats[layer] == MXFP4:
         decoded = E * 3 * (cfg.moe_intermediate_size // plan.tp_size) * cfg.routed_expert_hidden_size
         experts += 2 * decoded * dtype_bytes(plan.dtype)
-    traffic = sum(parts.values()) - parts["experts_packed"] - parts["experts_dense"] + active * experts
+    others = sum(parts.values()) - parts["experts_packed"] - parts["experts_dense"] - parts["experts_backend"]
+    traffic = others + active * experts
     H, D = cfg.hidden_size, cfg.routed_expert_hidden_size
     I_l, S_l = cfg.moe_intermediate_size // plan.tp_size, cfg.shared_intermediate_size // plan.tp_size
     work = 2 * tokens * (E * H + 2 * D * H + K * 3 * I_l * D + 3 * S_l * H)

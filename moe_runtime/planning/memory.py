@@ -8,6 +8,11 @@ Bytes per rank per MoE layer, by part (the keys of ``LayerWeights.nbytes_by_part
     experts_packed      MXFP4 routed experts: E x [2 I_l x (D/2 + D/32)  +  D x (I_l/2 + I_l/32)]
                         (w1|w3 rows split, w2 columns split; uint8 nibbles + one E8M0 byte per 32)
     experts_dense       dense routed experts: E x 3 x I_l x D x b
+    experts_backend     what the experts backend keeps beside them in its own layout, asked of the
+                        backend from the shapes (``experts.resident_extra_bytes``): torch and
+                        grouped 0; aiter its shuffled copies of MXFP4 experts, as many bytes as
+                        experts_packed. ``auto`` plans the largest of the backends it may pick
+                        where the ranks compute (``experts.planned_extra_bytes``): on GPUs, aiter's
     shared_experts      3 x S_l x H x b (MXFP4 shared experts are decoded to b at load)
     latent_projections  Wdown D x H x b + RMSNorm gamma D x 4 (fp32; absent without the norm)
     up_projection       Wup H x D x b, or (H/P) x D x b when pre-sharded
@@ -31,10 +36,12 @@ from typing import Any
 
 from ..checkpoint import EXPERT_FORMATS, MXFP4, resolve_expert_formats
 from ..config import LatentMoEConfig
-from ..experts import DEFAULT_SCRATCH_BYTES  # the torch backend's decode budget per rank
+
+# DEFAULT_SCRATCH_BYTES: the torch backend's decode budget per rank
+from ..experts import DEFAULT_SCRATCH_BYTES, REFERENCE_BACKEND, planned_extra_bytes
 from ..tp.sharding import check_tp_size
 from ..units import dtype_bytes, format_layers, gb
-from ..weights import PARTS
+from ..weights import PARTS, expert_shapes
 from .budget import Budget
 
 MXFP4_BLOCK = 32
@@ -49,8 +56,11 @@ def layer_bytes(
     dtype: str,
     tp_size: int = 1,
     preshard_up_proj: bool = False,
+    backend: str = REFERENCE_BACKEND,
+    compute: str = "gpu",
 ) -> dict[str, int]:
-    """Bytes one rank of a TP ``tp_size`` group holds for one MoE layer, by part (all of ``PARTS``)."""
+    """Bytes one rank of a TP ``tp_size`` group holds for one MoE layer, by part (all of ``PARTS``),
+    serving with experts ``backend`` (``auto``: the worst case where the ranks ``compute``)."""
     if experts_format not in EXPERT_FORMATS:
         raise ValueError(f"experts format {experts_format!r} is not one of {EXPERT_FORMATS}")
     H, D, E, I = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -70,6 +80,8 @@ def layer_bytes(
         parts["experts_packed"] = E * (w13 + w2)
     else:
         parts["experts_dense"] = E * 3 * I_l * D * b
+    shapes = expert_shapes(E, I_l, D, experts_format == MXFP4)
+    parts["experts_backend"] = planned_extra_bytes(backend, compute, shapes)[1]
     parts["shared_experts"] = 3 * S_l * H * b
     parts["latent_projections"] = D * H * b + (D * 4 if cfg.latent_moe_use_norm else 0)
     parts["up_projection"] = (H // tp_size if preshard_up_proj else H) * D * b
@@ -149,6 +161,7 @@ class MemoryPlan:
     formats: Mapping[int, str]
     workspace: Workspace
     budget: Budget | None = None
+    experts_backend: str = REFERENCE_BACKEND  # whose copies ``experts_backend`` counts (auto: worst case)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -161,6 +174,11 @@ class MemoryPlan:
     @property
     def weights_bytes(self) -> int:
         return sum(self.by_part.values())
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes per rank read from the checkpoint: the weights less the backend's own copies."""
+        return self.weights_bytes - self.by_part["experts_backend"]
 
     @property
     def total_bytes(self) -> int:
@@ -178,8 +196,11 @@ class MemoryPlan:
         layers = self.layers
         per = self.weights_bytes // len(layers)
         formats = "/".join(sorted(set(self.formats.values())))
+        copies = self.by_part["experts_backend"]
+        backend = f"{self.experts_backend} backend" + (f" + {gb(copies)} of its own copies" if copies else "")
         text = (
-            f"{len(layers)} layer(s) ({format_layers(layers)}) x ~{gb(per)} per rank ({formats} experts, "
+            f"{len(layers)} layer(s) ({format_layers(layers)}) x ~{gb(per)} per rank "
+            f"({formats} experts, {backend}, "
             f"{self.dtype}, TP {self.tp_size}) = {gb(self.weights_bytes)} + {self.workspace.describe()} "
             f"= {gb(self.total_bytes)} per rank"
         )
@@ -207,6 +228,7 @@ class MemoryPlan:
             "preshard_up_proj": self.preshard_up_proj,
             "layers": format_layers(self.layers),
             "experts_formats": sorted(set(self.formats.values())),
+            "experts_backend": self.experts_backend,
             "bytes_per_rank_by_part": self.by_part,
             "weights_bytes_per_rank": self.weights_bytes,
             "workspace": {
@@ -232,6 +254,8 @@ def plan_memory(
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     budget: Budget | None = None,
     experts_path: str = "decode",
+    backend: str = REFERENCE_BACKEND,
+    compute: str = "gpu",
 ) -> MemoryPlan:
     """The plan of one TP group serving ``formats``' layers (layer -> experts format).
 
@@ -239,6 +263,8 @@ def plan_memory(
     ``experts_path``: how packed experts run (``decode``: in ``scratch_bytes``; ``fused``: the
     CPU kernel, no scratch, ``fused_bytes_per_token`` more per token). Dense experts need no scratch
     either way, but the default keeps the allowance (as before).
+    ``backend``: the experts backend requested (``auto``: the worst case of those it may pick
+    on ``compute``, "cpu" or "gpu"), whose own copies are counted.
     """
     if experts_path not in EXPERTS_PATHS:
         raise ValueError(f"experts_path must be one of {EXPERTS_PATHS}, got {experts_path!r}")
@@ -247,13 +273,18 @@ def plan_memory(
     for layer in formats:
         cfg.check_moe_layer(layer)
     per_layer = {
-        layer: layer_bytes(cfg, fmt, dtype, tp_size, preshard_up_proj) for layer, fmt in formats.items()
+        layer: layer_bytes(cfg, fmt, dtype, tp_size, preshard_up_proj, backend, compute)
+        for layer, fmt in formats.items()
     }
     per_token = activation_bytes_per_token(cfg, dtype, tp_size)
     if experts_path == "fused":
         scratch_bytes, per_token = 0, per_token + fused_bytes_per_token(cfg, tp_size)
+    E, I_l, D = cfg.num_experts, cfg.moe_intermediate_size // tp_size, cfg.routed_expert_hidden_size
+    per_format = {f: planned_extra_bytes(backend, compute, expert_shapes(E, I_l, D, f == MXFP4))
+                  for f in set(formats.values())}
+    planned = max(per_format.values(), key=lambda named: named[1])[0]
     workspace = Workspace(scratch_bytes, max_tokens, per_token)
-    return MemoryPlan(tp_size, dtype, preshard_up_proj, per_layer, dict(formats), workspace, budget)
+    return MemoryPlan(tp_size, dtype, preshard_up_proj, per_layer, dict(formats), workspace, budget, planned)
 
 
 def plan_checkpoint(
@@ -319,6 +350,8 @@ def propose_split(
     preshard_up_proj: bool = False,
     max_tokens: int = 2048,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
+    backend: str = REFERENCE_BACKEND,
+    compute: str = "gpu",
 ) -> LayerSplit:
     """The fewest contiguous groups of ``formats``' layers (in layer order) that each fit one TP
     group of ``tp_size`` ranks within ``budget``, sized as evenly as possible."""
@@ -327,7 +360,7 @@ def propose_split(
     def plan(group: Sequence[int]) -> MemoryPlan:
         return plan_memory(
             cfg, {x: formats[x] for x in group}, dtype, tp_size, preshard_up_proj, max_tokens, scratch_bytes,
-            budget,
+            budget, backend, compute,
         )
 
     single = plan(layers[:1])

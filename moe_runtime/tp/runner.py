@@ -18,7 +18,14 @@ from .. import mxfp4
 from ..activation import GatedActivation
 from ..checkpoint import MXFP4, CheckpointReader, checkpoint_expert_formats, load_layer_weights
 from ..config import LatentMoEConfig
-from ..experts import DEFAULT_SCRATCH_BYTES, ActQuant, backend_candidates, get_backend
+from ..experts import (
+    DEFAULT_SCRATCH_BYTES,
+    ActQuant,
+    backend_candidates,
+    get_backend,
+    held_bytes,
+    prepare_backend,
+)
 from ..experts.check import BackendCheck, verify_backend
 from ..experts.mxfp4_cpu import dense_linear
 from ..layer import down_project, latent_norm, routed_experts, shared_experts
@@ -160,6 +167,7 @@ class LatentMoERunner:
         self._check_shapes()
         self.backend_name = backend
         self.backend = get_backend(backend, scratch_bytes)
+        prepare_backend(self.backend, weights.experts)  # its own copies now, as the planner counts them
         self.backend_checks: list[BackendCheck] = []  # the load-time probes (build_rank_runners)
         # how the backend runs these experts (torch: fused MXFP4 on CPU, decode, dense) and why
         path = getattr(self.backend, "path", None)
@@ -211,10 +219,11 @@ class LatentMoERunner:
                 raise ValueError(f"{name} is {found[name]}, expected {shape} for TP {P}")
 
     def resident_bytes(self) -> int:
-        return self.w.nbytes()
+        return sum(self.resident_bytes_by_part().values())
 
     def resident_bytes_by_part(self) -> dict[str, int]:
-        return self.w.nbytes_by_part()
+        """The weights by part plus what the experts backend keeps beside them (``experts_backend``)."""
+        return {**self.w.nbytes_by_part(), "experts_backend": held_bytes(self.backend)}
 
     # -- forward --------------------------------------------------------------------------
 
