@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import mxfp4
 from .checkpoint import EXPERT_FORMATS, CheckpointReader, resolve_expert_formats
 from .config import LatentMoEConfig
 from .experts import DEFAULT_SCRATCH_BYTES, mxfp4_cpu, select_backend
@@ -22,7 +23,7 @@ from .tp.collectives import Collectives
 from .tp.local_group import run_local_group
 from .tp.plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
 from .tp.routed_input import ACTIVATION_QUANT_MODES, REQUESTABLE_QUANT_MODES, RoutedInputConfig
-from .tp.runner import build_rank_runners, check_activation_quant
+from .tp.runner import build_rank_runners, check_activation_quant, check_mxfp4_scale_rule
 from .units import GB, gb, torch_dtype
 
 
@@ -53,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     fw.add_argument(
         "--experts-activation-quant", choices=ACTIVATION_QUANT_MODES, default="none",
         help="mxfp4: W4A4 emulation of MXFP4 experts (what ROCm production runs)",
+    )
+    fw.add_argument(
+        "--mxfp4-scale-rule", choices=mxfp4.SCALE_RULES, default=mxfp4.ACTIVATION_SCALE_RULE,
+        help="block exponent of MXFP4 activations: even (AMD Quark's default, what vLLM's emulation and "
+        "aiter's Triton quantiser use) or floor (the plain OCP rule, for comparison)",
     )
     fw.add_argument("--min-sharded-tokens", type=int, default=1)
     fw.add_argument("--repeat", type=int, default=1,
@@ -101,6 +107,7 @@ def _rank_forward(
     routed_input: RoutedInputConfig | None,
     scratch_bytes: int,
     experts_activation_quant: str,
+    mxfp4_scale_rule: str,
     x,
     logits,
     repeat: int = 1,
@@ -119,6 +126,7 @@ def _rank_forward(
         scratch_bytes=scratch_bytes,
         progress=None if comm.rank == 0 else False,  # one bar, and only on a terminal
         experts_activation_quant=experts_activation_quant,
+        mxfp4_scale_rule=mxfp4_scale_rule,
     )[layer]
     comm.loaded()  # wait for the slowest rank's load; only then does the collective timeout apply
     stats = {
@@ -247,10 +255,12 @@ def forward(args: argparse.Namespace) -> int:
     cfg.check_moe_layer(args.layer)
     dtype = torch_dtype(args.dtype)
     plan = resolve_tail(args.tail, cfg, args.tp, args.preshard_up_proj, args.sequence_parallel)
-    routed_input = None
+    routed_input, routed_quant = None, "none"
     if args.routed_input_quant is not None:
         routed_input = RoutedInputConfig(True, args.routed_input_quant, args.min_sharded_tokens)
-        routed_input.resolve(args.experts_activation_quant, cfg.routed_expert_hidden_size)  # fail early
+        resolved = routed_input.resolve(args.experts_activation_quant, cfg.routed_expert_hidden_size)
+        routed_quant = resolved.quant  # fail early
+    check_mxfp4_scale_rule(args.mxfp4_scale_rule, args.experts_activation_quant, routed_quant)
     backend, backend_reason = select_backend(args.backend)
     scratch_bytes = int(args.scratch_mb * 2**20)
     if scratch_bytes < 1:
@@ -286,6 +296,7 @@ def forward(args: argparse.Namespace) -> int:
         routed_input,
         scratch_bytes,
         args.experts_activation_quant,
+        args.mxfp4_scale_rule,
         x,
         logits,
         args.repeat,

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite (CPU only; GPU-marked tests skip themselves without a GPU).
 # `scripts/test.sh --vllm [pytest args]` instead runs the opt-in conformance lane: our code against
-# vLLM's own (tests/conformance, docs/conformance.md) in its separate venv. CI never runs it.
+# vLLM's and AMD Quark's own (tests/conformance, docs/conformance.md) in its separate venv. CI never runs it.
 if [ "${1:-}" = "--vllm" ]; then
   shift
   source "$(dirname "$0")/vllm_env.sh"
-  python -c "import vllm, torch; print('vllm', vllm.__version__, '| torch', torch.__version__)"
+  python -c "import vllm, torch, quark; print('vllm', vllm.__version__, '| amd-quark', quark.__version__, '| torch', torch.__version__)"
   exec python scripts/conformance_lane.py "$@"   # pytest -q -ra tests/conformance; records docs/conformance-lane.json
 fi
 source "$(dirname "$0")/env.sh"

@@ -5,9 +5,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_VENV="${LMS_VLLM_VENV:-$ROOT/.venv-vllm}"
 VLLM_VERSION="0.32.0"
+# AMD Quark: vLLM's MXFP4 activation emulation calls it (quark.torch.kernel.mx); the lane checks our
+# fake-quant against its CPU functions (tests/conformance/test_quark_mxfp4.py).
+QUARK_VERSION="0.13"
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
-STAMP="$VLLM_VENV/.lms-vllm-$VLLM_VERSION"
+STAMP="$VLLM_VENV/.lms-vllm-$VLLM_VERSION-quark-$QUARK_VERSION"
 if [ ! -x "$VLLM_VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VLLM_VENV"
 fi
@@ -21,6 +24,9 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   # imports Ray), and Ray's pins would fight vLLM's.
   "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
   "$VLLM_VENV/bin/python" -m pip install -q "pytest>=8" "pytest-timeout>=2.3" "safetensors>=0.4" "pyyaml>=6"
+  # amd-quark pins no torch; its CPU fake-quant op is a C++ extension it JIT-compiles on first import
+  # (needs a C++ compiler; ninja comes with it).
+  "$VLLM_VENV/bin/python" -m pip install -q "amd-quark==$QUARK_VERSION"
   "$VLLM_VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
   touch "$STAMP"
 fi

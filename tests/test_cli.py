@@ -151,3 +151,32 @@ def test_random_input_is_seeded_hidden_states_in_the_layer_dtype(tiny_ckpt, tmp_
         main(["forward", "--checkpoint", str(tiny_ckpt), "--layer", "2", "--random-input", "2",
               "--input", str(out), "--output", str(out)])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_mxfp4_scale_rule_flag(make_ckpt, tmp_path, capsys):
+    """``--mxfp4-scale-rule`` reaches the W4A4 experts (single device, in process), defaults to
+    the production rule ``even``, and is refused where nothing quantises MXFP4 activations."""
+    from moe_runtime import mxfp4
+    from moe_runtime.cli import main
+
+    ckpt = str(make_ckpt(mxfp4=True))
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    x = torch.randn(33, 128, generator=torch.Generator().manual_seed(4))
+    save_file({"hidden_states": x}, tmp_path / "in.safetensors")
+    w = load_layer_weights(ckpt, cfg, 1)
+    outs = {}
+    for rule in (None, "even", "floor"):
+        out = tmp_path / f"o_{rule}.safetensors"
+        flags = [] if rule is None else ["--mxfp4-scale-rule", rule]
+        rc = main(["forward", "--checkpoint", ckpt, "--layer", "1", "--input", str(tmp_path / "in.safetensors"),
+                   "--output", str(out), "--experts-activation-quant", "mxfp4", *flags])
+        assert rc == 0, capsys.readouterr().err
+        outs[rule] = load_file(out)["output"]
+    for rule in ("even", "floor"):
+        ref = moe_forward(x, w, cfg, act_quant=lambda t, rule=rule: mxfp4.quantize_dequantize(t, rule))
+        # the same math in the same process: only GEMM blocking over other row counts differs
+        torch.testing.assert_close(outs[rule], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(outs[None], outs["even"]) and not torch.equal(outs["even"], outs["floor"])
+    rc = main(["forward", "--checkpoint", ckpt, "--layer", "1", "--input", str(tmp_path / "in.safetensors"),
+               "--output", str(tmp_path / "x.safetensors"), "--mxfp4-scale-rule", "floor"])
+    assert rc == 2 and "mxfp4_scale_rule 'floor' would have no effect" in capsys.readouterr().err

@@ -119,18 +119,20 @@ def test_encode_zero_block() -> None:
     assert mxfp4.decode(packed, scale).abs().sum().item() == 0.0
 
 
+@pytest.mark.parametrize(("rule", "amax_div"), [("floor", 16), ("even", 14)])
 @pytest.mark.parametrize("spread", [1.0, 1e-3, 1e4])
-def test_encode_round_trip_within_documented_bound(spread: float) -> None:
-    # encode's docstring: |x - q| <= max(|x| / 4, amax / 16) per element, amax = the block's
-    # largest magnitude. Rows of mixed magnitudes exercise many exponents.
+def test_encode_round_trip_within_documented_bound(spread: float, rule: str, amax_div: int) -> None:
+    # encode's docstring: |x - q| <= max(|x| / 4, amax / 16) per element under floor,
+    # max(|x| / 4, amax / 14) under even, amax = the block's largest magnitude. Rows of mixed
+    # magnitudes exercise many exponents.
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 256, generator=gen) * spread
     x = x * torch.exp2(torch.randint(-6, 7, (64, 8, 1), generator=gen).float()).repeat_interleave(32, -1).reshape(64, 256)
-    packed, scale = mxfp4.encode(x)
+    packed, scale = mxfp4.encode(x, rule)
     assert packed.shape == (64, 128) and scale.shape == (64, 8)
     q = mxfp4.decode(packed, scale)
     amax = x.reshape(64, 8, 32).abs().amax(-1, keepdim=True).expand(64, 8, 32).reshape(64, 256)
-    bound = torch.maximum(x.abs() / 4, amax / 16)
+    bound = torch.maximum(x.abs() / 4, amax / amax_div)
     err = (x - q).abs()
     assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
     # The bound is tight: saturated block maxima (|x| just below 8 * scale -> 6 * scale) use
@@ -175,15 +177,18 @@ def test_nan_scale_byte_is_rejected() -> None:
         mxfp4.decode(packed, torch.full((1, 1), 255, dtype=torch.uint8))
 
 
-# -- the OCP MX rule against an independent, element-by-element encoder ---------------------------
+# -- the two scale rules against an independent, element-by-element encoder ---------------------
 
 
-def ocp_reference(block: list[float]) -> tuple[int, list[float]]:
-    """One 32-block by the OCP MX spec, in plain Python floats: ``(E8M0 byte, decoded values)``.
+def mx_reference(block: list[float], rule: str = "floor") -> tuple[int, list[float]]:
+    """One 32-block in plain Python floats: ``(E8M0 byte, decoded values)``.
 
-    Shared exponent ``X = floor(log2(amax)) - 2`` (found by stepping powers of two, not
-    log2/frexp), clamped to E8M0's [-127, 127]; each element goes to the nearest E2M1
-    magnitude, ties to the even code, anything above 6 to 6 (saturation).
+    ``floor`` (the OCP MX spec): shared exponent ``X = floor(log2(amax)) - 2``. ``even`` (AMD
+    Quark's default, ``quark.torch.quantization.utils.even_round``): ``amax`` first rounded
+    to a power of two, up when its mantissa is at least 1.75, then the same. ``floor(log2)``
+    is found by stepping powers of two (not log2/frexp), and the 1.75 test compares with
+    ``1.75 * 2**e`` (exact in binary); ``X`` is clamped to E8M0's [-127, 127]; each element
+    goes to the nearest E2M1 magnitude, ties to the even code, anything above 6 to 6.
     """
     amax = max(abs(v) for v in block)
     if amax == 0:
@@ -192,6 +197,8 @@ def ocp_reference(block: list[float]) -> tuple[int, list[float]]:
     while 2.0**e > amax:
         e -= 1
     while 2.0 ** (e + 1) <= amax:
+        e += 1
+    if rule == "even" and amax >= 1.75 * 2.0**e:
         e += 1
     X = max(-127, min(127, e - 2))
     scale = 2.0**X
@@ -207,6 +214,14 @@ def ocp_reference(block: list[float]) -> tuple[int, list[float]]:
     return X + 127, out
 
 
+def _mantissa_block(m: float, e: int = 3) -> list[float]:
+    """A block whose maximum is ``m * 2**e`` (``m`` in [1, 2)) among smaller values."""
+    return [m * 2.0**e, -0.3 * 2.0**e] + [(k - 15) * 0.06 * 2.0**e for k in range(30)]
+
+
+_BELOW_2 = 2.0 - 2.0**-23  # the largest fp32 mantissa
+_BELOW_175 = 1.75 - 2.0**-23
+
 EDGE_BLOCKS = {
     "zeros": [0.0] * 32,
     "negative_zeros": [-0.0] * 32,
@@ -214,52 +229,118 @@ EDGE_BLOCKS = {
     "subnormal": [k * 1e-42 for k in range(-16, 16)],
     "tiny_normal": [2.0**-125 * (1 + k / 40) for k in range(32)],
     "below_floor": [2.0**-127 * v for v in (3.0, -1.0, 0.4, 0.2)] + [0.0] * 28,
+    # scale 2**-127 (an fp32 subnormal) under both rules; the elements' own rounding decides
+    "subnormal_scale": [1.8 * 2.0**-126, 2.0**-127, -0.6 * 2.0**-126] + [k * 2.0**-131 for k in range(29)],
     # the block maximum at and above 6 * 2**X (X = 0 for amax in [4, 8)): 6 exact, 6.5..7.99
-    # saturate to 6, 5.0 is a tie (-> 4, the even code)
+    # saturate to 6 under floor; 7.0 and up round the scale up under even; 5.0 is a tie
     "max": [6.0, 6.5, 7.0, 7.5, 7.99, -7.99, 5.0, -5.0] + [0.1 * k for k in range(24)],
+    # near fp32's top: floor saturates to 6 * 2**125; even's scale 2**126 puts the maximum on
+    # 4 * 2**126 = 2**128, past fp32 (inf, as Quark's even mode gives from 1.75 * 2**127 on)
     "fp32_max": [3.0e38, -3.4e38, 1e38, 1.0] + [0.0] * 28,
     "negatives": [-(k + 1) * 0.37 for k in range(32)],
     # every E2M1 midpoint with a block maximum of 4 (scale 1): ties to the even code
     "ties": [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 4.0] * 4,
     "tie_negatives": [-0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -4.0] * 4,
     "one_outlier": [1000.0] + [0.01 * k for k in range(31)],
+    # amax mantissas at the rules' edges: 1.5 (where aiter's in-kernel and RCEIL quantisers
+    # start rounding up; neither rule here does), just below 1.75, 1.75 (even rounds up), just
+    # below 2 (even rounds up, floor saturates)
+    "mantissa_1.5": _mantissa_block(1.5),
+    "mantissa_below_1.75": _mantissa_block(_BELOW_175),
+    "mantissa_1.75": _mantissa_block(1.75),
+    "mantissa_below_2": _mantissa_block(_BELOW_2, -9),
+    # under even a 1.75 block scales to [3.5, 4): its maximum is the 3.5 tie (-> 4.0)
+    "even_tie_at_max": [1.75, -1.75, 0.25, 0.125, 0.375] + [0.0] * 27,
 }
 
 
+@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
 @pytest.mark.parametrize("name", list(EDGE_BLOCKS))
-def test_encoder_matches_independent_ocp_reference(name: str) -> None:
+def test_encoder_matches_independent_reference(name: str, rule: str) -> None:
     block = EDGE_BLOCKS[name]
     x = torch.tensor([block], dtype=torch.float32)
-    ref_byte, ref = ocp_reference(x[0].tolist())  # on the fp32 values the encoder sees
-    packed, scale = mxfp4.encode(x)
+    ref_byte, ref = mx_reference(x[0].tolist(), rule)  # on the fp32 values the encoder sees
+    # The reference's Python floats rounded to fp32: under even, fp32_max's block maximum
+    # becomes 4 * 2**126 = 2**128, which fp32 holds only as inf (mxfp4.encode's docstring).
+    ref32 = torch.tensor([ref], dtype=torch.float32)
+    packed, scale = mxfp4.encode(x, rule)
     assert scale.item() == ref_byte
-    assert mxfp4.decode(packed, scale)[0].tolist() == ref
-    fq = mxfp4.quantize_dequantize(x)
-    assert fq.dtype == torch.float32 and fq[0].tolist() == ref
+    assert torch.equal(mxfp4.decode(packed, scale), ref32)
+    fq = mxfp4.quantize_dequantize(x, rule)
+    assert fq.dtype == torch.float32 and torch.equal(fq, ref32)
 
 
-def test_random_blocks_match_independent_reference_in_every_dtype() -> None:
+@pytest.mark.parametrize(
+    ("m", "floor_byte", "even_byte", "floor_max", "even_max"),
+    [
+        # amax = m * 2**3; floor: scale 2**1 always; even: 2**2 from m = 1.75 on
+        (1.0, 128, 128, 8.0, 8.0),
+        (1.5, 128, 128, 12.0, 12.0),
+        (_BELOW_175, 128, 128, 12.0, 12.0),  # 6.99.. -> 6 under both
+        (1.75, 128, 129, 12.0, 16.0),  # floor clips 14 to 12; even: 3.5 ties to 4 -> 16
+        (1.9, 128, 129, 12.0, 16.0),
+        (_BELOW_2, 128, 129, 12.0, 16.0),
+    ],
+)
+def test_scale_rule_edges_by_hand(m, floor_byte, even_byte, floor_max, even_max) -> None:
+    """The rules' only difference, worked out by hand: a block maximum ``m * 8`` with ``m`` in
+    [1.75, 2) gets twice the scale under ``even``, so it rounds to 16 instead of clipping to 12."""
+    x = torch.tensor([_mantissa_block(m)], dtype=torch.float32)
+    for rule, byte, top in (("floor", floor_byte, floor_max), ("even", even_byte, even_max)):
+        assert mxfp4.encode(x, rule)[1].item() == byte, rule
+        assert mxfp4.quantize_dequantize(x, rule)[0, 0].item() == top, rule
+
+
+def test_default_rules() -> None:
+    """Activations default to the production rule, checkpoint weights to the OCP rule."""
+    x = torch.tensor([_mantissa_block(1.8)])
+    assert torch.equal(mxfp4.quantize_dequantize(x), mxfp4.quantize_dequantize(x, "even"))
+    assert torch.equal(mxfp4.encode(x)[1], mxfp4.encode(x, "floor")[1])
+    with pytest.raises(ValueError, match=r"scale rule 'ceil' is not one of \('even', 'floor'\)"):
+        mxfp4.quantize_dequantize(x, "ceil")
+    with pytest.raises(ValueError, match="scale rule 'nearest'"):
+        mxfp4.encode(x, "nearest")
+
+
+@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
+def test_random_blocks_match_independent_reference_in_every_dtype(rule: str) -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 96, generator=gen) * torch.logspace(-30, 30, 6).unsqueeze(1)
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        fq = mxfp4.quantize_dequantize(xd)
+        fq = mxfp4.quantize_dequantize(xd, rule)
+        scale = mxfp4.encode(xd, rule)[1]
         assert fq.dtype == dtype and fq.shape == xd.shape
         for r in range(6):
             for b in range(3):
                 block = xd[r, 32 * b : 32 * (b + 1)].float().tolist()
-                ref_byte, ref = ocp_reference(block)
+                ref_byte, ref = mx_reference(block, rule)
                 assert fq[r, 32 * b : 32 * (b + 1)].float().tolist() == ref, (dtype, r, b)
-                assert mxfp4.encode(xd)[1][r, b].item() == ref_byte
+                assert scale[r, b].item() == ref_byte
 
 
-def test_quantize_dequantize_is_idempotent_and_batched() -> None:
-    """MXFP4 values re-quantise to themselves (the deferred routed input relies on it), and a
-    leading batch shape is fine."""
+def test_rules_differ_exactly_on_blocks_with_amax_mantissa_from_1_75() -> None:
+    """On random-normal blocks the two rules disagree on a block iff its amax mantissa is >= 1.75
+    (and then the scale byte is one higher under even)."""
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(7))
+    blocks = x.reshape(-1, 32)
+    frac, _ = torch.frexp(blocks.abs().amax(-1))
+    up = frac >= 0.875
+    floor_s, even_s = mxfp4.encode(x, "floor")[1].reshape(-1), mxfp4.encode(x, "even")[1].reshape(-1)
+    assert torch.equal(even_s.int() - floor_s.int(), up.int())
+    differ = (mxfp4.quantize_dequantize(x, "floor") != mxfp4.quantize_dequantize(x, "even")).reshape(-1, 32).any(-1)
+    assert torch.equal(differ, up)
+    assert 0.1 < up.float().mean().item() < 0.25  # ~17 % of random-normal blocks
+
+
+@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
+def test_quantize_dequantize_is_idempotent_and_batched(rule: str) -> None:
+    """MXFP4 values re-quantise to themselves under either rule (the deferred routed input
+    relies on it), and a leading batch shape is fine."""
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(2)) * 3
-    q = mxfp4.quantize_dequantize(x)
-    assert torch.equal(mxfp4.quantize_dequantize(q), q)
-    assert torch.equal(q, mxfp4.decode(*mxfp4.encode(x)))
+    q = mxfp4.quantize_dequantize(x, rule)
+    assert torch.equal(mxfp4.quantize_dequantize(q, rule), q)
+    assert torch.equal(q, mxfp4.decode(*mxfp4.encode(x, rule)))
     assert not torch.equal(q, x)
 
 

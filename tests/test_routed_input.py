@@ -55,15 +55,20 @@ def fp8_bound(h_TD: torch.Tensor) -> torch.Tensor:
     return h.abs() * 2**-4 + scale * 2**-10
 
 
-def mxfp4_bound(h_TD: torch.Tensor) -> torch.Tensor:
-    """``|x - q| <= max(|x| / 4, amax / 16)``, ``amax`` the largest magnitude of x's block."""
+def mxfp4_bound(h_TD: torch.Tensor, rule: str = "even") -> torch.Tensor:
+    """``|x - q| <= max(|x| / 4, amax / 14)`` (``amax / 16`` under the ``floor`` rule), ``amax``
+    the largest magnitude of x's block."""
     h = h_TD.float()
     T, D = h.shape
     amax = h.abs().reshape(T, D // mxfp4.BLOCK, mxfp4.BLOCK).amax(-1).repeat_interleave(mxfp4.BLOCK, dim=-1)
-    return torch.maximum(h.abs() / 4, amax / 16)
+    return torch.maximum(h.abs() / 4, amax / (16 if rule == "floor" else 14))
 
 
-BOUNDS = {"fp8-approx": fp8_bound, "mxfp4-approx": mxfp4_bound}
+BOUNDS = {
+    "fp8-approx": fp8_bound,
+    "mxfp4-approx": mxfp4_bound,
+    "mxfp4-approx-floor": functools.partial(mxfp4_bound, rule="floor"),
+}
 
 
 def check_bound(err: torch.Tensor, bound: torch.Tensor, what: str, min_tightness: float = 0.5) -> None:
@@ -128,14 +133,23 @@ def test_fp8_dequantize_dtype() -> None:
     torch.testing.assert_close(q16, fp8_dequantize(codes, scale, torch.float32).to(torch.bfloat16), rtol=0, atol=0)
 
 
-def test_mxfp4_roundtrip_within_bound() -> None:
+@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
+def test_mxfp4_roundtrip_within_bound(rule: str) -> None:
     h = _latent_like()
-    parts = quantize(h, "mxfp4-approx")
+    parts = quantize(h, "mxfp4-approx", rule)
     assert [p.dtype for p in parts] == [torch.uint8, torch.uint8]
     assert parts[0].shape == (64, 128) and parts[1].shape == (64, 256 // mxfp4.BLOCK)
+    assert torch.equal(parts[1], mxfp4.encode(h, rule)[1])
     q = dequantize(parts, "mxfp4-approx", torch.float32)
-    check_bound((q - h).abs(), mxfp4_bound(h), "mxfp4", min_tightness=0.7)
+    check_bound((q - h).abs(), mxfp4_bound(h, rule), "mxfp4", min_tightness=0.7)
     assert torch.equal(q[5], torch.zeros_like(q[5]))
+
+
+def test_mxfp4_routed_input_defaults_to_the_activation_rule() -> None:
+    h = _latent_like()
+    for mode in ("mxfp4", "mxfp4-approx"):
+        assert all(torch.equal(a, b) for a, b in zip(quantize(h, mode), mxfp4.encode(h, "even"), strict=True))
+        assert not torch.equal(quantize(h, mode)[1], quantize(h, mode, "floor")[1])
 
 
 def test_quantize_none_is_the_identity() -> None:
@@ -203,11 +217,17 @@ def test_resolve_rejects_inexact_or_impossible_combinations() -> None:
 
 APPROX = ("fp8-approx", "mxfp4-approx")
 W4A4_MIN_TOKENS = 32  # T = 1 stays below it, 33 and 257 are token-sharded
-W4A4_VARIANTS = {
-    "w4a4": None,  # replicated down-projection, experts quantise h and the gated activation
-    "w4a4_auto": RoutedInputConfig(enabled=True, min_sharded_tokens=W4A4_MIN_TOKENS),  # -> mxfp4
-    "w4a4_sharded_none": RoutedInputConfig(enabled=True, quant="none", min_sharded_tokens=W4A4_MIN_TOKENS),
+_AUTO = RoutedInputConfig(enabled=True, min_sharded_tokens=W4A4_MIN_TOKENS)  # -> mxfp4 with W4A4
+W4A4_VARIANTS = {  # name: (routed input, mxfp4_scale_rule)
+    "w4a4": (None, "even"),  # replicated down-projection, experts quantise h and the gated activation
+    "w4a4_auto": (_AUTO, "even"),
+    "w4a4_sharded_none": (
+        RoutedInputConfig(enabled=True, quant="none", min_sharded_tokens=W4A4_MIN_TOKENS), "even"
+    ),
+    "w4a4_floor": (None, "floor"),  # the OCP rule, selectable for comparison
+    "w4a4_auto_floor": (_AUTO, "floor"),
 }
+W4A4_NAME = {"even": "w4a4", "floor": "w4a4_floor"}  # plain W4A4 per rule
 
 
 class CountingQuant:
@@ -226,13 +246,15 @@ def _rank_routed(comm: Collectives, ckpt: str, mxfp4_ckpt: str) -> dict:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     out: dict = {}
 
-    def runner(dtype, tail="replicated", routed_input=None, path=ckpt, act="none"):
+    def runner(dtype, tail="replicated", routed_input=None, path=ckpt, act="none", rule="even"):
         return build_rank_runners(path, cfg, [LAYER], comm, TailPlan.single(tail, "test"), dtype=dtype,
-                                  routed_input=routed_input, experts_activation_quant=act)[LAYER]
+                                  routed_input=routed_input, experts_activation_quant=act,
+                                  mxfp4_scale_rule=rule)[LAYER]
 
     for dname, dtype in DTYPES.items():
-        for quant in ("none", *APPROX):
-            r = runner(dtype, routed_input=RoutedInputConfig(enabled=True, quant=quant, min_sharded_tokens=1))
+        for quant in ("none", *APPROX, "mxfp4-approx-floor"):
+            ri = RoutedInputConfig(enabled=True, quant=quant.removesuffix("-floor"), min_sharded_tokens=1)
+            r = runner(dtype, routed_input=ri, rule="floor" if quant.endswith("-floor") else "even")
             for T in TOKENS:
                 comm.counts.clear()
                 out[("latent", dname, quant, T)] = (r.routed_input_latent(make_input(T, cfg.hidden_size, dtype)),
@@ -250,8 +272,8 @@ def _rank_routed(comm: Collectives, ckpt: str, mxfp4_ckpt: str) -> dict:
                     comm.counts.clear()
                     out[("forward", dname, tail, name, T)] = (r.forward(make_input(T, cfg.hidden_size, dtype)),
                                                               dict(comm.counts))
-            for name, ri in W4A4_VARIANTS.items():
-                r = runner(dtype, tail, ri, mxfp4_ckpt, "mxfp4")
+            for name, (ri, rule) in W4A4_VARIANTS.items():
+                r = runner(dtype, tail, ri, mxfp4_ckpt, "mxfp4", rule)
                 out[("resolved", name)] = r.routed_input.quant
                 r.act_quant = CountingQuant(r.act_quant)
                 for T in TOKENS:
@@ -309,7 +331,7 @@ def test_none_mode_equals_replicated_down_projection(group, ckpt, dname: str, T:
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
-@pytest.mark.parametrize("quant", APPROX)
+@pytest.mark.parametrize("quant", (*APPROX, "mxfp4-approx-floor"))
 @pytest.mark.parametrize("T", TOKENS)
 def test_quantised_latent_within_stated_bound(group, ckpt, dname: str, quant: str, T: int) -> None:
     """Every element of the gathered, dequantised latent is within routed_input.py's bound of
@@ -401,18 +423,36 @@ def test_w4a4_hook_quantises_both_activations(mxfp4_ckpt: str) -> None:
     assert (moe_forward(x, w, cfg) - ref).abs().max().item() > 100 * 1e-5 * m
 
 
+@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
 @pytest.mark.parametrize("dname", list(DTYPES))
 @pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("T", TOKENS)
-def test_w4a4_tp2_matches_single_device_w4a4(group, mxfp4_ckpt, dname: str, tail: str, T: int) -> None:
+def test_w4a4_tp2_matches_single_device_w4a4(group, mxfp4_ckpt, dname: str, tail: str, T: int, rule: str) -> None:
     cfg, w = _full(mxfp4_ckpt, DTYPES[dname])
-    ref = moe_forward(make_input(T, cfg.hidden_size, DTYPES[dname]), w, cfg, act_quant=mxfp4.quantize_dequantize)
+    act_quant = functools.partial(mxfp4.quantize_dequantize, scale_rule=rule)
+    ref = moe_forward(make_input(T, cfg.hidden_size, DTYPES[dname]), w, cfg, act_quant=act_quant)
     for rank in range(P):
-        got, counts, quantised = group[rank][("forward", dname, tail, "w4a4", T)]
+        got, counts, quantised = group[rank][("forward", dname, tail, W4A4_NAME[rule], T)]
         assert counts == {"all_reduce": 2}
         assert_like_single_device(got, ref)
         # h once ([T, D]), then one gated activation [rows, I / P] per active expert
         assert quantised[0] == (T, 64) and quantised[1:] and all(q[1] == 32 for q in quantised[1:])
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("T", TOKENS)
+def test_deferred_mxfp4_routed_input_is_exact_under_the_floor_rule(group, dname: str, tail: str, T: int) -> None:
+    """The OCP rule stays selectable and reaches both places: the deferred MXFP4 routed input
+    quantises with it on the shard exactly as the experts do unsharded (bit-identical), and
+    the outputs are not the default rule's (some blocks of h or of the gated activation have
+    an amax mantissa >= 1.75 at these sizes)."""
+    for rank in range(P):
+        deferred, counts, _ = group[rank][("forward", dname, tail, "w4a4_auto_floor", T)]
+        plain, _, _ = group[rank][("forward", dname, tail, "w4a4_floor", T)]
+        assert torch.equal(deferred, plain)
+        assert counts == ({"all_reduce": 2, "all_gather": 2} if T >= W4A4_MIN_TOKENS else {"all_reduce": 2})
+        assert not torch.equal(plain, group[rank][("forward", dname, tail, "w4a4", T)][0])
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
@@ -458,6 +498,30 @@ def test_w4a4_needs_mxfp4_experts_and_whole_blocks(ckpt: str, mxfp4_ckpt: str) -
     check_activation_quant("none", cfg, 4, CheckpointReader(ckpt), [LAYER])
 
 
+def test_mxfp4_scale_rule_default_and_validation(ckpt: str, mxfp4_ckpt: str) -> None:
+    """W4A4 quantises with the production rule unless told otherwise; an unknown rule, or the
+    non-default rule where nothing quantises MXFP4 activations, is refused at construction."""
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    h = torch.tensor([[1.8 * 8, 0.3] + [0.1] * 30])  # amax mantissa 1.8: the rules differ
+    default = activation_quantizer("mxfp4", cfg, 1)
+    assert torch.equal(default(h), mxfp4.quantize_dequantize(h, "even"))
+    assert torch.equal(activation_quantizer("mxfp4", cfg, 1, "floor")(h), mxfp4.quantize_dequantize(h, "floor"))
+    assert not torch.equal(default(h), mxfp4.quantize_dequantize(h, "floor"))
+    with pytest.raises(ValueError, match=re.escape("MXFP4 scale rule 'ceil' is not one of ('even', 'floor')")):
+        activation_quantizer("mxfp4", cfg, 1, "ceil")
+    plan = TailPlan.single("replicated", "t")
+    with pytest.raises(ValueError, match="mxfp4_scale_rule 'floor' would have no effect.*'none'.*'none'"):
+        build_rank_runners(ckpt, cfg, [LAYER], Collectives(), plan, dtype=torch.float32, mxfp4_scale_rule="floor")
+    with pytest.raises(ValueError, match="scale rule 'round'"):
+        build_rank_runners(mxfp4_ckpt, cfg, [LAYER], Collectives(), plan, dtype=torch.float32,
+                           experts_activation_quant="mxfp4", mxfp4_scale_rule="round")
+    # an MXFP4 routed input in front of unquantised experts uses the rule too
+    ri = RoutedInputConfig(enabled=True, quant="mxfp4-approx")
+    r = build_rank_runners(ckpt, cfg, [LAYER], Collectives(), plan, dtype=torch.float32, routed_input=ri,
+                           mxfp4_scale_rule="floor")[LAYER]
+    assert r.mxfp4_scale_rule == "floor" and r.act_quant is None
+
+
 def test_deployment_spec_checks_w4a4_at_build_time(ckpt: str, mxfp4_ckpt: str) -> None:
     from deployments.config.resolve import resolve_app
 
@@ -470,3 +534,10 @@ def test_deployment_spec_checks_w4a4_at_build_time(ckpt: str, mxfp4_ckpt: str) -
         resolve_app({"checkpoint": mxfp4_ckpt, **args, "tp_size": 4})
     with pytest.raises(ValueError, match="experts_activation_quant"):
         resolve_app({"checkpoint": mxfp4_ckpt, "experts_activation_quant": "fp8"})
+    assert resolved.spec.mxfp4_scale_rule == "even"
+    _, [floor] = resolve_app({"checkpoint": mxfp4_ckpt, **args, "mxfp4_scale_rule": "floor"})
+    assert floor.spec.mxfp4_scale_rule == "floor"
+    with pytest.raises(ValueError, match="mxfp4_scale_rule 'floor' would have no effect"):
+        resolve_app({"checkpoint": mxfp4_ckpt, "mxfp4_scale_rule": "floor"})
+    with pytest.raises(ValueError, match="mxfp4_scale_rule"):
+        resolve_app({"checkpoint": mxfp4_ckpt, **args, "mxfp4_scale_rule": "ceil"})

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from moe_runtime.planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_GB
 from moe_runtime.planning.cost import STARTUP_FLOOR_S
 from moe_runtime.tp.plan import check_sequence_parallel_tail
+from moe_runtime.tp.runner import check_mxfp4_scale_rule
 from moe_runtime.units import SERVED_DTYPES
 
 Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
@@ -110,6 +111,9 @@ class DeploymentSpec(BaseModel):
     # mxfp4: W4A4 emulation of MXFP4 experts (h and the gated activation quantised to MXFP4,
     # what the ROCm production experts do); needs an MXFP4 checkpoint. none: W4A16.
     experts_activation_quant: Literal["none", "mxfp4"] = "none"
+    # Block exponent of the MXFP4 activations: even (AMD Quark's default, as vLLM's emulation and
+    # aiter's Triton quantiser round) or floor (plain OCP, for comparison; needs W4A4 experts).
+    mxfp4_scale_rule: Literal["even", "floor"] = "even"
     max_batch_tokens: int = Field(2048, ge=1)
     max_tokens_per_request: int = Field(8192, ge=1)
     batch_wait_timeout_s: float = Field(0.002, ge=0, le=1.0)
@@ -240,6 +244,7 @@ class DeploymentSpec(BaseModel):
             )
         if self.health_check_timeout_s is not None and self.health_check_timeout_s < 1:
             raise ValueError(f"health_check_timeout_s {self.health_check_timeout_s} is below 1 s")
+        check_mxfp4_scale_rule(self.mxfp4_scale_rule, self.experts_activation_quant)
         return self
 
     @property

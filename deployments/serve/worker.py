@@ -118,6 +118,7 @@ class TPWorker:
             dtype=torch_dtype(r.spec.dtype), device=self.device, backend=r.spec.backend,
             preshard_up_proj=r.spec.preshard_up_proj,
             experts_activation_quant=r.spec.experts_activation_quant,
+            mxfp4_scale_rule=r.spec.mxfp4_scale_rule,
         )
         self.load_s = time.perf_counter() - start
         self.comm.loaded(r.spec.collective_timeout_s)  # then every collective gets its own bound

@@ -23,7 +23,9 @@ prepares weights for it (``fused_moe/oracle/mxfp4.py``, ``experts/rocm_aiter_moe
 * Activation precision is chosen by aiter from ``AITER_SITUV2_A4W4`` / ``AITER_SITUV2_A8W4``
   (unset: a16w4). With ``act_quant`` (our W4A4 emulation) the adapter asks for a4w4, which
   quantises ``h`` and the SiTU output to MXFP4 inside the kernels; the probe then checks that
-  aiter's quantiser agrees with ours.
+  aiter's quantiser agrees with ours. On aiter's main branch it does not quite: its MoE
+  quantisers round a block's exponent up from an amax mantissa of 1.5, our default (Quark's
+  ``even``) from 1.75 (docs/conformance.md, "MXFP4 activations: the scale rule").
 * ``beta`` / ``linear_beta`` are the SiTU betas; routing weights fp32, ids int32, hidden bf16.
 
 Memory: the shuffled copies are made once per layer, at load (the runner calls :meth:`prepare`),

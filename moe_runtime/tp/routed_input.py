@@ -9,7 +9,8 @@ experts at ``1/P`` of the down-projection FLOPs. What crosses the wire (``quant`
 * ``mxfp4``: only with W4A4 experts (``experts_activation_quant: mxfp4``), which quantise
   ``h`` to MXFP4 anyway. The quantisation moves to the local token shard, as in the reference
   runner, and the experts do not quantise ``h`` again: the output is the one of the same
-  experts without the token sharding (MXFP4 blocks lie along ``D``, within one token).
+  experts without the token sharding (MXFP4 blocks lie along ``D``, within one token, and
+  both use the deployment's ``mxfp4_scale_rule``).
 * ``fp8-approx``, ``mxfp4-approx``: a lossy quantisation in front of experts that do not
   quantise their input. **Approximations**: a batch at or above ``min_sharded_tokens`` then
   gets other numbers than a smaller one, so a request's output depends on the batch it
@@ -19,8 +20,9 @@ experts at ``1/P`` of the down-projection FLOPs. What crosses the wire (``quant`
   * ``fp8-approx`` (e4m3, one fp32 scale per token, ``scale = amax_row / 448``): 3 mantissa
     bits and round-to-nearest give ``|x - q| <= |x| * 2**-4 + scale * 2**-10`` (the second
     term covers e4m3 subnormals, spaced ``2**-9 * scale``).
-  * ``mxfp4-approx`` (OCP MXFP4, see ``mxfp4.encode``): ``|x - q| <= max(|x|/4, amax/16)``
-    with ``amax`` the largest magnitude in the element's 32-block.
+  * ``mxfp4-approx`` (MXFP4 with the deployment's ``mxfp4_scale_rule``, see
+    ``mxfp4.encode``): ``|x - q| <= max(|x|/4, amax/14)`` (``amax/16`` under ``floor``) with
+    ``amax`` the largest magnitude in the element's 32-block.
 
 ``auto`` is ``mxfp4`` with W4A4 experts, else ``none``.
 """
@@ -97,12 +99,15 @@ def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
     return (codes.view(torch.float8_e4m3fn).float() * scale).to(dtype)
 
 
-def quantize(h_TD: torch.Tensor, mode: str) -> list[torch.Tensor]:
-    """The tensors to all-gather for ``mode``: values, then scales (uint8/fp32 rows)."""
+def quantize(
+    h_TD: torch.Tensor, mode: str, scale_rule: str = mxfp4.ACTIVATION_SCALE_RULE
+) -> list[torch.Tensor]:
+    """The tensors to all-gather for ``mode``: values, then scales (uint8/fp32 rows). MXFP4
+    modes pick each block's exponent by ``scale_rule`` (``mxfp4.SCALE_RULES``)."""
     if mode == "fp8-approx":
         return list(fp8_quantize(h_TD))
     if mode in ("mxfp4", "mxfp4-approx"):
-        return list(mxfp4.encode(h_TD))
+        return list(mxfp4.encode(h_TD, scale_rule))
     return [h_TD]
 
 

@@ -7,6 +7,7 @@ Legend: T tokens (Tp padded to a multiple of P), H hidden, D latent, P TP size.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -63,14 +64,18 @@ class StageTimer:
             torch.cuda.synchronize(self.device)
 
 
-def activation_quantizer(mode: str, cfg: LatentMoEConfig, world: int) -> ActQuant | None:
+def activation_quantizer(
+    mode: str, cfg: LatentMoEConfig, world: int, scale_rule: str = mxfp4.ACTIVATION_SCALE_RULE
+) -> ActQuant | None:
     """The experts' activation fake-quant for ``experts_activation_quant`` (None: W4A16).
 
     ``mxfp4`` emulates the ROCm production experts (W4A4): ``h`` and the gated activation are
-    quantised to MXFP4 in 32-blocks along ``D`` and ``I / P``, so both must be multiples of 32.
+    quantised to MXFP4 in 32-blocks along ``D`` and ``I / P``, so both must be multiples of 32,
+    each block's exponent by ``scale_rule`` (``even``, the production rule, or ``floor``).
     """
     if mode not in ACTIVATION_QUANT_MODES:
         raise ValueError(f"experts activation quantisation {mode!r} is not one of {ACTIVATION_QUANT_MODES}")
+    mxfp4.check_scale_rule(scale_rule)
     if mode == "none":
         return None
     widths = {
@@ -85,7 +90,22 @@ def activation_quantizer(mode: str, cfg: LatentMoEConfig, world: int) -> ActQuan
                 f"MXFP4 expert activations need the {name} to be a multiple of {mxfp4.BLOCK}: "
                 f"{width} % {mxfp4.BLOCK} = {width % mxfp4.BLOCK}"
             )
-    return mxfp4.quantize_dequantize
+    return functools.partial(mxfp4.quantize_dequantize, scale_rule=scale_rule)
+
+
+def check_mxfp4_scale_rule(
+    rule: str, experts_activation_quant: str, routed_input_quant: str = "none"
+) -> None:
+    """``rule`` names a scale rule and, unless it is the default, something quantises MXFP4
+    activations with it (the W4A4 experts or an MXFP4 routed input): ValueError otherwise."""
+    mxfp4.check_scale_rule(rule)
+    used = experts_activation_quant == "mxfp4" or routed_input_quant in ("mxfp4", "mxfp4-approx")
+    if rule != mxfp4.ACTIVATION_SCALE_RULE and not used:
+        raise ValueError(
+            f"mxfp4_scale_rule {rule!r} would have no effect: nothing quantises MXFP4 activations "
+            f"(experts_activation_quant {experts_activation_quant!r}, routed-input quantisation "
+            f"{routed_input_quant!r})"
+        )
 
 
 def check_activation_quant(
@@ -141,6 +161,7 @@ class LatentMoERunner:
         routed_input: RoutedInputConfig | None = None,
         scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
         experts_activation_quant: str = "none",
+        mxfp4_scale_rule: str = mxfp4.ACTIVATION_SCALE_RULE,
     ):
         if comm.world != shard.world or comm.rank != shard.rank:
             raise ValueError(
@@ -148,11 +169,13 @@ class LatentMoERunner:
                 f"{shard.rank} of {shard.world}"
             )
         self.cfg, self.w, self.comm, self.plan, self.shard = cfg, weights, comm, plan, shard
-        self.act_quant = activation_quantizer(experts_activation_quant, cfg, shard.world)
+        self.act_quant = activation_quantizer(experts_activation_quant, cfg, shard.world, mxfp4_scale_rule)
         self.experts_activation_quant = experts_activation_quant
         self.routed_input = (routed_input or RoutedInputConfig()).resolve(
             experts_activation_quant, cfg.routed_expert_hidden_size
         )
+        check_mxfp4_scale_rule(mxfp4_scale_rule, experts_activation_quant, self.routed_input.quant)
+        self.mxfp4_scale_rule = mxfp4_scale_rule
         sequence_parallel = "sequence_parallel" in plan.tails
         if sequence_parallel and len(plan.tails) > 1:
             raise ValueError(f"sequence_parallel cannot share a plan with other tails: {plan.describe()}")
@@ -191,7 +214,8 @@ class LatentMoERunner:
                 f"(experts path {self.experts_path}: {self.experts_path_reason}), "
                 f"tails {plan.describe()} ({plan.reason}), routed input "
                 f"{'token-sharded/' + self.routed_input.quant if self.routed_input.enabled else 'replicated'}"
-                f", experts activations {experts_activation_quant}"
+                f", experts activations {experts_activation_quant}, MXFP4 activation scale rule "
+                f"{mxfp4_scale_rule}"
             )
 
     def set_plan(self, plan: TailPlan) -> None:
@@ -284,7 +308,7 @@ class LatentMoERunner:
         if h_local.shape[0] < per_rank:  # the last ranks pad so every gather has equal rows
             h_local = torch.cat([h_local, h_local.new_zeros(per_rank - h_local.shape[0], h_local.shape[1])])
         self.timer.mark("down_proj")
-        gathered = [self.comm.all_gather(part) for part in quantize(h_local, ri.quant)]
+        gathered = [self.comm.all_gather(part) for part in quantize(h_local, ri.quant, self.mxfp4_scale_rule)]
         self.timer.mark("collectives")
         return dequantize(gathered, ri.quant, x_TH.dtype)[:T]
 
@@ -385,15 +409,22 @@ def build_rank_runners(
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     progress: bool | None = False,
     experts_activation_quant: str = "none",
+    mxfp4_scale_rule: str = mxfp4.ACTIVATION_SCALE_RULE,
 ) -> dict[int, LatentMoERunner]:
     """Load this rank's shard of every layer in ``layers`` and wrap each in a runner; each
-    runner records its ``load_s`` and ``load_bytes_read`` (this rank's slices only)."""
+    runner records its ``load_s`` and ``load_bytes_read`` (this rank's slices only).
+    ``mxfp4_scale_rule``: how MXFP4 activations (W4A4 experts, MXFP4 routed input) pick their
+    block exponents, ``even`` (production) or ``floor`` (OCP)."""
     shard = TPShard(comm.rank, comm.world, preshard_up_proj)
     candidates, why = backend_candidates(backend)
     reader = CheckpointReader(checkpoint)
     layers = list(layers)
     check_activation_quant(experts_activation_quant, cfg, comm.world, reader, layers)
-    act_quant = activation_quantizer(experts_activation_quant, cfg, comm.world)
+    ri_quant = (routed_input or RoutedInputConfig()).resolve(
+        experts_activation_quant, cfg.routed_expert_hidden_size
+    ).quant
+    check_mxfp4_scale_rule(mxfp4_scale_rule, experts_activation_quant, ri_quant)
+    act_quant = activation_quantizer(experts_activation_quant, cfg, comm.world, mxfp4_scale_rule)
     runners: dict[int, LatentMoERunner] = {}
     checks: list[BackendCheck] | None = None
     for layer in layers:
@@ -411,7 +442,7 @@ def build_rank_runners(
                 log_once(f"experts backend: {backend_name} ({why}{probes})")
         runner = LatentMoERunner(
             cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes,
-            experts_activation_quant,
+            experts_activation_quant, mxfp4_scale_rule,
         )
         runner.load_s, runner.load_bytes_read = load_s, bytes_read
         runner.backend_checks = checks
