@@ -28,6 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TAIL, NUMERICS = "tests/conformance/test_vllm_tail.py", "tests/conformance/test_vllm_numerics.py"
+QUARK = "tests/conformance/test_quark_mxfp4.py"
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,20 @@ def swap_nibbles(original: Callable) -> Callable:
     return wrong
 
 
+def swap_scale_rules(original: Callable) -> Callable:
+    def wrong(amax, rule):
+        return original(amax, {"even": "floor", "floor": "even"}[rule])
+
+    return wrong
+
+
+def default_to_floor(original: Callable) -> Callable:
+    def wrong(x, scale_rule="floor"):
+        return original(x, scale_rule)
+
+    return wrong
+
+
 FAULTS = (
     Fault("shardability-ignores-sequence-parallel",
           (f"{TAIL}::test_shardability_rule_matches_vllm_runner_on_every_condition",),
@@ -120,6 +135,18 @@ FAULTS = (
           (f"{NUMERICS}::test_mxfp4_decode_matches_vllm_moe_dequant_on_every_code_and_scale",
            f"{NUMERICS}::test_fp4_code_table_matches_vllm"),
           "moe_runtime.mxfp4:decode", "the two nibbles of each byte swapped", "swap_nibbles"),
+    Fault("mxfp4-scale-rules-swapped",
+          tuple(f"{QUARK}::{t}" for t in (
+              "test_even_matches_quark_on_edge_blocks", "test_rules_differ_where_the_issue_measured",
+              "test_floor_matches_quark_on_random_blocks", "test_floor_matches_quark_on_edge_blocks",
+              "test_floor_known_differences_from_quark")),
+          "moe_runtime.mxfp4:shared_exponent", "the even and floor rules swapped", "swap_scale_rules"),
+    Fault("mxfp4-activations-default-to-floor",
+          tuple(f"{QUARK}::{t}" for t in (
+              "test_vllm_emulation_is_quark_even_mode", "test_even_matches_quark_on_random_blocks",
+              "test_even_known_difference_at_the_top_of_fp32")),
+          "moe_runtime.mxfp4:quantize_dequantize", "activations quantised by the plain OCP rule by default",
+          "default_to_floor"),
 )
 
 

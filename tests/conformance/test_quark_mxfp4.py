@@ -105,6 +105,8 @@ def test_vllm_emulation_is_quark_even_mode() -> None:
     from quark.torch.kernel import mx
 
     assert inspect.signature(mx.qdq_mxfp4).parameters["scale_calculation_mode"].default == "even"
+    # ... and ours defaults to the same rule for activations.
+    assert inspect.signature(mxfp4.quantize_dequantize).parameters["scale_rule"].default == "even"
 
 
 # -- "even": our default must be Quark's "even" bit for bit everywhere -----------------------------
