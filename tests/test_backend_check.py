@@ -153,3 +153,14 @@ def test_probe_refuses_nan_and_wrong_shapes(tiny_ckpt):
                               layer=LAYER)
         assert not check.passed
         assert (check.error is None) if why is None else why in check.error
+
+
+def test_a_gpu_serving_with_the_reference_loop_says_so_loudly():
+    from moe_runtime.tp.runner import slow_backend_warning
+
+    why = "auto: torch (aiter: the aiter package (PyPI amd-aiter) is not installed)"
+    warning = slow_backend_warning("torch", torch.device("cuda", 0), why, [])
+    assert "torch reference loop" in warning and "aiter: the aiter package" in warning
+    assert "several times the forward time" in warning  # the expected cost, not just the fact
+    assert slow_backend_warning("torch", torch.device("cpu"), why, []) is None  # CPU: fused path
+    assert slow_backend_warning("aiter", torch.device("cuda", 0), why, []) is None

@@ -310,6 +310,7 @@ class MoEGroupDeployment:
             "backend": self.group.infos[0]["backend"],
             "group_transport": self.group.transport,
             "experts_backend": self.group.infos[0]["experts_backend"],
+            "experts_backend_warning": self.group.infos[0]["experts_backend_warning"],
             "experts_path": self.group.infos[0]["experts_path"],
             "checkpoint": self.resolved.checkpoint,
             "max_batch_tokens": spec.max_batch_tokens,

@@ -177,6 +177,7 @@ class TPWorker:
             "load_bytes_read": sum(r.load_bytes_read for r in self.runners.values()),
             "load_s": round(self.load_s, 3),
             "experts_backend": first.backend_name if first else None,
+            "experts_backend_warning": first.backend_warning if first else None,
             # packed experts: the fused CPU kernel, or the decode path and why
             "experts_path": f"{first.experts_path} ({first.experts_path_reason})" if first else None,
             # the load-time probes of non-torch experts backends, with their numbers (backend_check.py)

@@ -8,6 +8,7 @@ Legend: T tokens (Tp padded to a multiple of P), H hidden, D latent, P TP size.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -21,6 +22,7 @@ from ..checkpoint import MXFP4, CheckpointReader, checkpoint_expert_formats, loa
 from ..config import LatentMoEConfig
 from ..experts import (
     DEFAULT_SCRATCH_BYTES,
+    REFERENCE_BACKEND,
     ActQuant,
     backend_candidates,
     get_backend,
@@ -192,6 +194,7 @@ class LatentMoERunner:
         self.backend = get_backend(backend, scratch_bytes)
         prepare_backend(self.backend, weights.experts)  # its own copies now, as the planner counts them
         self.backend_checks: list[BackendCheck] = []  # the load-time probes (build_rank_runners)
+        self.backend_warning: str | None = None  # set when a GPU runs the slow reference loop
         # how the backend runs these experts (torch: fused MXFP4 on CPU, decode, dense) and why
         path = getattr(self.backend, "path", None)
         self.experts_path, self.experts_path_reason = path(weights.experts) if path else (backend, "")
@@ -394,6 +397,22 @@ class LatentMoERunner:
         return R_rows + S_rows
 
 
+def slow_backend_warning(
+    backend_name: str, device: torch.device, why: str, checks: list[BackendCheck]
+) -> str | None:
+    """On a GPU, the reference ``torch`` backend is the slow per-expert loop (two GEMM launches per
+    active expert, packed experts decoded into scratch first): say so loudly, with the reason."""
+    if device.type != "cuda" or backend_name != REFERENCE_BACKEND:
+        return None
+    refused = "".join(f"; {c.describe()}" for c in checks)
+    return (
+        f"experts backend on GPU is the torch reference loop ({why}{refused}): expect several times "
+        "the forward time of a fused MoE kernel (2 GEMM launches per active expert per layer, packed "
+        "experts decoded to the compute dtype first); install a SiTU-capable aiter (ROCm) or request "
+        "backend=grouped to change it"
+    )
+
+
 def build_rank_runners(
     checkpoint: str | Path,
     cfg: LatentMoEConfig,
@@ -440,11 +459,15 @@ def build_rank_runners(
             if comm.rank == 0:
                 probes = "".join(f"; {c.describe()}" for c in checks)
                 log_once(f"experts backend: {backend_name} ({why}{probes})")
+            warning = slow_backend_warning(backend_name, torch.device(device), why, checks)
+            if warning is not None:
+                log_once(warning, level=logging.WARNING)
         runner = LatentMoERunner(
             cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes,
             experts_activation_quant, mxfp4_scale_rule,
         )
         runner.load_s, runner.load_bytes_read = load_s, bytes_read
         runner.backend_checks = checks
+        runner.backend_warning = warning
         runners[layer] = runner
     return runners
