@@ -116,6 +116,7 @@ def test_only_a_broken_group_is_retried():
     from ray.exceptions import ActorDiedError
 
     assert retryable(ActorDiedError())  # the replica was killed under the request: another one can answer
+    assert http_status(ActorDiedError()) == 503  # unavailable while Serve replaces it, not a server bug
     with pytest.raises(MoEServerError):
         _translate(GroupUnavailableError("rank 1 died"))
 

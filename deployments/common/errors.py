@@ -70,8 +70,13 @@ def retryable(exc: BaseException) -> bool:
     cause = root_cause(exc)
     if isinstance(cause, GroupUnavailableError):
         return not isinstance(cause, GroupTimeoutError)
-    # Ray's RayActorError (ActorDiedError...), matched by name: this module imports no Ray.
-    return any(c.__name__ == "RayActorError" for c in type(cause).__mro__)
+    return actor_died(cause)
+
+
+def actor_died(exc: BaseException) -> bool:
+    """Ray's ``RayActorError`` (``ActorDiedError``...): the replica died under the call, matched
+    by class name because this module imports no Ray."""
+    return any(c.__name__ == "RayActorError" for c in type(root_cause(exc)).__mro__)
 
 
 def error_message(exc: BaseException) -> str:
@@ -93,4 +98,6 @@ def http_status(exc: BaseException) -> int:
         return 400
     if isinstance(cause, TimeoutError):
         return 504
+    if actor_died(cause):  # the replica is gone and Serve is replacing it: unavailable, not a bug
+        return 503
     return 500

@@ -253,6 +253,7 @@ def plan_memory(
     max_tokens: int = 2048,
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     budget: Budget | None = None,
+    *,
     experts_path: str = "decode",
     backend: str = REFERENCE_BACKEND,
     compute: str = "gpu",
@@ -360,7 +361,7 @@ def propose_split(
     def plan(group: Sequence[int]) -> MemoryPlan:
         return plan_memory(
             cfg, {x: formats[x] for x in group}, dtype, tp_size, preshard_up_proj, max_tokens, scratch_bytes,
-            budget, backend, compute,
+            budget, backend=backend, compute=compute,
         )
 
     single = plan(layers[:1])
