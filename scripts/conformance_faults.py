@@ -50,31 +50,28 @@ def drop_sequence_parallel_condition(original: Callable) -> Callable:
     return wrong
 
 
-def ignore_shared_experts(original: Callable) -> Callable:
+def _shardability_with(**wrong_fields: Any) -> Callable:
+    """``shardability_for`` rebuilt from the config, with the given fields of the rule replaced
+    by what a wrong variant would hand it (each a function of the config)."""
     from moe_runtime.tp import plan
 
     def wrong(cfg, tp_size, preshard_up_proj=False, sequence_parallel=False):
+        fields = {"has_shared_experts": cfg.num_shared_experts > 0, "runner_scaling_factor": 1.0}
+        fields.update({name: value(cfg) for name, value in wrong_fields.items()})
         return plan.sharded_tail_shardability(
             has_up_proj=True, tp_size=tp_size, up_proj_rows=cfg.hidden_size,
-            preshard_up_proj=preshard_up_proj,
-            has_shared_experts=True, sequence_parallel=sequence_parallel, runner_scaling_factor=1.0,
+            preshard_up_proj=preshard_up_proj, sequence_parallel=sequence_parallel, **fields,
         )
 
     return wrong
+
+
+def ignore_shared_experts(original: Callable) -> Callable:
+    return _shardability_with(has_shared_experts=lambda cfg: True)
 
 
 def hand_scaling_factor_to_runner(original: Callable) -> Callable:
-    from moe_runtime.tp import plan
-
-    def wrong(cfg, tp_size, preshard_up_proj=False, sequence_parallel=False):
-        return plan.sharded_tail_shardability(
-            has_up_proj=True, tp_size=tp_size, up_proj_rows=cfg.hidden_size,
-            preshard_up_proj=preshard_up_proj,
-            has_shared_experts=cfg.num_shared_experts > 0, sequence_parallel=sequence_parallel,
-            runner_scaling_factor=cfg.routed_scaling_factor,
-        )
-
-    return wrong
+    return _shardability_with(runner_scaling_factor=lambda cfg: cfg.routed_scaling_factor)
 
 
 def scale_tail_output(original: Callable) -> Callable:
