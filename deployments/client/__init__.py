@@ -1,4 +1,5 @@
-"""Python clients of the MoE app: Serve handles (``MoEClient``), HTTP (``HTTPMoEClient``,
+"""Python clients of the MoE app: Serve handles (``MoEClient``) and their per-layer lanes
+(``MoEClient.lane``, ``lane.Lane``), HTTP (``HTTPMoEClient``,
 ``AsyncHTTPMoEClient``), and ``afd`` (a decoder whose MoE layers run on the tier)."""
 
 from .client import (

@@ -10,6 +10,8 @@ request refused because the deployment's queue is full (``max_queued_requests``)
     client = MoEClient(via_ingress=True)       # through the app's ingress (one hop more)
     out = client.forward(x_TH, layer=1)        # numpy or torch in, the same kind out
     out = await client.forward_async(x_TH, 1)
+    with client.lane(max_tokens=16) as lane:  # per-layer calls on compiled graphs (decode)
+        out = lane.forward(x_TH, layer=1)
     with HTTPMoEClient("http://127.0.0.1:8000", token=os.environ["LMS_HTTP_TOKEN"]) as http:
         out = http.forward(x_TH, 1, deployment="prefill")
 
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, NoReturn
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
 import numpy as np
@@ -35,6 +38,11 @@ from ..common.layer_routing import LayerRoutes, call_with_retry, call_with_retry
 from ..common.wire import WireTensor
 
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_WAIT_S = 5.0  # a lane's wait for a lease before it takes the Serve path
+DEFAULT_RETRY_S = 5.0  # and how often it asks again
+
+if TYPE_CHECKING:
+    from .lane import Lane
 
 
 class MoEServeError(Exception):
@@ -130,12 +138,25 @@ class MoEClient:
         return self.routes
 
     def _group(self, layer: int):
-        name = self.routes.choose(layer, self.deployment)
-        if name not in self._groups:
+        return self.group_handle(self.routes.choose(layer, self.deployment))
+
+    def group_handle(self, deployment: str):
+        """The Serve handle of TP-group deployment ``deployment`` (cached)."""
+        if deployment not in self._groups:
             from ray import serve
 
-            self._groups[name] = serve.get_deployment_handle(name, self.app_name)
-        return self._groups[name]
+            self._groups[deployment] = serve.get_deployment_handle(deployment, self.app_name)
+        return self._groups[deployment]
+
+    def lane(self, layers: Iterable[int] | None = None, *, max_tokens: int = 1,
+             wait_s: float = DEFAULT_WAIT_S, retry_s: float = DEFAULT_RETRY_S,
+             name: str | None = None) -> Lane:
+        """A per-layer lane (``deployments.client.lane``): one leased TP group per deployment
+        serving ``layers`` (None: every layer of the app), called through compiled graphs; calls
+        of up to ``max_tokens`` tokens. A context manager; ``close()`` releases the leases."""
+        from .lane import Lane
+
+        return Lane(self, layers=layers, max_tokens=max_tokens, wait_s=wait_s, retry_s=retry_s, name=name)
 
     def _forward_call(self, hidden_states: Any, layer: int, router_logits: Any):
         # torch travels as WireTensor (zero-copy numpy for Ray); numpy and the rest as given.

@@ -171,6 +171,13 @@ class DeploymentSpec(BaseModel):
     # On this project's CPU benchmark the graph cut the TP-2 hop but made the TP-1 hop slower
     # (docs/benchmarks.md, "Data-plane overhead").
     compiled_graph: bool | None = None
+    # Lanes (deployments.client.lane): a client may lease a replica's TP group and call its
+    # ranks through its own compiled graph. A lease lasts this long past the client's last
+    # renewal (the client renews every half term while it calls); a replica whose Serve path or
+    # another lane waits for it stops renewing a lease held this long, so nobody waits longer
+    # than about one term. lanes: false refuses every lease (the Serve path only).
+    lanes: bool = True
+    lane_lease_s: float = Field(5.0, gt=0, le=600)
     # Bounded queue: past this many requests waiting for a replica, a call is refused at once
     # (handle: BackPressureError, HTTP: 503 + Retry-After); -1: unbounded (Serve's default).
     max_queued_requests: int = Field(256, ge=-1)

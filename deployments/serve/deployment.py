@@ -32,17 +32,18 @@ import torch
 from ray import serve
 
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.layer import check_input
 from moe_runtime.units import format_layers, torch_dtype
 
 from .. import logger
-from ..common.errors import ServeInputError, TooLargeError, UnknownLayerError, http_status, retryable
+from ..common.errors import ServeInputError, http_status, retryable
 from ..common.layer_routing import sleep_before_broken_answer
+from ..common.requests import validate_forward
 from ..common.wire import WireTensor
 from ..config.spec import DeploymentSpec, with_batching
 from ..control.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
 from ..control.decide import Decision
 from .group import TPGroup, tune_group
+from .lanes import LaneLeases
 from .metrics import ReplicaStats
 
 
@@ -63,27 +64,6 @@ class LayerRequest:
 def count_tokens(requests: list[LayerRequest]) -> int:
     """``batch_size_fn`` of the layer queues: a batch's size is its token count."""
     return sum(r.tokens for r in requests)
-
-
-def to_tensor(value: Any, what: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """numpy -> torch per the module's rules; ``dtype`` None: any float (router logits)."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, WireTensor):
-        return value.to_torch()
-    if isinstance(value, np.ndarray):
-        if dtype is None:
-            if value.dtype.kind != "f":
-                raise ServeInputError(f"{what} must be floating point, got numpy {value.dtype}")
-            return torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
-        if value.dtype != np.float32:
-            raise ServeInputError(
-                f"numpy {what} must be float32 (numpy has no bfloat16; a bfloat16 deployment "
-                f"rounds float32 input), got {value.dtype}"
-            )
-        # Ray hands over read-only arrays; torch wants a writable buffer.
-        return torch.from_numpy(np.array(value, copy=True)).to(dtype)
-    raise ServeInputError(f"{what} must be a numpy array or a torch tensor, got {type(value).__name__}")
 
 
 def check_planned_tokens(spec: DeploymentSpec, decision: Decision) -> None:
@@ -138,6 +118,8 @@ class MoEGroupDeployment:
         self._group_idle.set()
         self.group.busy_listeners.append(self._on_group_busy)
         self._in_flight = 0  # requests admitted and not yet answered, every layer
+        self.lanes = LaneLeases(self.group, lambda: self.spec, self.stats, lambda: self._in_flight,
+                                self.replica)
         logger.info(
             "replica %s of deployment %r: TP %d, layers %s, tail %s (%s); %s",
             self.replica, spec.name, spec.tp_size, format_layers(resolved.layers), self.plan.describe(),
@@ -157,6 +139,8 @@ class MoEGroupDeployment:
             return
         check_planned_tokens(spec, self.decision)
         self.spec = spec
+        for worker in self.group.workers:  # lane calls check the limit on the ranks
+            worker.set_max_tokens.remote(spec.max_tokens_per_request)
         for queue in self._queues.values():
             queue.set_max_batch_size(spec.max_batch_tokens)
             queue.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
@@ -183,34 +167,10 @@ class MoEGroupDeployment:
     # -- validation -----------------------------------------------------------------------
 
     def _validate(self, hidden_states: Any, layer: Any, router_logits: Any) -> LayerRequest:
-        if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
-            raise UnknownLayerError(f"layer must be an integer, got {layer!r}")
-        layer = int(layer)
-        try:
-            self.cfg.check_moe_layer(layer)
-        except ValueError as e:
-            raise UnknownLayerError(str(e)) from None
-        if layer not in self._queues:
-            raise UnknownLayerError(
-                f"layer {layer} is not served by deployment {self.spec.name!r} "
-                f"(it serves layers {list(self.resolved.layers)})"
-            )
-        x = to_tensor(hidden_states, "hidden_states", self.dtype)
-        logits = None if router_logits is None else to_tensor(router_logits, "router_logits", None)
-        limit = self.spec.max_tokens_per_request
-        if x.dim() == 2 and x.shape[0] > limit:
-            raise TooLargeError(
-                f"hidden_states has {x.shape[0]} tokens, more than max_tokens_per_request = {limit} "
-                f"of deployment {self.spec.name!r}; split the request"
-            )
-        try:
-            check_input(x, self.cfg, self.dtype, logits, max_tokens=limit)
-        except ValueError as e:
-            raise ServeInputError(str(e)) from None
-        if x.device.type != "cpu":
-            x = x.cpu()
-        if logits is not None:
-            logits = logits.float().cpu()
+        layer, x, logits = validate_forward(
+            hidden_states, layer, router_logits, cfg=self.cfg, dtype=self.dtype, served=self._queues,
+            deployment=self.spec.name, max_tokens=self.spec.max_tokens_per_request,
+        )
         kind = "numpy" if isinstance(hidden_states, np.ndarray) else "torch"
         if isinstance(hidden_states, WireTensor):
             kind = "wire"
@@ -262,6 +222,12 @@ class MoEGroupDeployment:
         if req.kind == "numpy":
             return out.float().numpy()
         return WireTensor.from_torch(out) if req.kind == "wire" else out
+
+    async def lease_lane(self, client: str, max_tokens: int, wait_s: float = 0.0) -> dict[str, Any]:
+        """Lease this replica's TP group to a lane client (``serve.lanes``; the client side is
+        ``deployments.client.lane``): ``{"granted": True, ...}`` with the ranks' handles, or
+        ``{"granted": False, "reason": ...}`` when it stayed held for ``wait_s`` seconds."""
+        return await self.lanes.grant(client, max_tokens, wait_s)
 
     async def _run_batch(self, layer: int, requests: list[LayerRequest]) -> list[torch.Tensor]:
         """One forward per router-logits kind (given or computed), split back per request."""
@@ -320,6 +286,7 @@ class MoEGroupDeployment:
             "workers": [dict(info, name=name) for info, name in zip(self.group.infos, self.group.names,
                                                                      strict=True)],
             "counters": self.stats.to_dict(),
+            "lanes": self.lanes.status(),
             "memory": self._memory_status(),
         }
 
@@ -348,13 +315,17 @@ class MoEGroupDeployment:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by ``deployments.serve.router.HealthyReplicaRouter``: route around a broken group."""
-        return {"healthy": self.group.broken is None}
+        return {"healthy": self.group.broken is None, "leased": self.lanes.active is not None}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Token-level load for the token-aware autoscaling policy (``deployments.control.autoscaling``)."""
-        return {QUEUED_TOKENS: float(self.stats.queued_tokens), TOKENS_PER_S: self.stats.tokens_per_s()}
+        queued = self.stats.queued_tokens + self.lanes.queued_tokens()
+        return {QUEUED_TOKENS: float(queued), TOKENS_PER_S: self.stats.tokens_per_s()}
 
     def __del__(self) -> None:
+        lanes = getattr(self, "lanes", None)
+        if lanes is not None:
+            lanes.shutdown()
         group = getattr(self, "group", None)
         if group is not None:
             group.shutdown()

@@ -37,7 +37,8 @@ from ..control.accelerator import Accelerator
 from ..control.decide import MEASURED, REUSED, Decision, TailDecision, measured_plan
 from ..control.options import worker_resources
 from ..control.warmup import plan_key, plan_key_fields
-from .worker import WORKER_NAMESPACE, TPWorker
+from .lanes import LANE_GRAPH_SLOTS
+from .worker import WORKER_NAMESPACE, TPWorker, join_rank_outputs
 
 INLINE_BYTES = 64 * 1024  # below Ray's inline-argument limit (100 KiB by default)
 LIVENESS_POLL_S = 1.0  # a compiled-graph forward running longer checks that its ranks are alive
@@ -76,7 +77,9 @@ class TPGroup:
                 f"deployment {spec.name!r} must run in a placement group of 1 + {spec.tp_size} bundles "
                 "(placement_group_bundles in its options, see deployments.control.options)"
             )
-        actor_cls = ray.remote(TPWorker)
+        # Graph loops run on the actor's _ray_system threads: its replica's graph, a lane's, and
+        # those abandoned by lane clients that died (serve.lanes).
+        actor_cls = ray.remote(concurrency_groups={"_ray_system": LANE_GRAPH_SLOTS})(TPWorker)
         resources = worker_resources(spec, accelerator.layout)
         workers, names = [], []
         for rank in range(spec.tp_size):
@@ -125,6 +128,29 @@ class TPGroup:
             self.broken = reason
             logger.error("TP group %s is broken: %s", self.resolved.spec.name, reason)
         return self.broken
+
+    def mark_broken(self, reason: str) -> None:
+        self._break(reason)
+
+    async def hold(self, wait_s: float) -> bool:
+        """Take the group's call lock for a lane lease (``serve.lanes``), waiting up to
+        ``wait_s``: no Serve forward, health collective or warm-up runs until :meth:`unhold`."""
+        if wait_s <= 0:
+            if self._lock.locked():
+                return False
+            await self._lock.acquire()  # free: returns at once
+        else:
+            try:
+                await asyncio.wait_for(self._lock.acquire(), wait_s)
+            except TimeoutError:
+                return False
+        if self.broken is not None:
+            self._lock.release()
+            self.check_usable()
+        return True
+
+    def unhold(self) -> None:
+        self._lock.release()
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -269,10 +295,7 @@ class TPGroup:
         results = await self._shielded(
             "forward", (layer, x_w, logits_w), f"the layer {layer} forward of {T} tokens", self.call_timeout_s
         )
-        tail = results[0][1]
-        if tail == "sequence_parallel":
-            return torch.cat([out.to_torch() for out, _ in results]), tail
-        return results[0][0].to_torch(), tail
+        return join_rank_outputs(results)
 
     async def health_check(self) -> None:
         """Every worker alive and the group able to run a collective; raises otherwise.

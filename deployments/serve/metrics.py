@@ -70,6 +70,9 @@ class ReplicaStats:
         self.tails: Counter[str] = Counter()
         self.max_batch_tokens_seen = 0
         self._done: deque[tuple[float, int]] = deque()
+        self.lane_requests = 0  # of requests / tokens: those lanes made (serve.lanes)
+        self.lane_tokens = 0
+        self.lane_busy_s = 0.0
 
         self._requests = metrics.Counter(REQUESTS_METRIC, description="Answered forward requests")
         self._tokens = metrics.Counter(TOKENS_METRIC, description="Tokens of answered forward requests")
@@ -144,6 +147,21 @@ class ReplicaStats:
         self._tail_batches.inc(tags=tags)
         self._batch_tokens.observe(tokens, tags={"layer": str(layer)})
 
+    def lane_calls(self, calls: int, tokens: int, seconds: float, tails: dict[str, int]) -> None:
+        """Calls a lane made straight to the ranks since the last poll (``serve.lanes``): they
+        count as answered requests and tokens (tokens/s for the autoscaler) like Serve's, and
+        the tails they ran as forwards of those tails."""
+        self.tails.update(tails)
+        self.lane_requests += calls
+        self.lane_tokens += tokens
+        self.lane_busy_s += seconds
+        self.requests += calls
+        self.tokens += tokens
+        self._done.append((time.monotonic(), tokens))
+        self._requests.inc(calls)
+        if tokens:  # a call that failed on its input answered no tokens (Ray counters need > 0)
+            self._tokens.inc(tokens)
+
     def decision(self, plan: TailPlan) -> None:
         """Export the plan the replica runs (once, after warm-up) and its measurements."""
         for tier in plan.tiers:
@@ -182,6 +200,8 @@ class ReplicaStats:
                 "mean": round(self.forward_s * 1e3 / self.forwards, 2) if self.forwards else None,
                 "recent": list(self.recent_forward_ms),
             },
+            "lane": {"requests": self.lane_requests, "tokens": self.lane_tokens,
+                     "busy_s": round(self.lane_busy_s, 3)},
             "tails": dict(self.tails),
             "by_layer": {str(k): dict(v) for k, v in sorted(self.by_layer.items())},
         }

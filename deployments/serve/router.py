@@ -5,7 +5,8 @@ Each replica reports ``{"healthy": bool}`` through Serve's ``record_routing_stat
 deployment's ``request_router_config``). A replica whose TP group broke stays in Serve's replica
 set until its health check fails a few times; meanwhile this router sends requests only to
 replicas that report a usable group (all of them when none does, so the caller gets the
-broken replica's clear 503 rather than a hang).
+broken replica's clear 503 rather than a hang), and among those to replicas not leased to a
+lane (``{"leased": bool}``, ``deployments.serve.lanes``) while any is free.
 """
 
 from __future__ import annotations
@@ -20,11 +21,18 @@ def healthy(replica: RunningReplica) -> bool:
     return bool(replica.routing_stats.get("healthy", True))
 
 
+def leased(replica: RunningReplica) -> bool:
+    return bool(replica.routing_stats.get("leased", False))
+
+
 class HealthyReplicaRouter(PowerOfTwoChoicesRequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         usable = [r for r in candidate_replicas if healthy(r)]
+        # A replica leased to a lane runs nothing else until the lease ends (serve.lanes).
+        free = [r for r in usable if not leased(r)]
+        usable = free or usable
         if not usable or len(usable) == len(candidate_replicas):
             return await super().choose_replicas(candidate_replicas, pending_request)
         # Two random usable replicas; Serve then takes the one with the shorter queue.

@@ -24,8 +24,10 @@ from moe_runtime.tp.tuning import apply_plan, measure_runners
 from moe_runtime.units import torch_dtype
 
 from .. import logger
+from ..common.requests import validate_forward
 from ..common.wire import WireTensor
 from ..config.resolve import ResolvedDeployment
+from .lanes import LaneSeat
 
 WORKER_NAMESPACE = "latent_moe_serve"
 # Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
@@ -74,7 +76,8 @@ class TPWorker:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         spec = resolved.spec
         self.rank, self.world, self.resolved = rank, spec.tp_size, resolved
-        torch.set_num_threads(cpu_threads(self.world))
+        self.threads = cpu_threads(self.world)
+        torch.set_num_threads(self.threads)
         self.device_note: str | None = None
         if compute == "cpu":
             self.device = torch.device("cpu")
@@ -96,6 +99,9 @@ class TPWorker:
         self.comm: Collectives | None = None
         self.runners: dict = {}
         self.load_s = 0.0
+        self.dtype = torch_dtype(spec.dtype)
+        self.max_tokens = spec.max_tokens_per_request  # the lane's limit, kept live by the replica
+        self.lane = LaneSeat()
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0: this node's IP and a free port on it for the process-group store."""
@@ -112,7 +118,7 @@ class TPWorker:
                        r.spec.startup_bound_s)
         self.comm = Collectives(self.rank, self.world, self.device)
         start = time.perf_counter()
-        cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
+        self.cfg = cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
         self.runners = build_rank_runners(
             r.checkpoint, cfg, r.layers, self.comm, r.plan,
             dtype=torch_dtype(r.spec.dtype), device=self.device, backend=r.spec.backend,
@@ -127,19 +133,78 @@ class TPWorker:
     def forward(
         self, layer: int, x_TH: WireTensor, router_logits_TE: WireTensor | None
     ) -> tuple[WireTensor | None, str]:
-        """Run ``layer`` on the batch; rank 0 returns ``out [T, H]`` (sequence parallel: every
-        rank returns its own rows), the others None; plus the tail that ran."""
+        """Run ``layer`` on the batch (the replica validated it); rank 0 returns ``out [T, H]``
+        (sequence parallel: every rank returns its own rows), the others None; plus the tail."""
+        logits = None if router_logits_TE is None else router_logits_TE.to_torch(writable=False)
+        return self._run(layer, x_TH.to_torch(writable=False), logits)
+
+    def _run(self, layer: int, x: torch.Tensor, logits: torch.Tensor | None) -> tuple[WireTensor | None, str]:
         runner = self.runners[layer]
-        x = x_TH.to_torch(writable=False).to(self.device, non_blocking=True)
-        logits = router_logits_TE
+        x = x.to(self.device, non_blocking=True)
         if logits is not None:
-            logits = logits.to_torch(writable=False).to(self.device)
+            logits = logits.to(self.device)
         with torch.inference_mode():
             out = runner.forward(x, logits)
         tail = runner.last_tail
         if self.rank != 0 and tail != "sequence_parallel":
             return None, tail
         return WireTensor.from_torch(out), tail
+
+    # -- lanes (deployments.serve.lanes): a leased client's compiled graph calls lane_forward --
+
+    def lane_forward(
+        self, layer: Any, x_TH: Any, router_logits_TE: Any, lease_id: str
+    ) -> tuple[WireTensor | None, str]:
+        """:meth:`forward` for the lane holding ``lease_id``. Every rank checks the input the
+        same way, so a bad one fails on every rank before any collective."""
+        self.lane.check(lease_id)
+        if torch.get_num_threads() != self.threads:
+            # Graph loops run on their own thread, where OpenMP starts from its default count;
+            # the same count as the Serve path's forward keeps the two bit-identical.
+            torch.set_num_threads(self.threads)
+        start = time.perf_counter()
+        tokens = x_TH.shape[0] if len(x_TH.shape) == 2 else 0
+        self.lane.in_flight_tokens = tokens
+        try:
+            layer, x, logits = validate_forward(
+                x_TH, layer, router_logits_TE, cfg=self.cfg, dtype=self.dtype, served=self.runners,
+                deployment=self.resolved.spec.name, max_tokens=self.max_tokens,
+            )
+            result = self._run(layer, x, logits)
+            self.lane.tails[result[1]] += 1
+        finally:
+            self.lane.in_flight_tokens = 0
+            self.lane.calls += 1  # attempted: every rank counts the same calls (serve.lanes)
+        self.lane.tokens += tokens
+        self.lane.busy_s += time.perf_counter() - start
+        return result
+
+    def lane_open(self, lease_id: str, client: str) -> None:
+        self.lane.open(lease_id, client)
+
+    def lane_close(self, lease_id: str) -> dict[str, Any]:
+        state = self.lane.state()
+        self.lane.close(lease_id)
+        return state
+
+    def lane_renew(self, lease_id: str) -> bool:
+        return self.lane.renew(lease_id)
+
+    def lane_expire(self, lease_id: str, term_s: float) -> bool:
+        return self.lane.expire(lease_id, term_s)
+
+    def lane_release(self, lease_id: str) -> None:
+        self.lane.release(lease_id)
+
+    def lane_revoke(self, lease_id: str) -> None:
+        self.lane.revoke(lease_id)
+
+    def lane_state(self) -> dict[str, Any]:
+        return self.lane.state()
+
+    def set_max_tokens(self, max_tokens: int) -> None:
+        """A live ``max_tokens_per_request`` (the replica's ``reconfigure``) for lane calls."""
+        self.max_tokens = max_tokens
 
     def measure_tails(self, settings: Any, tails: list[str]) -> dict[str, dict[int, float]]:
         """Warm-up: time ``tails`` on this rank (every rank at once: the tails run collectives)."""
@@ -183,3 +248,12 @@ class TPWorker:
             # the load-time probes of non-torch experts backends, with their numbers (backend_check.py)
             "experts_backend_checks": [c.to_dict() for c in first.backend_checks] if first else [],
         }
+
+
+def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[torch.Tensor, str]:
+    """The group's output from every rank's ``(out, tail)``: rank 0's, or under sequence
+    parallel every rank's rows in rank order; plus the tail that ran."""
+    tail = results[0][1]
+    if tail == "sequence_parallel":
+        return torch.cat([out.to_torch() for out, _ in results]), tail
+    return results[0][0].to_torch(), tail

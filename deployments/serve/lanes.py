@@ -1,0 +1,352 @@
+"""Lanes, the group side: a replica leases its TP group to one client at a time.
+
+A lane (``deployments.client.lane``) is a client's own Ray Compiled Graph over the ranks of a
+leased group: client -> every rank -> client through shared-memory channels, no Serve router,
+proxy or replica event loop per call. Ray lets only the compiling process execute a graph, and
+the ranks run collectives that must see one call order, so a group serves one lane at a time
+and nothing else meanwhile:
+
+* :class:`LaneLeases` (the replica) grants a lease by taking the group's call lock: Serve
+  forwards, the health collective and warm-up wait while it is held. It polls the ranks every
+  ``LANE_POLL_S``: the lane's calls and tokens feed the replica's counters (``status()``, the
+  autoscaler's tokens/s; waiting lease requests count as queued tokens), a dead rank breaks the
+  group (Serve replaces the replica), and the lease ends when the client releases it, or one
+  term (``lane_lease_s``) after its last renewal -- a dead client holds nothing for longer.
+  While a Serve request or another lease waits, a lease held a whole term is no longer renewed:
+  the client then tears its graph down and takes the Serve path, so waits stay bounded.
+* :class:`LaneSeat` (each rank) records the lease: the lane's calls carry its id and are
+  refused on any other; rank 0 counts calls, tokens and renewals.
+
+A client that dies without tearing its graph down leaves that graph's loop blocked on every
+rank (Ray cannot cancel it from another process); the workers therefore host up to
+``LANE_GRAPH_SLOTS`` graph loops, and a replica refuses leases once the abandoned ones leave
+fewer than two free (its own graph and one lane), saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from .. import logger
+from ..common.errors import ServeInputError, TooLargeError, error_message
+
+LANE_GRAPH_SLOTS = 16  # compiled-graph loops a worker can run at once (its _ray_system threads)
+LANE_POLL_S = 0.25  # how often the replica reads the ranks' lane counters
+POLL_TIMEOUT_S = 5.0  # a rank slower than this to answer a poll counts as not answering
+MAX_LEASE_WAIT_S = 600.0
+HISTORY = 16  # ended leases kept for status()
+
+
+class LaneLeaseError(RuntimeError):
+    """A lane call carried a lease this rank does not hold (ended, or never granted)."""
+
+
+@dataclass
+class LaneSeat:
+    """One rank's record of its group's lease (at most one)."""
+
+    lease_id: str | None = None
+    client: str = ""
+    revoked: bool = False
+    released: bool = False
+    renewed_at: float = 0.0  # time.monotonic() of the grant or the last renewal
+    calls: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0
+    in_flight_tokens: int = 0
+    tails: Counter[str] = field(default_factory=Counter)  # tail -> lane forwards that ran it
+    # Leases that expired without a release: their client died or stalled without tearing its
+    # graph down, whose loop may then block one graph slot (a late release clears it).
+    expired: set[str] = field(default_factory=set)
+
+    def open(self, lease_id: str, client: str) -> None:
+        self.lease_id, self.client = lease_id, client
+        self.revoked = self.released = False
+        self.renewed_at = time.monotonic()
+        self.calls = self.tokens = self.in_flight_tokens = 0
+        self.busy_s = 0.0
+        self.tails = Counter()
+
+    def close(self, lease_id: str) -> None:
+        if self.lease_id == lease_id:
+            self.lease_id = None
+
+    def check(self, lease_id: str) -> None:
+        if lease_id != self.lease_id:
+            raise LaneLeaseError(
+                f"lane call with lease {lease_id!r} on a rank whose lease is {self.lease_id!r}: "
+                "the lease ended; lease the group again"
+            )
+
+    def renew(self, lease_id: str) -> bool:
+        """True when ``lease_id`` is held and not revoked (its term starts again)."""
+        if lease_id != self.lease_id or self.revoked or self.released:
+            return False
+        self.renewed_at = time.monotonic()
+        return True
+
+    def expire(self, lease_id: str, term_s: float) -> bool:
+        """End ``lease_id`` if it went a whole term without a renewal and no call runs here;
+        atomic with :meth:`renew` (both run on the actor's main thread), so a renewal that
+        arrives later is refused and its client never calls again."""
+        if lease_id != self.lease_id or self.in_flight_tokens or time.monotonic() - self.renewed_at <= term_s:
+            return False
+        self.expired.add(lease_id)
+        self.lease_id = None
+        return True
+
+    def release(self, lease_id: str) -> None:
+        """The client tore its graph down (also after its lease expired)."""
+        if lease_id == self.lease_id:
+            self.released = True
+        self.expired.discard(lease_id)
+
+    def revoke(self, lease_id: str) -> None:
+        if lease_id == self.lease_id:
+            self.revoked = True
+
+    def state(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id, "client": self.client, "revoked": self.revoked,
+                "released": self.released, "renew_age_s": time.monotonic() - self.renewed_at,
+                "calls": self.calls, "tokens": self.tokens, "busy_s": self.busy_s,
+                "in_flight_tokens": self.in_flight_tokens, "abandoned": len(self.expired),
+                "tails": dict(self.tails)}
+
+
+@dataclass
+class Lease:
+    """The replica's view of the lease it granted."""
+
+    lease_id: str
+    client: str
+    max_tokens: int
+    since: float  # time.time() of the grant
+    granted_at: float  # time.monotonic() of the grant
+    revoked: bool = False
+    calls: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0
+    in_flight_tokens: int = 0
+    renew_age_s: float = 0.0
+    tails: dict[str, int] = field(default_factory=dict)
+    watcher: asyncio.Task | None = field(default=None, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"client": self.client, "lease_id": self.lease_id, "max_tokens": self.max_tokens,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
+                "calls": self.calls, "tokens": self.tokens, "busy_s": round(self.busy_s, 3),
+                "revoked": self.revoked, "renew_age_s": round(self.renew_age_s, 2)}
+
+
+class LaneLeases:
+    """The replica's leases of its TP group (one at a time); see the module docstring.
+
+    ``group``: the replica's ``TPGroup``; ``spec``: returns the current deployment spec (live
+    ``user_config`` changes); ``stats``: the replica's ``ReplicaStats``; ``demand``: the number
+    of Serve requests waiting at this replica.
+    """
+
+    def __init__(self, group: Any, spec: Callable[[], Any], stats: Any, demand: Callable[[], int],
+                 replica: str):
+        self.group, self.spec, self.stats, self.demand, self.replica = group, spec, stats, demand, replica
+        self.active: Lease | None = None
+        self.waiting = 0  # lease requests waiting for the group
+        self.waiting_tokens = 0
+        self.abandoned = 0  # graph loops left blocked on the ranks by clients that died
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.granted = 0
+        self._ids = itertools.count(1)
+
+    # -- grant ----------------------------------------------------------------------------
+
+    async def grant(self, client: str, max_tokens: Any, wait_s: Any) -> dict[str, Any]:
+        """Lease the group to ``client`` (waiting up to ``wait_s`` for it); a dict saying
+        ``granted`` and, if so, what the client needs to build its graph; else the reason."""
+        spec = self.spec()
+        if not isinstance(client, str) or not client.strip():
+            raise ServeInputError(f"client must be a non-empty string, got {client!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ServeInputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        if max_tokens > spec.max_tokens_per_request:
+            raise TooLargeError(
+                f"a lane of max_tokens {max_tokens} exceeds max_tokens_per_request = "
+                f"{spec.max_tokens_per_request} of deployment {spec.name!r}"
+            )
+        number = isinstance(wait_s, int | float) and not isinstance(wait_s, bool)
+        if not number or not 0 <= wait_s <= MAX_LEASE_WAIT_S:
+            raise ServeInputError(
+                f"wait_s must be a number of seconds in [0, {MAX_LEASE_WAIT_S:.0f}], got {wait_s!r}"
+            )
+        if not spec.lanes:
+            return self._refused(f"deployment {spec.name!r} has lanes: false")
+        self.group.check_usable()
+        rank0 = await asyncio.wait_for(self.group.workers[0].lane_state.remote(), POLL_TIMEOUT_S)
+        self.abandoned = rank0["abandoned"]
+        if self.abandoned > LANE_GRAPH_SLOTS - 2:
+            return self._refused(
+                f"{self.abandoned} lane graph(s) abandoned by clients that died hold the ranks' "
+                f"graph slots ({LANE_GRAPH_SLOTS}); this replica serves the Serve path only until "
+                "it is replaced"
+            )
+        self.waiting += 1
+        self.waiting_tokens += max_tokens
+        try:
+            got = await self.group.hold(float(wait_s))
+        finally:
+            self.waiting -= 1
+            self.waiting_tokens -= max_tokens
+        if not got:
+            who = self.active.client if self.active is not None else "a Serve forward"
+            return self._refused(f"the group is held by {who} (waited {float(wait_s):.1f} s)")
+        lease = Lease(f"{self.replica}:{next(self._ids)}:{uuid.uuid4().hex[:8]}", client, max_tokens,
+                      time.time(), time.monotonic())
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(w.lane_open.remote(lease.lease_id, client) for w in self.group.workers)),
+                POLL_TIMEOUT_S,
+            )
+        except BaseException:
+            self.group.unhold()
+            raise
+        self.active = lease
+        self.granted += 1
+        lease.watcher = asyncio.get_running_loop().create_task(self._watch(lease))
+        logger.info("replica %s of %r leased its TP group to lane client %s (lease %s, term %.1f s)",
+                    self.replica, spec.name, client, lease.lease_id, spec.lane_lease_s)
+        return {
+            "granted": True, "lease_id": lease.lease_id, "replica": self.replica, "deployment": spec.name,
+            "workers": list(self.group.workers), "world": self.group.world,
+            "layers": list(self.group.resolved.layers), "dtype": spec.dtype, "max_tokens": max_tokens,
+            "term_s": spec.lane_lease_s, "call_timeout_s": spec.call_timeout_s,
+        }
+
+    def _refused(self, reason: str) -> dict[str, Any]:
+        return {"granted": False, "replica": self.replica, "reason": reason}
+
+    # -- while leased ---------------------------------------------------------------------
+
+    async def _watch(self, lease: Lease) -> None:
+        term = self.spec().lane_lease_s
+        silent_since: float | None = None
+        how = "ended"
+        try:
+            while True:
+                await asyncio.sleep(LANE_POLL_S)
+                try:
+                    states = await asyncio.wait_for(
+                        asyncio.gather(*(w.lane_state.remote() for w in self.group.workers)), POLL_TIMEOUT_S
+                    )
+                except ray.exceptions.RayActorError as e:
+                    how = "a rank died"
+                    self.group.mark_broken(f"a rank died while leased to lane client {lease.client}: "
+                                           f"{error_message(e)}")
+                    return
+                except TimeoutError:
+                    # A stalled rank: the lane's own calls time out; once no rank answered for a
+                    # call timeout, the group is unusable for everyone.
+                    silent_since = silent_since or time.monotonic()
+                    if time.monotonic() - silent_since > self.spec().call_timeout_s:
+                        how = "ranks stopped answering"
+                        self.group.mark_broken(f"ranks did not answer for {self.spec().call_timeout_s:.0f} s "
+                                               f"while leased to lane client {lease.client}")
+                        return
+                    continue
+                silent_since = None
+                self._account(lease, states[0])
+                if states[0]["released"]:
+                    how = "released"
+                    return
+                # Nothing half-way: every rank finished the same calls and none is running one.
+                idle = len({st["calls"] for st in states}) == 1 and not any(
+                    st["in_flight_tokens"] for st in states)
+                if states[0]["renew_age_s"] > term and idle and await self._expire(lease, term):
+                    # The client renews every half term while it calls: it is gone or stuck.
+                    # Its graph may still block one loop on every rank.
+                    how = "expired"
+                    return
+                held_s = time.monotonic() - lease.granted_at
+                if not lease.revoked and held_s >= term and (self.demand() or self.waiting):
+                    lease.revoked = True
+                    await asyncio.wait_for(
+                        asyncio.gather(*(w.lane_revoke.remote(lease.lease_id) for w in self.group.workers)),
+                        POLL_TIMEOUT_S,
+                    )
+                    logger.info("lane lease %s of %s not renewed: %s wait(s) for the group",
+                                lease.lease_id, lease.client, self.demand() + self.waiting)
+        except asyncio.CancelledError:
+            how = "replica shutting down"
+            raise
+        except Exception as e:
+            # The client may still be calling: the ranks are no longer exclusively its, so the
+            # group cannot be trusted with anyone else's calls either.
+            how = f"watcher failed: {error_message(e)}"
+            logger.exception("lane lease %s: watcher failed", lease.lease_id)
+            self.group.mark_broken(f"the lane lease watcher failed: {error_message(e)}")
+        finally:
+            await self._end(lease, how)
+
+    async def _expire(self, lease: Lease, term: float) -> bool:
+        # Rank 0 decides (atomically with renewals); the other ranks follow at close.
+        return await asyncio.wait_for(self.group.workers[0].lane_expire.remote(lease.lease_id, term),
+                                      POLL_TIMEOUT_S)
+
+    def _account(self, lease: Lease, rank0: dict[str, Any]) -> None:
+        calls, tokens = rank0["calls"] - lease.calls, rank0["tokens"] - lease.tokens
+        seconds = rank0["busy_s"] - lease.busy_s
+        tails = {t: n - lease.tails.get(t, 0) for t, n in rank0["tails"].items() if n > lease.tails.get(t, 0)}
+        if calls > 0:
+            self.stats.lane_calls(calls, tokens, seconds, tails)
+        lease.tails = dict(rank0["tails"])
+        lease.calls, lease.tokens, lease.busy_s = rank0["calls"], rank0["tokens"], rank0["busy_s"]
+        lease.in_flight_tokens, lease.renew_age_s = rank0["in_flight_tokens"], rank0["renew_age_s"]
+        self.abandoned = rank0["abandoned"]
+
+    async def _end(self, lease: Lease, how: str) -> None:
+        try:
+            states = await asyncio.wait_for(
+                asyncio.gather(*(w.lane_close.remote(lease.lease_id) for w in self.group.workers),
+                               return_exceptions=True),
+                POLL_TIMEOUT_S,
+            )
+            if isinstance(states[0], dict):
+                self._account(lease, states[0])
+        except Exception:  # noqa: S110 -- ranks gone or stalled: the group is broken already
+            pass
+        finally:
+            self.active = None
+            self.history.append({**lease.to_dict(), "ended": how,
+                                 "ended_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            self.group.unhold()
+            logger.info("lane lease %s of %s ended (%s): %d call(s), %d token(s)",
+                        lease.lease_id, lease.client, how, lease.calls, lease.tokens)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def queued_tokens(self) -> int:
+        """Lane demand the autoscaler counts as queued: the call running now and every waiting
+        lease request's tokens (a lane waiting for a group is unmet demand)."""
+        running = self.active.in_flight_tokens if self.active is not None else 0
+        return running + self.waiting_tokens
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "active": None if self.active is None else self.active.to_dict(),
+            "waiting": self.waiting,
+            "granted": self.granted,
+            "term_s": self.spec().lane_lease_s,
+            "abandoned_graphs": self.abandoned,
+            "history": list(self.history),
+        }
+
+    def shutdown(self) -> None:
+        if self.active is not None and self.active.watcher is not None:
+            self.active.watcher.cancel()

@@ -1,0 +1,356 @@
+"""Lanes (deployments/client/lane.py, deployments/serve/lanes.py): per-layer calls on a client's
+compiled graph over a leased TP group, against the Serve path of the same replicas.
+
+Exactness is bit for bit: a lane call runs the same runner with the same tail plan on the same
+ranks as a lone Serve request, so ``torch.equal`` (no tolerance). One reference check against
+the single-device math (float32, TP 1: rtol/atol 1e-5, a few fp32 ulps of summation order as in
+tests/test_serve.py) keeps the comparison from passing on a shared mistake.
+
+The TP-2 deployments run ``tail: auto`` with a scripted warm-up clock (as tests/test_controller.py)
+that makes a different tail win each token range, so one deployment per dtype runs every tail;
+the sequence-parallel deployments run the fifth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from moe_runtime.tp.tuning import current_measurement
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+APP = "lane_test"
+H = 128  # tiny preset
+TUNE_TOKENS = [1, 4, 16, 256]
+COST_MS = {  # a different tail wins each measured count
+    "single_allreduce": {1: 1.0, 4: 9.0, 16: 9.0, 256: 90.0},
+    "overlap": {1: 2.0, 4: 2.0, 16: 9.0, 256: 90.0},
+    "replicated": {1: 3.0, 4: 3.0, 16: 3.0, 256: 90.0},
+    "sharded": {1: 4.0, 4: 4.0, 16: 4.0, 256: 5.0},
+}
+TAIL_AT = {1: "single_allreduce", 3: "overlap", 16: "replicated", 40: "sharded"}
+_fake_now = [0.0]
+
+
+def scripted_clock() -> float:
+    """Injected tune clock: every timed sample of (tail, tokens) reads as its scripted cost."""
+    tail, tokens = current_measurement()
+    _fake_now[0] += COST_MS[tail][tokens] / 1e3
+    return _fake_now[0]
+
+
+def rand(T: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+COMMON = {"collective_timeout_s": 10.0, "call_margin_s": 10.0, "health_check_period_s": 1.0,
+          "graceful_shutdown_timeout_s": 1.0, "max_tokens_per_request": 512, "max_batch_tokens": 512}
+AUTO = {"tp_size": 2, "tail": "auto", "auto_tune_tokens": TUNE_TOKENS, "auto_tune_reps": 1,
+        "tune_clock": f"tests.test_lane:{scripted_clock.__name__}"}
+EXACT_DEPLOYMENTS = [
+    {"name": "tp1_f32", "dtype": "float32", "layers": [1]},
+    {"name": "tp1_bf16", "dtype": "bfloat16", "layers": [2]},
+    {"name": "tp2_f32", "dtype": "float32", **AUTO},
+    {"name": "tp2_bf16", "dtype": "bfloat16", **AUTO},
+    {"name": "sp_f32", "dtype": "float32", "tp_size": 2, "sequence_parallel": True},
+    {"name": "sp_bf16", "dtype": "bfloat16", "tp_size": 2, "sequence_parallel": True},
+]
+
+
+@pytest.fixture(scope="module")
+def exact_app(tiny_ckpt):
+    from conftest import local_serve  # here: the workers import this module for its clock
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.client import MoEClient
+
+    with local_serve(num_cpus=8, num_gpus=10):
+        serve.run(build_app({"checkpoint": str(tiny_ckpt), **COMMON, "deployments": EXACT_DEPLOYMENTS}),
+                  name=APP, route_prefix="/")
+        yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
+
+
+def direct(name: str, timeout_s: float = 60):
+    from deployments.client import MoEClient
+
+    return MoEClient.direct(name, APP, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("name", [d["name"] for d in EXACT_DEPLOYMENTS if d["name"].startswith(("tp2", "sp"))])
+def test_lane_equals_the_serve_path_bit_for_bit_for_every_tail(exact_app, name):
+    dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
+    serve_path = direct(name)
+    # The Serve path first: while a lane holds the only replica, Serve calls wait for the lease.
+    inputs = {(T, layer): rand(T, 100 * T + layer, dtype) for T in TAIL_AT for layer in (1, 2)}
+    want = {key: serve_path.forward(x, key[1]) for key, x in inputs.items()}
+    logits, x_logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(5)), rand(3, 6, dtype)
+    want_logits = serve_path.forward(x_logits, 1, logits)
+    before = serve_path.status()["counters"]["tails"]
+    with serve_path.lane(max_tokens=64, name=f"exact-{name}") as lane:
+        assert lane.status()["deployments"][name]["path"] == "lane"
+        for (T, layer), x in inputs.items():
+            got = lane.forward(x, layer)
+            assert got.dtype == dtype and torch.equal(got, want[T, layer]), (name, T, layer)
+            # numpy float32 in -> float32 numpy out, rounded to the deployment dtype on the way
+            got_np = lane.forward(x.float().numpy(), layer)
+            assert isinstance(got_np, np.ndarray) and np.array_equal(got_np, want[T, layer].float().numpy())
+        assert torch.equal(lane.forward(x_logits, 1, logits), want_logits)
+        assert lane.status()["deployments"][name]["serve_calls"] == 0
+        time.sleep(1.0)  # the replica polls the lane's counters every 0.25 s
+        status = serve_path.status()
+    tails = status["counters"]["tails"]
+    # the tail decision applies to lane calls: each range ran its measured tail on the lane too
+    expected = ["sequence_parallel"] if name.startswith("sp") else list(TAIL_AT.values())
+    for tail in expected:
+        assert tails.get(tail, 0) > before.get(tail, 0), (tail, before, tails)
+    assert status["lanes"]["active"]["client"] == f"exact-{name}"
+    assert status["counters"]["lane"]["tokens"] >= 4 * sum(TAIL_AT)
+
+
+def test_app_lane_routes_by_layer_and_matches_the_reference(exact_app):
+    from moe_runtime.checkpoint import load_layer_weights
+    from moe_runtime.config import LatentMoEConfig
+    from moe_runtime.layer import moe_forward
+
+    cfg = LatentMoEConfig.from_pretrained(exact_app.ckpt)
+    x = rand(5, 7)
+    xb = x.to(torch.bfloat16)
+    want1, want2 = direct("tp1_f32").forward(x, 1), direct("tp1_bf16").forward(xb, 2)
+    with exact_app.client.lane(max_tokens=8, name="routed") as lane:  # layer 1 -> tp1_f32, 2 -> tp1_bf16
+        assert set(lane.status()["deployments"]) == {"tp1_f32", "tp1_bf16"}
+        out1 = lane.forward(x, 1)
+        assert torch.equal(out1, want1)
+        ref = moe_forward(x, load_layer_weights(exact_app.ckpt, cfg, 1, torch.float32), cfg)
+        torch.testing.assert_close(out1, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(lane.forward(xb, 2), want2)
+        assert all(d["path"] == "lane" for d in lane.status()["deployments"].values())
+
+
+@pytest.mark.parametrize("case", ["nan", "shape", "dtype", "too_many", "layer"])
+def test_bad_input_on_a_lane_is_a_clear_4xx_and_the_lane_keeps_serving(exact_app, case):
+    from deployments.client import MoERequestError
+
+    ok = rand(2, 2)
+    want = direct("tp2_f32").forward(ok, 1)
+    with direct("tp2_f32").lane(max_tokens=4, name=f"bad-{case}") as lane:
+        x, layer = rand(2, 1), 1
+        if case == "nan":
+            x[0, 3] = float("nan")
+        elif case == "shape":
+            x = rand(2, 1)[:, :100]
+        elif case == "dtype":
+            x = x.double()
+        elif case == "too_many":
+            x = rand(600, 1)  # over max_tokens_per_request (512)
+        else:
+            layer = 7
+        with pytest.raises(MoERequestError) as err:
+            lane.forward(x, layer)
+        assert err.value.status in (400, 404, 413)
+        assert torch.equal(lane.forward(ok, 1), want)
+        assert lane.status()["deployments"]["tp2_f32"]["path"] == "lane"
+
+
+def test_lane_arguments_are_checked(exact_app):
+    with pytest.raises(ValueError, match="max_tokens"):
+        exact_app.client.lane(max_tokens=0)
+    with pytest.raises(ValueError, match=r"layer\(s\) \[9\]"):
+        exact_app.client.lane(layers=[9])
+    from deployments.client import MoERequestError
+
+    with pytest.raises(MoERequestError, match="max_tokens_per_request"):
+        direct("tp2_f32").lane(max_tokens=100_000)
+
+
+# -- the control plane: autoscaling signals, leases of dead clients, several clients ---------
+
+PAIR = {"name": "pair", "tp_size": 2, "tail": "sharded", "dtype": "float32", "num_replicas": 2,
+        "lane_lease_s": 2.0, "collective_timeout_s": 4.0, "call_margin_s": 4.0}
+SOLO = {"name": "solo", "tp_size": 1, "dtype": "float32", "lane_lease_s": 2.0}
+
+
+@pytest.fixture(scope="module")
+def fault_app(tiny_ckpt, exact_app):
+    """Replaces the exact app (one Ray instance at a time on a small machine)."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.client import MoEClient
+
+    serve.delete(APP)
+    args = {"checkpoint": str(tiny_ckpt), **COMMON, "deployments": [PAIR, SOLO]}
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    yield SimpleNamespace(args=args, client=MoEClient(APP, timeout_s=60), build_app=build_app)
+
+
+def test_lane_traffic_feeds_the_autoscaling_signals(fault_app):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("solo", APP)
+    with direct("solo").lane(max_tokens=4, name="scaler") as lane:
+        x = rand(4, 3)
+        for _ in range(40):
+            lane.forward(x, 1)
+        time.sleep(1.0)
+        stats = handle.record_autoscaling_stats.remote().result(timeout_s=30)
+    assert stats["tokens_per_s"] >= 40 * 4 / 10.0 * 0.99  # 160 tokens within the 10 s window
+
+
+def test_a_dead_clients_lease_expires_and_the_group_leases_again(fault_app):
+    import ray
+
+    code = f"""
+import sys, time, torch
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+import ray
+ray.init(address={ray.get_runtime_context().gcs_address!r}, namespace="serve", log_to_driver=False)
+from deployments.client import MoEClient
+lane = MoEClient.direct("solo", {APP!r}, timeout_s=60).lane(max_tokens=2, name="doomed")
+assert lane.status()["deployments"]["solo"]["path"] == "lane"
+lane.forward(torch.zeros(1, {H}), 1)
+print("leased", flush=True)
+time.sleep(600)
+"""
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "leased"
+        assert direct("solo").status()["lanes"]["active"]["client"] == "doomed"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    killed = time.monotonic()
+    while (lanes := direct("solo").status()["lanes"])["active"] is not None:
+        assert time.monotonic() - killed < 30, lanes
+        time.sleep(0.25)
+    # lease term 2 s + poll: expired within a few seconds of the client's death
+    assert lanes["history"][-1]["client"] == "doomed" and lanes["history"][-1]["ended"] == "expired"
+    x = rand(1, 9)
+    want = direct("solo").forward(x, 1)
+    with direct("solo").lane(max_tokens=2, name="next") as lane:  # a free graph slot remains
+        assert lane.status()["deployments"]["solo"]["path"] == "lane"
+        assert torch.equal(lane.forward(x, 1), want)
+    assert direct("solo").status()["lanes"]["abandoned_graphs"] == 1
+
+
+def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
+    """The documented rule: the second client waits wait_s, then takes the Serve path; the
+    Serve path's demand stops the first lease's renewal after one term; nobody deadlocks."""
+    want = {T: direct("solo").forward(rand(T, T), 1) for T in (1, 2)}
+    first = direct("solo").lane(max_tokens=2, name="first", retry_s=0.5)
+    second = direct("solo").lane(max_tokens=2, name="second", wait_s=0.5, retry_s=0.5)
+    try:
+        assert first.status()["deployments"]["solo"]["path"] == "lane"
+        assert second.status()["deployments"]["solo"]["path"] == "serve"
+        assert "held by first" in second.status()["deployments"]["solo"]["why_serve"]
+        errors: list[BaseException] = []
+
+        def loop(lane, T) -> None:
+            try:
+                end = time.monotonic() + 8.0
+                while time.monotonic() < end:
+                    assert torch.equal(lane.forward(rand(T, T), 1), want[T])
+            except BaseException as e:  # noqa: BLE001 -- reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=loop, args=(lane, T)) for lane, T in ((first, 1), (second, 2))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a client hung"
+        assert not errors, errors
+        s1, s2 = first.status()["deployments"]["solo"], second.status()["deployments"]["solo"]
+        assert s1["lane_calls"] > 0 and s2["serve_calls"] > 0
+    finally:
+        first.close()
+        second.close()
+
+
+def test_two_clients_on_two_replicas_each_get_a_group(fault_app):
+    a = direct("pair").lane(max_tokens=2, name="a", wait_s=10)
+    b = direct("pair").lane(max_tokens=2, name="b", wait_s=10)
+    try:
+        sa, sb = a.status()["deployments"]["pair"], b.status()["deployments"]["pair"]
+        assert sa["path"] == sb["path"] == "lane" and sa["replica"] != sb["replica"]
+        x = rand(2, 4)
+        assert torch.equal(a.forward(x, 1), b.forward(x, 1))
+    finally:
+        a.close()
+        b.close()
+
+
+def _rank_pid(lane, deployment: str, rank: int) -> int:
+    import ray
+
+    grant = lane.groups[deployment].grant
+    return ray.get(grant["workers"][rank].info.remote(), timeout=30)["pid"]
+
+
+def test_a_killed_rank_under_lane_load_costs_the_caller_nothing(fault_app):
+    """SIGKILL one rank of the leased replica of 2 while a closed loop calls the lane: every call
+    answers (the failed one is retried on the Serve path, which routes to the healthy replica),
+    and the lane leases a group again."""
+    want = direct("pair").forward(rand(1, 11), 1)
+    lane = direct("pair").lane(max_tokens=1, name="victim", retry_s=0.5)
+    try:
+        results: list[bool] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                try:
+                    results.append(torch.equal(lane.forward(rand(1, 11), 1), want))
+                except BaseException as e:  # noqa: BLE001 -- reported below
+                    errors.append(e)
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        time.sleep(1.0)
+        killed_replica = lane.status()["deployments"]["pair"]["replica"]
+        os.kill(_rank_pid(lane, "pair", 1), signal.SIGKILL)
+        time.sleep(8.0)
+        stop.set()
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+        assert not errors, errors
+        assert results and all(results)
+        status = lane.status()["deployments"]["pair"]
+        assert status["fallbacks"] >= 1 and status["path"] == "lane" and status["replica"] != killed_replica
+    finally:
+        lane.close()
+
+
+def test_a_stalled_rank_fails_the_call_within_its_bound(fault_app):
+    """SIGSTOP a rank of the only replica: the lane call times out (call_timeout_s), the Serve
+    retry meets the broken group; the caller gets an error, never a hang."""
+    from deployments.client import MoEServerError
+
+    lane = direct("pair").lane(max_tokens=1, name="stalled")
+    pid = _rank_pid(lane, "pair", 1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        call_timeout = PAIR["collective_timeout_s"] + PAIR["call_margin_s"]
+        with contextlib.suppress(MoEServerError):  # or answered by the other replica
+            lane.forward(rand(1, 1), 1)
+        # lane attempt + one Serve attempt on each replica, each within the call timeout
+        assert time.monotonic() - start < 3 * call_timeout + 15
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the broken group's replica ended it
+            os.kill(pid, signal.SIGCONT)
+        lane.close()
