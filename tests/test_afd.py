@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,8 @@ def tier(ckpt):
             {"name": "lo", "tp_size": 2, "layers": [1], **common},
             {"name": "hi", "tp_size": 1, "layers": [2], **common},
         ]}), name=APP, route_prefix="/")
-        yield RemoteMoE.connect(APP, timeout_s=60.0)
+        with RemoteMoE.connect(APP, timeout_s=60.0) as tier:  # through lanes (the default)
+            yield tier
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -182,6 +184,9 @@ def test_generation_through_the_tier_is_exact_for_every_m(ckpt, local, tier):
         out = model.generate(PROMPTS, NEW_TOKENS, micro_batches=m)
         assert torch.equal(out.tokens, ref.tokens), f"m={m}"
         torch.testing.assert_close(out.logits, ref.logits, **TOL, msg=f"m={m}")
+    lanes = tier.lane.status()["deployments"]
+    assert {n: (d["path"], d["serve_calls"]) for n, d in lanes.items()} == {"lo": ("lane", 0), "hi": ("lane", 0)}
+    time.sleep(1.0)  # the replicas poll their lanes' counters every 0.25 s
     after = tier.deployment_statuses()
     for name, layer in (("lo", "1"), ("hi", "2")):
         forwards, busy_s = tier_busy(before[name], after[name])

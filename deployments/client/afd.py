@@ -1,6 +1,6 @@
 """Attention-FFN disaggregation: a small K3-like decoder on the client, its MoE layers on the tier.
 
-    moe = RemoteMoE.connect("default")            # routes each MoE layer to the deployment serving it
+    moe = RemoteMoE.connect("default")            # a lane to the deployments serving the MoE layers
     model = Decoder(checkpoint, moe)              # embedding, attention, layer-0 MLP, LM head here
     out = model.generate(prompts, max_new_tokens=16, micro_batches=2)   # greedy
 
@@ -100,26 +100,42 @@ class LocalMoE:
 
 
 class RemoteMoE:
-    """MoE layers on the tier: one :class:`MoEClient` that routes each layer by the app's routing
-    table (``common.layer_routing``), straight to the TP-group deployment serving it."""
+    """MoE layers on the tier, routed by the app's routing table (``common.layer_routing``) to
+    the TP-group deployment serving each layer: through a lane by default (``client.lane``: a
+    leased group per deployment, one compiled-graph execution per call, the Serve path when no
+    group can be leased), or through the Serve handles (``lane=False``). Close it (or use it as
+    a context manager) to release the leases."""
 
-    def __init__(self, client: MoEClient):
+    def __init__(self, client: MoEClient, lane: bool = True, max_tokens: int = 64):
         self.client = client
         self.layers = frozenset(x for served in client.layer_routes().layers.values() for x in served)
+        self.lane = client.lane(max_tokens=max_tokens) if lane else None
 
     @classmethod
     def connect(cls, app_name: str = "default", deployments: dict[str, Iterable[int]] | None = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> RemoteMoE:
+                timeout_s: float = DEFAULT_TIMEOUT_S, lane: bool = True) -> RemoteMoE:
         """``deployments``: name -> layers to use instead of the app's own table (the first
         listed is the default); None: asked from the app's ingress now."""
         routes = None
         if deployments is not None:
             table = {name: [int(x) for x in layers] for name, layers in deployments.items()}
             routes = LayerRoutes.from_dict({"default": next(iter(table)), "layers": table})
-        return cls(MoEClient(app_name, timeout_s=timeout_s, routes=routes))
+        return cls(MoEClient(app_name, timeout_s=timeout_s, routes=routes), lane=lane)
 
     async def __call__(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
+        if self.lane is not None:
+            return await self.lane.forward_async(x_TH, layer)
         return await self.client.forward_async(x_TH, layer)
+
+    def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
+
+    def __enter__(self) -> RemoteMoE:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def deployment_of(self, layer: int) -> str:
         return self.client.layer_routes().choose(layer)

@@ -64,6 +64,8 @@ class LaneSeat:
     busy_s: float = 0.0
     in_flight_tokens: int = 0
     tails: Counter[str] = field(default_factory=Counter)  # tail -> lane forwards that ran it
+    layer_calls: Counter[int] = field(default_factory=Counter)
+    layer_tokens: Counter[int] = field(default_factory=Counter)
     # Leases that expired without a release: their client died or stalled without tearing its
     # graph down, whose loop may then block one graph slot (a late release clears it).
     expired: set[str] = field(default_factory=set)
@@ -74,7 +76,7 @@ class LaneSeat:
         self.renewed_at = time.monotonic()
         self.calls = self.tokens = self.in_flight_tokens = 0
         self.busy_s = 0.0
-        self.tails = Counter()
+        self.tails, self.layer_calls, self.layer_tokens = Counter(), Counter(), Counter()
 
     def close(self, lease_id: str) -> None:
         if self.lease_id == lease_id:
@@ -119,7 +121,8 @@ class LaneSeat:
                 "released": self.released, "renew_age_s": time.monotonic() - self.renewed_at,
                 "calls": self.calls, "tokens": self.tokens, "busy_s": self.busy_s,
                 "in_flight_tokens": self.in_flight_tokens, "abandoned": len(self.expired),
-                "tails": dict(self.tails)}
+                "tails": dict(self.tails), "layer_calls": dict(self.layer_calls),
+                "layer_tokens": dict(self.layer_tokens)}
 
 
 @dataclass
@@ -137,7 +140,7 @@ class Lease:
     busy_s: float = 0.0
     in_flight_tokens: int = 0
     renew_age_s: float = 0.0
-    tails: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, dict] = field(default_factory=dict)  # rank 0's per-tail / per-layer counters
     watcher: asyncio.Task | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -302,10 +305,12 @@ class LaneLeases:
     def _account(self, lease: Lease, rank0: dict[str, Any]) -> None:
         calls, tokens = rank0["calls"] - lease.calls, rank0["tokens"] - lease.tokens
         seconds = rank0["busy_s"] - lease.busy_s
-        tails = {t: n - lease.tails.get(t, 0) for t, n in rank0["tails"].items() if n > lease.tails.get(t, 0)}
+        new = {key: _increase(lease.counts.get(key, {}), rank0[key])
+               for key in ("tails", "layer_calls", "layer_tokens")}
         if calls > 0:
-            self.stats.lane_calls(calls, tokens, seconds, tails)
-        lease.tails = dict(rank0["tails"])
+            self.stats.lane_calls(calls, tokens, seconds, new["tails"], new["layer_calls"],
+                                  new["layer_tokens"])
+        lease.counts = {key: dict(rank0[key]) for key in new}
         lease.calls, lease.tokens, lease.busy_s = rank0["calls"], rank0["tokens"], rank0["busy_s"]
         lease.in_flight_tokens, lease.renew_age_s = rank0["in_flight_tokens"], rank0["renew_age_s"]
         self.abandoned = rank0["abandoned"]
@@ -350,3 +355,8 @@ class LaneLeases:
     def shutdown(self) -> None:
         if self.active is not None and self.active.watcher is not None:
             self.active.watcher.cancel()
+
+
+def _increase(before: dict, after: dict) -> dict:
+    """Per-key growth of a counter between two reads."""
+    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}

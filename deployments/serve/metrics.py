@@ -147,16 +147,25 @@ class ReplicaStats:
         self._tail_batches.inc(tags=tags)
         self._batch_tokens.observe(tokens, tags={"layer": str(layer)})
 
-    def lane_calls(self, calls: int, tokens: int, seconds: float, tails: dict[str, int]) -> None:
-        """Calls a lane made straight to the ranks since the last poll (``serve.lanes``): they
-        count as answered requests and tokens (tokens/s for the autoscaler) like Serve's, and
-        the tails they ran as forwards of those tails."""
-        self.tails.update(tails)
+    def lane_calls(self, calls: int, tokens: int, seconds: float, tails: dict[str, int],
+                   layer_calls: dict[int, int], layer_tokens: dict[int, int]) -> None:
+        """Calls a lane made straight to the ranks since the last poll (``serve.lanes``). Each
+        is one group forward: they count as answered requests, tokens (tokens/s for the
+        autoscaler), forwards and busy time, per tail and per layer, like Serve's."""
         self.lane_requests += calls
         self.lane_tokens += tokens
         self.lane_busy_s += seconds
         self.requests += calls
         self.tokens += tokens
+        self.forwards += calls
+        self.forward_tokens += tokens
+        self.forward_s += seconds
+        self.tails.update(tails)
+        for layer, n in layer_calls.items():
+            c = self.by_layer.setdefault(int(layer), Counter())
+            c["forwards"] += n
+            c["requests"] += n
+            c["tokens"] += layer_tokens.get(layer, 0)
         self._done.append((time.monotonic(), tokens))
         self._requests.inc(calls)
         if tokens:  # a call that failed on its input answered no tokens (Ray counters need > 0)

@@ -172,6 +172,8 @@ class TPWorker:
             )
             result = self._run(layer, x, logits)
             self.lane.tails[result[1]] += 1
+            self.lane.layer_calls[layer] += 1
+            self.lane.layer_tokens[layer] += tokens
         finally:
             self.lane.in_flight_tokens = 0
             self.lane.calls += 1  # attempted: every rank counts the same calls (serve.lanes)
