@@ -122,6 +122,43 @@ def test_user_config_reconfigures_without_restart(app):
     torch.testing.assert_close(app.client.forward(x, 1), reference(app, x), **FP32_TOL)
 
 
+def test_a_live_user_config_change_reaches_lane_calls(app):
+    """A lane calls the ranks directly, so the replica pushes a live max_tokens_per_request to
+    them; the lane keeps its lease (a loop renews it) across the change."""
+    import threading
+
+    from deployments.client import MoERequestError
+
+    limits = {"max_batch_tokens": 64, "batch_wait_timeout_s": 0.0}
+    with MoEClient.direct("pool", APP, timeout_s=BOUND_S).lane(max_tokens=50, name="live") as lane:
+        x = rand(60, 3)
+        torch.testing.assert_close(lane.forward(x, 1), reference(app, x), **FP32_TOL)  # limit 100
+        stop = threading.Event()
+
+        def keep_calling() -> None:
+            while not stop.is_set():
+                lane.forward(rand(1, 4), 1)
+
+        renewing = threading.Thread(target=keep_calling)
+        renewing.start()
+        try:
+            _get_global_client().deploy_apps(app_config(app.ckpt, {**limits, "max_tokens_per_request": 50}))
+            deadline = time.monotonic() + READY_S
+            while {v["max_tokens_per_request"] for v in replica_views("pool").values()} != {50}:
+                assert time.monotonic() < deadline
+                time.sleep(1.0)
+        finally:
+            stop.set()
+            renewing.join(timeout=BOUND_S)
+        with pytest.raises(MoERequestError, match="max_tokens_per_request = 50") as err:
+            lane.forward(x, 1)
+        assert err.value.status == 413
+        state = lane.status()["deployments"]["pool"]
+        assert (state["path"], state["fallbacks"], state["serve_calls"]) == ("lane", 0, 0)
+    _get_global_client().deploy_apps(app_config(app.ckpt, {**limits, "max_tokens_per_request": 100}))
+    wait_running()
+
+
 def test_backpressure_refuses_at_once_and_never_hangs(app):
     # One request running and one queued per caller; the rest of a burst is refused at once.
     xs = [rand(512, 100 + i) for i in range(24)]

@@ -51,8 +51,7 @@ from moe_runtime.units import torch_dtype
 
 from ..common.errors import ServeInputError, error_message, root_cause
 from ..common.requests import to_tensor
-from ..common.wire import WireTensor
-from ..serve.worker import join_rank_outputs
+from ..common.wire import WireTensor, join_rank_outputs
 from .client import DEFAULT_RETRY_S, DEFAULT_WAIT_S, _translate
 
 if TYPE_CHECKING:

@@ -31,14 +31,14 @@ from moe_runtime.tp.tuning import Clock, Timings
 from .. import logger
 from ..cluster import kv
 from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message
-from ..common.wire import WireTensor
+from ..common.wire import WireTensor, join_rank_outputs
 from ..config.resolve import ResolvedDeployment
 from ..control.accelerator import Accelerator
 from ..control.decide import MEASURED, REUSED, Decision, TailDecision, measured_plan
 from ..control.options import worker_resources
 from ..control.warmup import plan_key, plan_key_fields
 from .lanes import LANE_GRAPH_SLOTS
-from .worker import WORKER_NAMESPACE, TPWorker, join_rank_outputs
+from .worker import WORKER_NAMESPACE, TPWorker
 
 INLINE_BYTES = 64 * 1024  # below Ray's inline-argument limit (100 KiB by default)
 LIVENESS_POLL_S = 1.0  # a compiled-graph forward running longer checks that its ranks are alive

@@ -251,11 +251,3 @@ class TPWorker:
             "experts_backend_checks": [c.to_dict() for c in first.backend_checks] if first else [],
         }
 
-
-def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[torch.Tensor, str]:
-    """The group's output from every rank's ``(out, tail)``: rank 0's, or under sequence
-    parallel every rank's rows in rank order; plus the tail that ran."""
-    tail = results[0][1]
-    if tail == "sequence_parallel":
-        return torch.cat([out.to_torch() for out, _ in results]), tail
-    return results[0][0].to_torch(), tail
