@@ -244,30 +244,33 @@ class LaneLeases:
         try:
             while True:
                 await asyncio.sleep(LANE_POLL_S)
-                try:
-                    states = await asyncio.wait_for(
-                        asyncio.gather(*(w.lane_state.remote() for w in self.group.workers)), POLL_TIMEOUT_S
-                    )
-                except ray.exceptions.RayActorError as e:
+                states = await asyncio.gather(
+                    *(asyncio.wait_for(w.lane_state.remote(), POLL_TIMEOUT_S) for w in self.group.workers),
+                    return_exceptions=True)
+                dead = [r for r, st in enumerate(states) if isinstance(st, ray.exceptions.RayActorError)]
+                if dead:
                     how = "a rank died"
-                    self.group.mark_broken(f"a rank died while leased to lane client {lease.client}: "
-                                           f"{error_message(e)}")
+                    self.group.mark_broken(f"rank {dead[0]} died while leased to lane client {lease.client}: "
+                                           f"{error_message(states[dead[0]])}")
                     return
-                except TimeoutError:
-                    # A stalled rank: the lane's own calls time out; once no rank answered for a
-                    # call timeout, the group is unusable for everyone.
+                if isinstance(states[0], dict):
+                    self._account(lease, states[0])
+                    if states[0]["released"]:  # the client tore its graph down
+                        how = "released"
+                        return
+                silent = [r for r, st in enumerate(states) if not isinstance(st, dict)]
+                if silent:
+                    # A stalled rank: the lane's own calls time out; once a rank has not
+                    # answered for a call timeout, the group is unusable for everyone.
                     silent_since = silent_since or time.monotonic()
                     if time.monotonic() - silent_since > self.spec().call_timeout_s:
-                        how = "ranks stopped answering"
-                        self.group.mark_broken(f"ranks did not answer for {self.spec().call_timeout_s:.0f} s "
-                                               f"while leased to lane client {lease.client}")
+                        how = "a rank stopped answering"
+                        self.group.mark_broken(f"rank {silent[0]} did not answer for "
+                                               f"{self.spec().call_timeout_s:.0f} s while leased to lane "
+                                               f"client {lease.client}")
                         return
                     continue
                 silent_since = None
-                self._account(lease, states[0])
-                if states[0]["released"]:
-                    how = "released"
-                    return
                 # Nothing half-way: every rank finished the same calls and none is running one.
                 idle = len({st["calls"] for st in states}) == 1 and not any(
                     st["in_flight_tokens"] for st in states)
