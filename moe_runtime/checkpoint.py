@@ -1,19 +1,39 @@
 """Read Kimi-K3-format safetensors checkpoints one layer, and one TP shard, at a time.
 
-Only the tensors (and, for split tensors, the slices) a rank needs are read, through
-safetensors' lazy slicing; nothing loads a whole file.
+Only the tensors (and, for split tensors, the slices) a rank needs are read; nothing loads a
+whole file. How a slice is read (measured in docs/benchmarks.md, issue 17 item 5):
+
+- a slice that is one byte range of its file and already in the compute dtype (replicated
+  tensors, row-split ones) is a zero-copy view of a private read-only mapping of the file, its
+  pages mapped at load (``MADV_POPULATE_READ``) so the load, not the first forward, reads them;
+- the routed experts are copied into tensors allocated once (they are stacked ``[E, ...]``, which
+  the file's one-tensor-per-expert layout cannot be a view of) by ``pread`` straight into the
+  destination, from a few threads: no mapping of the expert bytes stays behind, and no
+  OpenMP-parallel copy faults pages of a mapping (on a busy machine that ran at ~0.3 GB/s);
+- a column slice (split along dim 1) is read row-block by row-block into a per-thread scratch
+  buffer and its columns copied out: a contiguous tensor of exactly the slice, never a strided
+  view that pins the whole tensor's pages and is copied again by every GEMM that needs it
+  contiguous.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import struct
 import sys
-from collections.abc import Iterable, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from . import mxfp4
@@ -32,12 +52,175 @@ SINGLE_FILE = "model.safetensors"
 MXFP4, DENSE = "mxfp4", "dense"  # how a layer's routed experts are stored
 EXPERT_FORMATS = (MXFP4, DENSE)
 
+# safetensors dtype names -> torch dtypes (the ones a checkpoint of this model may hold)
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+# Row blocks of a column slice are read through a scratch buffer of about this size per thread.
+SCRATCH_BYTES = 16 * 2**20
+# ``read_many``'s unit of work per thread (between the two), and how far ahead it asks the kernel
+# to read.
+READAHEAD_BYTES = 64 * 2**20
+MIN_CHUNK_BYTES = 2**20
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
+PAGE = mmap.PAGESIZE
+# Linux >= 5.14; Python's mmap module does not name it. Older kernels answer EINVAL and the pages
+# are touched one byte each instead.
+MADV_POPULATE_READ = 22
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in its safetensors file: ``offset`` is absolute (header included)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype not in ST_DTYPES:
+            raise ValueError(f"safetensors dtype {self.dtype} is not supported (known: {sorted(ST_DTYPES)})")
+        return ST_DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file (8-byte little-endian header length, JSON header,
+    data), checked against the file's size; ValueError naming the file when it is not one."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(MAX_HEADER_BYTES, size - 8):
+                raise ValueError(f"header length {length} does not fit the file's {size} bytes")
+            header = json.loads(f.read(length))
+        data_start = 8 + length
+        entries = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = (int(v) for v in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+            entry = TensorEntry(str(info["dtype"]), shape, data_start + begin, end - begin)
+            if not 0 <= begin <= end or entry.offset + entry.nbytes > size:
+                raise ValueError(f"{name}: data_offsets {[begin, end]} lie outside the file's data")
+            if entry.dtype in ST_DTYPES and entry.nbytes != prod(entry.shape) * entry.itemsize:
+                raise ValueError(f"{name}: {entry.nbytes} bytes for {entry.dtype} {list(entry.shape)}")
+            entries[name] = entry
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot open {path}: not a readable safetensors file ({exc})") from exc
+    return entries
+
+
+def _pread_into(fd: int, out: memoryview, offset: int) -> None:
+    """Fill ``out`` from the file at ``offset`` (the kernel copies page cache straight into it)."""
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n == 0:
+            raise ValueError(f"unexpected end of file at byte {offset + done}")
+        done += n
+
+
+class _TensorFile:
+    """One safetensors file: its header, a descriptor for ``pread`` and (made on first use) one
+    private read-only mapping that zero-copy views share."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries = read_safetensors_header(path)
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)  # views keep the mapping, which has its own fd
+        if hasattr(os, "posix_fadvise"):  # a rank reads its slices in file order: larger readahead
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
+
+    def mapping(self) -> mmap.mmap:
+        with self._lock:
+            if self._map is None:
+                # ACCESS_COPY (MAP_PRIVATE): writable for torch.frombuffer, and a write to a view
+                # would land in a private page, never in the file
+                self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+            return self._map
+
+
+def _populate(mapping: mmap.mmap, offset: int, nbytes: int) -> None:
+    """Map ``[offset, offset + nbytes)`` of the file now: readahead, then every page mapped."""
+    start = offset - offset % PAGE
+    length = offset + nbytes - start
+    try:
+        mapping.madvise(mmap.MADV_WILLNEED, start, length)
+        mapping.madvise(MADV_POPULATE_READ, start, length)
+    except (OSError, AttributeError, ValueError):  # old kernel or no madvise: touch each page
+        np.frombuffer(mapping, np.uint8, length, start)[::PAGE].max()
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """``[start, stop)`` along ``dim`` of a tensor (``dim`` None: all of it), as byte geometry."""
+
+    entry: TensorEntry
+    dim: int | None
+    start: int
+    stop: int | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.entry.shape
+        shape = list(self.entry.shape)
+        shape[self.dim] = len(range(shape[self.dim])[self.start : self.stop])
+        return tuple(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * self.entry.itemsize
+
+    @property
+    def _row_bytes(self) -> int:
+        """Bytes of one index along dim 0 (a row; one element of a 1-D tensor)."""
+        return prod(self.entry.shape[1:]) * self.entry.itemsize
+
+    def byte_range(self) -> tuple[int, int] | None:
+        """``(file offset, length)`` when the slice is one contiguous byte range, else None."""
+        e = self.entry
+        if self.dim is None:
+            return e.offset, e.nbytes
+        first = range(e.shape[self.dim])[self.start : self.stop]
+        if self.dim == 0:
+            return e.offset + first.start * self._row_bytes, len(first) * self._row_bytes
+        if len(e.shape) == 2 and len(first) == e.shape[1]:  # every column: whole rows
+            return e.offset, e.nbytes
+        return None
+
+    def file_span(self) -> tuple[int, int]:
+        """``(file offset, length)`` of the bytes reading the slice takes from the file (a column
+        slice reads whole rows)."""
+        return self.byte_range() or (self.entry.offset, self.entry.nbytes)
+
+
+# One read: (tensor name, dim, start, stop) as CheckpointReader.read takes them.
+Read = tuple[str, int | None, int, int | None]
+
 
 class CheckpointReader:
-    """Maps tensor names to files and reads whole tensors or slices of them."""
+    """Maps tensor names to files and reads whole tensors or slices of them (module docstring:
+    how). ``bytes_read`` counts the bytes of every slice handed out, as stored in the file."""
 
     def __init__(self, checkpoint: str | Path):
         self.root = Path(checkpoint)
+        self._files: dict[Path, _TensorFile] = {}
         index = self.root / INDEX_FILE
         if index.is_file():
             try:
@@ -52,45 +235,162 @@ class CheckpointReader:
             self._file_of = {name: self.root / fname for name, fname in weight_map.items()}
         elif (self.root / SINGLE_FILE).is_file():
             path = self.root / SINGLE_FILE
-            with safe_open(path, "pt") as f:
-                self._file_of = {name: path for name in f.keys()}
+            self._file_of = dict.fromkeys(self._open(path).entries, path)
         else:
             raise ValueError(f"{self.root} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-        self._handles: dict[Path, object] = {}
         self.bytes_read = 0
+        self._count_lock = threading.Lock()
+        self._scratch = threading.local()
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def _handle(self, name: str):
+    def _open(self, path: Path) -> _TensorFile:
+        if path not in self._files:
+            self._files[path] = _TensorFile(path)
+        return self._files[path]
+
+    def _locate(self, name: str) -> tuple[_TensorFile, TensorEntry]:
         if name not in self._file_of:
             raise ValueError(f"checkpoint {self.root} has no tensor {name!r}")
         path = self._file_of[name]
-        if path not in self._handles:
-            if not path.is_file():
-                raise ValueError(f"tensor {name!r} is mapped to {path.name}, which does not exist")
-            try:
-                self._handles[path] = safe_open(path, "pt")
-            except Exception as exc:
-                raise ValueError(f"cannot open {path}: {exc}") from exc
-        return self._handles[path]
+        if not path.is_file():
+            raise ValueError(f"tensor {name!r} is mapped to {path.name}, which does not exist")
+        file = self._open(path)
+        if name not in file.entries:
+            raise ValueError(f"tensor {name!r} is mapped to {path.name}, which does not hold it")
+        return file, file.entries[name]
+
+    def _slice(self, name: str, dim: int | None, start: int, stop: int | None) -> tuple[_TensorFile, _Slice]:
+        file, entry = self._locate(name)
+        if dim is not None and not 0 <= dim < min(2, len(entry.shape)):
+            raise ValueError(f"{name}: can slice dim 0 or 1 of a 1-D or 2-D tensor, not dim {dim} of "
+                             f"{entry.shape}")
+        return file, _Slice(entry, dim, start, stop)
+
+    def _count(self, nbytes: int) -> None:
+        with self._count_lock:
+            self.bytes_read += nbytes
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return self._locate(name)[1].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._locate(name)[1].torch_dtype
 
     def read(
         self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
-        """Read ``name``, or only ``[start, stop)`` along ``dim`` when ``dim`` is given."""
-        view = self._handle(name).get_slice(name)
-        if dim is None:
-            t = view[:]
-        elif dim == 0:
-            t = view[start:stop]
+        """A new tensor holding ``name``, or only ``[start, stop)`` along ``dim`` when given."""
+        _, sl = self._slice(name, dim, start, stop)
+        out = torch.empty(sl.shape, dtype=sl.entry.torch_dtype)
+        self.read_into(out, name, dim, start, stop)
+        return out
+
+    def read_into(
+        self, out: torch.Tensor, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> None:
+        """Read the slice into ``out``: a contiguous CPU tensor of the slice's shape and the
+        file's dtype (e.g. one expert's rows of a stacked tensor). Thread-safe."""
+        file, sl = self._slice(name, dim, start, stop)
+        if tuple(out.shape) != sl.shape or out.dtype != sl.entry.torch_dtype or not out.is_contiguous():
+            raise ValueError(
+                f"{name}: cannot read a {sl.entry.dtype} {list(sl.shape)} slice into a "
+                f"{'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} {list(out.shape)} tensor"
+            )
+        if out.numel():
+            dst = out.view(-1).view(torch.uint8).numpy()
+            span = sl.byte_range()
+            if span is not None:
+                _pread_into(file.fd, memoryview(dst), span[0])
+            else:
+                self._read_columns(file, sl, dst)
+        self._count(sl.nbytes)
+
+    def _read_columns(self, file: _TensorFile, sl: _Slice, dst: np.ndarray) -> None:
+        """A dim-1 slice of a 2-D tensor: whole rows a block at a time into this thread's scratch,
+        then the slice's columns out of it."""
+        rows, row_bytes = sl.entry.shape[0], sl._row_bytes
+        first = range(sl.entry.shape[1])[sl.start : sl.stop]
+        lo, hi = first.start * sl.entry.itemsize, first.stop * sl.entry.itemsize
+        block = max(1, min(rows, SCRATCH_BYTES // max(row_bytes, 1)))
+        scratch = getattr(self._scratch, "buf", None)
+        if scratch is None or scratch.size < block * row_bytes:
+            scratch = self._scratch.buf = np.empty(block * row_bytes, np.uint8)
+        out = dst.reshape(rows, hi - lo)
+        for r in range(0, rows, block):
+            n = min(block, rows - r)
+            buf = scratch[: n * row_bytes]
+            _pread_into(file.fd, memoryview(buf), sl.entry.offset + r * row_bytes)
+            out[r : r + n] = buf.reshape(n, row_bytes)[:, lo:hi]
+
+    def read_many(
+        self, items: Sequence[tuple[torch.Tensor, Read]], threads: int = 1,
+        done: Callable[[int], object] | None = None,
+    ) -> None:
+        """Read every ``(out, (name, dim, start, stop))`` into its ``out`` (converted when ``out``'s
+        dtype is not the file's); ``done(nbytes)`` after each. The items are read in file order in
+        chunks of at most ``READAHEAD_BYTES``, which ``threads`` threads take one at a time (a thread
+        the OS deschedules delays only its chunk); a chunk first tells the kernel its own ranges
+        and the next chunk's (``POSIX_FADV_WILLNEED``), so a cold page cache is filled in large
+        requests even where a rank's slices leave gaps between them."""
+        plan = []
+        for out, what in items:
+            file, sl = self._slice(*what)
+            plan.append((str(file.path), *sl.file_span(), file, out, what))
+        plan.sort(key=lambda p: p[:2])
+        # at least ~4 chunks per thread, so a slow thread's last chunk is a small share of the work
+        chunk_bytes = max(MIN_CHUNK_BYTES, min(READAHEAD_BYTES, sum(p[2] for p in plan) // (4 * threads)))
+        chunks: list[list[tuple]] = [[]]
+        size = 0
+        for p in plan:
+            if size >= chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(p)
+            size += p[2]
+
+        def announce(chunk: list[tuple]) -> None:
+            if hasattr(os, "posix_fadvise"):
+                for _, offset, nbytes, file, _, _ in chunk:
+                    os.posix_fadvise(file.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
+        def read_chunk(k: int) -> None:
+            announce(chunks[k])
+            if k + 1 < len(chunks):
+                announce(chunks[k + 1])
+            for _, _, _, _, out, what in chunks[k]:
+                if out.dtype == self.dtype(what[0]):
+                    self.read_into(out, *what)
+                else:  # e.g. dense experts stored in bf16, computed in fp32
+                    out.copy_(self.read(*what))
+                if done is not None:
+                    done(out.numel() * out.element_size())
+
+        if threads == 1 or len(chunks) == 1:
+            for k in range(len(chunks)):
+                read_chunk(k)
         else:
-            t = view[:, start:stop]
-        self.bytes_read += t.numel() * t.element_size()
-        return t
+            with ThreadPoolExecutor(min(threads, len(chunks)), thread_name_prefix="checkpoint-read") as pool:
+                list(pool.map(read_chunk, range(len(chunks))))
+
+    def view(
+        self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor | None:
+        """A zero-copy, read-only-backed view of the slice with its pages mapped now, or None
+        when the slice is not one byte range aligned to its dtype (then ``read`` it). The file's
+        mapping lives as long as any view of it."""
+        file, sl = self._slice(name, dim, start, stop)
+        span = sl.byte_range()
+        if span is None or span[0] % sl.entry.itemsize or not span[1]:
+            return None
+        offset, nbytes = span
+        mapping = file.mapping()
+        _populate(mapping, offset, nbytes)
+        count = nbytes // sl.entry.itemsize
+        t = torch.frombuffer(mapping, dtype=sl.entry.torch_dtype, count=count, offset=offset)
+        self._count(nbytes)
+        return t.view(sl.shape)
 
     def layer_prefix(self, layer: int) -> str:
         for pattern in PREFIXES:
@@ -129,10 +429,17 @@ class _LayerLoader:
     def dense(
         self, suffix: str, full: tuple[int, ...], key: str | None = None, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
+        """This rank's slice of a dense tensor in ``dtype`` (default: the compute dtype): a
+        zero-copy view of the file when it is one byte range already in that dtype, else a copy."""
         name = self.prefix + suffix
         self._check_shape(name, full)
         dim, start, stop = self._span(key or suffix, full, name)
-        return self.reader.read(name, dim, start, stop).to(dtype or self.dtype)
+        dtype = dtype or self.dtype
+        if self.reader.dtype(name) == dtype:
+            view = self.reader.view(name, dim, start, stop)
+            if view is not None:
+                return view
+        return self.reader.read(name, dim, start, stop).to(dtype)
 
     def is_packed(self, base: str) -> bool:
         """Whether matrix ``base`` (e.g. ``experts.3.w1``) is stored dense or MXFP4."""
@@ -145,8 +452,9 @@ class _LayerLoader:
             f"nor {self.prefix + base + '.weight_packed'!r}"
         )
 
-    def packed(self, base: str, key: str, full: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's slice of an MXFP4 matrix, still packed: ``(nibbles, scales)``."""
+    def packed_reads(self, base: str, key: str, full: tuple[int, int]) -> tuple[Read, Read]:
+        """What to read for this rank's slice of an MXFP4 matrix: ``(nibbles, scales)``, each as
+        ``(name, dim, start, stop)``, after checking both tensors' shapes and the block boundary."""
         packed_name, scale_name = self.prefix + base + ".weight_packed", self.prefix + base + ".weight_scale"
         rows, cols = full
         if cols % mxfp4.BLOCK:
@@ -162,12 +470,16 @@ class _LayerLoader:
                     f"slice is {cols} / TP {self.shard.world} = {width} columns, not a multiple of "
                     f"{mxfp4.BLOCK}: the slices do not fall on a block boundary"
                 )
-            packed = self.reader.read(packed_name, 1, start // 2, stop // 2)
-            scale = self.reader.read(scale_name, 1, start // mxfp4.BLOCK, stop // mxfp4.BLOCK)
-        else:
-            packed = self.reader.read(packed_name, dim, start, stop)
-            scale = self.reader.read(scale_name, dim, start, stop)
-        return packed, scale
+            return (
+                (packed_name, 1, start // 2, stop // 2),
+                (scale_name, 1, start // mxfp4.BLOCK, stop // mxfp4.BLOCK),
+            )
+        return (packed_name, dim, start, stop), (scale_name, dim, start, stop)
+
+    def packed(self, base: str, key: str, full: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of an MXFP4 matrix, still packed: ``(nibbles, scales)``."""
+        nibbles, scales = self.packed_reads(base, key, full)
+        return self.reader.read(*nibbles), self.reader.read(*scales)
 
     def matrix(self, base: str, key: str, full: tuple[int, int]) -> torch.Tensor:
         """This rank's slice of a dense or MXFP4 matrix in the compute dtype (MXFP4 decoded)."""
@@ -176,9 +488,20 @@ class _LayerLoader:
         return mxfp4.decode(*self.packed(base, key, full), self.dtype)
 
 
-def _load_experts(ld: _LayerLoader, progress: bool | None) -> ExpertWeights:
-    """Every routed expert into tensors allocated once up front (no list-then-stack copy):
-    MXFP4 experts stay packed, dense ones are converted to the compute dtype."""
+def load_threads() -> int:
+    """Threads that read a rank's experts: its torch threads (its share of the CPUs), at most
+    ``LOAD_THREADS_MAX``. Each copies page cache into fresh pages, which costs a page fault per
+    4 KiB of destination; in parallel those faults overlap."""
+    return max(1, min(torch.get_num_threads(), LOAD_THREADS_MAX))
+
+
+LOAD_THREADS_MAX = 16  # a bound on threads per rank, not a measured optimum
+
+
+def _load_experts(ld: _LayerLoader, progress: bool | None, threads: int) -> ExpertWeights:
+    """Every routed expert into tensors allocated once up front (no list-then-stack copy), each
+    slice read straight into its place: MXFP4 experts stay packed, dense ones are converted to
+    the compute dtype. Every name and shape is checked before the first byte is read."""
     cfg, world = ld.cfg, ld.shard.world
     E, D, I = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     I_local = I // world
@@ -191,9 +514,8 @@ def _load_experts(ld: _LayerLoader, progress: bool | None) -> ExpertWeights:
     else:
         w13, w2 = torch.empty(E, 2 * I_local, D, dtype=ld.dtype), torch.empty(E, D, I_local, dtype=ld.dtype)
         w13_s = w2_s = None
-    if progress is None:
-        progress = sys.stderr.isatty()
-    for e in tqdm(range(E), desc="loading experts", unit="expert", file=sys.stderr, disable=not progress):
+    reads: list[tuple[torch.Tensor, Read]] = []  # (where it goes, what)
+    for e in range(E):
         for which, full, dst, dst_scale, rows in (
             ("w1", (I, D), w13, w13_s, slice(0, I_local)),
             ("w3", (I, D), w13, w13_s, slice(I_local, 2 * I_local)),
@@ -206,11 +528,18 @@ def _load_experts(ld: _LayerLoader, progress: bool | None) -> ExpertWeights:
                     f"{'MXFP4' if packed else 'dense'}: a layer's routed experts must share one format"
                 )
             if packed:
-                nibbles, scales = ld.packed(base, which, full)
-                dst[e, rows].copy_(nibbles)
-                dst_scale[e, rows].copy_(scales)
+                nibbles, scales = ld.packed_reads(base, which, full)
+                reads += [(dst[e, rows], nibbles), (dst_scale[e, rows], scales)]
             else:
-                dst[e, rows].copy_(ld.dense(base + ".weight", full, key=which, dtype=None))
+                name = ld.prefix + base + ".weight"
+                ld._check_shape(name, full)
+                reads.append((dst[e, rows], (name, *ld._span(which, full, name))))
+    if progress is None:
+        progress = sys.stderr.isatty()
+    total = sum(out.numel() * out.element_size() for out, _ in reads)
+    with tqdm(total=total, desc="loading experts", unit="B", unit_scale=True, file=sys.stderr,
+              disable=not progress) as bar:
+        ld.reader.read_many(reads, threads, bar.update)
     return ExpertWeights(w13, w2, w13_s, w2_s, dtype=ld.dtype)
 
 
@@ -221,14 +550,18 @@ def load_layer_weights(
     dtype: torch.dtype = torch.float32,
     shard: TPShard | None = None,
     progress: bool | None = False,
+    threads: int | None = None,
 ) -> LayerWeights:
     """Load one MoE layer's tensors (this rank's slices only) in ``dtype``; MXFP4 routed
-    experts stay packed. ``progress``: a bar over experts on stderr (None: when it is a TTY)."""
+    experts stay packed. ``progress``: a bar over experts on stderr (None: when it is a TTY).
+    ``threads``: readers of the experts (default ``load_threads()``)."""
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
     ld = _LayerLoader(reader, cfg, layer, shard or TPShard(), dtype)
     H, D, E = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts
     Is = cfg.shared_intermediate_size
-    experts = _load_experts(ld, progress)
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    experts = _load_experts(ld, progress, threads or load_threads())
     shared = (None, None, None)
     if cfg.num_shared_experts:
         shared = (

@@ -193,6 +193,102 @@ def test_tp_shard_reads_only_its_slices(make_ckpt, mxfp4: bool) -> None:
     assert full_reader.bytes_read - readers[0].bytes_read == split_bytes // 2
 
 
+# --- the fast reader equals a straightforward load -------------------------------------------
+
+
+def reference_layer(ckpt: Path, cfg: LatentMoEConfig, layer: int, dtype: torch.dtype, shard: TPShard) -> dict:
+    """A rank's tensors the plain way: every file through safetensors' ``load_file``, then the
+    DESIGN §4 table applied with ``narrow`` and ``torch.stack`` (none of the loader's reads)."""
+    t: dict[str, torch.Tensor] = {}
+    for path in ckpt.glob("*.safetensors"):
+        t.update(load_file(path))
+    p, E = K3.format(i=layer), cfg.num_experts
+
+    def part(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+        if dim is None:
+            return x
+        n = x.shape[dim] // shard.world
+        return x.narrow(dim, shard.rank * n, n)
+
+    out = {
+        "gate_EH": t[p + "gate.weight"].float(), "bias_E": t[p + "gate.e_score_correction_bias"].float(),
+        "down_DH": t[p + "routed_expert_down_proj.weight"].to(dtype),
+        "norm_D": t[p + "routed_expert_norm.weight"].float(),
+        "up_HD": part(t[p + "routed_expert_up_proj.weight"], 0 if shard.preshard_up_proj else None).to(dtype),
+        "shared_gate_SH": part(t[p + "shared_experts.gate_proj.weight"], 0).to(dtype),
+        "shared_up_SH": part(t[p + "shared_experts.up_proj.weight"], 0).to(dtype),
+        "shared_down_HS": part(t[p + "shared_experts.down_proj.weight"], 1).to(dtype),
+    }
+    packed = p + "experts.0.w1.weight_packed" in t
+    for suffix, key in ((".weight_packed", ""), (".weight_scale", "_scale")) if packed else ((".weight", ""),):
+        def w(e: int, which: str, dim: int, suffix: str = suffix) -> torch.Tensor:
+            return part(t[f"{p}experts.{e}.{which}{suffix}"], dim)
+
+        w13 = torch.stack([torch.cat([w(e, "w1", 0), w(e, "w3", 0)]) for e in range(E)])
+        w2 = torch.stack([w(e, "w2", 1) for e in range(E)])
+        out[f"experts.w13{key}"], out[f"experts.w2{key}"] = (w13, w2) if packed else (w13.to(dtype), w2.to(dtype))
+    return out
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+@pytest.mark.parametrize(("world", "preshard"), [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loaded_tensors_equal_a_plain_load(make_ckpt, monkeypatch, mxfp4: bool, world: int, preshard: bool,
+                                           dtype: torch.dtype) -> None:
+    from moe_runtime import checkpoint
+
+    ckpt = make_ckpt(mxfp4=mxfp4)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    for rank in range(world):
+        shard = TPShard(rank, world, preshard)
+        expected = reference_layer(ckpt, cfg, 1, dtype, shard)
+        for threads in (1, 3):
+            got = load_layer_weights(ckpt, cfg, 1, dtype, shard, threads=threads).tensors()
+            assert got.keys() == expected.keys()
+            for name, t in got.items():
+                assert t.dtype == expected[name].dtype and torch.equal(t, expected[name]), (name, threads)
+                # no strided view of the file: every tensor is as a GEMM wants it
+                assert t.is_contiguous(), name
+        # tiny chunks and scratch: many chunks over 3 threads, column slices in many row blocks
+        monkeypatch.setattr(checkpoint, "MIN_CHUNK_BYTES", 1)
+        monkeypatch.setattr(checkpoint, "READAHEAD_BYTES", 512)
+        monkeypatch.setattr(checkpoint, "SCRATCH_BYTES", 100)
+        got = load_layer_weights(ckpt, cfg, 1, dtype, shard, threads=3).tensors()
+        assert all(torch.equal(t, expected[name]) for name, t in got.items())
+        monkeypatch.undo()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the mappings from /proc (Linux)")
+def test_dense_slices_in_the_file_dtype_are_views_of_the_file(tiny_ckpt: Path) -> None:
+    """Replicated and row-split tensors already in the compute dtype share the file's pages (a
+    private mapping, populated at load); column slices and converted tensors are copies."""
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    w = load_layer_weights(tiny_ckpt, cfg, 1, torch.bfloat16, TPShard(1, 2))
+    path = tiny_ckpt / "model-layer-00001.safetensors"
+    maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines() if str(path) in line]
+
+    def mapped(t: torch.Tensor) -> bool:
+        return any(int(m[0].split("-")[0], 16) <= t.data_ptr() < int(m[0].split("-")[1], 16) for m in maps)
+
+    assert maps and all(mapped(t) for t in (w.down_DH, w.up_HD, w.shared_gate_SH, w.shared_up_SH, w.gate_EH))
+    assert not any(mapped(t) for t in (w.shared_down_HS, w.norm_D, w.experts.w13, w.experts.w2))
+    before = w.up_HD.clone()
+    w.up_HD.add_(1)  # a private mapping: the file never changes
+    assert torch.equal(load_layer_weights(tiny_ckpt, cfg, 1, torch.bfloat16).up_HD, before)
+
+
+def test_read_into_checks_the_destination(tiny_ckpt: Path) -> None:
+    reader = CheckpointReader(tiny_ckpt)
+    name = K3.format(i=1) + "shared_experts.down_proj.weight"  # bf16 [128, 64]
+    with raises(name, "cannot read a BF16 [128, 32] slice into a torch.float32 [128, 32] tensor"):
+        reader.read_into(torch.empty(128, 32), name, 1, 0, 32)
+    with raises("non-contiguous"):
+        reader.read_into(torch.empty(32, 128, dtype=torch.bfloat16).t(), name, 1, 32, 64)
+    out = torch.empty(128, 32, dtype=torch.bfloat16)
+    reader.read_into(out, name, 1, 32, 64)
+    assert torch.equal(out, load_file(tiny_ckpt / "model-layer-00001.safetensors")[name][:, 32:64])
+
+
 # --- broken checkpoints -----------------------------------------------------------------------
 
 
@@ -284,6 +380,17 @@ def test_corrupt_index(make_ckpt, tmp_path: Path, text: str) -> None:
     ckpt = copy_ckpt(make_ckpt(), tmp_path / "ckpt")
     (ckpt / INDEX_FILE).write_text(text)
     with raises(INDEX_FILE, "is not a valid safetensors index"):
+        CheckpointReader(ckpt)
+
+
+@pytest.mark.parametrize("cut", ["header", "data"])
+def test_truncated_safetensors_file(make_ckpt, tmp_path: Path, cut: str) -> None:
+    ckpt = copy_ckpt(make_ckpt(single_file=True), tmp_path / "ckpt")
+    path = ckpt / SINGLE_FILE
+    raw = path.read_bytes()
+    path.write_bytes(raw[:20] if cut == "header" else raw[:-100])
+    with raises(f"cannot open {path}: not a readable safetensors file",
+                "does not fit" if cut == "header" else "lie outside the file's data"):
         CheckpointReader(ckpt)
 
 
