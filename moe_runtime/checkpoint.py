@@ -88,7 +88,7 @@ class TensorEntry:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
@@ -241,6 +241,7 @@ class CheckpointReader:
         self.bytes_read = 0
         self._count_lock = threading.Lock()
         self._scratch = threading.local()
+        self._located: dict[str, tuple[_TensorFile, TensorEntry]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -250,16 +251,20 @@ class CheckpointReader:
             self._files[path] = _TensorFile(path)
         return self._files[path]
 
+
     def _locate(self, name: str) -> tuple[_TensorFile, TensorEntry]:
+        if name in self._located:  # a rank asks about each of thousands of tensors several times
+            return self._located[name]
         if name not in self._file_of:
             raise ValueError(f"checkpoint {self.root} has no tensor {name!r}")
         path = self._file_of[name]
-        if not path.is_file():
+        if path not in self._files and not path.is_file():
             raise ValueError(f"tensor {name!r} is mapped to {path.name}, which does not exist")
         file = self._open(path)
         if name not in file.entries:
             raise ValueError(f"tensor {name!r} is mapped to {path.name}, which does not hold it")
-        return file, file.entries[name]
+        self._located[name] = file, file.entries[name]
+        return self._located[name]
 
     def _slice(self, name: str, dim: int | None, start: int, stop: int | None) -> tuple[_TensorFile, _Slice]:
         file, entry = self._locate(name)
