@@ -123,10 +123,16 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
 
 
 def _pread_into(fd: int, out: memoryview, offset: int) -> None:
-    """Fill ``out`` from the file at ``offset`` (the kernel copies page cache straight into it)."""
+    """Fill ``out`` from the file at ``offset`` (``preadv``: the kernel copies page cache straight
+    into it; where the OS lacks it, ``pread`` and one more copy)."""
     done = 0
     while done < len(out):
-        n = os.preadv(fd, [out[done:]], offset + done)
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [out[done:]], offset + done)
+        else:
+            data = os.pread(fd, len(out) - done, offset + done)
+            n = len(data)
+            out[done : done + n] = data
         if n == 0:
             raise ValueError(f"unexpected end of file at byte {offset + done}")
         done += n

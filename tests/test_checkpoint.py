@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -256,6 +257,15 @@ def test_loaded_tensors_equal_a_plain_load(make_ckpt, monkeypatch, mxfp4: bool, 
         got = load_layer_weights(ckpt, cfg, 1, dtype, shard, threads=3).tensors()
         assert all(torch.equal(t, expected[name]) for name, t in got.items())
         monkeypatch.undo()
+
+
+def test_reads_the_same_where_the_os_lacks_preadv(make_ckpt, monkeypatch) -> None:
+    ckpt = make_ckpt(mxfp4=True)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    expected = reference_layer(ckpt, cfg, 1, torch.bfloat16, TPShard(1, 2))
+    monkeypatch.delattr(os, "preadv", raising=False)
+    got = load_layer_weights(ckpt, cfg, 1, torch.bfloat16, TPShard(1, 2), threads=2).tensors()
+    assert all(torch.equal(t, expected[name]) for name, t in got.items())
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the mappings from /proc (Linux)")

@@ -24,6 +24,17 @@ Per rank the planner adds a workspace allowance: the experts' decode scratch bud
 (``experts_path="fused"``, the torch backend's CPU default for packed experts) decodes in
 registers: no scratch, but fp32 copies of each expert's rows (``FUSED_BYTES_PER_TOKEN``).
 
+Where the bytes live (``moe_runtime.checkpoint``): the routed experts, column-split tensors
+(``shared_experts.down_proj`` at TP > 1) and every tensor converted from the file's dtype are
+anonymous memory; the other dense tensors (row-split or replicated and stored in the compute dtype:
+in a bf16 deployment of a bf16 checkpoint the router, Wdown, Wup and the shared gate/up rows) are
+zero-copy views of a private mapping of the checkpoint, their page-cache pages mapped at load
+(RSS "file", not "anon"; ranks of one node mapping one file share them). Each part counts its
+bytes once per rank either way: a mapped page a forward reads is as resident as an anonymous one,
+and on a CPU node the replicated ones are then over-counted by (ranks - 1) x their bytes, a bound
+kept on purpose (~0.1 GB per extra rank at K3 size). The load leaves no other page of the file
+mapped (experts and column slices are read with ``pread``, not through the mapping).
+
 Units: GB is 10**9 bytes (``moe_runtime.units``). Budgets are in ``budget``, time in ``cost``.
 """
 
