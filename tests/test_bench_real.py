@@ -1,0 +1,81 @@
+"""scripts/bench_real.py end to end on the tiny MXFP4 preset: the fractions and verdicts in its JSON
+and docs section follow from its own measurements, and its section replaces the hand-written one
+of the same title in docs/benchmarks.md, leaving the others alone. No wall-clock threshold."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_real  # noqa: E402
+
+from moe_runtime.config import LatentMoEConfig  # noqa: E402
+
+
+@pytest.mark.slow
+def test_bench_real_measures_and_writes_its_section(make_ckpt, tmp_path: Path) -> None:
+    ckpt = make_ckpt(mxfp4=True)
+    docs = tmp_path / "benchmarks.md"
+    original = (REPO / "docs/benchmarks.md").read_text()
+    docs.write_text(original)
+    out = tmp_path / "out"
+    assert bench_real.main(["--checkpoint", str(ckpt), "--tp", "1", "2", "--tokens", "1", "16", "512",
+                            "--reps", "1", "--out", str(out), "--docs", str(docs)]) == 0
+    res = json.loads((out / "bench_real.json").read_text())
+    assert (out / "bench_real.png").is_file()
+    assert [run["P"] for run in res["runs"]] == [1, 2] and len(res["runs"][1]["ranks"]) == 2
+    for run in res["runs"]:
+        seq = run["sequential_read"]
+        assert seq["bytes"] == res["shard_bytes"]  # the same files, read whole
+        for r in run["ranks"]:
+            fraction = r["load_gbps"] / seq["gbps"]
+            assert r["load_vs_sequential"] == {"value": pytest.approx(fraction), "target": ">= 0.5",
+                                               "met": fraction >= 0.5}
+            rows = {f["T"]: f for f in r["forward"]}
+            assert sorted(rows) == [1, 16, 512]
+            for T in (1, 16):
+                f = rows[T]
+                assert f["memory_bound_fraction"] == pytest.approx(f["memory_bound_ms"] / f["ms"])
+                assert f["verdict"]["met"] == (f["memory_bound_fraction"] >= 0.25)
+            f = rows[512]
+            assert f["gemm_fraction"] == pytest.approx(f["gflops"] / f["dense_gemm_gflops"])
+            assert f["verdict"]["met"] == (f["gemm_fraction"] >= 0.5)
+    assert [c["P"] for c in res["tp_vs_tp1"]] == [2] and res["tp_vs_tp1"][0]["ok"]
+    text = docs.read_text()
+    # the generated section took the hand-written one's place, between its markers; nothing else moved
+    begin, end = "<!-- bench:bench_real begin -->", "<!-- bench:bench_real end -->"
+    assert text.count(bench_real.SECTION) == 1 and text.count(begin) == text.count(end) == 1
+    section = text[text.index(begin):text.index(end)]
+    assert bench_real.SECTION in section and "Measured on a heavily loaded machine" not in text
+    assert text.index(begin) < text.index("<!-- bench:bench_warmup begin -->")
+    before, after = original.split(bench_real.SECTION)
+    assert text.startswith(before) and text.endswith(after[after.index("<!-- bench:bench_warmup begin -->"):])
+    verdicts = "met" if all(r["load_vs_sequential"]["met"] for run in res["runs"] for r in run["ranks"]) else "**missed**"
+    assert f"load vs sequential read (>= 50 %): {verdicts}" in section
+
+
+def test_forward_gemms_count_the_layer_flops(make_ckpt) -> None:
+    """The GEMM list's flops are the layer's: router, latent down, 6 D I_l per token-slot in the
+    experts, the shared experts, and the up projection (H / P rows under the sharded tail)."""
+    cfg = LatentMoEConfig.from_pretrained(make_ckpt())
+    H, D, E, K, I, Is = 128, 64, 8, 2, 64, 64
+
+    class Runner:  # what forward_gemms reads of a runner
+        def __init__(self, world: int, tail: str):
+            self.shard = type("Shard", (), {"world": world})()
+            self.plan = type("Plan", (), {"tail_for": staticmethod(lambda T: tail)})()
+
+    for world, tail in ((1, "replicated"), (2, "sharded"), (2, "single_allreduce")):
+        T, active = 33, 5
+        gemms = bench_real.forward_gemms(cfg, Runner(world, tail), T, active)
+        up_rows = H // world if tail == "sharded" else H
+        expected = 2 * T * (E * H + D * H + 3 * (Is // world) * H + up_rows * D) + 6 * D * (I // world) * T * K
+        assert sum(g.flops for g in gemms) == expected
+        experts = [g for g in gemms if g.name.startswith("experts")]
+        assert {g.count for g in experts} == {active} and {g.m for g in experts} == {round(T * K / active)}
