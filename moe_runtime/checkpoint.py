@@ -10,10 +10,9 @@ whole file. How a slice is read (measured in docs/benchmarks.md, issue 17 item 5
   the file's one-tensor-per-expert layout cannot be a view of) by ``pread`` straight into the
   destination, from a few threads: no mapping of the expert bytes stays behind, and no
   OpenMP-parallel copy faults pages of a mapping (on a busy machine that ran at ~0.3 GB/s);
-- a column slice (split along dim 1) is read row-block by row-block into a per-thread scratch
-  buffer and its columns copied out: a contiguous tensor of exactly the slice, never a strided
-  view that pins the whole tensor's pages and is copied again by every GEMM that needs it
-  contiguous.
+- a column slice (split along dim 1) is copied out of a short-lived mapping of its tensor: a
+  contiguous tensor of exactly the slice, never a strided view that keeps the whole tensor's
+  pages mapped and is copied again by every GEMM that needs it contiguous.
 """
 
 from __future__ import annotations
@@ -58,8 +57,6 @@ ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-# Row blocks of a column slice are read through a scratch buffer of about this size per thread.
-SCRATCH_BYTES = 16 * 2**20
 # ``read_many``'s unit of work per thread (between the two), and how far ahead it asks the kernel
 # to read.
 READAHEAD_BYTES = 64 * 2**20
@@ -246,7 +243,6 @@ class CheckpointReader:
             raise ValueError(f"{self.root} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
         self.bytes_read = 0
         self._count_lock = threading.Lock()
-        self._scratch = threading.local()
         self._located: dict[str, tuple[_TensorFile, TensorEntry]] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -319,21 +315,17 @@ class CheckpointReader:
         self._count(sl.nbytes)
 
     def _read_columns(self, file: _TensorFile, sl: _Slice, dst: np.ndarray) -> None:
-        """A dim-1 slice of a 2-D tensor: whole rows a block at a time into this thread's scratch,
-        then the slice's columns out of it."""
+        """A dim-1 slice of a 2-D tensor: the slice's columns copied out of a mapping of just that
+        tensor's pages, unmapped right after (no page of it stays mapped in the process)."""
         rows, row_bytes = sl.entry.shape[0], sl._row_bytes
         first = range(sl.entry.shape[1])[sl.start : sl.stop]
         lo, hi = first.start * sl.entry.itemsize, first.stop * sl.entry.itemsize
-        block = max(1, min(rows, SCRATCH_BYTES // max(row_bytes, 1)))
-        scratch = getattr(self._scratch, "buf", None)
-        if scratch is None or scratch.size < block * row_bytes:
-            scratch = self._scratch.buf = np.empty(block * row_bytes, np.uint8)
-        out = dst.reshape(rows, hi - lo)
-        for r in range(0, rows, block):
-            n = min(block, rows - r)
-            buf = scratch[: n * row_bytes]
-            _pread_into(file.fd, memoryview(buf), sl.entry.offset + r * row_bytes)
-            out[r : r + n] = buf.reshape(n, row_bytes)[:, lo:hi]
+        start = sl.entry.offset - sl.entry.offset % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(file.fd, sl.entry.offset + sl.entry.nbytes - start, access=mmap.ACCESS_READ,
+                       offset=start) as pages:
+            src = np.frombuffer(pages, np.uint8, sl.entry.nbytes, sl.entry.offset - start)
+            dst.reshape(rows, hi - lo)[:] = src.reshape(rows, row_bytes)[:, lo:hi]
+            del src  # the mapping cannot close while an array holds it
 
     def read_many(
         self, items: Sequence[tuple[torch.Tensor, Read]], threads: int = 1,
