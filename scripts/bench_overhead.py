@@ -4,25 +4,40 @@ The MoE tier is called once per layer per decode step, so what a call costs on t
 forward decides whether the tier is usable. One run (tiny checkpoint, float32, layer 1):
 
 * ``inprocess``: the runner in this process (TP 1) or in ``local_group`` ranks (TP 2), no Ray;
+  TP 2 also as ``python -m moe_runtime forward --tp 2 --repeat N`` times it at T = 1 (a
+  subprocess on the same checkpoint, dtype and layer: the lane target's in-process number);
 * Ray's floors, the same payload (a ``WireTensor`` of ``[T, H]``) round-tripped:
   ``actor`` (a bare actor call), ``serve_echo`` (Serve handle -> a deployment that returns its
   input), ``serve_actor1`` / ``serve_actor2`` (Serve handle -> a deployment that awaits one call
-  on each of 1 / 2 actors, the shape of our replica -> TP-group hop);
-* ours: ``direct`` (``MoEClient.direct``: handle -> TP-group deployment), ``app`` (the ingress
+  on each of 1 / 2 actors, the shape of our replica -> TP-group hop), ``cgraph1`` / ``cgraph2``
+  (a Compiled Graph: driver -> 1 / 2 echo actors -> driver, the shape of a lane);
+* ours: ``lane`` (``MoEClient.lane``: the client's compiled graph over a leased TP group),
+  ``direct`` (``MoEClient.direct``: handle -> TP-group deployment), ``app`` (the ingress
   handle: one more hop), ``http`` (HTTP through the proxy and the ingress).
 
 Every path is called sequentially (one request in flight: the lone-decode-request case) for
-TP 1 and 2 and T in {1, 16}; the rounds are interleaved so a noisy neighbour hits every path
-alike. Prints p50/p99 and the overhead over the in-process forward and over the matching
-floor, and writes JSON + PNG under ``--out`` and its section of docs/benchmarks.md (``--docs``;
-'' to skip), with each target's verdict computed from the run's rows (and the runs of
-``--compare``, side by side).
+TP 1 and 2 and T in {1, 16, 128}, in rounds so a noisy neighbour hits every path alike. Each
+round times the Serve paths and their floors, then the compiled graphs one at a time: a graph
+is built for its turn and torn down after it (``cgraphP``), a lane opened and closed (it leases
+the group of the deployment the Serve paths use; nothing else calls it meanwhile), because an
+idle compiled graph's loops spin on their CPUs and would slow everything else. The lane's
+timed answers are compared bit for bit with the direct handle's on the same input every
+round, and its ``status()`` must show every call on the lane: a row failing either meets no
+target.
 
-    python scripts/bench_overhead.py --label before      # ~2 minutes on 2 cores
+Prints p50/p90/p99 and the overhead over the in-process forward and over the matching floor,
+and writes JSON + PNG under ``--out`` and its section of docs/benchmarks.md (``--docs``; '' to
+skip), with each target's verdict computed from the run's rows (and the runs of ``--compare``,
+side by side).
+
+    python scripts/bench_overhead.py --label before      # ~4 minutes on 2 cores
     python scripts/bench_overhead.py --label after --compare artifacts/bench_overhead/before.json
 
 Targets: direct <= serve_actor floor + 1.5 ms (TP 1: one actor, TP 2: two actors); app <=
-direct + 1 ms; HTTP <= direct + 3 ms.
+direct + 1 ms; HTTP <= direct + 3 ms (the Serve paths, every row); lane - in-process (the
+CLI's) <= cgraph2 floor + 0.5 ms at TP 2, T = 1; lane <= 0.25 x direct at T = 1 (each TP). The
+projected hop cost of a 92-layer Kimi-K3 token, (path - in-process) x 92 at T = 1, is printed
+for the lane and the direct handle.
 """
 
 from __future__ import annotations
@@ -34,8 +49,11 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -55,10 +73,14 @@ from moe_runtime.tp.local_group import run_local_group  # noqa: E402
 APP, FLOOR_APP = "overhead", "floors"
 LAYER = 1
 TPS = (1, 2)
-SIZES = (1, 16)
+SIZES = (1, 16, 128)  # within max_batch_tokens (2048) and max_tokens_per_request (8192)
 TARGETS_MS = {"direct_over_floor": 1.5, "app_over_direct": 1.0, "http_over_direct": 3.0}
 TARGET_TEXT = {"direct_over_floor": "direct - in-process forward - floor", "app_over_direct": "app - direct",
                "http_over_direct": "HTTP - direct"}
+LANE_OVER_FLOOR_MS = 0.5  # lane - in-process <= cgraph floor + this, at TP 2, T = 1
+LANE_OVER_DIRECT = 0.25  # lane <= this x direct, at T = 1
+K3_MOE_LAYERS = 92  # one tier call per MoE layer per decode step
+TIMEOUT_S = 120  # per call: a busy shared machine can stall one for longer than Ray's defaults (10 s)
 SECTION = "## Data-plane overhead (scripts/bench_overhead.py)"
 
 
@@ -69,7 +91,7 @@ def pct(values: list[float], q: float) -> float:
 
 def summary(seconds: list[float]) -> dict[str, float]:
     ms = [s * 1e3 for s in seconds]
-    return {"n": len(ms), "p50_ms": statistics.median(ms), "p99_ms": pct(ms, 0.99)}
+    return {"n": len(ms), "p50_ms": statistics.median(ms), "p90_ms": pct(ms, 0.9), "p99_ms": pct(ms, 0.99)}
 
 
 def make_input(T: int, H: int) -> torch.Tensor:
@@ -113,6 +135,21 @@ def inprocess(checkpoint: str, calls: int) -> dict[tuple[int, int], list[float]]
     return result
 
 
+def cli_forward_ms(checkpoint: str, tp: int, T: int, repeat: int) -> dict[str, Any]:
+    """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) on the
+    same checkpoint, dtype, layer and input as this run's in-process path."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", checkpoint, "--layer",
+               str(LAYER), "--tp", str(tp), "--dtype", "float32", "--random-input", str(T), "--seed", str(T),
+               "--repeat", str(repeat), "--output", f"{tmp}/out.safetensors"]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    m = re.search(r"^forward ms: first [\d.]+, median ([\d.]+) over \d+$", out, re.M)
+    if m is None:
+        raise RuntimeError(f"no 'forward ms' line in the output of {' '.join(cmd)}:\n{out}")
+    return {"tp": tp, "T": T, "repeat": repeat, "median_ms": float(m.group(1)),
+            "command": "python -m moe_runtime " + " ".join(cmd[3:-2])}
+
+
 # -- floors -------------------------------------------------------------------------------------
 
 
@@ -142,6 +179,23 @@ def floor_deployments():
     return Echo, ActorHop
 
 
+def compiled_floor(actors: list[Any]) -> Any:
+    """A lane's shape with no work: driver -> every actor's echo -> driver, one compiled graph."""
+    from ray.dag import InputNode, MultiOutputNode
+
+    with InputNode() as inp:
+        dag = MultiOutputNode([a.echo.bind(inp) for a in actors])
+    return dag.experimental_compile()
+
+
+def floor_call(graph: Any, w: Any) -> None:
+    """One execution of a floor graph. Its answers are dropped here: they may be zero-copy views
+    of the graph's channel buffers, and one still held blocks a later execution (seen at T = 128)."""
+    import ray
+
+    ray.get(graph.execute(w), timeout=TIMEOUT_S)
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -163,6 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"in-process runner ({args.calls} calls per T)", flush=True)
     for (tp, T), ts in inprocess(str(ckpt), args.calls).items():
         samples[f"inprocess/tp{tp}/T{T}"] = ts
+    print(f"in process by the CLI (TP 2, T = 1, --repeat {args.calls})", flush=True)
+    results["inprocess_cli"] = cli_forward_ms(str(ckpt), 2, 1, args.calls)
 
     import ray
     from ray import serve
@@ -185,16 +241,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         echo = serve.run(Echo.bind(), name=f"{FLOOR_APP}_echo", route_prefix=None)
         hops = {n: serve.run(ActorHop.bind(n), name=f"{FLOOR_APP}_actor{n}", route_prefix=None) for n in TPS}
         actor = ray.remote(EchoActor).options(num_cpus=0).remote()
-        http = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=120)
+        echoes = {n: [ray.remote(EchoActor).options(num_cpus=0).remote() for _ in range(n)] for n in TPS}
+        http = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=TIMEOUT_S)
         direct = {tp: MoEClient.direct(f"tp{tp}", APP) for tp in TPS}
         # The ingress path (older clients went through it by default; newer ones need asking).
         via = {"via_ingress": True} if "via_ingress" in inspect.signature(MoEClient).parameters else {}
         app = {tp: MoEClient(APP, deployment=f"tp{tp}", **via) for tp in TPS}
 
-        calls: dict[str, Any] = {}
+        inputs = {T: make_input(T, H) for T in SIZES}
+        wires = {T: WireTensor.from_torch(x) for T, x in inputs.items()}
+        calls: dict[str, Any] = {}  # the Serve paths and their floors
         for T in SIZES:
-            x = make_input(T, H)
-            w = WireTensor.from_torch(x)
+            x, w = inputs[T], wires[T]
             calls[f"actor/T{T}"] = lambda w=w: ray.get(actor.echo.remote(w))
             calls[f"serve_echo/T{T}"] = lambda w=w: echo.remote(w).result()
             for n in TPS:
@@ -207,26 +265,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(5):
                 call()
         per_round = max(1, args.calls // args.rounds)
+        exact = dict.fromkeys(((tp, T) for tp in TPS for T in SIZES), True)
+        lane_groups: dict[int, list[dict[str, Any]]] = {tp: [] for tp in TPS}
         for r in range(args.rounds):
             print(f"round {r + 1}/{args.rounds} ({per_round} calls per path), load {os.getloadavg()[0]:.2f}",
                   flush=True)
-            for name, call in calls.items():
-                ts = samples.setdefault(name, [])
-                for _ in range(per_round):
-                    start = time.perf_counter()
-                    call()
-                    ts.append(time.perf_counter() - start)
+            last = timed(calls, samples, per_round)
+            # Then the compiled graphs, one at a time, each built for its turn and torn down after
+            # it: an idle graph's loops spin (about a core per actor, measured here), which would
+            # slow every other path. The lane leases the group the Serve paths just used; nothing
+            # else calls it meanwhile.
+            for n in TPS:
+                graph = compiled_floor(echoes[n])
+                try:
+                    timed({f"cgraph{n}/T{T}": lambda w=wires[T], g=graph: floor_call(g, w) for T in SIZES},
+                          samples, per_round, warm=5)
+                finally:
+                    graph.teardown()
+                with direct[n].lane(max_tokens=max(SIZES), name=f"bench-tp{n}") as lane:
+                    last |= timed({f"lane/tp{n}/T{T}": lambda x=inputs[T], ln=lane: ln.forward(x, LAYER)
+                                   for T in SIZES}, samples, per_round, warm=5)
+                    lane_groups[n].append(lane.status()["deployments"][f"tp{n}"])
+            for tp, T in exact:  # the timed answers themselves: a wrong lane gets no fast row
+                exact[(tp, T)] &= torch.equal(last[f"lane/tp{tp}/T{T}"], last[f"direct/tp{tp}/T{T}"])
+        results["lane"] = {f"tp{tp}": lane_check(lane_groups[tp], {T: exact[(tp, T)] for T in SIZES})
+                           for tp in TPS}
         http.close()
     finally:
         serve.shutdown()
         ray.shutdown()
     results["env"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     results["paths"] = {k: summary(v) for k, v in samples.items()}
-    results["overheads"] = overheads(results["paths"])
+    results["overheads"] = overheads(results["paths"], results["lane"])
     return results
 
 
-def overheads(paths: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+def timed(calls: dict[str, Any], samples: dict[str, list[float]], n: int, warm: int = 0) -> dict[str, Any]:
+    """Each call ``warm`` times untimed then ``n`` times timed (into ``samples``); its last answers."""
+    last = {}
+    for name, call in calls.items():
+        for _ in range(warm):
+            call()
+        ts = samples.setdefault(name, [])
+        for _ in range(n):
+            start = time.perf_counter()
+            last[name] = call()
+            ts.append(time.perf_counter() - start)
+    return last
+
+
+def lane_check(groups: list[dict[str, Any]], exact: dict[int, bool]) -> dict[str, Any]:
+    """Whether the lane rows measure the lane: every call of every round's lane (``groups``: its
+    ``status()`` for the deployment) went on the leased group's graph, none on the Serve path,
+    and each T's timed answers equal the direct handle's bit for bit."""
+    counts = {k: sum(g[k] for g in groups) for k in ("lane_calls", "serve_calls", "fallbacks", "leases")}
+    on_lane = all(g["path"] == "lane" for g in groups) and counts["serve_calls"] == 0
+    return {"exact": {str(T): ok for T, ok in exact.items()}, "on_lane": on_lane, **counts}
+
+
+def overheads(paths: dict[str, dict[str, float]], lanes: dict[str, Any]) -> list[dict[str, Any]]:
     """Per (path, TP, T): p50 over the in-process forward and over the matching floor/path."""
     rows = []
     for tp in TPS:
@@ -235,10 +332,14 @@ def overheads(paths: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
                  if k.endswith(f"/tp{tp}/T{T}")}
             floor = paths[f"serve_actor{tp}/T{T}"]["p50_ms"]
             floor1 = paths[f"serve_actor1/T{T}"]["p50_ms"]
+            lane = lanes[f"tp{tp}"]
             rows.append({
-                "tp": tp, "T": T, "inprocess_ms": p["inprocess"],
+                "tp": tp, "T": T, "inprocess_ms": p["inprocess"], "lane_ms": p["lane"],
                 "direct_ms": p["direct"], "app_ms": p["app"], "http_ms": p["http"],
-                "floor_ms": floor, "floor1_ms": floor1,
+                "floor_ms": floor, "floor1_ms": floor1, "cgraph_ms": paths[f"cgraph{tp}/T{T}"]["p50_ms"],
+                "lane_valid": lane["on_lane"] and lane["exact"][str(T)],
+                "lane_over_inprocess_ms": p["lane"] - p["inprocess"],
+                "lane_over_direct": p["lane"] / p["direct"],
                 "direct_over_inprocess_ms": p["direct"] - p["inprocess"],
                 # The floor does no work; our path does the forward on top of it.
                 "direct_over_floor_ms": p["direct"] - p["inprocess"] - floor,
@@ -249,22 +350,31 @@ def overheads(paths: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| TP | T | in-process | direct | app | HTTP | floor (Serve->P actors) | direct - fwd - floor "
-             "| app - direct | HTTP - direct |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| TP | T | in-process | lane | CG floor (driver->P actors) | lane - fwd | lane / direct "
+             "| direct | app | HTTP | floor (Serve->P actors) | direct - fwd - floor | app - direct "
+             "| HTTP - direct |",
+             "|---|---|" + "---:|" * 12]
     for r in results["overheads"]:
-        lines.append(
-            f"| {r['tp']} | {r['T']} | {r['inprocess_ms']:.2f} | {r['direct_ms']:.2f} | {r['app_ms']:.2f} | "
-            f"{r['http_ms']:.2f} | {r['floor_ms']:.2f} | {r['direct_over_floor_ms']:+.2f} | "
-            f"{r['app_over_direct_ms']:+.2f} | {r['http_over_direct_ms']:+.2f} |"
-        )
+        cells = [r["tp"], r["T"], f"{r['inprocess_ms']:.2f}",
+                 f"{r['lane_ms']:.2f}" + ("" if r["lane_valid"] else " (invalid)"), f"{r['cgraph_ms']:.2f}",
+                 f"{r['lane_over_inprocess_ms']:+.2f}", f"{r['lane_over_direct']:.2f}",
+                 *(f"{r[f'{k}_ms']:.2f}" for k in ("direct", "app", "http", "floor")),
+                 *(f"{r[f'{k}_over_{base}_ms']:+.2f}"
+                   for k, base in (("direct", "floor"), ("app", "direct"), ("http", "direct")))]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
 def paths_table(results: dict[str, Any]) -> str:
-    lines = ["| path | p50 ms | p99 ms |", "|---|---:|---:|"]
+    lines = ["| path | p50 ms | p90 ms | p99 ms |", "|---|---:|---:|---:|"]
     for name, v in results["paths"].items():
-        lines.append(f"| {name} | {v['p50_ms']:.2f} | {v['p99_ms']:.2f} |")
+        lines.append(f"| {name} | {v['p50_ms']:.2f} | {v['p90_ms']:.2f} | {v['p99_ms']:.2f} |")
     return "\n".join(lines)
+
+
+def row_of(run: dict[str, Any], tp: int, T: int) -> dict[str, Any]:
+    """``run``'s overhead row for (TP, T); empty for runs that did not measure it (older runs)."""
+    return next((r for r in run["overheads"] if (r["tp"], r["T"]) == (tp, T)), {})
 
 
 def compare_table(runs: list[dict[str, Any]]) -> str:
@@ -273,11 +383,11 @@ def compare_table(runs: list[dict[str, Any]]) -> str:
     lines = ["| TP | T | path | " + " | ".join(labels) + " |", "|---|---|---|" + "---:|" * len(runs)]
     for tp in TPS:
         for T in SIZES:
-            for path in ("inprocess", "floor", "direct", "app", "http", "direct_over_floor",
-                         "app_over_direct", "http_over_direct"):
-                vals = [next(r for r in run["overheads"] if (r["tp"], r["T"]) == (tp, T))[f"{path}_ms"]
-                        for run in runs]
-                lines.append(f"| {tp} | {T} | {path} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
+            for path in ("inprocess", "lane", "cgraph", "floor", "direct", "app", "http",
+                         "lane_over_inprocess", "direct_over_floor", "app_over_direct", "http_over_direct"):
+                vals = [row_of(run, tp, T).get(f"{path}_ms") for run in runs]
+                lines.append(f"| {tp} | {T} | {path} | "
+                             + " | ".join("" if v is None else f"{v:.2f}" for v in vals) + " |")
     return "\n".join(lines)
 
 
@@ -292,6 +402,56 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out[key] = {"rows": rows, "met": all(v["met"] for v in rows), "rows_met": sum(v["met"] for v in rows),
                     "worst": worst, "best": min(rows, key=lambda v: v["value"]), "target": f"<= {limit} ms"}
     return out
+
+
+def lane_verdict(row: dict[str, Any], value: float, limit: float) -> dict[str, Any]:
+    v = verdict(value, "<=", limit)
+    if not row["lane_valid"]:  # calls that left the lane, or wrong answers, measure no lane
+        v["met"] = False
+    return dict(v, tp=row["tp"], valid=row["lane_valid"])
+
+
+def lane_targets(results: dict[str, Any]) -> dict[str, Any]:
+    """The lane's targets at T = 1 and the projected hops of a Kimi-K3 token (92 MoE layers)."""
+    rows = {r["tp"]: r for r in results["overheads"] if r["T"] == 1}
+    two, cli = rows[2], results["inprocess_cli"]["median_ms"]
+    over_floor = lane_verdict(two, two["lane_ms"] - cli - two["cgraph_ms"], LANE_OVER_FLOOR_MS)
+    return {
+        "lane_over_floor": dict(over_floor, lane_ms=two["lane_ms"], cli_ms=cli, cgraph_ms=two["cgraph_ms"],
+                                inprocess_ms=two["inprocess_ms"]),
+        "lane_over_direct": [lane_verdict(r, r["lane_over_direct"], LANE_OVER_DIRECT) for r in rows.values()],
+        "k3_token_hops_ms": {f"tp{tp}": {"lane": r["lane_over_inprocess_ms"] * K3_MOE_LAYERS,
+                                         "direct": r["direct_over_inprocess_ms"] * K3_MOE_LAYERS}
+                             for tp, r in rows.items()},
+    }
+
+
+def lane_lines(results: dict[str, Any]) -> list[str]:
+    """The lane's checks, targets and K3 projection in words (console and docs alike)."""
+    t, cli = lane_targets(results), results["inprocess_cli"]
+    f = t["lane_over_floor"]
+    checks = "; ".join(
+        f"TP {tp[2:]}: bit-equal at T = "
+        + ", ".join(f"{T} {'yes' if ok else '**NO**'}" for T, ok in c["exact"].items())
+        + f"; {c['lane_calls']} calls on the lane, {c['serve_calls']} on the Serve path, {c['fallbacks']} "
+        f"fallbacks, {c['leases']} lease(s){'' if c['on_lane'] else ' -- **not all on the lane**'}"
+        for tp, c in results["lane"].items())
+    hops = "; ".join(f"TP {tp[2:]}: lane {h['lane']:.0f} ms, direct handle {h['direct']:.0f} ms"
+                     for tp, h in t["k3_token_hops_ms"].items())
+    return [
+        f"- Lane answers vs the direct handle's on the same input (`torch.equal` on every round's timed "
+        f"answers), and the lane's own `status()`: {checks}. A lane row that fails either meets no target.",
+        f"- lane - in-process <= Compiled Graph floor + {LANE_OVER_FLOOR_MS} ms at TP 2, T = 1: lane "
+        f"{f['lane_ms']:.2f} - in-process {f['cli_ms']:.2f} (`{cli['command']}`, median, printed to 0.1 ms; "
+        f"this run's in-process path: {f['inprocess_ms']:.2f}) = {f['lane_ms'] - f['cli_ms']:+.2f} ms "
+        f"against floor {f['cgraph_ms']:.2f} + {LANE_OVER_FLOOR_MS} = "
+        f"{f['cgraph_ms'] + LANE_OVER_FLOOR_MS:.2f} ms: {verdict_word(f['met'])}.",
+        f"- lane <= {LANE_OVER_DIRECT} x direct handle at T = 1: "
+        + ", ".join(f"TP {v['tp']}: {v['value']:.2f}x ({verdict_word(v['met'])})"
+                    for v in t["lane_over_direct"]) + ".",
+        f"- Projected hop cost of a {K3_MOE_LAYERS}-layer Kimi-K3 token at T = 1 ((path p50 - in-process "
+        f"p50) x {K3_MOE_LAYERS}): {hops}.",
+    ]
 
 
 def verdicts(results: dict[str, Any]) -> list[str]:
@@ -315,26 +475,30 @@ def markdown(runs: list[dict[str, Any]], json_path: str, png_path: str) -> str:
         "Paths: `inprocess` = the runner with no Ray (TP 2: `local_group` ranks); Ray's floors on the same "
         "payload: `actor` (a bare actor call), `serve_echo` (Serve handle -> a deployment returning its "
         "input), `serve_actorP` (Serve handle -> a deployment awaiting one call on each of P actors: the "
-        "shape of the replica -> TP group hop); ours: `direct` (`MoEClient.direct`), `app` (the ingress "
-        "handle), `http` (proxy and ingress). p50 / p99 per call, ms:",
+        "shape of the replica -> TP group hop), `cgraphP` (a Compiled Graph, driver -> P echo actors -> "
+        "driver: the shape of a lane); ours: `lane` (`MoEClient.lane`: this client's compiled graph over "
+        "the leased TP group of the deployment `direct` calls), `direct` (`MoEClient.direct`), `app` (the "
+        "ingress handle), `http` (proxy and ingress). Each round times the Serve paths and their floors, "
+        "then each compiled graph in turn, built for its turn and torn down after it (a lane opened and "
+        "closed): an idle graph's loops spin on their CPUs. p50 / p90 / p99 per call, ms:",
         "",
         paths_table(results),
         "",
-        "Overheads (p50, ms; floor = `serve_actorP` with P = TP size):",
+        "Overheads (p50, ms; fwd = in-process; CG floor = `cgraphP`, floor = `serve_actorP`, P = TP size):",
         "",
         table(results),
     ]
     if len(runs) > 1:
         lines += ["", "Side by side with the compared runs (p50 ms; each run's own load in its JSON):", "",
                   compare_table(runs)]
-    lines += ["", "Targets (verdicts computed from the rows above; a target is met only when every (TP, T) "
-              "row meets it):", ""]
+    lines += ["", "Targets (verdicts computed from the rows above; a Serve-path target is met only when "
+              "every (TP, T) row meets it):", ""]
     for key, t in targets(results).items():
         w, b = t["worst"], t["best"]
         lines.append(f"- {TARGET_TEXT[key]} {t['target']}: {verdict_word(t['met'])} -- {t['rows_met']} of "
                      f"{len(t['rows'])} rows; worst TP {w['tp']}, T = {w['T']}: {w['value']:+.2f} ms; best "
                      f"TP {b['tp']}, T = {b['T']}: {b['value']:+.2f} ms.")
-    return "\n".join(lines)
+    return "\n".join(lines + lane_lines(results))
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
@@ -343,20 +507,20 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SIZES), figsize=(12, 4.5), sharey=True)
-    keys = ["inprocess", "floor", "direct", "app", "http"]
+    fig, axes = plt.subplots(1, len(SIZES), figsize=(18, 5), sharey=True)
+    keys = ["inprocess", "cgraph", "lane", "floor", "direct", "app", "http"]
+    xs = [k + j * (len(keys) + 1) for j in range(len(TPS)) for k in range(len(keys))]
+    width = 0.8 / len(runs)
     for ax, T in zip(axes, SIZES, strict=True):
-        labels, offset, width = [], 0, 0.8 / len(runs)
-        for i, run in enumerate(runs):
-            rows = [r for r in run["overheads"] if r["T"] == T]
-            xs = [k + j * (len(keys) + 1) for j in range(len(rows)) for k in range(len(keys))]
-            ys = [r[f"{k}_ms"] for r in rows for k in keys]
-            ax.bar([x + offset + i * width for x in xs], ys, width, label=run["label"])
-            labels = [f"TP{r['tp']}\n{k}" for r in rows for k in keys]
-        ax.set_xticks([x + 0.4 - width / 2 for x in xs], labels, fontsize=7)
+        for i, run in enumerate(runs):  # NaN: a path or size that run did not measure
+            ys = [row_of(run, tp, T).get(f"{k}_ms", math.nan) for tp in TPS for k in keys]
+            ax.bar([x + i * width for x in xs], ys, width, label=run["label"])
+        ax.set_xticks([x + 0.4 - width / 2 for x in xs], [f"TP{tp} {k}" for tp in TPS for k in keys],
+                      fontsize=7, rotation=90)
+        ax.set_yscale("log")  # the lane and its floor sit one to two decades below HTTP
         ax.set_title(f"T = {T}: p50 per call (ms)")
         ax.legend()
-    fig.suptitle("latent-MoE serving: per-call latency vs Ray's floor (tiny, float32)")
+    fig.suptitle("latent-MoE serving: per-call latency vs Ray's floors (tiny, float32)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -377,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     results["argv"] = sys.argv[1:] if argv is None else argv
     results["targets"] = targets(results)
+    results["lane_targets"] = lane_targets(results)
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out / f"{args.label}.json", args.out / f"{args.label}.png"
     json_path.write_text(json.dumps(results, indent=2) + "\n")
@@ -385,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     env = results["env"]
     print(f"\nload average before {env['loadavg_before']}, after {env['loadavg_after']}")
     print(paths_table(results) + "\n\n" + table(results) + "\n")
-    print("\n".join(verdicts(results)))
+    print("\n".join(verdicts(results) + lane_lines(results)))
     if args.compare:
         print("\n" + compare_table(runs))
     print(f"\nwrote {json_path} and {png_path}")
