@@ -4,17 +4,20 @@
 One run writes the checkpoint (small preset + the decoder's tensors, ``--layers`` layers: layer 0
 dense, the rest MoE), measures the in-process model (``moe_forward`` as its MoE) at each batch
 size, then starts a local Ray instance serving every MoE layer on one TP-group deployment and
-measures the disaggregated decoder at each batch size and ``m``. Per configuration: decode
+measures the disaggregated decoder through lanes (``RemoteMoE``'s default) at each batch size and
+``m``, then -- the lane closed, as it holds the group meanwhile -- through the Serve handles
+(``RemoteMoE(lane=False)``) at each batch size with ``m = 1``. Per configuration: decode
 tokens/s and per-step latency (median of ``--reps`` generations after a warm-up), the time the
-client spends waiting on MoE calls, and the fraction of the wall time the tier's TP group is
-busy (``status()`` counters: forwards x mean forward_ms, over the whole generate call).
+client spends waiting on MoE calls, the fraction of the wall time the tier's TP group is busy
+(``status()`` counters: forwards x mean forward_ms, over the whole generate call), and whether
+every generation's tokens equal the in-process model's.
 
     python scripts/bench_afd.py                 # a few minutes on 2 cores
     python scripts/bench_afd.py --quick         # tiny preset, fewer tokens (smoke run)
 
-Target: m = 2 reaches >= 1.5x the tokens/s of m = 1 at batch 32. Results: JSON + PNG under
---out, and the "## Attention-FFN disaggregation (scripts/bench_afd.py)" section of
-docs/benchmarks.md (--docs).
+Targets: through lanes at m = 1, >= 1.0x the in-process tokens/s at every batch size; m = 2
+reaches >= 1.5x the tokens/s of m = 1 at batch 32. Results: JSON + PNG under --out, and the
+"## Attention-FFN disaggregation (scripts/bench_afd.py)" section of docs/benchmarks.md (--docs).
 """
 
 from __future__ import annotations
@@ -68,26 +71,43 @@ class TimedMoE:
         return out
 
 
+def tier_status(tier: RemoteMoE, settle_s: float = 30.0) -> dict[str, Any]:
+    """The deployment's ``status()`` once its counters hold every call of this client's lane: the
+    replica reads a lane's counters from its ranks every 0.25 s (``serve.lanes``), so a read
+    right after the calls can miss the last ones (waits at most ``settle_s``)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        status = tier.deployment_statuses()[DEPLOYMENT]
+        lane_calls = tier.lane.status()["deployments"][DEPLOYMENT]["lane_calls"] if tier.lane else 0
+        if status["counters"]["lane"]["requests"] >= lane_calls or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
 def prompts_for(batch: int, length: int, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(batch)
     return torch.randint(vocab, (batch, length), generator=gen).tolist()
 
 
 def measure(model: Decoder, moe: TimedMoE, batch: int, m: int, args: argparse.Namespace,
-            tier: RemoteMoE | None = None) -> dict[str, Any]:
+            tier: RemoteMoE | None = None, reference: torch.Tensor | None = None
+            ) -> tuple[dict[str, Any], torch.Tensor]:
+    """The row of (batch, m) and the tokens generated; with ``reference`` (the in-process tokens)
+    the row says whether every generation equalled it."""
     prompts = prompts_for(batch, args.prompt_len, model.cfg.vocab_size)
     model.generate(prompts, 2, m)  # warm-up: first calls, allocator, thread pools
-    runs = []
+    runs, identical = [], True
     for _ in range(args.reps):
         moe.wait_s, moe.calls = 0.0, 0
-        before = next(iter(tier.deployment_statuses().values())) if tier else None
+        before = tier_status(tier) if tier else None
         cpu = time.process_time()
         out = model.generate(prompts, args.tokens, m)
+        identical &= reference is None or torch.equal(out.tokens, reference)
         wall = out.prefill_s + out.decode_s
         run = {"decode_s": out.decode_s, "prefill_s": out.prefill_s, "moe_wait_s": moe.wait_s,
                "moe_calls": moe.calls, "cpu_s": time.process_time() - cpu}
         if tier:
-            forwards, busy_s = tier_busy(before, next(iter(tier.deployment_statuses().values())))
+            forwards, busy_s = tier_busy(before, tier_status(tier))
             run.update(tier_forwards=forwards, tier_busy_s=busy_s, tier_busy_frac=busy_s / wall)
         runs.append(run)
     best = sorted(runs, key=lambda r: r["decode_s"])[len(runs) // 2]  # the median run
@@ -105,8 +125,10 @@ def measure(model: Decoder, moe: TimedMoE, batch: int, m: int, args: argparse.Na
         row["tier_busy_frac"] = round(best["tier_busy_frac"], 3)
         row["tier_forward_ms"] = round(best["tier_busy_s"] / max(1, best["tier_forwards"]) * 1e3, 2)
         row["tier_forwards_per_step"] = round(best["tier_forwards"] / (steps + 1), 2)
+    if reference is not None:
+        row["tokens_identical"] = identical
     print(json.dumps(row), flush=True)
-    return row
+    return row, out.tokens
 
 
 def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int,
@@ -121,7 +143,7 @@ def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int
         for T in sizes:
             x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(T))
             loop.run_until_complete(moe(x, layer))  # warm-up
-            before = next(iter(tier.deployment_statuses().values())) if tier else None
+            before = tier_status(tier) if tier else None
             times = []
             for _ in range(reps):
                 start = time.perf_counter()
@@ -129,7 +151,7 @@ def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int
                 times.append(time.perf_counter() - start)
             row = {"call_ms": round(statistics.median(times) * 1e3, 2)}
             if tier:
-                forwards, busy_s = tier_busy(before, next(iter(tier.deployment_statuses().values())))
+                forwards, busy_s = tier_busy(before, tier_status(tier))
                 row["forward_ms"] = round(busy_s / forwards * 1e3, 2)
             out[T] = row
     finally:
@@ -146,7 +168,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     series: dict[str, list[dict]] = {"in process": results["inprocess"]}
     for row in results["tier"]:
-        series.setdefault(f"tier, m={row['m']}", []).append(row)
+        series.setdefault(f"lane, m={row['m']}", []).append(row)
+    series["Serve handles, m=1"] = results["tier_serve"]
     for name, rows in series.items():
         style = "k--" if name == "in process" else "o-"
         ax1.plot([r["batch"] for r in rows], [r["tokens_per_s"] for r in rows], style, label=name)
@@ -178,22 +201,30 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"the AFD client); {load_label(env['loadavg_before'], env['loadavg_after'], env['cpus'])}. "
         f"Raw data: `{json_path}`, plot: `{png_path}`.",
         "",
-        "| batch | m | tokens/s | ms / step | vs in process | vs m = 1 | client waits on MoE, ms / step "
-        "| client CPU ms / step | tier busy | tier forward ms | forwards / step |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Paths: in process (`LocalMoE`), lane (the tier through a lane: `RemoteMoE`'s default, every m), "
+        "Serve handles (the tier through `RemoteMoE(lane=False)`, m = 1; run after the lane closed, as a "
+        "lane holds the group while open).",
+        "",
+        "| batch | path | m | tokens/s | ms / step | vs in process | vs m = 1 | tokens = in process "
+        "| client waits on MoE, ms / step | client CPU ms / step | tier busy | tier forward ms "
+        "| forwards / step |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in results["inprocess"]:
-        lines.append(f"| {r['batch']} | in process | {r['tokens_per_s']} | {r['step_ms']} | 1.00 | | "
-                     f"{r['moe_wait_ms_per_step']} (MoE compute) | {r['client_cpu_ms_per_step']} | | | |")
+        lines.append(f"| {r['batch']} | in process | 1 | {r['tokens_per_s']} | {r['step_ms']} | 1.00 | | "
+                     f"(reference) | {r['moe_wait_ms_per_step']} (MoE compute) | "
+                     f"{r['client_cpu_ms_per_step']} | | | |")
     base = {r["batch"]: r for r in results["tier"] if r["m"] == 1}
-    for r in results["tier"]:
-        lines.append(
-            f"| {r['batch']} | {r['m']} | {r['tokens_per_s']} | {r['step_ms']} | "
-            f"{r['tokens_per_s'] / local[r['batch']]['tokens_per_s']:.2f} | "
-            f"{r['tokens_per_s'] / base[r['batch']]['tokens_per_s']:.2f} | {r['moe_wait_ms_per_step']} | "
-            f"{r['client_cpu_ms_per_step']} | "
-            f"{r['tier_busy_frac']:.0%} | {r['tier_forward_ms']} | {r['tier_forwards_per_step']} |"
-        )
+    for path, rows in (("lane", results["tier"]), ("Serve handles", results["tier_serve"])):
+        for r in rows:
+            vs_m1 = f"{r['tokens_per_s'] / base[r['batch']]['tokens_per_s']:.2f}" if path == "lane" else ""
+            lines.append(
+                f"| {r['batch']} | {path} | {r['m']} | {r['tokens_per_s']} | {r['step_ms']} | "
+                f"{r['tokens_per_s'] / local[r['batch']]['tokens_per_s']:.2f} | {vs_m1} | "
+                f"{'yes' if r['tokens_identical'] else '**no**'} | {r['moe_wait_ms_per_step']} | "
+                f"{r['client_cpu_ms_per_step']} | "
+                f"{r['tier_busy_frac']:.0%} | {r['tier_forward_ms']} | {r['tier_forwards_per_step']} |"
+            )
     s = results["summary"]
     lines += [
         "",
@@ -204,13 +235,15 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "decoder spends awaiting MoE calls per step, summed over micro-batches (overlapping).",
         "",
         f"Disaggregation cost per MoE layer at m = 1, from whole steps (tier step − in-process step) / "
-        f"{env['moe_layers']}: " + ", ".join(f"batch {b}: {c} ms" for b, c in s["cost_per_layer_ms"].items())
-        + "; from single calls (tier round trip − in-process forward): "
+        f"{env['moe_layers']}: " + "; ".join(
+            f"{name}: " + ", ".join(f"batch {b}: {c} ms" for b, c in s["cost_per_layer_ms"][path].items())
+            for name, path in (("lane", "tier"), ("Serve handles", "tier_serve")))
+        + "; from single calls through the lane (round trip − in-process forward): "
         + ", ".join(f"T = {t}: {r['call_ms'] - results['moe_call_ms'][t]['call_ms']:.1f} ms"
                     for t, r in results["tier_call_ms"].items()) + ".",
         "One MoE call of T tokens awaited alone, median ms (a batch of B in m micro-batches makes m "
         "calls of B/m tokens per layer): "
-        + ", ".join(f"T = {t}: in process {results['moe_call_ms'][t]['call_ms']}, tier round trip "
+        + ", ".join(f"T = {t}: in process {results['moe_call_ms'][t]['call_ms']}, lane round trip "
                     f"{r['call_ms']} (group forward {r['forward_ms']})"
                     for t, r in results["tier_call_ms"].items()) + ".",
         "Ping-pong bound (the group runs one forward at a time, so a step takes at least m x layers "
@@ -218,6 +251,14 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         + ", ".join(f"batch {k.replace('/', ', m = ')}: {v}x" for k, v in s["pingpong_bound"].items()) + ".",
         f"Target m = 2 ≥ 1.5× m = 1 at batch 32: measured {s['m2_over_m1_at_32']}× "
         f"({verdict_word(s['target']['met'])}).",
+        "Target lane ≥ 1.0× the in-process tokens/s at m = 1, every batch: measured "
+        + ", ".join(f"batch {b}: {v}×" for b, v in s["lane_over_inprocess"].items())
+        + f" ({verdict_word(s['lane_target']['met'])}; the Serve handles: "
+        + ", ".join(f"batch {r['batch']}: {r['tokens_per_s'] / local[r['batch']]['tokens_per_s']:.2f}×"
+                    for r in results["tier_serve"]) + ").",
+        "Generated tokens equal the in-process model's in every tier generation (lane and Serve handles, "
+        f"every batch and m, every rep): {'yes' if s['tokens_identical'] else '**no**'}. Every lane call on "
+        f"the lane (none on the Serve path; `Lane.status()`): {'yes' if s['lane_on_lane'] else '**no**'}.",
     ]
     rows = {(r["batch"], r["m"]): r for r in results["tier"]}
     if s["target"]["met"] is False and (32, 1) in rows and (32, 2) in rows:
@@ -288,44 +329,67 @@ def main(argv: list[str] | None = None) -> int:
                 "tp_size": args.tp, "tail": args.tail, "prompt_len": args.prompt_len, "tokens": args.tokens,
                 "reps": args.reps, "torch_threads": args.threads,
                 "loadavg_before": [round(x, 2) for x in load_before]},
-        "inprocess": [measure(local, local_moe, b, 1, args) for b in batches],
+        "inprocess": [],
         "moe_call_ms": call_ms(local_moe.inner, cfg.hidden_size, cfg.moe_layers[0], sizes, args.reps * 3),
-        "tier": [],
+        "tier": [],  # through lanes (RemoteMoE's default), every m
+        "tier_serve": [],  # through the Serve handles, m = 1
     }
+    reference = {}  # batch -> the in-process tokens, which every tier generation must equal
+    for b in batches:
+        row, reference[b] = measure(local, local_moe, b, 1, args)
+        results["inprocess"].append(row)
     del local, local_moe  # free the in-process MoE weights before the tier loads its own
     deployment = {"name": DEPLOYMENT, "tp_size": args.tp, "tail": args.tail, "dtype": "float32",
                   "batch_wait_timeout_s": 0.0, "max_batch_tokens": 4096, "replica_cpus": 0.5}
     with local_app(ckpt, APP, [deployment], num_cpus=4, num_gpus=args.tp):
-        tier = RemoteMoE.connect(APP)
-        moe = TimedMoE(tier)
-        results["tier_call_ms"] = call_ms(tier, cfg.hidden_size, cfg.moe_layers[0], sizes, args.reps * 3,
-                                          tier)
-        model = Decoder(ckpt, moe)
-        for b in batches:
-            for m in micro:
-                if m <= b:
-                    results["tier"].append(measure(model, moe, b, m, args, tier))
+        # The lane holds the group while open (the Serve path waits), so the two run one after the other.
+        with RemoteMoE.connect(APP) as tier:
+            moe = TimedMoE(tier)
+            results["tier_call_ms"] = call_ms(tier, cfg.hidden_size, cfg.moe_layers[0], sizes,
+                                              args.reps * 3, tier)
+            model = Decoder(ckpt, moe)
+            for b in batches:
+                for m in micro:
+                    if m <= b:
+                        results["tier"].append(measure(model, moe, b, m, args, tier, reference[b])[0])
+            results["lane_status"] = tier.lane.status()
+        with RemoteMoE.connect(APP, lane=False) as tier:
+            moe = TimedMoE(tier)
+            model = Decoder(ckpt, moe)
+            results["tier_serve"] = [measure(model, moe, b, 1, args, tier, reference[b])[0] for b in batches]
     results["env"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     local_rows = {r["batch"]: r for r in results["inprocess"]}
+    layers = len(cfg.moe_layers)
     tps = {(r["batch"], r["m"]): r["tokens_per_s"] for r in results["tier"]}
     tier_m1 = {r["batch"]: r for r in results["tier"] if r["m"] == 1}
+    lane_over_local = {b: round(r["tokens_per_s"] / local_rows[b]["tokens_per_s"], 2)
+                       for b, r in tier_m1.items()}
+    # Calls the lane sent down the Serve path (no group leased, or a failed call) measure no lane.
+    on_lane = all(g["serve_calls"] == 0 for g in results["lane_status"]["deployments"].values())
+    lane_target = verdict(min(lane_over_local.values(), default=None), ">=", 1.0)
+    lane_target["met"] = lane_target["met"] and on_lane
     ratio = round(tps[(32, 2)] / tps[(32, 1)], 2) if (32, 2) in tps and (32, 1) in tps else None
     target = verdict(ratio, ">=", 1.5)
     results["summary"] = {
         "cost_per_layer_ms": {
-            r["batch"]: round((r["step_ms"] - local_rows[r["batch"]]["step_ms"]) / len(cfg.moe_layers), 2)
-            for r in results["tier"] if r["m"] == 1
+            path: {r["batch"]: round((r["step_ms"] - local_rows[r["batch"]]["step_ms"]) / layers, 2)
+                   for r in results[path] if r["m"] == 1}
+            for path in ("tier", "tier_serve")
         },
         # The group runs one forward at a time: m micro-batches need m x layers forwards of B/m
         # tokens per step, so the step cannot beat that sum (the ping-pong bound).
         "pingpong_bound": {
-            f"{r['batch']}/{r['m']}": round(tier_m1[r["batch"]]["step_ms"] / (r["m"] * len(cfg.moe_layers)
+            f"{r['batch']}/{r['m']}": round(tier_m1[r["batch"]]["step_ms"] / (r["m"] * layers
                                             * results["tier_call_ms"][r["batch"] // r["m"]]["forward_ms"]), 2)
             for r in results["tier"] if r["m"] > 1
         },
         "m2_over_m1_at_32": ratio,
         "target": target,
         "target_met": target["met"],
+        "lane_over_inprocess": lane_over_local,
+        "lane_on_lane": on_lane,
+        "lane_target": lane_target,  # the slowest batch size decides
+        "tokens_identical": all(r["tokens_identical"] for r in results["tier"] + results["tier_serve"]),
     }
     write_results(results, args.out, "bench_afd", ROOT, plot, markdown, args.docs)
     return 0
