@@ -178,7 +178,7 @@ def test_lane_arguments_are_checked(exact_app):
 # -- the control plane: autoscaling signals, leases of dead clients, several clients ---------
 
 PAIR = {"name": "pair", "tp_size": 2, "tail": "sharded", "dtype": "float32", "num_replicas": 2,
-        "lane_lease_s": 2.0, "collective_timeout_s": 4.0, "call_margin_s": 4.0}
+        "lane_lease_s": 10.0, "collective_timeout_s": 4.0, "call_margin_s": 4.0}
 SOLO = {"name": "solo", "tp_size": 1, "dtype": "float32", "lane_lease_s": 2.0}
 
 
@@ -222,7 +222,8 @@ lane = MoEClient.direct("solo", {APP!r}, timeout_s=60).lane(max_tokens=2, name="
 assert lane.status()["deployments"]["solo"]["path"] == "lane"
 lane.forward(torch.zeros(1, {H}), 1)
 print("leased", flush=True)
-time.sleep(600)
+while True:  # a busy client (an idle one would drop its lease itself), killed mid-work
+    lane.forward(torch.zeros(1, {H}), 1)
 """
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -280,11 +281,27 @@ def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
         second.close()
 
 
+def test_an_idle_lane_releases_its_group_and_leases_again_on_the_next_call(fault_app):
+    x = rand(1, 5)
+    want = direct("solo").forward(x, 1)
+    with direct("solo").lane(max_tokens=1, name="idler") as lane:
+        assert torch.equal(lane.forward(x, 1), want)
+        deadline = time.monotonic() + 30
+        while direct("solo").status()["lanes"]["active"] is not None:  # half a term (1 s) idle
+            assert time.monotonic() < deadline
+            time.sleep(0.25)
+        assert direct("solo").status()["lanes"]["history"][-1]["ended"] == "released"
+        assert lane.status()["deployments"]["solo"]["path"] == "serve"
+        assert torch.equal(lane.forward(x, 1), want)
+        assert lane.status()["deployments"]["solo"]["path"] == "lane"  # leased again by the call
+
+
 def test_two_clients_on_two_replicas_each_get_a_group(fault_app):
     a = direct("pair").lane(max_tokens=2, name="a", wait_s=10)
+    sa = a.status()["deployments"]["pair"]
     b = direct("pair").lane(max_tokens=2, name="b", wait_s=10)
+    sb = b.status()["deployments"]["pair"]
     try:
-        sa, sb = a.status()["deployments"]["pair"], b.status()["deployments"]["pair"]
         assert sa["path"] == sb["path"] == "lane" and sa["replica"] != sb["replica"]
         x = rand(2, 4)
         assert torch.equal(a.forward(x, 1), b.forward(x, 1))
@@ -340,6 +357,10 @@ def test_a_stalled_rank_fails_the_call_within_its_bound(fault_app):
     retry meets the broken group; the caller gets an error, never a hang."""
     from deployments.client import MoEServerError
 
+    deadline = time.monotonic() + 300  # Serve replaced the replica the test above broke
+    while len({st["replica"] for st in (direct("pair").status() for _ in range(16)) if st["healthy"]}) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(1.0)
     lane = direct("pair").lane(max_tokens=1, name="stalled")
     pid = _rank_pid(lane, "pair", 1)
     os.kill(pid, signal.SIGSTOP)

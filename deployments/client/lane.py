@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TEARDOWN_TIMEOUT_S = 30.0
+LEASE_ATTEMPT_S = 1.0  # one lease request's wait on the replica it reached
 
 
 def default_client_name() -> str:
@@ -83,13 +84,20 @@ class _GroupLane:
     def acquire(self, wait_s: float) -> bool:
         """Ask the deployment for a lease and compile the graph on its ranks."""
         lane = self.lane
-        sent = time.monotonic()
         handle = lane.client.group_handle(self.deployment)
-        try:
-            grant = handle.lease_lane.remote(lane.name, lane.max_tokens, wait_s).result(
-                timeout_s=wait_s + lane.client.timeout_s)
-        except Exception as e:
-            _translate(e)
+        deadline = time.monotonic() + wait_s
+        while True:
+            # Short waits, asked again: the router's view of which replicas are leased lags by
+            # up to its stats period, so a later ask may reach a free replica.
+            attempt_s = min(max(0.0, deadline - time.monotonic()), LEASE_ATTEMPT_S)
+            sent = time.monotonic()
+            try:
+                grant = handle.lease_lane.remote(lane.name, lane.max_tokens, attempt_s).result(
+                    timeout_s=attempt_s + lane.client.timeout_s)
+            except Exception as e:
+                _translate(e)
+            if grant["granted"] or time.monotonic() >= deadline:
+                break
         if not grant["granted"]:
             self.why_serve = f"lease refused by replica {grant['replica']}: {grant['reason']}"
             self.next_try = time.monotonic() + lane.retry_s
@@ -138,7 +146,8 @@ class _GroupLane:
         self.next_try = time.monotonic() + self.lane.retry_s
         if dag is None:
             return
-        log = logger.info if self.lane.closing or "not renewed" in why else logger.warning
+        routine = self.lane.closing or "not renewed" in why or why.startswith("idle")
+        log = logger.info if routine else logger.warning
         log("lane %s: %s leaves replica %s: %s", self.lane.name, self.deployment, grant["replica"], why)
         # Teardown waits for every rank's graph loop; a dead or stalled rank must not block the
         # caller, so it runs aside (the lease then expires on the replica if it cannot finish).
@@ -205,6 +214,7 @@ class Lane:
         self.name = name or default_client_name()
         self.closing = False
         self._lock = threading.Lock()
+        self._last_call = time.monotonic()
         routes = client.layer_routes()
         self._by_layer: dict[int, _GroupLane] = {}
         self.groups: dict[str, _GroupLane] = {}
@@ -231,6 +241,7 @@ class Lane:
         except BaseException:
             self.close()
             raise
+        threading.Thread(target=self._drop_when_idle, name=f"lane-idle-{self.name}", daemon=True).start()
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -241,6 +252,7 @@ class Lane:
             raise RuntimeError(f"lane {self.name} is closed")
         group = self._only or (self._by_layer.get(layer) if isinstance(layer, int) else None)
         with self._lock:
+            self._last_call = time.monotonic()
             if group is None or not group.ready():
                 if group is not None:
                     group.serve_calls += 1
@@ -273,6 +285,24 @@ class Lane:
         return WireTensor.from_torch(x), logits
 
     # -- lifetime -------------------------------------------------------------------------
+
+    def _drop_when_idle(self) -> None:
+        """An idle compiled graph's loops poll their channels, a core per rank: a lane that has
+        not been called for half a lease term tears its graphs down and releases the groups
+        (the next call leases again) rather than burn the ranks' CPUs until its lease expires."""
+        while not self.closing:
+            leased = [g for g in self.groups.values() if g.grant is not None]
+            term = min((g.grant["term_s"] for g in leased), default=DEFAULT_WAIT_S)
+            time.sleep(term / 4)
+            if not leased or time.monotonic() - self._last_call < term / 2:
+                continue
+            with self._lock:
+                if self.closing or time.monotonic() - self._last_call < term / 2:
+                    continue
+                for group in leased:
+                    group.drop("idle for half a lease term")
+                    group.next_try = 0.0  # the next call leases again at once
+
 
     def status(self) -> dict[str, Any]:
         return {"client": self.name, "max_tokens": self.max_tokens, "layers": list(self.layers),

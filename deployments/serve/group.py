@@ -152,6 +152,15 @@ class TPGroup:
     def unhold(self) -> None:
         self._lock.release()
 
+    async def drop_graph(self) -> None:
+        """Tear the replica's own compiled graph down (held: nothing runs on it); the next
+        forward compiles it again. An idle graph's loops poll their channels and burn a core per
+        rank, so a leased group must not keep it beside the lane's."""
+        dag, self._dag, self.transport = self._dag, None, None
+        if dag is not None:
+            with contextlib.suppress(Exception):  # ranks gone: the group is broken anyway
+                await asyncio.to_thread(dag.teardown)
+
     def check_usable(self) -> None:
         if self.broken is not None:
             raise GroupUnavailableError(

@@ -7,7 +7,9 @@ the ranks run collectives that must see one call order, so a group serves one la
 and nothing else meanwhile:
 
 * :class:`LaneLeases` (the replica) grants a lease by taking the group's call lock: Serve
-  forwards, the health collective and warm-up wait while it is held. It polls the ranks every
+  forwards, the health collective and warm-up wait while it is held, and the replica's own
+  compiled graph is torn down (an idle graph's loops poll their channels, a core per rank; it is
+  compiled again at the next Serve forward). It polls the ranks every
   ``LANE_POLL_S``: the lane's calls and tokens feed the replica's counters (``status()``, the
   autoscaler's tokens/s; waiting lease requests count as queued tokens), a dead rank breaks the
   group (Serve replaces the replica), and the lease ends when the client releases it, or one
@@ -213,6 +215,7 @@ class LaneLeases:
         lease = Lease(f"{self.replica}:{next(self._ids)}:{uuid.uuid4().hex[:8]}", client, max_tokens,
                       time.time(), time.monotonic())
         try:
+            await self.group.drop_graph()
             await asyncio.wait_for(
                 asyncio.gather(*(w.lane_open.remote(lease.lease_id, client) for w in self.group.workers)),
                 POLL_TIMEOUT_S,
@@ -319,16 +322,20 @@ class LaneLeases:
         self.abandoned = rank0["abandoned"]
 
     async def _end(self, lease: Lease, how: str) -> None:
+        # Every rank must close the lease before the group serves anyone else: a rank that
+        # does not answer within the collective timeout is stalled, and the group is broken
+        # (the Serve path then answers 503 and retries elsewhere instead of running into it).
+        bound_s = max(POLL_TIMEOUT_S, self.spec().collective_timeout_s)
         try:
-            states = await asyncio.wait_for(
-                asyncio.gather(*(w.lane_close.remote(lease.lease_id) for w in self.group.workers),
-                               return_exceptions=True),
-                POLL_TIMEOUT_S,
-            )
+            states = await asyncio.gather(
+                *(asyncio.wait_for(w.lane_close.remote(lease.lease_id), bound_s) for w in self.group.workers),
+                return_exceptions=True)
             if isinstance(states[0], dict):
                 self._account(lease, states[0])
-        except Exception:  # noqa: S110 -- ranks gone or stalled: the group is broken already
-            pass
+            silent = [r for r, st in enumerate(states) if not isinstance(st, dict)]
+            if silent:
+                self.group.mark_broken(f"rank {silent[0]} did not close lane lease {lease.lease_id} within "
+                                       f"{bound_s:.0f} s: {error_message(states[silent[0]]) or 'timeout'}")
         finally:
             self.active = None
             self.history.append({**lease.to_dict(), "ended": how,
