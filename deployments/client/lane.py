@@ -51,7 +51,7 @@ from moe_runtime.units import torch_dtype
 
 from ..common.errors import ServeInputError, error_message, root_cause
 from ..common.requests import to_tensor
-from ..common.wire import WireTensor, join_rank_outputs
+from ..common.wire import WireTensor, copy_graph_outputs, join_rank_outputs
 from .client import DEFAULT_RETRY_S, DEFAULT_WAIT_S, _translate
 
 if TYPE_CHECKING:
@@ -182,10 +182,7 @@ class _GroupLane:
         """One execution of the graph; rank outputs joined (copied out of the channels)."""
         results = ray.get(self.dag.execute(layer, x, logits), timeout=self.grant["call_timeout_s"])
         self.calls += 1
-        # Outputs may be views of the channels' buffers, which the next execution reuses.
-        copied = [(None if out is None else WireTensor(out.array.copy(), out.dtype), tail)
-                  for out, tail in results]
-        return join_rank_outputs(copied)[0]
+        return join_rank_outputs(copy_graph_outputs(results))[0]
 
     def status(self) -> dict[str, Any]:
         grant = self.grant

@@ -59,3 +59,9 @@ def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[tor
     if tail == "sequence_parallel":
         return torch.cat([out.to_torch() for out, _ in results]), tail
     return results[0][0].to_torch(), tail
+
+
+def copy_graph_outputs(results: list[tuple[WireTensor | None, str]]) -> list[tuple[WireTensor | None, str]]:
+    """Every rank's ``(out, tail)`` read from a compiled graph, with ``out`` copied: outputs may
+    be views of the channels' buffers, which the next execution reuses."""
+    return [(None if out is None else WireTensor(out.array.copy(), out.dtype), tail) for out, tail in results]

@@ -31,7 +31,7 @@ from moe_runtime.tp.tuning import Clock, Timings
 from .. import logger
 from ..cluster import kv
 from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message
-from ..common.wire import WireTensor, join_rank_outputs
+from ..common.wire import WireTensor, copy_graph_outputs, join_rank_outputs
 from ..config.resolve import ResolvedDeployment
 from ..control.accelerator import Accelerator
 from ..control.decide import MEASURED, REUSED, Decision, TailDecision, measured_plan
@@ -247,9 +247,7 @@ class TPGroup:
             who = f"rank {dead[0]} died" if dead else "a rank failed"
             reason = self._break(f"{who} during {what} (compiled graph): {error_message(e)}")
             raise GroupUnavailableError(f"TP group failed: {reason}") from None
-        # Outputs may be views of the channel's buffer, which the next forward reuses.
-        return [(None if out is None else WireTensor(out.array.copy(), out.dtype), tail)
-                for out, tail in results]
+        return copy_graph_outputs(results)
 
     async def _dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
         """Ranks whose actor no longer answers (the graph's error does not say which)."""
