@@ -251,25 +251,28 @@ def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
     """The documented rule: the second client waits wait_s, then takes the Serve path; the
     Serve path's demand stops the first lease's renewal after one term; nobody deadlocks."""
     want = {T: direct("solo").forward(rand(T, T), 1) for T in (1, 2)}
+    errors: list[BaseException] = []
+
+    def loop(lane, T) -> None:
+        try:
+            end = time.monotonic() + 8.0
+            while time.monotonic() < end:
+                assert torch.equal(lane.forward(rand(T, T), 1), want[T])
+        except BaseException as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
     first = direct("solo").lane(max_tokens=2, name="first", retry_s=0.5)
-    second = direct("solo").lane(max_tokens=2, name="second", wait_s=0.5, retry_s=0.5)
+    second = None
     try:
         assert first.status()["deployments"]["solo"]["path"] == "lane"
+        # The first client calls before the second asks (an idle lane would let its group go).
+        threads = [threading.Thread(target=loop, args=(first, 1))]
+        threads[0].start()
+        second = direct("solo").lane(max_tokens=2, name="second", wait_s=0.5, retry_s=0.5)
         assert second.status()["deployments"]["solo"]["path"] == "serve"
         assert "held by first" in second.status()["deployments"]["solo"]["why_serve"]
-        errors: list[BaseException] = []
-
-        def loop(lane, T) -> None:
-            try:
-                end = time.monotonic() + 8.0
-                while time.monotonic() < end:
-                    assert torch.equal(lane.forward(rand(T, T), 1), want[T])
-            except BaseException as e:  # noqa: BLE001 -- reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=loop, args=(lane, T)) for lane, T in ((first, 1), (second, 2))]
-        for t in threads:
-            t.start()
+        threads.append(threading.Thread(target=loop, args=(second, 2)))
+        threads[1].start()
         for t in threads:
             t.join(timeout=120)
         assert not any(t.is_alive() for t in threads), "a client hung"
@@ -278,7 +281,8 @@ def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
         assert s1["lane_calls"] > 0 and s2["serve_calls"] > 0
     finally:
         first.close()
-        second.close()
+        if second is not None:
+            second.close()
 
 
 def test_an_idle_lane_releases_its_group_and_leases_again_on_the_next_call(fault_app):

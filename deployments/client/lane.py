@@ -117,6 +117,7 @@ class _GroupLane:
             logger.warning("lane %s: %s: %s; Serve path", lane.name, self.deployment, self.why_serve)
             return False
         self.grant, self.renewed_at = grant, sent
+        lane._last_call = time.monotonic()  # idle time counts from the lease, not from before the compile
         self.leases += 1
         self.why_serve = ""
         logger.info("lane %s: %s leased replica %s (TP %d, lease %s, term %.1f s)", lane.name,
