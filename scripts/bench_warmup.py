@@ -11,7 +11,10 @@ default ``warmup_limit_s``) and sends one --tokens forward; it checks that the a
 first phase's bit for bit. Writes JSON + PNG under --out and the "## Warm-up
 (scripts/bench_warmup.py)" section of docs/benchmarks.md (--docs); verdicts come from the data.
 Target: warm start <= cold start - the cold measurement's time (nothing measured again), and a
-replaced replica answers again without measuring (plan_source: reused).
+replaced replica answers again without measuring (plan_source: reused). After the rank's SIGKILL
+(issue 17 item 6): answered again within 1.5x the warm start (a load without measuring; the cold
+ratio is printed too), no call hung (each call's seconds are recorded; a call that ran into the
+client's timeout counts as hung), no answer wrong (every answer equals the cold one).
 """
 
 from __future__ import annotations
@@ -52,22 +55,31 @@ def deploy_and_answer(args: dict[str, Any], x: torch.Tensor, layer: int) -> tupl
     return ready, answered, out, client.status()
 
 
-def answer_after_rank_kill(x: torch.Tensor, layer: int, deadline_s: float) -> tuple[float, int, dict]:
-    """SIGKILL rank 0 of the serving replica; seconds until a forward answers again, and the
-    number of calls that failed meanwhile (each retried until the deadline)."""
+CALL_TIMEOUT_S = 600.0  # the client's bound on one call after the kill: a call reaching it hung
+
+
+def answer_after_rank_kill(x: torch.Tensor, layer: int, deadline_s: float) -> dict[str, Any]:
+    """SIGKILL rank 0 of the serving replica; seconds until a forward answers again, the calls
+    that failed meanwhile (each retried after 1 s until the deadline) with their seconds and
+    errors, and the answer."""
     from deployments.client import MoEClient
 
-    client = MoEClient(APP, timeout_s=600)
+    client = MoEClient(APP, timeout_s=CALL_TIMEOUT_S)
     pid = client.status()["deployments"]["moe"]["workers"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
-    start, failures = time.perf_counter(), 0
+    start, failed = time.perf_counter(), []
     while time.perf_counter() - start < deadline_s:
+        sent = time.perf_counter()
         try:
-            client.forward(x, layer)
-            return time.perf_counter() - start, failures, client.status()
-        except Exception:
-            failures += 1
+            out = client.forward(x, layer)
+        except Exception as e:
+            took = time.perf_counter() - sent
+            failed.append({"s": took, "error": f"{type(e).__name__}: {str(e)[:200]}",
+                           "hung": took >= CALL_TIMEOUT_S})
             time.sleep(1.0)
+            continue
+        return {"answered_s": time.perf_counter() - start, "failed": failed, "out": out,
+                "status": client.status()}
     raise TimeoutError(f"no answer within {deadline_s:.0f} s after the rank was killed")
 
 
@@ -91,6 +103,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     cold, warm, rep = results["cold"], results["warm"], results["replaced"]
     measure_s = cold["answered_s"] - warm["answered_s"]
+    restart = rep["answered_s"] / warm["answered_s"]
+    slowest = max((c["s"] for c in rep["failed"]), default=0.0)
     lines = [
         SECTION, "",
         f"`python scripts/bench_warmup.py {results['argv']}` on {results['machine']} "
@@ -102,13 +116,22 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"| {cold['answered_s']:.1f} |",
         f"| warm: stored plan | {warm['plan_source']} | {warm['ready_s']:.1f} | {warm['answered_s']:.1f} |",
         f"| rank SIGKILL -> answered again | {rep['plan_source']} | | {rep['answered_s']:.1f} "
-        f"({rep['failed_calls']} failed call(s) before) |", "",
+        f"({len(rep['failed'])} failed call(s) before, the slowest {slowest:.1f} s) |", "",
         f"Measured tail plan: {cold['plan']}. Warm start saves {measure_s:.1f} s "
         f"({warm['answered_s'] / cold['answered_s']:.2f} x the cold time). "
         f"Verdicts: warm start reuses the plan — "
         f"{'met' if warm['plan_source'] == 'reused' else 'MISSED'}; the replaced replica reuses it — "
         f"{'met' if rep['plan_source'] == 'reused' else 'MISSED'}; answers equal across phases — "
         f"{'met' if results['answers_equal'] else 'MISSED'}.",
+        "",
+        f"Restart (issue 17 item 6): answered again {rep['answered_s']:.1f} s after the SIGKILL = "
+        f"{restart:.2f} x the warm start ({rep['answered_s'] / cold['answered_s']:.2f} x the cold one), "
+        f"target <= 1.5 x — {'met' if restart <= 1.5 else 'MISSED'}; hung calls (reaching the "
+        f"{CALL_TIMEOUT_S:.0f} s client timeout): {sum(c['hung'] for c in rep['failed'])} — "
+        f"{'met' if not any(c['hung'] for c in rep['failed']) else 'MISSED'}; wrong answers: "
+        f"{0 if results['answers_equal'] else 'some'} — {'met' if results['answers_equal'] else 'MISSED'}."
+        + (f" Errors the failed calls saw: {sorted({c['error'].split(':')[0] for c in rep['failed']})}."
+           if rep["failed"] else ""),
     ]
     return "\n".join(lines)
 
@@ -161,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         ready, answered, warm_out, status = deploy_and_answer(app, x, layer)
         phases["warm"] = {"ready_s": ready, "answered_s": answered,
                           "plan_source": status["deployments"]["moe"]["controller"]["plan_source"]}
-        seconds, failures, status = answer_after_rank_kill(x, layer, deadline_s=3600)
-        phases["replaced"] = {"answered_s": seconds, "failed_calls": failures,
-                              "plan_source": status["deployments"]["moe"]["controller"]["plan_source"]}
+        kill = answer_after_rank_kill(x, layer, deadline_s=3600)
+        ctl = kill["status"]["deployments"]["moe"]["controller"]
+        phases["replaced"] = {"answered_s": kill["answered_s"], "failed": kill["failed"],
+                              "plan_source": ctl["plan_source"]}
         replaced_out = MoEClient(APP, timeout_s=600).forward(x, layer)
     finally:
         serve.shutdown()
@@ -172,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         **phases, "checkpoint_name": ckpt.name, "tp": args.tp, "dtype": args.dtype,
         "argv": " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{os.cpu_count()} CPUs", "load_before": load_before, "load_after": os.getloadavg()[0],
-        "answers_equal": bool(torch.equal(cold_out, warm_out) and torch.equal(cold_out, replaced_out)),
+        "answers_equal": all(torch.equal(cold_out, out) for out in (warm_out, kill["out"], replaced_out)),
     }
     write_results(results, args.out, "bench_warmup", ROOT, plot, markdown, args.docs and Path(args.docs))
     return 0
