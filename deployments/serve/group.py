@@ -244,8 +244,11 @@ class TPGroup:
             raise
         except Exception as e:
             dead = await self._dead_ranks()
-            who = f"rank {dead[0]} died" if dead else "a rank failed"
-            reason = self._break(f"{who} during {what} (compiled graph): {error_message(e)}")
+            if dead:  # the cause; the graph's own error then says little (Ray 2.60 may even fail
+                # reading the broken channel with "'RayChannelError' object is not iterable")
+                reason = self._break(f"rank {dead[0]} died during {what} (compiled graph)")
+            else:
+                reason = self._break(f"a rank failed during {what} (compiled graph): {error_message(e)}")
             raise GroupUnavailableError(f"TP group failed: {reason}") from None
         return copy_graph_outputs(results)
 
