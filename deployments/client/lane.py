@@ -76,6 +76,7 @@ class _GroupLane:
         self.dag: Any = None
         self.renewed_at = 0.0  # time.monotonic() when the last granted renewal was *sent*
         self.next_try = 0.0
+        self.next_wait = 0.0  # how long the next due lease request waits for the group
         self.why_serve = "not leased yet"
         self.calls = self.serve_calls = self.fallbacks = self.leases = 0
 
@@ -174,7 +175,8 @@ class _GroupLane:
         if self.dag is None:
             if now < self.next_try:
                 return False
-            return self.acquire(0.0)
+            wait_s, self.next_wait = self.next_wait, 0.0
+            return self.acquire(wait_s)
         if now - self.renewed_at >= self.grant["term_s"] / 2:
             return self._renew()
         return True
@@ -287,7 +289,8 @@ class Lane:
     def _drop_when_idle(self) -> None:
         """An idle compiled graph's loops poll their channels, a core per rank: a lane that has
         not been called for half a lease term tears its graphs down and releases the groups
-        (the next call leases again) rather than burn the ranks' CPUs until its lease expires."""
+        (the next call leases again, waiting up to ``LEASE_ATTEMPT_S``) rather than burn the
+        ranks' CPUs until its lease expires."""
         while not self.closing:
             leased = [g for g in self.groups.values() if g.grant is not None]
             term = min((g.grant["term_s"] for g in leased), default=DEFAULT_WAIT_S)
@@ -299,7 +302,9 @@ class Lane:
                     continue
                 for group in leased:
                     group.drop("idle for half a lease term")
-                    group.next_try = 0.0  # the next call leases again at once
+                    # the next call leases again at once, waiting up to one attempt for the group
+                    # (free a moment ago; a health check or the release may still hold it)
+                    group.next_try, group.next_wait = 0.0, LEASE_ATTEMPT_S
 
 
     def status(self) -> dict[str, Any]:
