@@ -22,6 +22,7 @@ from . import logger
 from .common.layer_routing import LayerRoutes
 from .config.resolve import ResolvedDeployment, default_max_body_bytes
 from .config.spec import AppArgs
+from .config.timeouts import request_bound
 from .control.capacity import check_placeable
 from .control.decide import Decision, decide
 from .control.options import ingress_options
@@ -73,7 +74,7 @@ def build_app(args: AppArgs) -> Application:
         logger.info("building deployment %r; options %s", decision.deployment, decision.options)
         groups[decision.deployment] = MoEGroup.options(**decision.options).bind(decision)
     max_body = args.http_max_body_bytes or default_max_body_bytes(resolved)
-    timeout = args.request_timeout_s or max(r.spec.call_timeout_s for r in resolved) + 30.0
+    timeout = request_bound(args.request_timeout_s, [r.spec for r in resolved])
     routes = LayerRoutes({r.spec.name: r.layers for r in resolved}, args.default_deployment)
     return Ingress.options(**ingress_options(args.ingress_cpus, args.ingress_replicas)).bind(
         groups, routes, max_body, timeout, args.http_token_env, args.http_token_required

@@ -17,6 +17,26 @@ from .router import route
 from .weights import LayerWeights
 
 
+def check_hidden(x_TH: object, hidden_size: int, dtype: torch.dtype, max_tokens: int | None = None,
+                 allow_empty: bool = False, what: str = "hidden_states") -> None:
+    """Raise ValueError naming what is wrong with ``[T, H]`` rows of a layer's input (``T == 0``
+    only with ``allow_empty``: a cohort worker with nothing to send)."""
+    if not isinstance(x_TH, torch.Tensor):
+        raise ValueError(f"{what} must be a tensor, got {type(x_TH).__name__}")
+    H = hidden_size
+    if x_TH.dim() != 2 or x_TH.shape[1] != H:
+        raise ValueError(f"{what} must have shape [T, {H}], got {list(x_TH.shape)}")
+    if x_TH.dtype != dtype:
+        raise ValueError(f"{what} dtype is {x_TH.dtype}, this layer runs in {dtype}")
+    T = x_TH.shape[0]
+    if T == 0 and not allow_empty:
+        raise ValueError(f"{what} has no tokens (T == 0)")
+    if max_tokens is not None and T > max_tokens:
+        raise ValueError(f"{what} has {T} tokens, more than the limit of {max_tokens}")
+    if not torch.isfinite(x_TH).all():
+        raise ValueError(f"{what} contains NaN or Inf")
+
+
 def check_input(
     x_TH: object,
     cfg: LatentMoEConfig,
@@ -25,20 +45,8 @@ def check_input(
     max_tokens: int | None = None,
 ) -> None:
     """Raise ValueError naming what is wrong with a layer input."""
-    if not isinstance(x_TH, torch.Tensor):
-        raise ValueError(f"hidden_states must be a tensor, got {type(x_TH).__name__}")
-    H, E = cfg.hidden_size, cfg.num_experts
-    if x_TH.dim() != 2 or x_TH.shape[1] != H:
-        raise ValueError(f"hidden_states must have shape [T, {H}], got {list(x_TH.shape)}")
-    if x_TH.dtype != dtype:
-        raise ValueError(f"hidden_states dtype is {x_TH.dtype}, this layer runs in {dtype}")
-    T = x_TH.shape[0]
-    if T == 0:
-        raise ValueError("hidden_states has no tokens (T == 0)")
-    if max_tokens is not None and T > max_tokens:
-        raise ValueError(f"hidden_states has {T} tokens, more than the limit of {max_tokens}")
-    if not torch.isfinite(x_TH).all():
-        raise ValueError("hidden_states contains NaN or Inf")
+    check_hidden(x_TH, cfg.hidden_size, dtype, max_tokens)
+    T, E = x_TH.shape[0], cfg.num_experts
     if router_logits_TE is not None:
         if not isinstance(router_logits_TE, torch.Tensor):
             raise ValueError(f"router_logits must be a tensor, got {type(router_logits_TE).__name__}")

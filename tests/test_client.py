@@ -13,7 +13,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from deployments.client import HTTPMoEClient, MoERequestError, MoEServerError
-from deployments.client.client import _translate, encode_request, forward_path
+from deployments.client.errors import raise_for
+from deployments.client.http_client import encode_request, forward_path
 from deployments.common.errors import (
     GroupUnavailableError,
     ServeInputError,
@@ -89,13 +90,13 @@ def test_error_helpers_unwrap_ray_wrappers():
     assert http_status(RuntimeError("x")) == 500
 
 
-def test_translate_raises_client_or_server_errors():
+def test_raise_for_raises_client_or_server_errors():
     with pytest.raises(MoERequestError, match="layer 0 is not a MoE layer") as info:
-        _translate(_Wrapped(UnknownLayerError("layer 0 is not a MoE layer")))
+        raise_for(_Wrapped(UnknownLayerError("layer 0 is not a MoE layer")))
     assert info.value.status == 404 and info.value.kind == "UnknownLayerError"
     assert isinstance(info.value, ValueError)
     with pytest.raises(MoEServerError, match="broken") as info:
-        _translate(_Wrapped(GroupUnavailableError("TP group broken")))
+        raise_for(_Wrapped(GroupUnavailableError("TP group broken")))
     assert info.value.status == 503
 
 

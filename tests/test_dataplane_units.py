@@ -12,14 +12,15 @@ import torch
 from ray.serve.exceptions import BackPressureError
 
 from deployments.client import HTTPMoEClient, MoEOverloadedError, MoEServerError
-from deployments.client.client import _translate
+from deployments.client.errors import raise_for
 from deployments.common.errors import (
     GroupTimeoutError,
     GroupUnavailableError,
+    RequestTimeoutError,
     http_status,
     retry_after_s,
-    retryable,
 )
+from deployments.common.retry import Resend, resend_after
 from deployments.config.spec import BATCHING_KNOBS, DeploymentSpec, with_batching
 from deployments.control.options import MAX_CONSTRUCTOR_RETRIES, deployment_options
 from deployments.serve.metrics import METRIC_NAMES, ReplicaStats
@@ -94,9 +95,9 @@ def test_replica_stats_count_once_for_status():
 
 def test_backpressure_is_a_typed_503_with_retry_after():
     refused = BackPressureError(num_queued_requests=4, max_queued_requests=4, retry_after_s=1.0)
-    assert http_status(refused) == 503 and retry_after_s(refused) == 1.0 and not retryable(refused)
+    assert http_status(refused) == 503 and retry_after_s(refused) == 1.0 and resend_after(refused) is None
     with pytest.raises(MoEOverloadedError) as info:
-        _translate(refused)
+        raise_for(refused)
     assert info.value.status == 503 and info.value.retry_after_s == 1.0 and "backpressure" in info.value.message
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -109,16 +110,18 @@ def test_backpressure_is_a_typed_503_with_retry_after():
     assert info.value.retry_after_s == 2.0
 
 
-def test_only_a_broken_group_is_retried():
-    assert retryable(GroupUnavailableError("rank 1 died"))
-    assert not retryable(GroupTimeoutError("timed out"))  # it may still be running
-    assert not retryable(ValueError("bad shape"))
+def test_only_a_broken_group_is_retried_and_never_on_its_replica():
+    assert resend_after(GroupUnavailableError("rank 1 died", "r1")) == Resend("r1")
+    # a group call past its bound broke the group: it runs nothing more, so another replica may answer
+    assert resend_after(GroupTimeoutError("timed out", "r2")) == Resend("r2")
+    assert resend_after(RequestTimeoutError("no answer in 90 s")) is None  # the caller's own wait: it may still run
+    assert resend_after(ValueError("bad shape")) is None
     from ray.exceptions import ActorDiedError
 
-    assert retryable(ActorDiedError())  # the replica was killed under the request: another one can answer
+    assert resend_after(ActorDiedError()) == Resend(None)  # the replica died under the request
     assert http_status(ActorDiedError()) == 503  # unavailable while Serve replaces it, not a server bug
     with pytest.raises(MoEServerError):
-        _translate(GroupUnavailableError("rank 1 died"))
+        raise_for(GroupUnavailableError("rank 1 died"))
 
 
 def test_dashboard_covers_every_metric():
@@ -138,7 +141,7 @@ def test_forward_transport_decision_without_a_graph(tiny_ckpt, compiled_graph, t
     from deployments.serve.group import TPGroup
 
     _, (resolved,) = resolve_app({"checkpoint": str(tiny_ckpt), "tp_size": tp, "compiled_graph": compiled_graph})
-    group = TPGroup(resolved, workers=[], names=[], infos=[])
+    group = TPGroup(resolved, workers=[], names=[], infos=[], replica="r0")
     group._compile_forward()
     assert group.transport.startswith(expected) and group._dag is None
 
@@ -155,3 +158,25 @@ def test_live_batching_changes_stay_within_the_planned_forward(tiny_ckpt):
     check_planned_tokens(with_batching(resolved.spec, {"max_batch_tokens": 128}), decision)  # = planned
     with pytest.raises(ValueError, match="forwards of up to 4096 tokens .* exceed the 128 tokens"):
         check_planned_tokens(with_batching(resolved.spec, {"max_tokens_per_request": 4096}), decision)
+
+
+def test_the_router_steers_around_broken_leased_and_avoided_replicas():
+    from types import SimpleNamespace
+
+    from deployments.serve.router import steer
+
+    def replica(name: str, healthy: bool = True, leased: bool = False):
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),
+                               routing_stats={"healthy": healthy, "leased": leased})
+
+    a, b, c = replica("a"), replica("b"), replica("c")
+    assert steer([a, b, c], None) is None  # nothing to steer around: Serve's own choice
+    assert steer([a, b, c], "a") == [b, c]  # a re-sent call never goes back to the replica that failed it
+    assert steer([a, b], "a") == [b]
+    assert steer([a], "a") is None  # no other replica: the failed one refuses it itself
+    broken, held = replica("x", healthy=False), replica("y", leased=True)
+    assert steer([broken, a], None) == [a]
+    assert steer([held, a], None) == [a]
+    assert steer([held, broken], None) == [held]  # leased but healthy beats broken
+    assert steer([broken], None) is None  # only broken ones: its clear 503 rather than a hang
+    assert steer([b, broken], "b") == [broken]  # avoided beats everything: the broken one answers 503

@@ -15,8 +15,9 @@ from deployments.control.options import (
     placement_bundles,
     worker_resources,
 )
-from deployments.serve.worker import cpu_threads, pick_device
+from deployments.serve.worker import pick_device
 from moe_runtime.synthetic import preset_config, write_checkpoint
+from moe_runtime.tp.collectives import threads_per_rank
 from moe_runtime.units import format_layers
 
 MI300X = "AMD-Instinct-MI300X-OAM"
@@ -202,5 +203,5 @@ def test_pick_device_rejects_an_invisible_assignment():
         pick_device(["9"], True, {"HIP_VISIBLE_DEVICES": "0,1"})
 
 
-def test_cpu_threads():
-    assert cpu_threads(2, cpus=2) == 1 and cpu_threads(8, cpus=2) == 1 and cpu_threads(2, cpus=16) == 8
+def test_threads_per_rank():
+    assert threads_per_rank(2, cpus=2) == 1 and threads_per_rank(8, cpus=2) == 1 and threads_per_rank(2, cpus=16) == 8

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from deployments.client import HTTPMoEClient, MoERequestError
-from deployments.client.client import auth_headers
+from deployments.client.http_client import auth_headers
 from deployments.config.spec import AppArgs
 from deployments.serve.http import BearerToken, token_from_env
 

@@ -317,8 +317,8 @@ def test_two_clients_on_two_replicas_each_get_a_group(fault_app):
 def _rank_pid(lane, deployment: str, rank: int) -> int:
     import ray
 
-    grant = lane.groups[deployment].grant
-    return ray.get(grant["workers"][rank].info.remote(), timeout=30)["pid"]
+    grant = lane.leases[deployment].grant
+    return ray.get(grant["ranks"][rank].info.remote(), timeout=30)["pid"]
 
 
 def test_a_killed_rank_under_lane_load_costs_the_caller_nothing(fault_app):

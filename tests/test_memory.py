@@ -436,7 +436,7 @@ def test_cli_explain_prints_bytes_by_part_and_headroom(make_ckpt, k3_dir, capsys
 
 # -- a replica start that outlasts the health checks -------------------------------------------
 
-SLOW_CLOCK_SLEEP_S = 0.75
+SLOW_CLOCK_SLEEP_S = 2.0
 SLOW_CLOCK_LOG = "LMS_SLOW_CLOCK_LOG"
 
 
@@ -456,9 +456,11 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
     check_and_update_replicas -> _dirty_set_active_pairs) and never stops a STARTING replica
     for being slow (_check_startup_replicas(STARTING) has stop_on_slow False; it only warns
     every 30 s), so the only bound on a long load or warm-up is our startup_timeout_s. Here
-    the start lasts >= 16 clock readings x 0.75 s = 12 s while health checks are due every
-    0.5 s with a 2 s timeout: had Serve probed the starting replica it would have failed 3
-    probes within ~7.5 s and replaced it; instead the one group that started serves."""
+    the start lasts >= 16 clock readings x 2 s = 32 s while health checks are due every
+    0.5 s with about the shortest timeout the bounds allow (above the health all-reduce's 3 + 5 s):
+    had Serve probed the starting replica it would have failed 3 probes within ~27 s
+    and replaced it; instead the one group that started serves. The ranks read the clock in
+    step, so their collectives wait for no more than the skew between two sleeps."""
     import ray
     from ray import serve
 
@@ -476,8 +478,8 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
         args = {"checkpoint": str(tiny_ckpt), "name": "slow", "tp_size": 2, "tail": "auto",
                 "auto_tune_tokens": [1, 2], "auto_tune_reps": 1,
                 "tune_clock": f"tests.test_memory:{sleepy_clock.__name__}",
-                "health_check_period_s": 0.5, "health_check_timeout_s": 2,
-                "collective_timeout_s": 20, "call_margin_s": 10, "graceful_shutdown_timeout_s": 1}
+                "health_check_period_s": 0.5, "health_check_timeout_s": 8.5,
+                "collective_timeout_s": 3, "call_margin_s": 10, "graceful_shutdown_timeout_s": 1}
         serve.run(build_app(args), name="slow", route_prefix="/")
         client = MoEClient("slow", timeout_s=60)
         status = client.status()["deployments"]["slow"]

@@ -1,19 +1,19 @@
-"""Python clients of the MoE app: Serve handles (``MoEClient``) and their per-layer lanes
-(``MoEClient.lane``, ``lane.Lane``), HTTP (``HTTPMoEClient``,
-``AsyncHTTPMoEClient``), and ``afd`` (a decoder whose MoE layers run on the tier)."""
+"""Python clients of the MoE app: Serve handles (``MoEClient``, ``moe_client``), their per-layer
+lanes (``MoEClient.lane``, ``lane``) and cohorts of attention workers (``MoEClient.cohort``,
+``cohort``; workers subclass ``AttentionWorker``), HTTP (``HTTPMoEClient``,
+``AsyncHTTPMoEClient``, ``http_client``), the errors they raise (``errors``), and ``afd`` (a
+decoder whose MoE layers run on the tier)."""
 
-from .client import (
-    DEFAULT_TIMEOUT_S,
-    AsyncHTTPMoEClient,
-    HTTPMoEClient,
-    MoEClient,
-    MoEOverloadedError,
-    MoERequestError,
-    MoEServeError,
-    MoEServerError,
-)
+from ..config.timeouts import CLIENT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from .attention import AttentionWorker
+from .cohort import Cohort
+from .errors import MoEOverloadedError, MoERequestError, MoEServeError, MoEServerError, WorkerError
+from .http_client import AsyncHTTPMoEClient, HTTPMoEClient
+from .lane import Lane
+from .moe_client import MoEClient
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "AsyncHTTPMoEClient", "HTTPMoEClient", "MoEClient", "MoEOverloadedError",
-    "MoERequestError", "MoEServeError", "MoEServerError",
+    "DEFAULT_TIMEOUT_S", "AsyncHTTPMoEClient", "AttentionWorker", "Cohort", "HTTPMoEClient", "Lane",
+    "MoEClient",
+    "MoEOverloadedError", "MoERequestError", "MoEServeError", "MoEServerError", "WorkerError",
 ]

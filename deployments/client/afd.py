@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,7 +49,9 @@ from moe_runtime.synthetic_decoder import (
 )
 
 from ..common.layer_routing import LayerRoutes
-from .client import DEFAULT_TIMEOUT_S, MoEClient
+from ..config.timeouts import CLIENT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from .attention import AttentionWorker
+from .moe_client import MoEClient
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,10 @@ def split_rows(n: int, parts: int) -> list[slice]:
 class Decoder:
     """A K3-shaped decoder whose MoE layers are whatever :class:`MoELayers` ``moe`` runs."""
 
-    def __init__(self, checkpoint: str | Path, moe: MoELayers, dtype: torch.dtype = torch.float32):
+    def __init__(self, checkpoint: str | Path, moe: MoELayers | None, dtype: torch.dtype = torch.float32):
+        """``moe`` None: the caller runs the MoE layers itself (:meth:`layers_of`)."""
         self.cfg = cfg = DecoderConfig.from_pretrained(checkpoint)
-        missing = sorted(set(cfg.moe.moe_layers) - set(moe.layers))
+        missing = [] if moe is None else sorted(set(cfg.moe.moe_layers) - set(moe.layers))
         if missing:
             raise ValueError(f"MoE layer(s) {missing} of the model are not served by {type(moe).__name__} "
                              f"(it has {sorted(moe.layers)})")
@@ -249,7 +252,22 @@ class Decoder:
 
     async def _forward(self, mb: _MicroBatch, tokens_BT: torch.Tensor, new_B: torch.Tensor) -> torch.Tensor:
         """Run ``tokens_BT`` (row ``b`` has ``new_B[b]`` real tokens, then padding) through the
-        model, append them to the cache and return the logits of each row's last real token."""
+        model with ``self.moe`` as its MoE layers, append them to the cache and return the logits
+        of each row's last real token."""
+        steps = self.layers_of(mb, tokens_BT, new_B)
+        moe_out = None
+        try:
+            while True:
+                layer, rows = steps.send(moe_out)
+                moe_out = await self.moe(rows, layer)
+        except StopIteration as done:
+            return done.value
+
+    def layers_of(self, mb: _MicroBatch, tokens_BT: torch.Tensor,
+                  new_B: torch.Tensor) -> Generator[tuple[int, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """:meth:`_forward` as a generator for whoever runs the MoE layers: yields ``(layer,
+        rows)`` for each MoE layer in order (the real tokens only), takes that layer's output
+        back (``send``), and returns the logits."""
         c = self.cfg
         eps = c.moe.rms_norm_eps
         B, T = tokens_BT.shape
@@ -263,7 +281,7 @@ class Decoder:
             if not c.moe.is_moe_layer(i):
                 x = x + self._mlp(i, h)
                 continue
-            out = await self.moe(h[real_BT].contiguous(), i)  # real tokens only: padding never travels
+            out = yield i, h[real_BT].contiguous()  # real tokens only: padding never travels
             x[real_BT] += out.to(x.dtype)
         mb.lengths = ends_B
         last = x[torch.arange(B), new_B - 1]
@@ -271,7 +289,8 @@ class Decoder:
 
     # -- generation -----------------------------------------------------------------------
 
-    def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, micro_batches: int) -> None:
+    def check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, micro_batches: int = 1) -> None:
+        """ValueError naming what is wrong with a generation's arguments."""
         V = self.cfg.vocab_size
         if not prompts:
             raise ValueError("prompts is empty: give at least one prompt (a list of token ids)")
@@ -287,7 +306,8 @@ class Decoder:
             raise ValueError(f"micro_batches must be in 1..{len(prompts)} (the batch size), "
                              f"got {micro_batches}")
 
-    def _micro_batch(self, prompts: list[list[int]], max_new_tokens: int) -> _MicroBatch:
+    def micro_batch(self, prompts: list[list[int]], max_new_tokens: int) -> _MicroBatch:
+        """Rows decoded together, with an empty KV cache for their prompts and new tokens."""
         c = self.cfg
         shape = (len(prompts), c.num_key_value_heads, max(map(len, prompts)) + max_new_tokens, c.head_dim)
         n = c.moe.num_hidden_layers
@@ -295,26 +315,33 @@ class Decoder:
                            [torch.zeros(shape, dtype=self.dtype) for _ in range(n)],
                            torch.zeros(len(prompts), dtype=torch.long))
 
-    async def _prefill(self, mb: _MicroBatch) -> torch.Tensor:
+    @staticmethod
+    def step_inputs(mb: _MicroBatch, logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tokens_BT, new_B)`` of the next forward: the prompts (``logits`` None: the prefill),
+        else each row's greedy token after ``logits``."""
+        if logits is not None:
+            return logits.argmax(-1)[:, None], torch.ones(len(mb.prompts), dtype=torch.long)
         lens = torch.tensor([len(p) for p in mb.prompts])
         tokens = torch.zeros(len(mb.prompts), int(lens.max()), dtype=torch.long)
         for b, p in enumerate(mb.prompts):
             tokens[b, : len(p)] = torch.tensor(p)
-        return await self._forward(mb, tokens, lens)
+        return tokens, lens
+
+    async def _prefill(self, mb: _MicroBatch) -> torch.Tensor:
+        return await self._forward(mb, *self.step_inputs(mb, None))
 
     async def _decode(self, mb: _MicroBatch, logits: torch.Tensor, steps: int) -> list[torch.Tensor]:
         out = [logits]
-        ones = torch.ones(len(mb.prompts), dtype=torch.long)
         for _ in range(steps):
-            out.append(await self._forward(mb, out[-1].argmax(-1)[:, None], ones))
+            out.append(await self._forward(mb, *self.step_inputs(mb, out[-1])))
         return out
 
     async def generate_async(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                              micro_batches: int = 1) -> Generation:
         """Greedy-decode ``max_new_tokens`` per prompt with ``micro_batches`` groups in flight."""
-        self._check(prompts, max_new_tokens, micro_batches)
+        self.check(prompts, max_new_tokens, micro_batches)
         rows = [list(p) for p in prompts]
-        mbs = [self._micro_batch(rows[s], max_new_tokens) for s in split_rows(len(rows), micro_batches)]
+        mbs = [self.micro_batch(rows[s], max_new_tokens) for s in split_rows(len(rows), micro_batches)]
         start = time.perf_counter()
         first = await asyncio.gather(*(self._prefill(mb) for mb in mbs))
         prefilled = time.perf_counter()
@@ -328,6 +355,74 @@ class Decoder:
                  micro_batches: int = 1) -> Generation:
         """Blocking :meth:`generate_async` (not from inside a running event loop)."""
         return asyncio.run(self.generate_async(prompts, max_new_tokens, micro_batches))
+
+
+class DecoderWorker(AttentionWorker):
+    """The decoder as a cohort's attention worker (``client.cohort``): its own prompts and KV
+    cache; each step decodes one token for every prompt (the first step is the prefill, which
+    sends every prompt token's rows), and returns the new token ids. Run it as a Ray actor::
+
+        workers = [ray.remote(DecoderWorker).remote(checkpoint, prompts_i, max_new_tokens) ...]
+        with MoEClient(app).cohort(workers, max_tokens=...) as cohort:   # >= the prompts' tokens
+            for _ in range(max_new_tokens):
+                new_tokens = cohort.step([None] * len(workers))
+
+    ``generation()`` returns everything decoded so far (tokens and logits), as
+    :meth:`Decoder.generate` does. Step inputs are not used.
+    """
+
+    def __init__(self, checkpoint: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 dtype: torch.dtype = torch.float32):
+        self.model = Decoder(checkpoint, None, dtype)
+        self.model.check(prompts, max_new_tokens)
+        self.max_new_tokens = max_new_tokens
+        self.mb = self.model.micro_batch([list(p) for p in prompts], max_new_tokens)
+        self.logits: list[torch.Tensor] = []  # one [B, V] per finished step
+        self.steps: Generator | None = None  # the running step's layers
+        self.pending: tuple[int, torch.Tensor] | torch.Tensor | None = None  # next (layer, rows), or logits
+        self.lengths_before = self.mb.lengths.clone()
+
+    def start(self, step_input: Any) -> None:
+        if len(self.logits) >= self.max_new_tokens:
+            raise ValueError(f"this worker decoded its max_new_tokens = {self.max_new_tokens} already")
+        self.lengths_before = self.mb.lengths.clone()
+        last = self.logits[-1] if self.logits else None
+        self.steps = self.model.layers_of(self.mb, *self.model.step_inputs(self.mb, last))
+        self.pending = self._advance(None)
+
+    def _advance(self, moe_out: torch.Tensor | None) -> Any:
+        try:
+            return self.steps.send(moe_out)
+        except StopIteration as done:
+            return done.value
+
+    def attend(self, layer: int) -> torch.Tensor:
+        if not isinstance(self.pending, tuple) or self.pending[0] != layer:
+            at = self.pending[0] if isinstance(self.pending, tuple) else "its end"
+            raise ValueError(f"the cohort asks for MoE layer {layer}, but this decoder is at layer {at}: "
+                             "the cohort must run every MoE layer of the model, in order")
+        return self.pending[1]
+
+    def absorb(self, layer: int, moe_out_TH: torch.Tensor) -> None:
+        self.pending = self._advance(moe_out_TH)
+
+    def finish(self) -> list[int]:
+        if not isinstance(self.pending, torch.Tensor):
+            raise ValueError(f"the step ended at MoE layer {self.pending[0]}: the cohort skipped layers")
+        self.logits.append(self.pending)
+        self.steps = self.pending = None
+        return self.logits[-1].argmax(-1).tolist()
+
+    def abort(self) -> None:
+        """The step's keys and values stay in the cache past each row's length, where the mask
+        hides them until the re-run overwrites them: restoring the lengths undoes the step."""
+        self.mb.lengths = self.lengths_before.clone()
+        self.steps = self.pending = None
+
+    def generation(self) -> Generation:
+        """Everything decoded so far: ``tokens [B, N]``, ``logits [B, N, V]`` (no timings)."""
+        logits = torch.stack(self.logits, 1)
+        return Generation(logits.argmax(-1), logits, 0.0, 0.0)
 
 
 def tier_busy(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, float]:

@@ -32,14 +32,30 @@ class TooLargeError(ServeInputError):
 
 
 class GroupUnavailableError(RuntimeError):
-    """The TP group failed (a worker died or a collective failed); the replica is unhealthy
-    and Serve replaces it. Retry after the replacement."""
+    """The TP group failed (a worker died, a collective failed, or a call outlived its bound):
+    it is broken for good, the replica is unhealthy and Serve replaces it. ``replica``: the
+    replica whose group it is (``None`` where unknown), so a re-send can avoid it
+    (``common.retry``)."""
 
     status = 503
 
+    def __init__(self, message: str, replica: str | None = None):
+        super().__init__(message)
+        self.replica = replica
+
+    def __reduce__(self):  # Ray pickles errors across hops: keep the replica
+        return type(self), (self.args[0], self.replica)
+
 
 class GroupTimeoutError(GroupUnavailableError):
-    """A TP-group call outlived the collective timeout plus its margin."""
+    """A TP-group call outlived the collective timeout plus its margin: the group is broken."""
+
+    status = 504
+
+
+class RequestTimeoutError(TimeoutError):
+    """A caller's own wait ran out (e.g. the ingress's ``request_timeout_s``): the call may still
+    run, so it is never sent again."""
 
     status = 504
 
@@ -61,16 +77,6 @@ def retry_after_s(exc: BaseException) -> float | None:
     """Seconds after which a refused request may be retried (Serve's backpressure), or None."""
     value = getattr(root_cause(exc), "retry_after_s", None)
     return float(value) if isinstance(value, int | float) else None
-
-
-def retryable(exc: BaseException) -> bool:
-    """A forward that met a broken TP group, or a replica that died under it (Serve replacing
-    an unhealthy replica kills it with its requests): another replica can answer it. Not a
-    timeout, which may still run, and not backpressure, which a retry would only add to."""
-    cause = root_cause(exc)
-    if isinstance(cause, GroupUnavailableError):
-        return not isinstance(cause, GroupTimeoutError)
-    return actor_died(cause)
 
 
 def actor_died(exc: BaseException) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +60,24 @@ def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[tor
     if tail == "sequence_parallel":
         return torch.cat([out.to_torch() for out, _ in results]), tail
     return results[0][0].to_torch(), tail
+
+
+def part_tokens(part: Any) -> int:
+    """Rows of one part of a lease forward (0 unless it is a ``[T, H]`` array)."""
+    shape = getattr(part, "shape", ())
+    return int(shape[0]) if len(shape) == 2 else 0
+
+
+def part_rows(results: list[tuple[Any, str, list[int]]], index: int) -> torch.Tensor:
+    """Part ``index``'s rows of a lease forward, from its ranks' ``(out, tail, sizes)`` (rank
+    0's ``out``, or under sequence parallel every rank's rows in order), copied out of the
+    channels. ``out`` is a :class:`WireTensor`, or a device tensor on the accelerator path."""
+    sizes, tail = results[0][2], results[0][1]
+    outs = [out for out, _, _ in results] if tail == "sequence_parallel" else [results[0][0]]
+    views = [out.to_torch(writable=False) if isinstance(out, WireTensor) else out for out in outs]
+    batch = views[0] if len(views) == 1 else torch.cat(views)
+    start = sum(sizes[:index])
+    return batch[start:start + sizes[index]].clone()
 
 
 def copy_graph_outputs(results: list[tuple[WireTensor | None, str]]) -> list[tuple[WireTensor | None, str]]:

@@ -16,10 +16,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from moe_runtime.planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_GB
-from moe_runtime.planning.cost import STARTUP_FLOOR_S
 from moe_runtime.tp.plan import check_sequence_parallel_tail
 from moe_runtime.tp.runner import check_mxfp4_scale_rule
 from moe_runtime.units import SERVED_DTYPES
+
+from .timeouts import Bounds, check_order, request_bound
 
 Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
 DType = Literal[SERVED_DTYPES]
@@ -159,7 +160,7 @@ class DeploymentSpec(BaseModel):
     accelerator: Accelerator = "auto"
     # Ray CPUs each rank reserves: None = 0 beside a GPU, 0.25 on CPU bundles (a scheduling
     # token so that a small machine holds a TP group; a rank's torch threads come from the
-    # node's cores, deployments.serve.worker.cpu_threads).
+    # node's cores, moe_runtime.tp.collectives.threads_per_rank).
     worker_cpus: float | None = Field(None, gt=0)
     accelerator_type: str | None = None  # e.g. "AMD-Instinct-MI300X-OAM": pins workers to it
     # CPU-only serving, where ranks and the request path share cores: run the ranks this much
@@ -249,30 +250,19 @@ class DeploymentSpec(BaseModel):
                 f"accelerator 'cpu' runs the ranks on CPU bundles, but accelerator_type "
                 f"{self.accelerator_type!r} pins them to a GPU type; drop one of the two"
             )
-        if self.health_check_timeout_s is not None and self.health_check_timeout_s < 1:
-            raise ValueError(f"health_check_timeout_s {self.health_check_timeout_s} is below 1 s")
         check_mxfp4_scale_rule(self.mxfp4_scale_rule, self.experts_activation_quant)
+        check_order(self)
         return self
 
     @property
-    def call_timeout_s(self) -> float:
-        """Upper bound of any single TP-group call (a forward or a health collective)."""
-        return self.collective_timeout_s + self.call_margin_s
-
-    @property
-    def startup_bound_s(self) -> float:
-        """The startup bound in force: set or derived at build time, else the planner's floor."""
-        return self.startup_timeout_s or STARTUP_FLOOR_S
+    def bounds(self) -> Bounds:
+        """Every time bound of this deployment (``config.timeouts``)."""
+        return Bounds.of(self)
 
     @property
     def max_forward_tokens(self) -> int:
         """Tokens of the largest forward: a batch, or one oversized request run alone."""
         return max(self.max_batch_tokens, self.max_tokens_per_request)
-
-    @property
-    def effective_health_check_timeout_s(self) -> float:
-        # The health collective waits at most the collective timeout; leave room for it.
-        return self.health_check_timeout_s or self.collective_timeout_s + 10.0
 
 
 _DEPLOYMENT_FIELDS = set(DeploymentSpec.model_fields)
@@ -368,6 +358,7 @@ class AppArgs(BaseModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"deployment names must be unique, {dupes} repeat")
+        request_bound(self.request_timeout_s, self.deployments)
         return self
 
     @property

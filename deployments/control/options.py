@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..common.layer_routing import ROUTING_STATS_PERIOD_S
 from ..config.spec import BATCHING_KNOBS, AutoscalingSpec, DeploymentSpec, with_batching
+from ..config.timeouts import ROUTING_STATS_PERIOD_S
 
 # Ray's convention for "must run on this accelerator type" (what ``accelerator_type=`` sets).
 # Ray gives the resource 1 per node, so P ranks of a node ask P x 0.001 of it together.
@@ -98,7 +98,7 @@ def deployment_options(spec: DeploymentSpec, layout: str, max_replicas: int | No
         "placement_group_strategy": "STRICT_PACK",
         "max_ongoing_requests": spec.max_ongoing_requests,
         "health_check_period_s": spec.health_check_period_s,
-        "health_check_timeout_s": spec.effective_health_check_timeout_s,
+        "health_check_timeout_s": spec.bounds.serve_health_s,
         "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": 1.0,
         "logging_config": {"enable_access_log": spec.access_log},

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -35,8 +35,7 @@ from moe_runtime.config import LatentMoEConfig
 from moe_runtime.units import format_layers, torch_dtype
 
 from .. import logger
-from ..common.errors import ServeInputError, http_status, retryable
-from ..common.layer_routing import sleep_before_broken_answer
+from ..common.errors import GroupUnavailableError, ServeInputError, http_status
 from ..common.requests import validate_forward
 from ..common.wire import WireTensor
 from ..config.spec import DeploymentSpec, with_batching
@@ -87,6 +86,13 @@ class _TokenBudgetWarningFilter(logging.Filter):
         return "is larger than `max_ongoing_requests`" not in record.getMessage()
 
 
+def install_token_budget_filter() -> None:
+    """Once per process (a replica process may host replicas one after another)."""
+    serve_logger = logging.getLogger("ray.serve")
+    if not any(isinstance(f, _TokenBudgetWarningFilter) for f in serve_logger.filters):
+        serve_logger.addFilter(_TokenBudgetWarningFilter())
+
+
 class MoEGroupDeployment:
     """One replica: a TP group of ``tp_size`` workers serving the deployment's layers."""
 
@@ -100,7 +106,7 @@ class MoEGroupDeployment:
         self.dtype = torch_dtype(spec.dtype)
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id if ctx is not None else "local"
-        self.group = TPGroup.start(resolved, decision.accelerator, tag=f"{spec.name}:{self.replica}")
+        self.group = TPGroup.start(resolved, decision.accelerator, self.replica)
         try:
             tail = tune_group(self.group.workers, decision, self.replica)
         except BaseException:
@@ -111,7 +117,7 @@ class MoEGroupDeployment:
         self.plan = tail.plan
         self.stats = ReplicaStats()
         self.stats.decision(self.plan)
-        logging.getLogger("ray.serve").addFilter(_TokenBudgetWarningFilter())
+        install_token_budget_filter()
         self._queues = {layer: self._layer_queue(layer) for layer in resolved.layers}
         # Admission gate of the batch queues: open while the group is idle (see forward()).
         self._group_idle = asyncio.Event()
@@ -178,8 +184,18 @@ class MoEGroupDeployment:
 
     # -- handle API -----------------------------------------------------------------------
 
-    async def forward(self, hidden_states: Any, layer: int, router_logits: Any = None) -> Any:
-        """``[T, H]`` output of MoE ``layer`` on ``hidden_states`` (same kind as the input)."""
+    async def forward(self, hidden_states: Any, layer: int, router_logits: Any = None,
+                      avoid_replica: str | None = None) -> Any:
+        """``[T, H]`` output of MoE ``layer`` on ``hidden_states`` (same kind as the input).
+        ``avoid_replica``: a re-sent call names the replica whose group failed it
+        (``common.retry``); the router sends it elsewhere, and that replica refuses it."""
+        if avoid_replica == self.replica:
+            self.stats.error("server")
+            raise GroupUnavailableError(
+                f"a call re-sent after replica {self.replica} of {self.spec.name!r} failed reached that "
+                f"replica again (no other replica was usable): {self.group.broken or 'its group failed'}",
+                self.replica,
+            )
         try:
             req = self._validate(hidden_states, layer, router_logits)
         except ServeInputError:
@@ -210,11 +226,6 @@ class MoEGroupDeployment:
             self.stats.error("server" if http_status(e) >= 500 else "client")
             if self.group.broken is not None:
                 self.stats.group_broken()
-                if retryable(e):
-                    # The router learns of the broken group within ROUTING_STATS_PERIOD_S
-                    # (record_routing_stats); answering after that lets the caller's one
-                    # retry (forwards are idempotent) land on a usable replica.
-                    await sleep_before_broken_answer()
             raise
         finally:
             self._in_flight -= 1
@@ -223,11 +234,17 @@ class MoEGroupDeployment:
             return out.float().numpy()
         return WireTensor.from_torch(out) if req.kind == "wire" else out
 
-    async def lease_lane(self, client: str, max_tokens: int, wait_s: float = 0.0) -> dict[str, Any]:
-        """Lease this replica's TP group to a lane client (``serve.lanes``; the client side is
-        ``deployments.client.lane``): ``{"granted": True, ...}`` with the ranks' handles, or
-        ``{"granted": False, "reason": ...}`` when it stayed held for ``wait_s`` seconds."""
-        return await self.lanes.grant(client, max_tokens, wait_s)
+    async def lease_lane(self, client: str, max_tokens: int, wait_s: float = 0.0,
+                         workers: list[str] | None = None,
+                         avoid_replica: str | None = None) -> dict[str, Any]:
+        """Lease this replica's TP group to a lane or cohort client (``serve.lanes``; the client
+        side is ``deployments.client.leases``): ``{"granted": True, ...}`` with the ranks'
+        handles, or ``{"granted": False, "reason": ...}`` when it stayed held for ``wait_s``
+        seconds. ``avoid_replica``: as :meth:`forward`'s (a re-lease after this replica failed)."""
+        if avoid_replica == self.replica:
+            return {"granted": False, "replica": self.replica,
+                    "reason": "this replica failed the client's last call (no other replica was free)"}
+        return await self.lanes.grant(client, max_tokens, wait_s, workers)
 
     async def _run_batch(self, layer: int, requests: list[LayerRequest]) -> list[torch.Tensor]:
         """One forward per router-logits kind (given or computed), split back per request."""
@@ -283,6 +300,7 @@ class MoEGroupDeployment:
             "max_tokens_per_request": spec.max_tokens_per_request,
             "batch_wait_timeout_s": spec.batch_wait_timeout_s,
             "collective_timeout_s": spec.collective_timeout_s,
+            "bounds": asdict(spec.bounds),
             "workers": [dict(info, name=name) for info, name in zip(self.group.infos, self.group.names,
                                                                      strict=True)],
             "counters": self.stats.to_dict(),

@@ -33,6 +33,7 @@ from ..cluster import kv
 from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message
 from ..common.wire import WireTensor, copy_graph_outputs, join_rank_outputs
 from ..config.resolve import ResolvedDeployment
+from ..config.timeouts import LIVENESS_POLL_S, PROBE_S
 from ..control.accelerator import Accelerator
 from ..control.decide import MEASURED, REUSED, Decision, TailDecision, measured_plan
 from ..control.options import worker_resources
@@ -41,7 +42,6 @@ from .lanes import LANE_GRAPH_SLOTS
 from .worker import WORKER_NAMESPACE, TPWorker
 
 INLINE_BYTES = 64 * 1024  # below Ray's inline-argument limit (100 KiB by default)
-LIVENESS_POLL_S = 1.0  # a compiled-graph forward running longer checks that its ranks are alive
 
 
 class _RankFailure(Exception):
@@ -53,11 +53,12 @@ class _RankFailure(Exception):
 class TPGroup:
     """The replica's handle on its workers: start, forward, health collective, shutdown."""
 
-    def __init__(self, resolved: ResolvedDeployment, workers: list, names: list[str], infos: list[dict]):
-        self.resolved = resolved
+    def __init__(self, resolved: ResolvedDeployment, workers: list, names: list[str], infos: list[dict],
+                 replica: str):
+        self.resolved, self.replica = resolved, replica
         self.workers, self.names, self.infos = workers, names, infos
         self.world = resolved.spec.tp_size
-        self.call_timeout_s = resolved.spec.call_timeout_s
+        self.bounds = resolved.spec.bounds
         self.broken: str | None = None
         self._lock = asyncio.Lock()  # one group call at a time: every rank sees the same order
         self._submit_lock = threading.Lock()
@@ -67,10 +68,11 @@ class TPGroup:
         self.transport: str | None = None  # how forwards reach the ranks, once decided
 
     @classmethod
-    def start(cls, resolved: ResolvedDeployment, accelerator: Accelerator, tag: str) -> TPGroup:
+    def start(cls, resolved: ResolvedDeployment, accelerator: Accelerator, replica: str) -> TPGroup:
         """Start ``tp_size`` workers in bundles ``1..P`` of the current placement group."""
         spec = resolved.spec
-        startup_timeout_s = spec.startup_bound_s
+        tag = f"{spec.name}:{replica}"
+        startup_timeout_s = spec.bounds.startup_s
         pg = ray.util.get_current_placement_group()
         if pg is None:
             raise RuntimeError(
@@ -107,7 +109,7 @@ class TPGroup:
             for w in workers:
                 ray.kill(w, no_restart=True)
             raise
-        group = cls(resolved, workers, names, infos)
+        group = cls(resolved, workers, names, infos, replica)
         logger.info(
             "TP group %s up: %d rank(s) on %s (%s), rendezvous %s:%d, shards loaded in %.1f s",
             tag, spec.tp_size, ", ".join(i["device"] for i in infos), infos[0]["backend"], addr, port,
@@ -165,7 +167,7 @@ class TPGroup:
         if self.broken is not None:
             raise GroupUnavailableError(
                 f"the TP group of deployment {self.resolved.spec.name!r} is broken ({self.broken}); "
-                "the replica is unhealthy and Serve is replacing it, retry shortly"
+                "the replica is unhealthy and Serve is replacing it, retry shortly", self.replica
             )
 
     async def _gather(self, refs: list, what: str, timeout_s: float) -> list:
@@ -184,13 +186,13 @@ class TPGroup:
                 f"{what} did not finish within {timeout_s:.0f} s (collective timeout "
                 f"{self.resolved.spec.collective_timeout_s:.0f} s + margin)"
             )
-            raise GroupTimeoutError(f"TP group timed out: {reason}") from None
+            raise GroupTimeoutError(f"TP group timed out: {reason}", self.replica) from None
         except _RankFailure as f:
             died = isinstance(f.error, ray.exceptions.RayActorError)
             reason = self._break(
                 f"rank {f.rank} {'died' if died else 'failed'} during {what}: {error_message(f.error)}"
             )
-            raise GroupUnavailableError(f"TP group failed: {reason}") from None
+            raise GroupUnavailableError(f"TP group failed: {reason}", self.replica) from None
 
     def _compile_forward(self) -> None:
         """The replica -> ranks forward hop as a Ray Compiled Graph (shared-memory channels
@@ -235,10 +237,10 @@ class TPGroup:
                 dead = await self._dead_ranks()
                 if dead:
                     reason = self._break(f"rank {dead[0]} died during {what} (compiled graph)")
-                    raise GroupUnavailableError(f"TP group failed: {reason}")
+                    raise GroupUnavailableError(f"TP group failed: {reason}", self.replica)
                 if time.monotonic() >= deadline:
                     reason = self._break(f"{what} did not finish within {timeout_s:.0f} s (compiled graph)")
-                    raise GroupTimeoutError(f"TP group timed out: {reason}")
+                    raise GroupTimeoutError(f"TP group timed out: {reason}", self.replica)
         except GroupUnavailableError:
             task.cancel()
             raise
@@ -249,15 +251,15 @@ class TPGroup:
                 reason = self._break(f"rank {dead[0]} died during {what} (compiled graph)")
             else:
                 reason = self._break(f"a rank failed during {what} (compiled graph): {error_message(e)}")
-            raise GroupUnavailableError(f"TP group failed: {reason}") from None
+            raise GroupUnavailableError(f"TP group failed: {reason}", self.replica) from None
         return copy_graph_outputs(results)
 
-    async def _dead_ranks(self, timeout_s: float = 5.0) -> list[int]:
+    async def _dead_ranks(self) -> list[int]:
         """Ranks whose actor no longer answers (the graph's error does not say which)."""
 
         async def dead(worker) -> bool:
             try:
-                await asyncio.wait_for(worker.__ray_ready__.remote(), timeout_s)
+                await asyncio.wait_for(worker.__ray_ready__.remote(), PROBE_S)
             except ray.exceptions.RayActorError:
                 return True
             except Exception:  # slow to answer (a loaded machine) is not dead
@@ -303,7 +305,7 @@ class TPGroup:
             x_w = ray.put(x_w)
             logits_w = None if logits_w is None else ray.put(logits_w)
         results = await self._shielded(
-            "forward", (layer, x_w, logits_w), f"the layer {layer} forward of {T} tokens", self.call_timeout_s
+            "forward", (layer, x_w, logits_w), f"the layer {layer} forward of {T} tokens", self.bounds.call_s
         )
         return join_rank_outputs(results)
 
@@ -317,7 +319,7 @@ class TPGroup:
         if self._lock.locked():
             return
         await self._shielded(
-            "barrier", (), "the health all-reduce", self.resolved.spec.collective_timeout_s + 5.0
+            "barrier", (), "the health all-reduce", self.bounds.health_s
         )
 
     def shutdown(self) -> None:
@@ -352,7 +354,7 @@ def tune_group(
                              settings.token_counts, settings.reps, settings.clock)
     key = kv.PLAN_PREFIX + plan_key(fields)
     progress_key = f"{kv.PROGRESS_PREFIX}{spec.name}:{replica}"
-    timeout_s = spec.call_timeout_s + spec.warmup_limit_s
+    timeout_s = spec.bounds.warmup_s
     stored = None if spec.remeasure_tail else kv.get_json(key)
     if stored is not None:
         plan = TailPlan.from_dict(stored["plan"])

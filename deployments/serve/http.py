@@ -56,7 +56,7 @@ from moe_runtime.units import format_layers
 from .. import logger
 from ..cluster import kv
 from ..common.errors import (
-    GroupTimeoutError,
+    RequestTimeoutError,
     ServeInputError,
     TooLargeError,
     UnknownLayerError,
@@ -65,12 +65,13 @@ from ..common.errors import (
     retry_after_s,
     root_cause,
 )
-from ..common.layer_routing import LayerRoutes, call_with_retry_async
+from ..common.layer_routing import LayerRoutes
+from ..common.retry import call_with_retry_async
 from ..common.wire import WireTensor
+from ..config.timeouts import INGRESS_HEALTH_S
 
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 INPUT_TENSORS = ("hidden_states", "router_logits")
-HEALTH_TIMEOUT_S = 5.0
 HTTP_TOKEN_ENV = "LMS_HTTP_TOKEN"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -254,7 +255,7 @@ class MoEIngress:
             return await asyncio.wait_for(response, self.request_timeout_s)
         except TimeoutError:
             response.cancel()
-            raise GroupTimeoutError(f"{what} got no answer within {self.request_timeout_s:.0f} s") from None
+            raise RequestTimeoutError(f"{what} got no answer within {self.request_timeout_s:.0f} s") from None
 
     # -- app-handle API -------------------------------------------------------------------
 
@@ -267,10 +268,11 @@ class MoEIngress:
             raise root_cause(e) from None
 
     async def _forward(self, name: str, hidden_states: Any, layer: int, router_logits: Any) -> Any:
-        # The ingress is the hop nearest the replicas on this path: it makes the one retry
-        # (common.layer_routing).
-        def attempt():
-            response = self.groups[name].forward.remote(hidden_states, layer, router_logits)
+        # The ingress is the hop nearest the replicas on this path: it applies the retry rule
+        # (common.retry).
+        def attempt(avoid_replica: str | None):
+            response = self.groups[name].forward.remote(hidden_states, layer, router_logits,
+                                                        avoid_replica=avoid_replica)
             return self._call(f"layer {layer} of {name!r}", response)
 
         return await call_with_retry_async(attempt)
@@ -284,7 +286,7 @@ class MoEIngress:
 
         async def one(name: str, handle) -> tuple[str, dict]:
             try:
-                return name, await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
+                return name, await asyncio.wait_for(handle.health.remote(), INGRESS_HEALTH_S)
             except Exception as e:
                 return name, {"healthy": False, "error": error_message(e)}
 

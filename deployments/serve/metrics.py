@@ -11,7 +11,8 @@ a ``ray_`` prefix (counters also get ``_total``), e.g.
 * ``moe_requests`` / ``moe_tokens`` (counters): answered requests and their tokens (tokens/s).
 * ``moe_forward_latency_ms`` (histogram, ``layer``, ``tail``): one TP-group forward as the
   replica sees it (submission to rank 0's answer).
-* ``moe_batch_tokens`` (histogram, ``layer``): tokens per forward (the batcher's result).
+* ``moe_batch_tokens`` (histogram, ``layer``): tokens per TP-group forward on every path (a Serve
+  batch, a lane call, a cohort layer: the aggregation the tier exists for).
 * ``moe_tail_batches`` (counter, ``layer``, ``tail``): forwards per tail actually run.
 * ``moe_queued_tokens`` (gauge): tokens admitted and not yet answered (the autoscaler's signal).
 * ``moe_errors`` (counter, ``kind`` = ``client`` (4xx) or ``server`` (5xx)).
@@ -128,14 +129,19 @@ class ReplicaStats:
     def group_broken(self) -> None:
         self._healthy.set(0)
 
-    def forward_done(self, layer: int, tokens: int, requests: int, tail: str, seconds: float) -> None:
+    def _batch(self, tokens: int, layer: int) -> None:
+        """One group forward of ``tokens`` tokens, whatever path ran it."""
         self.forwards += 1
-        self.forward_s += seconds
-        self.recent_forward_ms.append(round(seconds * 1e3, 2))
         self.forward_tokens += tokens
         self.batch_hist[1 << max(0, (tokens - 1).bit_length())] += 1
         self.recent_batches.append(tokens)
         self.max_batch_tokens_seen = max(self.max_batch_tokens_seen, tokens)
+        self._batch_tokens.observe(tokens, tags={"layer": str(layer)})
+
+    def forward_done(self, layer: int, tokens: int, requests: int, tail: str, seconds: float) -> None:
+        self._batch(tokens, layer)
+        self.forward_s += seconds
+        self.recent_forward_ms.append(round(seconds * 1e3, 2))
         self.tails[tail] += 1
         c = self.by_layer.setdefault(layer, Counter())
         c["forwards"] += 1
@@ -145,30 +151,34 @@ class ReplicaStats:
         tags = {"layer": str(layer), "tail": tail}
         self._latency.observe(seconds * 1e3, tags=tags)
         self._tail_batches.inc(tags=tags)
-        self._batch_tokens.observe(tokens, tags={"layer": str(layer)})
 
-    def lane_calls(self, calls: int, tokens: int, seconds: float, tails: dict[str, int],
-                   layer_calls: dict[int, int], layer_tokens: dict[int, int]) -> None:
-        """Calls a lane made straight to the ranks since the last poll (``serve.lanes``). Each
-        is one group forward: they count as answered requests, tokens (tokens/s for the
-        autoscaler), forwards and busy time, per tail and per layer, like Serve's."""
-        self.lane_requests += calls
+    def lease_forwards(self, forwards: int, requests: int, tokens: int, seconds: float,
+                       tails: dict[str, int], layer_forwards: dict[int, int], layer_requests: dict[int, int],
+                       layer_tokens: dict[int, int], batch_tokens: dict[str, int]) -> None:
+        """Forwards a leased group ran for its lane or cohort since the last poll
+        (``serve.lanes``): ``requests`` callers' parts (a cohort's workers) in ``forwards``
+        group forwards. They count as answered requests, tokens (tokens/s for the autoscaler),
+        forwards, tokens per forward and busy time, per tail and per layer, like Serve's."""
+        self.lane_requests += requests
         self.lane_tokens += tokens
         self.lane_busy_s += seconds
-        self.requests += calls
+        self.requests += requests
         self.tokens += tokens
-        self.forwards += calls
-        self.forward_tokens += tokens
         self.forward_s += seconds
         self.tails.update(tails)
-        for layer, n in layer_calls.items():
+        for key, n in batch_tokens.items():  # "layer:tokens" -> forwards
+            layer, size = map(int, key.split(":"))
+            for _ in range(n):
+                self._batch(size, layer)
+        for layer, n in layer_forwards.items():
             c = self.by_layer.setdefault(int(layer), Counter())
             c["forwards"] += n
-            c["requests"] += n
+            c["requests"] += layer_requests.get(layer, 0)
             c["tokens"] += layer_tokens.get(layer, 0)
         self._done.append((time.monotonic(), tokens))
-        self._requests.inc(calls)
-        if tokens:  # a call that failed on its input answered no tokens (Ray counters need > 0)
+        if requests:  # Ray counters need > 0
+            self._requests.inc(requests)
+        if tokens:  # a call that failed on its input answered no tokens
             self._tokens.inc(tokens)
 
     def decision(self, plan: TailPlan) -> None:

@@ -1,12 +1,14 @@
 """Serve request router of the TP-group deployments: power of two choices among healthy replicas.
 
 Each replica reports ``{"healthy": bool}`` through Serve's ``record_routing_stats`` hook (every
-``common.layer_routing.ROUTING_STATS_PERIOD_S``; ``control.options`` names this class in each
+``config.timeouts.ROUTING_STATS_PERIOD_S``; ``control.options`` names this class in each
 deployment's ``request_router_config``). A replica whose TP group broke stays in Serve's replica
 set until its health check fails a few times; meanwhile this router sends requests only to
 replicas that report a usable group (all of them when none does, so the caller gets the
 broken replica's clear 503 rather than a hang), and among those to replicas not leased to a
-lane (``{"leased": bool}``, ``deployments.serve.lanes``) while any is free.
+lane or cohort (``{"leased": bool}``, ``deployments.serve.lanes``) while any is free. A call
+re-sent under the retry rule (``common.retry``) names the replica that failed it
+(``avoid_replica``): it goes to any other replica, even before that one reports itself broken.
 """
 
 from __future__ import annotations
@@ -25,15 +27,29 @@ def leased(replica: RunningReplica) -> bool:
     return bool(replica.routing_stats.get("leased", False))
 
 
+def avoided(pending_request: PendingRequest | None) -> str | None:
+    return None if pending_request is None else pending_request.kwargs.get("avoid_replica")
+
+
+def steer(candidates: list[RunningReplica], avoid: str | None) -> list[RunningReplica] | None:
+    """The replicas a request may go to, or None when there is nothing to steer around (then
+    Serve's own choice among every replica)."""
+    pool = candidates
+    if avoid is not None:
+        # The replica refuses a call that names it, so only others are worth a try.
+        pool = [r for r in pool if r.replica_id.unique_id != avoid] or pool
+    usable = [r for r in pool if healthy(r)]
+    # A replica leased to a lane or cohort runs nothing else until the lease ends (serve.lanes).
+    usable = [r for r in usable if not leased(r)] or usable or pool
+    return None if len(usable) == len(candidates) else usable
+
+
 class HealthyReplicaRouter(PowerOfTwoChoicesRequestRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        usable = [r for r in candidate_replicas if healthy(r)]
-        # A replica leased to a lane runs nothing else until the lease ends (serve.lanes).
-        free = [r for r in usable if not leased(r)]
-        usable = free or usable
-        if not usable or len(usable) == len(candidate_replicas):
+        usable = steer(candidate_replicas, avoided(pending_request))
+        if usable is None:
             return await super().choose_replicas(candidate_replicas, pending_request)
         # Two random usable replicas; Serve then takes the one with the shorter queue.
         return [random.sample(usable, min(2, len(usable)))]

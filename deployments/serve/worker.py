@@ -18,14 +18,15 @@ import ray
 import torch
 
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.tp.collectives import Collectives, default_backend, free_port, init_group
+from moe_runtime.tp.collectives import Collectives, default_backend, free_port, init_group, threads_per_rank
 from moe_runtime.tp.runner import build_rank_runners
 from moe_runtime.tp.tuning import apply_plan, measure_runners
 from moe_runtime.units import torch_dtype
 
 from .. import logger
-from ..common.requests import validate_forward
-from ..common.wire import WireTensor
+from ..common.errors import ServeInputError, error_message
+from ..common.requests import check_layer, to_tensor, validate_forward
+from ..common.wire import WireTensor, part_tokens
 from ..config.resolve import ResolvedDeployment
 from .lanes import LaneSeat
 
@@ -57,16 +58,6 @@ def pick_device(gpu_ids: Sequence[Any], cuda_available: bool, env: Mapping[str, 
     return f"cuda:{int(assigned)}"
 
 
-def cpu_threads(world: int, cpus: int | None = None) -> int:
-    """Torch threads per worker: the node's CPUs shared by the ``world`` ranks, at least 1."""
-    if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cpus = os.cpu_count() or 1
-    return max(1, cpus // world)
-
-
 class TPWorker:
     """One rank of a TP group (a Ray actor; methods run one at a time, in submission order)."""
 
@@ -76,7 +67,7 @@ class TPWorker:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         spec = resolved.spec
         self.rank, self.world, self.resolved = rank, spec.tp_size, resolved
-        self.threads = cpu_threads(self.world)
+        self.threads = threads_per_rank(self.world)
         torch.set_num_threads(self.threads)
         self.device_note: str | None = None
         if compute == "cpu":
@@ -115,7 +106,7 @@ class TPWorker:
             # Until every rank has loaded, the group's timeout is the startup bound: a rank that
             # loads more slowly than its peer must not trip the forward's collective timeout.
             init_group(self.rank, self.world, master_addr, master_port, self.backend,
-                       r.spec.startup_bound_s)
+                       r.spec.bounds.startup_s)
         self.comm = Collectives(self.rank, self.world, self.device)
         start = time.perf_counter()
         self.cfg = cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
@@ -150,36 +141,78 @@ class TPWorker:
             return None, tail
         return WireTensor.from_torch(out), tail
 
-    # -- lanes (deployments.serve.lanes): a leased client's compiled graph calls lane_forward --
+    # -- leases (deployments.serve.lanes): a lane's or a cohort's compiled graph calls this --
 
     def lane_forward(
-        self, layer: Any, x_TH: Any, router_logits_TE: Any, lease_id: str
-    ) -> tuple[WireTensor | None, str]:
-        """:meth:`forward` for the lane holding ``lease_id``. Every rank checks the input the
-        same way, so a bad one fails on every rank before any collective."""
+        self, lease_id: str, layer: Any, router_logits_TE: Any, after: Any, *parts: Any
+    ) -> tuple[WireTensor | None, str, list[int]]:
+        """One forward of every part's rows, concatenated in order, for the client holding
+        ``lease_id``: a lane sends one part, a cohort one per attention worker (0 rows allowed:
+        it adds nothing). ``after``: this rank's previous node in a cohort's graph (ignored:
+        it only orders the graph). Returns :meth:`forward`'s ``(out, tail)`` for the whole batch plus
+        each part's token count (``common.wire.part_rows`` splits it back). Every rank checks the
+        input the same way, so a bad one fails on every rank before any collective; a failure
+        that is not the input's marks the lease failed, and the replica breaks the group."""
         self.lane.check(lease_id)
         if torch.get_num_threads() != self.threads:
             # Graph loops run on their own thread, where OpenMP starts from its default count;
             # the same count as the Serve path's forward keeps the two bit-identical.
             torch.set_num_threads(self.threads)
         start = time.perf_counter()
-        tokens = x_TH.shape[0] if len(x_TH.shape) == 2 else 0
+        sizes = [part_tokens(p) for p in parts]
+        tokens = sum(sizes)
         self.lane.in_flight_tokens = tokens
         try:
-            layer, x, logits = validate_forward(
-                x_TH, layer, router_logits_TE, cfg=self.cfg, dtype=self.dtype, served=self.runners,
-                deployment=self.resolved.spec.name, max_tokens=self.max_tokens,
-            )
-            result = self._run(layer, x, logits)
-            self.lane.tails[result[1]] += 1
-            self.lane.layer_calls[layer] += 1
-            self.lane.layer_tokens[layer] += tokens
+            layer, x, logits = self._lease_batch(layer, parts, router_logits_TE)
+            if x is None:  # every part empty: nothing to run, every rank agrees
+                empty = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype)
+                result = (WireTensor.from_torch(empty), "none")
+            else:
+                result = self._run(layer, x, logits)
+                self.lane.forwards += 1
+                self.lane.requests += sum(1 for n in sizes if n)
+                self.lane.tails[result[1]] += 1
+                self.lane.layer_forwards[layer] += 1
+                self.lane.layer_requests[layer] += sum(1 for n in sizes if n)
+                self.lane.layer_tokens[layer] += tokens
+                self.lane.batch_tokens[f"{layer}:{tokens}"] += 1
+        except ServeInputError:
+            raise
+        except Exception as e:
+            self.lane.failed = (f"lease forward of layer {layer} failed on rank {self.rank}: "
+                                f"{error_message(e)}")
+            raise
         finally:
             self.lane.in_flight_tokens = 0
             self.lane.calls += 1  # attempted: every rank counts the same calls (serve.lanes)
         self.lane.tokens += tokens
         self.lane.busy_s += time.perf_counter() - start
-        return result
+        out, tail = result
+        if self.rank != 0 and tail != "sequence_parallel":
+            return None, tail, sizes
+        return out, tail, sizes
+
+    def _lease_batch(self, layer: Any, parts: tuple, router_logits_TE: Any
+                     ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """The checked layer and the parts' rows as one batch (None when no part has rows)."""
+        if not parts:
+            raise ServeInputError("a lease forward needs at least one part")
+        rows = []
+        for i, part in enumerate(parts):
+            what = "hidden_states" if len(parts) == 1 else f"hidden_states of part {i}"
+            x = to_tensor(part, what, self.dtype)
+            if x.dim() == 2 and x.shape[0] == 0 and x.shape[1] == self.cfg.hidden_size:
+                continue  # a worker with nothing to send this step
+            rows.append(x)
+        if not rows:
+            return check_layer(layer, self.cfg, self.runners, self.resolved.spec.name), None, None
+        if router_logits_TE is not None and len(parts) > 1:
+            raise ServeInputError("router_logits go with a single part (a lane call), not a cohort's")
+        batch = rows[0] if len(rows) == 1 else torch.cat(rows)
+        return validate_forward(
+            batch, layer, router_logits_TE, cfg=self.cfg, dtype=self.dtype, served=self.runners,
+            deployment=self.resolved.spec.name, max_tokens=self.max_tokens,
+        )
 
     def lane_open(self, lease_id: str, client: str) -> None:
         self.lane.open(lease_id, client)
@@ -200,6 +233,11 @@ class TPWorker:
 
     def lane_revoke(self, lease_id: str) -> None:
         self.lane.revoke(lease_id)
+
+    def lane_fail(self, lease_id: str, reason: str) -> None:
+        """The client's report that a call of ``lease_id`` outlived its bound (main thread: it
+        answers while the graph's loop is stuck)."""
+        self.lane.fail(lease_id, reason)
 
     def lane_state(self) -> dict[str, Any]:
         return self.lane.state()
@@ -230,6 +268,7 @@ class TPWorker:
                 by_part[part] = by_part.get(part, 0) + n
         return {
             "rank": self.rank,
+            "hidden_size": self.cfg.hidden_size,
             "pid": os.getpid(),
             "node_ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),

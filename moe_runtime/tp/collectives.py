@@ -7,6 +7,7 @@ timeout, so a dead rank fails the call instead of hanging the group.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from collections import Counter
 
@@ -21,6 +22,19 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def default_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(world: int, cpus: int | None = None) -> int:
+    """Torch threads of each of ``world`` ranks sharing ``cpus`` (default: this process's), >= 1."""
+    return max(1, (available_cpus() if cpus is None else cpus) // world)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

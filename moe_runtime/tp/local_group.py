@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
-import os
 import queue
 import time
 import traceback
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import Collectives, free_port, init_group
+from .collectives import Collectives, free_port, init_group, threads_per_rank
 
 
 def _rank_main(
@@ -60,7 +59,7 @@ def run_local_group(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // world)
+    threads = threads_per_rank(world)
     procs = [
         ctx.Process(
             target=_rank_main,

@@ -1,0 +1,126 @@
+"""Every time bound of the tier, derived from the deployment spec in this one module, and the
+order the bounds must keep.
+
+Per deployment (:class:`Bounds`, from the spec's ``collective_timeout_s``, ``call_margin_s``,
+``health_check_timeout_s``, ``warmup_limit_s``, ``startup_timeout_s``, ``lane_lease_s``):
+
+==================  =======================================  ===========================================
+bound               value                                    what it bounds
+==================  =======================================  ===========================================
+``collective_s``    ``collective_timeout_s``                 one collective of a loaded group
+``call_s``          ``collective_s + call_margin_s``         one group call (a Serve forward, a lane
+                                                             call, one layer of a cohort step); past it
+                                                             the group is broken
+``health_s``        ``collective_s + HEALTH_MARGIN_S``       the replica's health all-reduce
+``serve_health_s``  ``health_check_timeout_s`` or            Serve's health probe of the replica
+                    ``health_s + HEALTH_MARGIN_S``
+``close_s``         ``max(RANK_POLL_S, collective_s)``       every rank closing a lane/cohort lease
+``warmup_s``        ``call_s + warmup_limit_s``              one warm-up measurement call
+``startup_s``       ``startup_timeout_s`` or the planner's   workers start, join and load their shards
+                    floor
+``lease_s``         ``lane_lease_s``                         a lease past its last renewal; clients
+                                                             renew and drop idle leases every half
+==================  =======================================  ===========================================
+
+Per app: ``request_s`` = ``request_timeout_s`` or the largest ``call_s`` + ``REQUEST_MARGIN_S``:
+the ingress's wait for one attempt.
+
+The order (:func:`check_order`, called by the spec's validation: a config that breaks it fails at
+build time with the numbers):
+
+1. ``collective_s < call_s``: a forward is its collectives plus compute.
+2. ``health_s < serve_health_s``: Serve must not give up on a health all-reduce that is still
+   within its own bound (it would kill a slow but healthy replica).
+3. ``RANK_POLL_S <= call_s``: a rank's state poll answers within a call's bound, so a rank that
+   stops answering polls for ``call_s`` is stalled, not slow.
+4. ``2 * LANE_POLL_S <= lease_s / 2``: the replica reads a lease's renewals several times per
+   renewal period.
+5. (app) ``call_s < request_s`` for every deployment: the ingress never gives up on a call that
+   the group itself still bounds.
+
+Pure: no Ray import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moe_runtime.planning.cost import STARTUP_FLOOR_S
+
+HEALTH_MARGIN_S = 5.0  # the health all-reduce over the collective timeout, and Serve's over that
+REQUEST_MARGIN_S = 30.0  # the ingress's wait over the slowest group call
+ROUTING_STATS_PERIOD_S = 0.5  # replicas report health / lease to the request router this often
+RANK_POLL_S = 5.0  # a rank slower than this to answer a state poll counts as not answering
+LANE_POLL_S = 0.25  # a replica reads its leased ranks' counters this often
+LIVENESS_POLL_S = 1.0  # a compiled-graph forward running longer checks that its ranks are alive
+PROBE_S = 5.0  # one liveness probe of a rank or a worker
+INGRESS_HEALTH_S = 5.0  # the ingress's wait for a deployment's cheap health view (/healthz)
+LEASE_ATTEMPT_S = 1.0  # one lease request's wait on the replica it reached
+RELEASE_S = 10.0  # a client's release of a lease on rank 0
+TEARDOWN_S = 30.0  # a closing client waits this long for its graph's teardown
+CLIENT_TIMEOUT_S = 120.0  # a client's default wait for one answer (handle or HTTP)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A deployment's time bounds (seconds); see the module doc."""
+
+    collective_s: float
+    call_s: float
+    health_s: float
+    serve_health_s: float
+    close_s: float
+    warmup_s: float
+    startup_s: float
+    lease_s: float
+
+    @classmethod
+    def of(cls, spec: Any) -> Bounds:
+        """From a ``DeploymentSpec`` (or anything with its timing fields)."""
+        collective = spec.collective_timeout_s
+        health = collective + HEALTH_MARGIN_S
+        call = collective + spec.call_margin_s
+        return cls(
+            collective_s=collective, call_s=call, health_s=health,
+            serve_health_s=spec.health_check_timeout_s or health + HEALTH_MARGIN_S,
+            close_s=max(RANK_POLL_S, collective), warmup_s=call + spec.warmup_limit_s,
+            startup_s=spec.startup_timeout_s or STARTUP_FLOOR_S, lease_s=spec.lane_lease_s,
+        )
+
+
+def check_order(spec: Any) -> Bounds:
+    """The spec's bounds, or ``ValueError`` naming the first rule of the module doc it breaks."""
+    b = Bounds.of(spec)
+    name = getattr(spec, "name", "?")
+    if not b.health_s < b.serve_health_s:
+        raise ValueError(
+            f"deployment {name!r}: health_check_timeout_s {b.serve_health_s:g} s must exceed the health "
+            f"all-reduce's bound, collective_timeout_s {b.collective_s:g} + {HEALTH_MARGIN_S:g} = "
+            f"{b.health_s:g} s (else Serve kills a replica whose probe is still within its bound)"
+        )
+    if not RANK_POLL_S <= b.call_s:
+        raise ValueError(
+            f"deployment {name!r}: collective_timeout_s {b.collective_s:g} + call_margin_s "
+            f"{b.call_s - b.collective_s:g} = {b.call_s:g} s is below the rank poll bound {RANK_POLL_S:g} s"
+        )
+    if not 2 * LANE_POLL_S <= b.lease_s / 2:
+        raise ValueError(
+            f"deployment {name!r}: lane_lease_s {b.lease_s:g} s must be at least {8 * LANE_POLL_S:g} s "
+            f"(renewals every half term, read by the replica every {LANE_POLL_S:g} s)"
+        )
+    return b
+
+
+def request_bound(request_timeout_s: float | None, specs: list[Any]) -> float:
+    """The ingress's wait for one attempt (rule 5 of the module doc)."""
+    slowest = max(Bounds.of(s).call_s for s in specs)
+    if request_timeout_s is None:
+        return slowest + REQUEST_MARGIN_S
+    if not request_timeout_s > slowest:
+        raise ValueError(
+            f"request_timeout_s {request_timeout_s:g} s must exceed the slowest group call, "
+            f"collective_timeout_s + call_margin_s = {slowest:g} s (else the ingress gives up on "
+            "calls the groups still run)"
+        )
+    return request_timeout_s

@@ -1,0 +1,328 @@
+"""Cohorts (deployments/client/cohort.py, attention.py): many attention workers, one forward per
+MoE layer per step, on one compiled graph over the workers and the leased groups' ranks.
+
+Exactness is bit for bit against the Serve path's forward of the same concatenated batch (same
+ranks, runners and tail plan: ``torch.equal``), and each worker's rows against a lone Serve
+forward of its own rows within float32 tolerance (rtol/atol 1e-5: a batch of other rows changes
+only the GEMMs' blocking, a few fp32 ulps, as in tests/test_lane.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+
+from deployments.client import AttentionWorker, MoERequestError, WorkerError
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# The workers' classes travel by value: Ray's worker processes need not import this module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+APP = "cohort_test"
+H = 128  # tiny preset
+COMMON = {"collective_timeout_s": 4.0, "call_margin_s": 4.0, "health_check_period_s": 1.0,
+          "graceful_shutdown_timeout_s": 1.0, "max_tokens_per_request": 64, "max_batch_tokens": 64,
+          "lane_lease_s": 4.0, "auto_tune_tokens": "none"}
+DEPLOYMENTS = [
+    {"name": "pair", "tp_size": 2, "tail": "sharded", "dtype": "float32", "num_replicas": 2, "layers": [1]},
+    {"name": "half", "tp_size": 2, "tail": "replicated", "dtype": "bfloat16", "layers": [2]},
+]
+
+
+def rows(T: int, seed: int, layer: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(1000 * seed + layer)).to(dtype)
+
+
+class Echo(AttentionWorker):
+    """Sends ``T`` seeded rows per layer (the step input is the seed) and keeps what comes back;
+    ``fault`` names a misbehaviour for one step."""
+
+    def __init__(self, T: int, dtype: str = "float32"):
+        self.T, self.dtype = T, getattr(torch, dtype)
+        self.got: dict[int, torch.Tensor] = {}
+        self.fault: str | None = None
+        self.aborts = self.steps = 0
+
+    def set_fault(self, fault: str | None) -> None:
+        self.fault = fault
+
+    def counts(self) -> tuple[int, int]:
+        return self.steps, self.aborts
+
+    def start(self, step_input):
+        self.seed, self.got = step_input, {}
+
+    def attend(self, layer):
+        x = rows(self.T, self.seed, layer, self.dtype if layer == 1 else torch.bfloat16)
+        if self.fault == "raise" or (self.fault == "raise_late" and layer == 2):
+            raise RuntimeError("attention blew up")
+        if self.fault == "nan" and self.T:
+            x[0, 0] = float("nan")
+        if self.fault == "width":
+            x = x[:, : H - 1]
+        if self.fault == "rows" and layer == 2:
+            x = torch.cat([x, x])
+        if self.fault == "too_many":
+            x = torch.zeros(99, H, dtype=x.dtype)
+        if self.fault == "sleep":
+            time.sleep(60)
+        return x.float().numpy() if self.dtype == torch.float32 and layer == 1 else x
+
+    def absorb(self, layer, moe_out):
+        self.got[layer] = torch.as_tensor(moe_out)
+
+    def finish(self):
+        self.steps += 1
+        return self.got
+
+    def abort(self):
+        self.aborts += 1
+        self.got = {}
+
+
+@pytest.fixture(scope="module")
+def app(tiny_ckpt):
+    from conftest import local_serve
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.client import MoEClient
+
+    with local_serve(num_cpus=8, num_gpus=8):
+        serve.run(build_app({"checkpoint": str(tiny_ckpt), **COMMON, "deployments": DEPLOYMENTS}),
+                  name=APP, route_prefix="/")
+        yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
+
+
+def workers(*tokens: int):
+    return [ray.remote(Echo).options(num_cpus=0).remote(T) for T in tokens]
+
+
+def direct(name: str):
+    from deployments.client import MoEClient
+
+    return MoEClient.direct(name, APP, timeout_s=60)
+
+
+def serve_reference(app, tokens: tuple[int, ...], seed_of) -> dict[int, list[torch.Tensor]]:
+    """Each worker's rows of the Serve path's forward of every worker's rows concatenated."""
+    want = {}
+    for layer, dtype in ((1, torch.float32), (2, torch.bfloat16)):
+        xs = [rows(T, seed_of(i), layer, dtype) for i, T in enumerate(tokens)]
+        out = app.client.forward(torch.cat(xs), layer)
+        want[layer] = list(torch.split(out, list(tokens)))
+    return want
+
+
+def counters(name: str) -> dict[str, dict]:
+    """Each replica's counters (status() answers for whichever replica the router picks)."""
+    replicas = 2 if name == "pair" else 1
+    seen: dict[str, dict] = {}
+    deadline = time.monotonic() + 30  # a replica still leased is steered around until it reports free
+    while len(seen) < replicas:
+        assert time.monotonic() < deadline, f"status() of {name!r} reached only {list(seen)}"
+        st = direct(name).status()
+        seen[st["replica"]] = st["counters"]
+        time.sleep(0.05)
+    return seen
+
+
+def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app):
+    tokens = (2, 0, 3)
+    ws = workers(*tokens)
+    want = serve_reference(app, tokens, lambda i: 10 + i)
+    lone = {i: app.client.forward(rows(T, 10 + i, 1), 1) for i, T in enumerate(tokens) if T}
+    before = {n: counters(n) for n in ("pair", "half")}
+    with app.client.cohort(ws, max_tokens=4, name="exact") as cohort:
+        assert cohort.status()["path"] == "graph"
+        for _ in range(3):
+            got = cohort.step([10, 11, 12])
+        status = cohort.status()
+    leased = {n: status["deployments"][n]["replica"] for n in ("pair", "half")}
+    after = {n: counters(n) for n in ("pair", "half")}  # the lease's counters were read at its end
+    for i, T in enumerate(tokens):
+        for layer in (1, 2):
+            assert torch.equal(got[i][layer], want[layer][i]), (i, layer)
+        assert got[i][2].dtype == torch.bfloat16 and got[i][1].dtype == torch.float32
+        if T:
+            torch.testing.assert_close(got[i][1], lone[i], rtol=1e-5, atol=1e-5)
+    assert status["graph_steps"] == 3 and status["serve_steps"] == 0
+    for name in ("pair", "half"):  # one forward per layer per step, of every worker's rows
+        b, a = before[name][leased[name]], after[name][leased[name]]
+        assert a["forwards"] - b["forwards"] == 3
+        assert a["requests"] - b["requests"] == 3 * 2  # the two workers with rows; the empty one adds nothing
+        assert a["batch_tokens"]["recent"][-3:] == [5, 5, 5]
+        assert a["lane"]["tokens"] - b["lane"]["tokens"] == 15
+
+
+def test_the_replica_lists_the_cohort_lease_with_its_workers(app):
+    ws = workers(1, 1)
+    with app.client.cohort(ws, name="listed") as cohort:
+        cohort.step([1, 2])
+        active = direct("half").status()["lanes"]["active"]
+        names = cohort.status()["workers"]
+    assert active["client"] == "listed" and active["kind"] == "cohort" and active["workers"] == names
+    assert all(n.startswith("Echo:") for n in names)
+
+
+@pytest.mark.parametrize("fault", ["nan", "width", "rows", "too_many", "raise"])
+def test_a_bad_worker_fails_the_step_naming_it_and_the_cohort_keeps_serving(app, fault):
+    ws = workers(2, 3)
+    want = serve_reference(app, (2, 3), lambda i: 20 + i)
+    with app.client.cohort(ws, max_tokens=4, name=f"bad-{fault}") as cohort:
+        ray.get(ws[1].set_fault.remote(fault))
+        with pytest.raises(WorkerError) as err:
+            cohort.step([20, 21])
+        assert err.value.index == 1 and not err.value.died and "attention worker 1" in str(err.value)
+        assert ray.get(ws[0].counts.remote()) == (0, 1)  # the healthy worker's step was undone too
+        ray.get(ws[1].set_fault.remote(None))
+        got = cohort.step([20, 21])
+        assert cohort.status()["path"] == "graph"
+    assert all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
+
+
+def test_cohort_arguments_are_checked(app):
+    with pytest.raises(ValueError, match="max_tokens"):
+        app.client.cohort(workers(1), max_tokens=0)
+    with pytest.raises(ValueError, match="non-empty list"):
+        app.client.cohort([])
+    with pytest.raises(ValueError, match=r"layer\(s\) \[9\]"):
+        app.client.cohort(workers(1), layers=[9])
+    w = workers(1)
+    with pytest.raises(ValueError, match="twice"):
+        app.client.cohort(w + w)
+    with pytest.raises(MoERequestError, match="max_tokens_per_request"):
+        app.client.cohort(workers(1, 1), max_tokens=40)  # 2 x 40 rows > 64 per forward
+    not_a_worker = ray.remote(num_cpus=0)(type("Plain", (), {"ping": lambda self: 1})).remote()
+    with pytest.raises(WorkerError, match="AttentionWorker"):
+        app.client.cohort([not_a_worker])
+    with app.client.cohort(workers(1, 1)) as cohort, pytest.raises(ValueError, match="one input per worker"):
+        cohort.step([1])
+
+
+def test_a_dead_worker_is_named_and_closes_the_cohort(app):
+    ws = workers(1, 1)
+    with app.client.cohort(ws, name="dying") as cohort:
+        cohort.step([1, 2])
+        ray.kill(ws[0], no_restart=True)
+        with pytest.raises(WorkerError) as err:
+            cohort.step([1, 2])
+        assert err.value.index == 0 and err.value.died
+        with pytest.raises(RuntimeError, match="closed: worker 0"):
+            cohort.step([1, 2])
+
+
+def test_without_a_lease_the_step_runs_aggregated_on_the_serve_path(app):
+    ws = workers(2, 1)
+    want = serve_reference(app, (2, 1), lambda i: 30 + i)
+    before = counters("pair")
+    stop = threading.Event()
+    with direct("half").lane(max_tokens=4, name="holder") as lane:  # holds the only "half" replica
+        lane.forward(rows(1, 0, 2, torch.bfloat16), 2)
+        busy = threading.Thread(target=lambda: [lane.forward(rows(1, 0, 2, torch.bfloat16), 2)
+                                                for _ in iter(stop.is_set, True)])
+        busy.start()  # a lane in use keeps its lease (an idle one lets it go)
+        try:
+            with app.client.cohort(ws, max_tokens=4, wait_s=0.5, retry_s=60, name="aside") as cohort:
+                got = cohort.step([30, 31])
+                status = cohort.status()
+        finally:
+            stop.set()
+            busy.join(timeout=60)
+    assert status["path"] == "serve" and status["serve_steps"] == 1 and status["graph_steps"] == 0
+    assert "held by holder" in status["deployments"]["half"]["why_serve"]
+    assert all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
+    after = counters("pair")
+    forwards = sum(after[r]["forwards"] - before[r]["forwards"] for r in after)
+    assert forwards == 1  # still one forward per layer for both workers
+
+
+def rank_pid(cohort, deployment: str, rank: int) -> int:
+    grant = cohort.leases[deployment].grant
+    return ray.get(grant["ranks"][rank].info.remote(), timeout=30)["pid"]
+
+
+def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app):
+    """SIGKILL a rank of the leased "pair" replica while steps run: every step answers, with the
+    same rows as before the kill (re-run on the other replica or the Serve path)."""
+    ws = workers(1, 2)
+    want = serve_reference(app, (1, 2), lambda i: 40 + i)
+    cohort = app.client.cohort(ws, max_tokens=2, retry_s=0.5, name="victim")
+    try:
+        results, errors, stop = [], [], threading.Event()
+
+        def loop() -> None:
+            while not stop.is_set():
+                try:
+                    got = cohort.step([40, 41])
+                    results.append(all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1)
+                                       for layer in (1, 2)))
+                except BaseException as e:  # noqa: BLE001 -- reported below
+                    errors.append(e)
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        time.sleep(1.0)
+        killed = cohort.status()["deployments"]["pair"]["replica"]
+        os.kill(rank_pid(cohort, "pair", 1), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # the step re-ran, and the cohort holds a healthy replica's group again
+            status = cohort.status()
+            if status["reruns"] >= 1 and status["deployments"]["pair"]["replica"] not in (None, killed):
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.25)
+        stop.set()
+        thread.join(timeout=120)
+        assert not thread.is_alive() and not errors, errors
+        assert results and all(results)
+    finally:
+        cohort.close()
+
+
+def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app):
+    """SIGSTOP a rank of the leased "pair" replica: the step ends within step_timeout_s (twice
+    the call bound), every worker aborts, and the re-run answers on the other replica."""
+    deadline = time.monotonic() + 300  # Serve replaced the replica the test above broke
+    while len({st["replica"] for st in (direct("pair").status() for _ in range(16)) if st["healthy"]}) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(1.0)
+    ws = workers(1, 1)
+    want = serve_reference(app, (1, 1), lambda i: 50 + i)
+    with app.client.cohort(ws, name="stalled") as cohort:
+        cohort.step([50, 51])
+        pid = rank_pid(cohort, "pair", 1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            got = cohort.step([50, 51])
+            took = time.monotonic() - start
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the broken group's replica ended it
+                os.kill(pid, signal.SIGCONT)
+        status = cohort.status()
+    assert all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
+    assert status["reruns"] == 1 and all(ray.get(w.counts.remote())[1] == 1 for w in ws)
+    bound = 2 * (COMMON["collective_timeout_s"] + COMMON["call_margin_s"])
+    assert took < bound + 30, took  # the step bound, then probes, abort and the re-run
+
+
+def test_a_stalled_worker_is_named_within_the_step_bound(app):
+    ws = workers(1, 1)
+    with app.client.cohort(ws, step_timeout_s=3.0, name="slow-worker") as cohort:
+        ray.get(ws[0].set_fault.remote("sleep"))
+        start = time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            cohort.step([1, 2])
+        assert err.value.index == 0 and "stuck in attend" in str(err.value)
+        assert time.monotonic() - start < 3.0 + 60 + 15  # the bound, then the stuck call ends
