@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from bench.rss import TreeSampler, measure  # noqa: E402
 from bench_docs import load_label, write_results  # noqa: E402
-from measure_rss import TreeSampler, measure  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
