@@ -13,53 +13,19 @@ and how far the logits are apart.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from bench.harness import ensure_decoder_checkpoint as ensure_checkpoint  # noqa: E402
+from bench.harness import local_app  # noqa: E402
 
 from deployments.client.afd import Decoder, LocalMoE, RemoteMoE  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.synthetic_decoder import DECODER_FILE, write_decoder  # noqa: E402
-
-
-def ensure_checkpoint(path: Path, preset: str, layers: int | None = None) -> Path:
-    """The preset's checkpoint with the decoder tensors, written once."""
-    if not (path / DECODER_FILE).is_file():
-        overrides = {} if layers is None else {"num_hidden_layers": layers}
-        write_checkpoint(path, preset_config(preset, **overrides), seed=0)
-        write_decoder(path, seed=0)
-    return path
-
-
-@contextlib.contextmanager
-def local_app(checkpoint: Path, app: str, deployments: list[dict[str, Any]], num_cpus: int,
-              num_gpus: int) -> Iterator[None]:
-    """A private local Ray instance (TP groups on logical GPUs) serving ``deployments``."""
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-    from moe_runtime.tp.collectives import free_port
-
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-             namespace="afd", log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-        serve.run(build_app({"checkpoint": str(checkpoint), "deployments": deployments}), name=app,
-                  route_prefix="/")
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def demo(checkpoint: Path, app: str, batch: int, tokens: int, micro_batches: int) -> bool:

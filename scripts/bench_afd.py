@@ -25,23 +25,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import torch
+from bench import harness
+from bench.docs import commentary, section_start, verdict, verdict_word, write_results
 
-import torch  # noqa: E402
-from afd_demo import ensure_checkpoint, local_app  # noqa: E402
-from bench_docs import commentary, load_label, verdict, verdict_word, write_results  # noqa: E402
-
-from deployments.client.afd import Decoder, LocalMoE, MoELayers, RemoteMoE, tier_busy  # noqa: E402
+from deployments.client.afd import Decoder, LocalMoE, MoELayers, RemoteMoE, tier_busy
 
 APP = "afd_bench"
 DEPLOYMENT = "moe"
@@ -52,7 +45,7 @@ REMEDY = ("What stopped it in that run was CPU: the client's attention and the r
           "cores, with other work on them. Ping-pong hides waiting, not work: with no idle CPU to fill "
           "it frees nothing. What it would take: attention and MoE on separate hardware (the case "
           "AFD is for), a per-forward fixed cost small next to the per-token work (the replica -> ranks "
-          "hop, issue 9), and batches large enough that a forward of B/m tokens costs about 1/m of one of B.")
+          "hop), and batches large enough that a forward of B/m tokens costs about 1/m of one of B.")
 
 
 class TimedMoE:
@@ -141,15 +134,11 @@ def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int
     out = {}
     try:
         for T in sizes:
-            x = torch.randn(T, hidden, generator=torch.Generator().manual_seed(T))
+            x = harness.seeded_randn(T, hidden, seed=T)
             loop.run_until_complete(moe(x, layer))  # warm-up
             before = tier_status(tier) if tier else None
-            times = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                loop.run_until_complete(moe(x, layer))
-                times.append(time.perf_counter() - start)
-            row = {"call_ms": round(statistics.median(times) * 1e3, 2)}
+            timed = harness.time_calls(lambda x=x: loop.run_until_complete(moe(x, layer)), reps, warmup=0)
+            row = {"call_ms": round(statistics.median(timed.seconds) * 1e3, 2)}
             if tier:
                 forwards, busy_s = tier_busy(before, tier_status(tier))
                 row["forward_ms"] = round(busy_s / forwards * 1e3, 2)
@@ -160,12 +149,7 @@ def call_ms(moe: MoELayers, hidden: int, layer: int, sizes: list[int], reps: int
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = harness.pyplot().subplots(1, 2, figsize=(11, 4))
     series: dict[str, list[dict]] = {"in process": results["inprocess"]}
     for row in results["tier"]:
         series.setdefault(f"lane, m={row['m']}", []).append(row)
@@ -182,24 +166,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax1.legend()
     fig.suptitle(f"AFD decode, {results['env']['preset']} preset, {results['env']['moe_layers']} MoE layers "
                  f"on a TP-{results['env']['tp_size']} group")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.save_figure(fig, path, dpi=120)
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env = results["env"]
     local = {r["batch"]: r for r in results["inprocess"]}
     lines = [
-        SECTION,
-        "",
-        f"`python scripts/bench_afd.py {' '.join(results['argv'])}`".replace(" `", "`"),
-        f"({env['date']}, {env['cpus']} CPUs, torch {env['torch']}, ray {env['ray']}; "
-        f"{env['preset']} preset, "
-        f"H = {env['hidden_size']}, {env['moe_layers']} MoE layers on one TP-{env['tp_size']} deployment, "
-        f"{env['tail']} tail, float32; prompts of {env['prompt_len']} tokens, {env['tokens']} new tokens; "
-        f"median of {env['reps']}; {env['torch_threads']} torch thread(s) in this process, in process and as "
-        f"the AFD client); {load_label(env['loadavg_before'], env['loadavg_after'], env['cpus'])}. "
-        f"Raw data: `{json_path}`, plot: `{png_path}`.",
+        section_start(
+            SECTION, "bench_afd", results["argv"], env,
+            f"{env['preset']} preset, H = {env['hidden_size']}, {env['moe_layers']} MoE layers on "
+            f"one TP-{env['tp_size']} deployment, {env['tail']} tail, float32; prompts of "
+            f"{env['prompt_len']} tokens, {env['tokens']} new tokens; median of {env['reps']}; "
+            f"{env['torch_threads']} torch thread(s) in this process, in process and as the AFD "
+            "client", json_path, png_path),
         "",
         "Paths: in process (`LocalMoE`), lane (the tier through a lane: `RemoteMoE`'s default, every m), "
         "Serve handles (the tier through `RemoteMoE(lane=False)`, m = 1; run after the lane closed, as a "
@@ -285,8 +265,7 @@ def why_not(results: dict[str, Any], one: dict[str, Any], two: dict[str, Any]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.bench_parser(__doc__, "bench_afd", docs_default=None, quick="tiny preset, 6 tokens, 1 rep")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--layers", type=int, default=4, help="num_hidden_layers (layer 0 dense, the rest MoE)")
     ap.add_argument("--tp", type=int, default=2)
@@ -300,35 +279,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads of this process (the in-process model and the AFD client alike; "
                          "on the busy 2-core machine, 2 threads took the in-process batch-1 step from "
                          "157 to 2069 ms in one run: OpenMP threads spinning against other work)")
-    ap.add_argument("--quick", action="store_true", help="tiny preset, 6 tokens, 1 rep")
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_afd")
-    ap.add_argument("--docs", type=Path, default=None, help="update this benchmarks.md section")
     args = ap.parse_args(argv)
     if args.quick:
         args.preset, args.layers, args.tokens, args.reps = "tiny", 3, 6, 1
     batches = [int(b) for b in args.batches.split(",")]
     micro = [int(m) for m in args.micro_batches.split(",")]
-    ckpt = ensure_checkpoint(ROOT / f"artifacts/checkpoints/{args.preset}-afd-{args.layers}", args.preset,
-                             args.layers)
+    ckpt = harness.preset_checkpoint(args.preset, args.layers, decoder=True)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
 
-    import ray
-
-    load_before = os.getloadavg()
     sizes = sorted({max(1, b // m) for b in batches for m in micro})
     local_moe = TimedMoE(LocalMoE(ckpt))
     local = Decoder(ckpt, local_moe)
     cfg = local.cfg.moe
     results: dict[str, Any] = {
-        "argv": argv,
-        "env": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "cpus": len(os.sched_getaffinity(0)),
-                "machine": platform.machine(), "torch": torch.__version__, "ray": ray.__version__,
-                "preset": args.preset, "hidden_size": cfg.hidden_size, "moe_layers": len(cfg.moe_layers),
-                "tp_size": args.tp, "tail": args.tail, "prompt_len": args.prompt_len, "tokens": args.tokens,
-                "reps": args.reps, "torch_threads": args.threads,
-                "loadavg_before": [round(x, 2) for x in load_before]},
+        "argv": args.argv,
+        "env": harness.machine_record(
+            with_ray=True, preset=args.preset, hidden_size=cfg.hidden_size, moe_layers=len(cfg.moe_layers),
+            tp_size=args.tp, tail=args.tail, prompt_len=args.prompt_len, tokens=args.tokens, reps=args.reps,
+            torch_threads=args.threads),
         "inprocess": [],
         "moe_call_ms": call_ms(local_moe.inner, cfg.hidden_size, cfg.moe_layers[0], sizes, args.reps * 3),
         "tier": [],  # through lanes (RemoteMoE's default), every m
@@ -341,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     del local, local_moe  # free the in-process MoE weights before the tier loads its own
     deployment = {"name": DEPLOYMENT, "tp_size": args.tp, "tail": args.tail, "dtype": "float32",
                   "batch_wait_timeout_s": 0.0, "max_batch_tokens": 4096, "replica_cpus": 0.5}
-    with local_app(ckpt, APP, [deployment], num_cpus=4, num_gpus=args.tp):
+    with harness.local_app(ckpt, APP, [deployment], num_cpus=4, num_gpus=args.tp):
         # The lane holds the group while open (the Serve path waits), so the two run one after the other.
         with RemoteMoE.connect(APP) as tier:
             moe = TimedMoE(tier)
@@ -357,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             moe = TimedMoE(tier)
             model = Decoder(ckpt, moe)
             results["tier_serve"] = [measure(model, moe, b, 1, args, tier, reference[b])[0] for b in batches]
-    results["env"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    results["env"]["loadavg_after"] = harness.loadavg()
     local_rows = {r["batch"]: r for r in results["inprocess"]}
     layers = len(cfg.moe_layers)
     tps = {(r["batch"], r["m"]): r["tokens_per_s"] for r in results["tier"]}
@@ -391,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         "lane_target": lane_target,  # the slowest batch size decides
         "tokens_identical": all(r["tokens_identical"] for r in results["tier"] + results["tier_serve"]),
     }
-    write_results(results, args.out, "bench_afd", ROOT, plot, markdown, args.docs)
+    write_results(results, args.out, "bench_afd", plot, markdown, args.docs)
     return 0
 
 

@@ -24,32 +24,25 @@ Legend: T tokens, D latent, K experts per token, I intermediate.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import resource
-import shutil
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench import harness
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moe_runtime import mxfp4  # noqa: E402
-from moe_runtime.activation import GatedActivation  # noqa: E402
-from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.experts import get_backend  # noqa: E402
-from moe_runtime.layer import down_project  # noqa: E402
-from moe_runtime.router import route  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.weights import ExpertWeights  # noqa: E402
+from moe_runtime import mxfp4
+from moe_runtime.activation import GatedActivation
+from moe_runtime.checkpoint import load_layer_weights
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.experts import get_backend
+from moe_runtime.layer import down_project
+from moe_runtime.router import route
+from moe_runtime.weights import ExpertWeights
 
 TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -64,44 +57,8 @@ def in_format(ex: ExpertWeights, fmt: str) -> ExpertWeights:
     return ExpertWeights(p13, p2, s13, s2, dtype=ex.dtype)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _stats(times: list[float]) -> dict:
+def stats(times: list[float]) -> dict:
     return {"median_s": statistics.median(times), "min_s": min(times), "reps": len(times)}
-
-
-def timeit(fn: Callable[[], object], device: torch.device, min_time: float, min_reps: int) -> dict:
-    """Median / min seconds of ``fn`` after one warm-up call; at least ``min_reps`` calls and
-    at least ``min_time`` seconds of calls."""
-    fn()
-    sync(device)
-    times: list[float] = []
-    while len(times) < min_reps or sum(times) < min_time:
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return _stats(times)
-
-
-def timeit_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, min_time: float,
-                       min_reps: int) -> dict[str, dict]:
-    """Like ``timeit`` for several functions, calling them in turn so that a busy (shared)
-    machine slows them alike and their ratio stays meaningful."""
-    for fn in fns.values():
-        fn()
-    sync(device)
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    while min(len(t) for t in times.values()) < min_reps or min(sum(t) for t in times.values()) < min_time:
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: _stats(t) for name, t in times.items()}
 
 
 def naive_experts(h_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, act: GatedActivation) -> torch.Tensor:
@@ -151,10 +108,11 @@ def bench_one(cfg: LatentMoEConfig, w, ex: ExpertWeights, fmt: str, T: int, dtyp
     def run_naive():
         return naive_experts(h_TD[:n_naive], ids_TK[:n_naive], weights_TK[:n_naive], w13_EFD, w2_EDI, act)
 
-    timed = timeit_interleaved({"torch": run_backend, "grouped": run_grouped, "dense": run_dense}, device,
-                               args.min_time, args.min_reps)
-    t_backend, t_grouped, t_dense = timed["torch"], timed["grouped"], timed["dense"]
-    t_naive = timeit(run_naive, device, args.min_time, 1)
+    sync = harness.synchronizer(device)
+    fns = {"torch": run_backend, "grouped": run_grouped, "dense": run_dense}
+    timed = harness.time_interleaved(fns, args.min_reps, min_time_s=args.min_time, sync=sync)
+    t_backend, t_grouped, t_dense = (stats(timed[k]) for k in ("torch", "grouped", "dense"))
+    t_naive = stats(harness.time_calls(run_naive, 1, min_time_s=args.min_time, sync=sync).seconds)
 
     # sanity: the backend and the naive loop agree on the tokens the loop ran
     out_b, out_n = run_backend()[:n_naive], run_naive()
@@ -223,15 +181,14 @@ def other_load(start, end) -> float | None:
         return None
     wall = end[0] - start[0]
     others = (end[1] - start[1]) - (end[2] - start[2])
+    # /proc/stat counts every CPU of the machine, not only the ones this process may use
     return max(0.0, others / (wall * (os.cpu_count() or 1)))
 
 
 def machine_info(device: torch.device) -> dict:
-    info = {
-        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-        "device": str(device),
-    }
+    """The machine record with the CPU model, torch's threads and the device."""
+    info = harness.machine_record(processor=platform.processor() or platform.machine(),
+                          torch_threads=torch.get_num_threads(), device=str(device))
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -266,14 +223,9 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = sorted({(r["dtype"], r["format"]) for r in rows},
                     key=lambda p: (list(DTYPES).index(p[0]), FORMATS.index(p[1])))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.8 * len(panels), 4.2), squeeze=False)
+    fig, axes = harness.pyplot().subplots(1, len(panels), figsize=(6.8 * len(panels), 4.2), squeeze=False)
     for ax, (dt, fmt) in zip(axes[0], panels, strict=True):
         sub = [r for r in rows if (r["dtype"], r["format"]) == (dt, fmt)]
         xs = range(len(sub))
@@ -293,16 +245,14 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.set_title(f"{dt}, {fmt} experts")
         ax.legend(fontsize=7, loc="upper left", ncols=2)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    harness.save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.bench_parser(__doc__, "bench_experts", with_docs=False)
     ap.add_argument("--checkpoint", type=Path,
-                    help="checkpoint folder (generated there from --preset if it does not exist; "
-                         "default: a temporary folder, deleted afterwards)")
+                    help="checkpoint folder (written there from --preset if it does not exist; "
+                         "default: the --preset checkpoint under checkpoints/)")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--layer", type=int, help="MoE layer to load (default: the first)")
     ap.add_argument("--tokens", default="16,512,4096", help="comma-separated token counts")
@@ -314,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", type=Path, default=Path("artifacts/bench_experts"))
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -329,41 +278,31 @@ def main(argv: list[str] | None = None) -> int:
     if not set(formats) <= set(FORMATS):
         ap.error(f"unknown experts format in {formats}; choose from {FORMATS}")
 
-    tmp = None
-    ckpt = args.checkpoint
-    if ckpt is None:
-        tmp = Path(tempfile.mkdtemp(prefix="bench_experts_"))
-        ckpt = tmp / args.preset
-    try:
-        if not (ckpt / "config.json").is_file():
-            t0 = time.perf_counter()
-            write_checkpoint(ckpt, preset_config(args.preset), seed=0)
-            print(f"generated {args.preset} checkpoint in {ckpt} ({time.perf_counter() - t0:.1f} s)")
-        cfg = LatentMoEConfig.from_pretrained(ckpt)
-        layer = args.layer if args.layer is not None else cfg.moe_layers[0]
-        info = machine_info(device)
-        info["loadavg_start"] = os.getloadavg()
-        print(f"machine: {info.get('cpu_model', info['processor'])}, {info['cpu_count']} CPUs, "
-              f"torch {info['torch']} with {info['torch_threads']} threads, device {device}, "
-              f"load average {info['loadavg_start'][0]:.2f}")
-        print(f"preset {args.preset}: D={cfg.routed_expert_hidden_size} E={cfg.num_experts} "
-              f"K={cfg.num_experts_per_token} I={cfg.moe_intermediate_size}; layer {layer}; "
-              f"FLOPs = 6*T*K*D*I")
-        rows = []
-        snap0 = cpu_snapshot()
-        for dtype in dtypes:
-            w = load_layer_weights(ckpt, cfg, layer, dtype=dtype).to(device)
-            for fmt in formats:
-                ex = in_format(w.experts, fmt)
-                for T in tokens:
-                    r = bench_one(cfg, w, ex, fmt, T, dtype, device, args)
-                    rows.append(r)
-                    print(describe(r), flush=True)
-        info["loadavg_end"] = os.getloadavg()
-        info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if args.checkpoint:
+        ckpt = harness.ensure_checkpoint(args.checkpoint, args.preset)
+    else:
+        ckpt = harness.preset_checkpoint(args.preset)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    layer = args.layer if args.layer is not None else cfg.moe_layers[0]
+    info = machine_info(device)
+    print(f"machine: {info.get('cpu_model', info['processor'])}, {info['cpus']} CPUs, "
+          f"torch {info['torch']} with {info['torch_threads']} threads, device {device}, "
+          f"load average {info['loadavg_before'][0]:.2f}")
+    print(f"preset {args.preset}: D={cfg.routed_expert_hidden_size} E={cfg.num_experts} "
+          f"K={cfg.num_experts_per_token} I={cfg.moe_intermediate_size}; layer {layer}; "
+          f"FLOPs = 6*T*K*D*I")
+    rows = []
+    snap0 = cpu_snapshot()
+    for dtype in dtypes:
+        w = load_layer_weights(ckpt, cfg, layer, dtype=dtype).to(device)
+        for fmt in formats:
+            ex = in_format(w.experts, fmt)
+            for T in tokens:
+                r = bench_one(cfg, w, ex, fmt, T, dtype, device, args)
+                rows.append(r)
+                print(describe(r), flush=True)
+    info["loadavg_after"] = harness.loadavg()
+    info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
 
     busy = info["other_processes_cpu_fraction"]
     if busy is not None:
@@ -379,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"of dense GEMM GFLOP/s, target {100 * TARGET_FRACTION:.0f}%: {'MET' if ok else 'MISSED'}")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/bench_experts.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python scripts/bench_experts.py " + " ".join(args.argv)
     result = {"command": command.strip(), "preset": args.preset, "layer": layer, "config": cfg.to_dict(),
               "machine": info, "rows": rows, "target": verdicts}
     (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")

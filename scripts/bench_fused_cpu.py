@@ -1,4 +1,4 @@
-"""Fused MXFP4 decode + GEMM on CPU vs memcpy and dense GEMMs of the same shapes (issue 17 item d).
+"""Fused MXFP4 decode + GEMM on CPU vs memcpy and dense GEMMs of the same shapes.
 
 One real-size Kimi-K3 expert (gate|up [2I, D] = [6144, 3584], down [D, I] = [3584, 3072]), random
 packed codes built in memory (no checkpoint). Per token count T and thread count, in the same run:
@@ -16,42 +16,22 @@ marked in the table. Timings are the minimum over repeats (the least disturbed r
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import time
 from pathlib import Path
 
 import torch
+from bench import harness
+from bench.docs import is_contended, section_start, write_results
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from bench_docs import write_results  # noqa: E402
-
-from moe_runtime import mxfp4  # noqa: E402
-from moe_runtime.experts import mxfp4_cpu  # noqa: E402
+from moe_runtime import mxfp4
+from moe_runtime.experts import mxfp4_cpu
 
 D, I = 3584, 3072
 SHAPES = {"w13": (2 * I, D), "w2": (D, I)}
-LOADED = 0.5  # load average (per CPU) above which a row is marked as measured on a loaded machine
+SECTION = "## Fused MXFP4 CPU kernel: one real-size expert (`scripts/bench_fused_cpu.py`)"
 
 
 def best(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def memcpy_gbs(reps: int) -> float:
-    src = torch.empty(256 * 2**20, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    return src.numel() / best(lambda: dst.copy_(src), reps) / 1e9
+    return min(harness.time_calls(fn, reps).seconds)
 
 
 def run(args) -> dict:
@@ -66,9 +46,9 @@ def run(args) -> dict:
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
-        memcpy = memcpy_gbs(args.reps)
+        memcpy = harness.memcpy_gbps(args.reps)
         for T in args.tokens:
-            load0 = os.getloadavg()
+            load0 = harness.loadavg()
             xs = {"w13": torch.randn(T, D).bfloat16(), "w2": torch.randn(T, I).bfloat16()}
 
             def fused(xs=xs):
@@ -101,14 +81,13 @@ def run(args) -> dict:
                 "kernel_bf16_ms": t_kernel * 1e3, "kernel_bf16_GFLOPs": flops / t_kernel / 1e9,
                 "kernel_bf16_GBs": dense_bytes / t_kernel / 1e9,
                 "fused_vs_torch_bf16_GFLOPs": t_torch / t_fused,
-                "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+                "loadavg_start": load0, "loadavg_end": harness.loadavg(),
             }
             peak = max(row["loadavg_start"][0], row["loadavg_end"][0])
-            row["loaded"] = peak / (os.cpu_count() or 1) > LOADED
+            row["loaded"] = is_contended(peak, harness.cpu_count())
             rows.append(row)
             print(describe(row), flush=True)
     return {"rows": rows, "packed_bytes_per_expert": packed_bytes, "dense_bytes_per_expert": dense_bytes,
-            "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "kernel": mxfp4_cpu.unavailable_reason() or "built"}
 
 
@@ -124,15 +103,16 @@ def describe(r: dict) -> str:
 def markdown(results: dict, json_rel: str, png_rel: str) -> str:
     rows = results["rows"]
     lines = [
-        "## Fused MXFP4 CPU kernel: one real-size expert (issue 17, `scripts/bench_fused_cpu.py`)",
+        section_start(
+            SECTION, "bench_fused_cpu", results["argv"], results["machine"],
+            f"fused kernel {results['kernel']}", json_rel, png_rel),
         "",
         f"One Kimi-K3 expert, gate|up [6144, 3584] + down [3584, 3072]: "
         f"{results['packed_bytes_per_expert'] / 1e6:.1f} MB packed, "
         f"{results['dense_bytes_per_expert'] / 1e6:.1f} MB as bf16. memcpy measured in the same run (bytes "
         f"copied / s). GFLOP/s = 2 T x weights / time. `decode` = the fallback (decode to bf16, torch GEMM). "
-        f"Minimum over repeats. Rows marked * were measured while the machine was loaded (load average "
-        f"per CPU > {LOADED}, other engineers' jobs): their absolute numbers are low and noisy. "
-        f"Data: `{json_rel}`, plot: `{png_rel}`.",
+        f"Minimum over repeats. Rows marked * were measured while the machine was loaded (other work "
+        f"held at least half the CPUs): their absolute numbers are low and noisy.",
         "",
         "| threads | T | memcpy GB/s | fused ms | fused GB/s | % memcpy | fused GFLOP/s | torch bf16 GFLOP/s "
         "| bf16 kernel GFLOP/s | fused / torch bf16 | decode ms | load avg |",
@@ -164,12 +144,7 @@ def markdown(results: dict, json_rel: str, png_rel: str) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = harness.pyplot().subplots(figsize=(7, 4))
     for threads in sorted({r["threads"] for r in results["rows"]}):
         rows = [r for r in results["rows"] if r["threads"] == threads]
         ts = [r["T"] for r in rows]
@@ -181,17 +156,14 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylabel("GFLOP/s")
     ax.set_title("one real-size K3 expert on CPU")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.bench_parser(__doc__, "bench_fused_cpu", with_docs=False)
     ap.add_argument("--tokens", default="1,2,4,8,16,64")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench_fused_cpu")
     ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -200,9 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"the fused kernel is unavailable here: {reason}")
         return 1
+    machine = harness.machine_record()
     results = run(args)
-    write_results(results, args.out, "fused_cpu", ROOT, plot, markdown,
-                  None if args.no_docs else ROOT / "docs" / "benchmarks.md")
+    results.update(argv=args.argv, machine=dict(machine, loadavg_after=harness.loadavg()))
+    write_results(results, args.out, "fused_cpu", plot, markdown, None if args.no_docs else harness.DOCS)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Lane faults (issue 16 item 4): a killed rank under lane load, and a stalled rank.
+"""Lane faults: a killed rank under lane load, and a stalled rank.
 
 One local Ray instance (CPU, logical GPUs), one deployment of 2 replicas, each a TP --tp group.
 
@@ -23,24 +23,17 @@ docs/benchmarks.md (--docs; '' to skip); verdicts are computed from the data.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import torch  # noqa: E402
-from bench_docs import load_label, write_results  # noqa: E402
-
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+import torch
+from bench import harness
+from bench.docs import section_start, write_results
 
 APP, NAME, LAYER = "lanefaults", "pair", 1
 SECTION = "## Lane faults (scripts/bench_lane_faults.py)"
@@ -128,12 +121,7 @@ def stall(client: Any, x: torch.Tensor, rank: int, bound_s: float) -> dict[str, 
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = harness.pyplot().subplots(figsize=(7, 3.5))
     for path_kind, color in (("lane", "tab:green"), ("serve", "tab:orange")):
         pts = [c for c in results["kill"]["timeline"] if c["path"] == path_kind]
         ax.scatter([c["t"] for c in pts], [c["ms"] for c in pts], s=6, color=color, label=path_kind)
@@ -143,9 +131,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("call ms")
     ax.legend()
     ax.set_title(f"lane calls around a rank kill (TP {results['tp']}, T {results['tokens']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    harness.save_figure(fig, path, dpi=120)
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
@@ -157,10 +143,10 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     met = not k["errors"] and not k["wrong"] and not k["hung"]
     stall_met = "skipped" not in s and s["seconds"] <= s["bound_s"]
     lines = [
-        SECTION, "",
-        f"`python scripts/bench_lane_faults.py {results['argv']}`: tiny checkpoint, 1 deployment of 2 "
-        f"replicas, TP {results['tp']}, float32, T = {results['tokens']}, {results['load']}. "
-        f"JSON `{json_path}`, plot `{png_path}`.", "",
+        section_start(
+            SECTION, "bench_lane_faults", results["argv"], results["machine"],
+            f"tiny checkpoint, 1 deployment of 2 replicas, TP {results['tp']}, float32, "
+            f"T = {results['tokens']}", json_path, png_path), "",
         "| fault | calls | client errors | wrong | hung | slowest call | first answer after | "
         "first lane answer after |",
         "|---|---|---|---|---|---|---|---|",
@@ -182,55 +168,38 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.bench_parser(__doc__, "bench_lane_faults")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--rank", type=int, default=1, help="the rank to kill / stop")
     ap.add_argument("--warm-s", type=float, default=3.0)
     ap.add_argument("--after-s", type=float, default=10.0)
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_lane_faults")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
     if not 0 <= args.rank < args.tp:
         raise ValueError(f"--rank {args.rank} is not a rank of a TP {args.tp} group")
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
     from deployments.client import MoEClient
 
-    ckpt = ROOT / "checkpoints/tiny"
-    if not (ckpt / "config.json").exists():
-        write_checkpoint(ckpt, preset_config("tiny"), seed=0)
     timeouts = {"collective_timeout_s": 4.0, "call_margin_s": 4.0}
-    app = {"checkpoint": str(ckpt), "ingress_replicas": 1, "deployments": [{
+    app = {"checkpoint": str(harness.preset_checkpoint("tiny")), "ingress_replicas": 1, "deployments": [{
         "name": NAME, "tp_size": args.tp, "dtype": "float32", "num_replicas": 2, "lane_lease_s": 2.0,
         "health_check_period_s": 1.0, "graceful_shutdown_timeout_s": 1.0, **timeouts}]}
     if args.tp > 1:
         app["deployments"][0]["tail"] = "sharded"
-    x = torch.randn(args.tokens, 128, generator=torch.Generator().manual_seed(0))
-    load_before = os.getloadavg()
-    ray.init(address="local", num_cpus=6, num_gpus=3 * args.tp, include_dashboard=False, log_to_driver=False,
-             namespace="serve")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": 0})
-        serve.run(build_app(app), name=APP, route_prefix="/")
+    x = harness.seeded_randn(args.tokens, 128, seed=0)
+    machine = harness.machine_record(with_ray=True)
+    with harness.local_serve(num_cpus=6, num_gpus=3 * args.tp):
+        harness.deploy(app, APP)
         client = MoEClient.direct(NAME, APP, timeout_s=120)
         want = client.forward(x, LAYER)
         kill = kill_under_load(client, x, want, args.warm_s, args.after_s, args.rank)
         call_timeout = timeouts["collective_timeout_s"] + timeouts["call_margin_s"]
         kill["replaced_after_s"] = wait_for_replicas(client, 2, timeout_s=600)  # Serve replaced the victim
         stalled = stall(client, x, args.rank, bound_s=3 * call_timeout + 15)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     results = {"kill": kill, "stall": stalled, "tp": args.tp, "tokens": args.tokens, "rank": args.rank,
-               "argv": " ".join(argv if argv is not None else sys.argv[1:]),
-               "load": load_label(list(load_before), list(os.getloadavg()), os.cpu_count() or 1)}
-    write_results(results, args.out, "bench_lane_faults", ROOT, plot, markdown, args.docs and Path(args.docs))
-    print(markdown(results, "-", "-"))
+               "argv": args.argv, "machine": dict(machine, loadavg_after=harness.loadavg())}
+    write_results(results, args.out, "bench_lane_faults", plot, markdown, args.docs)
     return 0 if not kill["errors"] and not kill["wrong"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

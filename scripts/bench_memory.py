@@ -21,16 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
+from bench import harness
+from bench.rss import proc_bytes
 
 
 def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
@@ -48,14 +40,13 @@ def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
     w = load_layer_weights(ckpt, cfg, 1, torch_dtype(dtype))
     held = "mxfp4" if w.experts.packed else "dense"
     plan = memory.plan_memory(cfg, {1: held}, dtype, 1, max_tokens=tokens)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, cfg.hidden_size, generator=gen).to(torch_dtype(dtype))
+    x = harness.seeded_randn(tokens, cfg.hidden_size, seed=0, dtype=torch_dtype(dtype))
     with torch.inference_mode():
         moe_forward(x[:8], w, cfg)  # allocator and thread pools warm
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to now
-        before = _status("VmRSS:")
+        before = proc_bytes("/proc/self/status", "VmRSS")
         moe_forward(x, w, cfg)
-        growth = _status("VmHWM:") - before
+        growth = proc_bytes("/proc/self/status", "VmHWM") - before
     return {
         "dtype": dtype, "tokens": tokens, "experts_held": held,
         "checkpoint_format": checkpoint_expert_formats(ckpt, cfg, [1])[1],
@@ -68,24 +59,19 @@ def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "bench_memory", with_docs=False)
     ap.add_argument("--preset", default="small")
     ap.add_argument("--tokens", default="256,2048,8192")
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / "bench_memory")
     ap.add_argument("--child", nargs=3, metavar=("CKPT", "DTYPE", "T"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(measure_one(args.child[0], args.child[1], int(args.child[2]))))
         return 0
-    from moe_runtime.synthetic import preset_config, write_checkpoint
-
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for fmt in ("dense", "mxfp4"):
-        ckpt = args.out / f"{args.preset}-{fmt}"
-        if not (ckpt / "config.json").is_file():
-            write_checkpoint(ckpt, preset_config(args.preset, num_hidden_layers=2), use_mxfp4=fmt == "mxfp4")
+        ckpt = harness.preset_checkpoint(args.preset, 2, mxfp4=fmt == "mxfp4")
         for dtype in ("float32", "bfloat16"):
             for T in (int(t) for t in args.tokens.split(",")):
                 out = subprocess.run([sys.executable, __file__, "--child", str(ckpt), dtype, str(T)],
@@ -103,12 +89,7 @@ def main() -> int:
                      f"{r['weights_exact']} | {r['forward_peak_growth_bytes'] / 1e6:.1f} | "
                      f"{r['activation_allowance_bytes'] / 1e6:.1f} | {r['ratio']:.2f} |")
     (args.out / "table.md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = harness.pyplot().subplots(figsize=(7, 4))
     for fmt in ("dense", "mxfp4"):
         for dtype in ("float32", "bfloat16"):
             sel = [r for r in rows if r["checkpoint_format"] == fmt and r["dtype"] == dtype]
@@ -123,8 +104,7 @@ def main() -> int:
     ax.set_ylabel("MB")
     ax.set_title(f"forward peak RSS growth vs planner activation allowance ({args.preset}, TP 1)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(args.out / "memory.png", dpi=120)
+    harness.save_figure(fig, args.out / "memory.png", dpi=120)
     print(f"wrote {args.out}/results.json, memory.png, table.md")
     return 0 if all(r["weights_exact"] for r in rows) else 1
 

@@ -1,4 +1,4 @@
-"""Numerics benchmark (issues 11 and 20): what each routed-input mode, the W4A4 emulation under
+"""Numerics benchmark: what each routed-input mode, the W4A4 emulation under
 both MXFP4 scale rules and the bf16 collectives do to the layer output, on a real TP group.
 
 For every case it reports the error against the single-device fp32 layer (``max |out - ref|
@@ -19,45 +19,36 @@ Writes JSON + PNG under ``--out`` and its section of docs/benchmarks.md (``--doc
 
 from __future__ import annotations
 
-import argparse
 import functools
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import torch
+from bench import harness
+from bench.docs import model_text, section_start, write_results
 
-import torch  # noqa: E402
-from bench_docs import write_results  # noqa: E402
+from moe_runtime import mxfp4
+from moe_runtime.checkpoint import load_layer_weights
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import moe_forward
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.routed_input import RoutedInputConfig
+from moe_runtime.tp.runner import build_rank_runners
 
-from moe_runtime import mxfp4  # noqa: E402
-from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.layer import moe_forward  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.tp.collectives import Collectives  # noqa: E402
-from moe_runtime.tp.local_group import run_local_group  # noqa: E402
-from moe_runtime.tp.plan import TailPlan  # noqa: E402
-from moe_runtime.tp.routed_input import RoutedInputConfig  # noqa: E402
-from moe_runtime.tp.runner import build_rank_runners  # noqa: E402
-
-SECTION = (
-    "## Numerics: routed-input modes and W4A4 under both MXFP4 scale rules (issues 11 and 20, "
-    "`scripts/bench_numerics.py`)"
-)
+SECTION = ("## Numerics: routed-input modes and W4A4 under both MXFP4 scale rules "
+           "(`scripts/bench_numerics.py`)")
 LAYER = 1
 REQUEST = 16  # the request whose batch dependence is measured
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RULES = mxfp4.SCALE_RULES  # ("even", "floor"): even first, the default
-RANDOM_BLOCKS = 8228  # as many random-normal blocks as the issue measured
+RANDOM_BLOCKS = 8228  # as many random-normal blocks as the first measurement of the two rules had
 
 
 def make_input(T: int, H: int) -> torch.Tensor:
-    return torch.randn(T, H, generator=torch.Generator().manual_seed(11))
+    return harness.seeded_randn(T, H, seed=11)
 
 
 def _qdq(rule: str):
@@ -153,23 +144,16 @@ def single_device(ckpts: dict[str, str], cfg: LatentMoEConfig, x: torch.Tensor) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.bench_parser(__doc__, "bench_numerics")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--tail", default="sharded")
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_numerics")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
-    ckpts = {}
-    for kind in ("dense", "mxfp4"):
-        path = ROOT / (f"artifacts/checkpoints/{args.preset}" + ("" if kind == "dense" else "-mxfp4"))
-        if not (path / "config.json").is_file():
-            write_checkpoint(path, preset_config(args.preset), use_mxfp4=kind == "mxfp4", progress=True)
-        ckpts[kind] = str(path)
+    ckpts = {kind: str(harness.preset_checkpoint(args.preset, mxfp4=kind == "mxfp4"))
+             for kind in ("dense", "mxfp4")}
     cfg = LatentMoEConfig.from_pretrained(ckpts["dense"])
-    load_before = os.getloadavg()
+    machine = harness.machine_record()
     start = time.perf_counter()
     print(f"TP {args.tp}, batch {args.batch}, request {REQUEST}, tail {args.tail} ...", flush=True)
     got = run_local_group(
@@ -193,16 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                          "routed_input": mode, "rule": rule, **_err(out, truth[experts]),
                          "batch_dependence": dep})
     results = {
-        "argv": argv,
-        "env": {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "loadavg_before": [round(v, 2) for v in load_before],
-            "loadavg_after": [round(v, 2) for v in os.getloadavg()],
-            "seconds": round(time.perf_counter() - start, 1),
-        },
-        "model": {k: getattr(cfg, k) for k in ("hidden_size", "routed_expert_hidden_size", "num_experts",
-                                                 "num_experts_per_token", "moe_intermediate_size")},
+        "argv": args.argv,
+        "env": dict(machine, loadavg_after=harness.loadavg(), seconds=round(time.perf_counter() - start, 1)),
+        "model": harness.model_record(cfg),
         "preset": args.preset, "tp": args.tp, "batch": args.batch, "request": REQUEST, "tail": args.tail,
         "blocks": blocks,
         "single_device_fp32": {
@@ -212,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    write_results(results, args.out, "bench_numerics", ROOT, plot, markdown, args.docs and Path(args.docs))
+    write_results(results, args.out, "bench_numerics", plot, markdown, args.docs)
     return 0
 
 
@@ -223,15 +200,11 @@ def _fmt(v: float | None) -> str:
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env, m, b, sd = results["env"], results["model"], results["blocks"], results["single_device_fp32"]
     lines = [
-        SECTION,
-        "",
-        f"Run: `{' '.join(['python scripts/bench_numerics.py', *results['argv']])}` -- {env['date']}, "
-        f"{env['cpus']} CPUs, torch {env['torch']}, {env['seconds']} s; 1-minute load average "
-        f"{env['loadavg_before'][0]} -> {env['loadavg_after'][0]} (the numbers below are exact and "
-        f"deterministic, load changes only the time). `{results['preset']}` preset (H={m['hidden_size']}, "
-        f"D={m['routed_expert_hidden_size']}, E={m['num_experts']}, k={m['num_experts_per_token']}, "
-        f"I={m['moe_intermediate_size']}, random weights), layer {LAYER}, batch {results['batch']}. "
-        f"Raw data: `{json_path}`, plot: `{png_path}`.",
+        section_start(
+            SECTION, "bench_numerics", results["argv"], env,
+            f"{env['seconds']} s (the numbers below are exact and deterministic, load changes only the "
+            f"time); `{results['preset']}` preset ({model_text(m)}, random weights), layer {LAYER}, "
+            f"batch {results['batch']}", json_path, png_path),
         "",
         "**Where the two MXFP4 scale rules differ.** `even` (the default: AMD Quark's, as vLLM's "
         "emulation and aiter's Triton quantiser round) against `floor` (plain OCP), per non-zero "
@@ -323,13 +296,8 @@ def verdict(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = results["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = harness.pyplot().subplots(1, 2, figsize=(13, 5))
     for ax, key, title in (
         (axes[0], "rms_rel", "rms error vs fp32 single device"),
         (axes[1], "batch_dependence", f"{results['request']}-token request: alone vs in the batch"),
@@ -340,9 +308,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 color=["tab:orange" if r["rule"] == "floor" else "tab:blue" for r in sel])
         ax.set(xscale="log", title=title, xlabel="relative (floor: orange)")
         ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 if __name__ == "__main__":

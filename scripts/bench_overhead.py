@@ -48,27 +48,20 @@ import inspect
 import json
 import math
 import os
-import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import torch
+from bench import ROOT, harness
+from bench.docs import publish, repo_relative, section_start, verdict, verdict_word
 
-import torch  # noqa: E402
-from bench_docs import load_label, update_section, verdict, verdict_word  # noqa: E402
-
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.tp.collectives import Collectives  # noqa: E402
-from moe_runtime.tp.local_group import run_local_group  # noqa: E402
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
 
 APP, FLOOR_APP = "overhead", "floors"
 LAYER = 1
@@ -84,18 +77,8 @@ TIMEOUT_S = 120  # per call: a busy shared machine can stall one for longer than
 SECTION = "## Data-plane overhead (scripts/bench_overhead.py)"
 
 
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
-def summary(seconds: list[float]) -> dict[str, float]:
-    ms = [s * 1e3 for s in seconds]
-    return {"n": len(ms), "p50_ms": statistics.median(ms), "p90_ms": pct(ms, 0.9), "p99_ms": pct(ms, 0.99)}
-
-
 def make_input(T: int, H: int) -> torch.Tensor:
-    return torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+    return harness.seeded_randn(T, H, seed=T)
 
 
 # -- in-process ---------------------------------------------------------------------------------
@@ -112,14 +95,7 @@ def _inprocess_rank(comm: Collectives, checkpoint: str, calls: int) -> dict[int,
     with torch.inference_mode():
         for T in SIZES:
             x = make_input(T, cfg.hidden_size)
-            for _ in range(10):
-                runner.forward(x)
-            times = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                runner.forward(x)
-                times.append(time.perf_counter() - start)
-            out[T] = times
+            out[T] = harness.time_calls(lambda x=x: runner.forward(x), calls, warmup=10).seconds
     return out
 
 
@@ -200,17 +176,11 @@ def floor_call(graph: Any, w: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    ckpt = args.checkpoint or ROOT / "checkpoints/tiny"
-    if not (ckpt / "config.json").is_file():
-        write_checkpoint(ckpt, preset_config("tiny"), seed=0)
-    cfg = LatentMoEConfig.from_pretrained(ckpt)
-    H = cfg.hidden_size
+    ckpt = args.checkpoint or harness.preset_checkpoint("tiny")
+    H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
     results: dict[str, Any] = {
         "label": args.label,
-        "env": {"date": time.strftime("%Y-%m-%d %H:%M"), "cpus": len(os.sched_getaffinity(0)),
-                "machine": platform.machine(), "torch": torch.__version__, "hidden_size": H,
-                "calls_per_path": args.calls, "rounds": args.rounds,
-                "loadavg_before": [round(v, 2) for v in os.getloadavg()]},
+        "env": harness.machine_record(hidden_size=H, calls_per_path=args.calls, rounds=args.rounds),
         "paths": {},
     }
     samples: dict[str, list[float]] = {}
@@ -223,26 +193,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
     from deployments.client import HTTPMoEClient, MoEClient
     from deployments.common.wire import WireTensor
-    from moe_runtime.tp.collectives import free_port
 
-    ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, namespace="serve",
-             log_to_driver=False, _system_config={"worker_niceness": 0})
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with harness.local_serve(num_cpus=4, num_gpus=8, worker_niceness=0) as base_url:
         deployments = [{"name": f"tp{tp}", "tp_size": tp} for tp in TPS]
-        serve.run(build_app({"checkpoint": str(ckpt), "layers": [LAYER], "auto_tune_tokens": [],
-                             "deployments": deployments, **args.app_overrides}),
-                  name=APP, route_prefix="/")
+        harness.deploy({"checkpoint": str(ckpt), "layers": [LAYER], "auto_tune_tokens": [],
+                        "deployments": deployments, **args.app_overrides}, APP)
         Echo, ActorHop = floor_deployments()
         echo = serve.run(Echo.bind(), name=f"{FLOOR_APP}_echo", route_prefix=None)
         hops = {n: serve.run(ActorHop.bind(n), name=f"{FLOOR_APP}_actor{n}", route_prefix=None) for n in TPS}
         actor = ray.remote(EchoActor).options(num_cpus=0).remote()
         echoes = {n: [ray.remote(EchoActor).options(num_cpus=0).remote() for _ in range(n)] for n in TPS}
-        http = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=TIMEOUT_S)
+        http = HTTPMoEClient(base_url, timeout_s=TIMEOUT_S)
         direct = {tp: MoEClient.direct(f"tp{tp}", APP) for tp in TPS}
         # The ingress path (older clients went through it by default; newer ones need asking).
         via = {"via_ingress": True} if "via_ingress" in inspect.signature(MoEClient).parameters else {}
@@ -291,11 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results["lane"] = {f"tp{tp}": lane_check(lane_groups[tp], {T: exact[(tp, T)] for T in SIZES})
                            for tp in TPS}
         http.close()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    results["env"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
-    results["paths"] = {k: summary(v) for k, v in samples.items()}
+    results["env"]["loadavg_after"] = harness.loadavg()
+    results["paths"] = {k: {"n": len(v), **harness.latency_ms(v)} for k, v in samples.items()}
     results["overheads"] = overheads(results["paths"], results["lane"])
     return results
 
@@ -304,13 +264,8 @@ def timed(calls: dict[str, Any], samples: dict[str, list[float]], n: int, warm: 
     """Each call ``warm`` times untimed then ``n`` times timed (into ``samples``); its last answers."""
     last = {}
     for name, call in calls.items():
-        for _ in range(warm):
-            call()
-        ts = samples.setdefault(name, [])
-        for _ in range(n):
-            start = time.perf_counter()
-            last[name] = call()
-            ts.append(time.perf_counter() - start)
+        samples.setdefault(name, []).extend((t := harness.time_calls(call, n, warmup=warm)).seconds)
+        last[name] = t.last
     return last
 
 
@@ -463,14 +418,11 @@ def markdown(runs: list[dict[str, Any]], json_path: str, png_path: str) -> str:
     """The section from this run (the last of ``runs``) and the ones it is compared with."""
     results, env = runs[-1], runs[-1]["env"]
     lines = [
-        SECTION,
-        "",
-        "Run: " + f"`python scripts/bench_overhead.py {' '.join(results.get('argv', []))}`".replace(" `", "`")
-        + f" (label `{results['label']}`) -- {env['date']}, {env['cpus']} CPUs, torch {env['torch']}, "
-        f"`tiny` preset (H = {env['hidden_size']}), float32, layer 1; {env['calls_per_path']} calls per path "
-        f"in {env['rounds']} interleaved rounds, one request in flight; "
-        f"{load_label(env['loadavg_before'], env['loadavg_after'], env['cpus'])}. Raw data and plot: "
-        f"`{json_path}`, `{png_path}`.",
+        section_start(
+            SECTION, "bench_overhead", results.get("argv", []), env,
+            f"label `{results['label']}`, `tiny` preset (H = {env['hidden_size']}), float32, layer 1; "
+            f"{env['calls_per_path']} calls per path in {env['rounds']} interleaved rounds, one request "
+            "in flight", json_path, png_path),
         "",
         "Paths: `inprocess` = the runner with no Ray (TP 2: `local_group` ranks); Ray's floors on the same "
         "payload: `actor` (a bare actor call), `serve_echo` (Serve handle -> a deployment returning its "
@@ -502,12 +454,7 @@ def markdown(runs: list[dict[str, Any]], json_path: str, png_path: str) -> str:
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(SIZES), figsize=(18, 5), sharey=True)
+    fig, axes = harness.pyplot().subplots(1, len(SIZES), figsize=(18, 5), sharey=True)
     keys = ["inprocess", "cgraph", "lane", "floor", "direct", "app", "http"]
     xs = [k + j * (len(keys) + 1) for j in range(len(TPS)) for k in range(len(keys))]
     width = 0.8 / len(runs)
@@ -521,25 +468,22 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         ax.set_title(f"T = {T}: p50 per call (ms)")
         ax.legend()
     fig.suptitle("latent-MoE serving: per-call latency vs Ray's floors (tiny, float32)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/tiny (generated once)")
+    ap = harness.bench_parser(__doc__, "bench_overhead")
+    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/tiny (written once)")
     ap.add_argument("--calls", type=int, default=150, help="timed calls per path (all rounds)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--label", default="run")
+    ap.add_argument("--label", default="run", help="names the results files (LABEL.json, LABEL.png)")
     ap.add_argument("--app-args", default="{}", help="JSON merged into the app's args (e.g. batching knobs)")
     ap.add_argument("--compare", type=Path, nargs="*", default=[],
                     help="earlier JSON results to plot alongside")
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_overhead")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
     args.app_overrides = json.loads(args.app_args)
     results = run(args)
-    results["argv"] = sys.argv[1:] if argv is None else argv
+    results["argv"] = args.argv
     results["targets"] = targets(results)
     results["lane_targets"] = lane_targets(results)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -554,10 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print("\n" + compare_table(runs))
     print(f"\nwrote {json_path} and {png_path}")
-    if args.docs:
-        rel = [str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p) for p in (json_path, png_path)]
-        update_section(Path(args.docs), markdown(runs, *rel), "bench_overhead")
-        print(f"updated {args.docs}")
+    publish(markdown(runs, repo_relative(json_path), repo_relative(png_path)), args.docs, "bench_overhead")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 Per TP size, side by side in one run:
 
-- **load** (issue 17 item 5): before each TP size's loads, plain sequential reads of the same
+- **load**: before each TP size's loads, plain sequential reads of the same
   checkpoint files in 64 MiB reads: *kept* (into one fresh buffer of the files' size, held to the
   end, as a load holds what it reads) and *reused* (into one 64 MiB buffer, twice back to back,
   the faster counted). A reused read of files the page cache holds runs at page-cache speed, but
@@ -14,13 +14,13 @@ Per TP size, side by side in one run:
   slowest rank's seconds); each rank's own rate is printed too. Peak RSS per rank
   (anonymous + shared memory, sampled from /proc; page cache of the mapped checkpoint is
   reclaimable and not counted) over the packed bytes it read;
-- **forward** (item 3) at each ``--tokens`` T: ms (best of ``--reps``) and tokens/s; for T = 1 and
+- **forward** at each ``--tokens`` T: ms (best of ``--reps``) and tokens/s; for T = 1 and
   16 the memory-bound limit (bytes the forward must read: active experts packed + every dense
   tensor of the rank, over this machine's memcpy bandwidth measured in the same run) and the
   fraction reached (target >= 25 %); for T >= 512 the forward's GFLOP/s over the dense GEMM
   GFLOP/s of the same shapes and dtypes (torch matmul of each of the forward's GEMMs with dense
   weights, measured in the rank right after its forwards; target >= 50 %); the MXFP4 decode cost
-  of the batch's active experts timed alone, for reference. The issue sets these targets at TP 1;
+  of the batch's active experts timed alone, for reference. These targets are set at TP 1;
   TP > 1 rows print the same fractions per rank and, since the ranks share the memory bus, the
   group's memory-bound fraction (every rank's bytes over memcpy, over the slowest rank's time).
 
@@ -34,96 +34,38 @@ the data, with the machine's load average.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
-import platform
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from bench import harness
+from bench.docs import section_start, verdict, verdict_word, write_results
+from bench.rss import TreeSampler, proc_bytes
 
-import torch  # noqa: E402
-from bench_docs import load_label, machine_load, verdict, verdict_word, write_results  # noqa: E402
+from moe_runtime.checkpoint import load_threads
+from moe_runtime.cli import process_rss
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.experts import DEFAULT_SCRATCH_BYTES
+from moe_runtime.router import route
+from moe_runtime.tp.collectives import Collectives  # the rank's type
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import resolve_tail
+from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
 
-from moe_runtime.checkpoint import load_threads  # noqa: E402
-from moe_runtime.cli import process_rss  # noqa: E402
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.experts import DEFAULT_SCRATCH_BYTES  # noqa: E402
-from moe_runtime.router import route  # noqa: E402
-from moe_runtime.tp.collectives import Collectives  # noqa: E402  (the rank's type)
-from moe_runtime.tp.local_group import run_local_group  # noqa: E402
-from moe_runtime.tp.plan import resolve_tail  # noqa: E402
-from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners  # noqa: E402
-
-SECTION = "## Real-size layer with the fused CPU path (issue 17, `scripts/bench_real.py`)"
+SECTION = "## Real-size layer with the fused CPU path (`scripts/bench_real.py`)"
 NAME = "bench_real"
 LAYER = 1
 GB = 1e9
 READ_CHUNK = 64 * 2**20
-# issue 17's targets
+# the targets, judged at TP 1
 LOAD_TARGET = 0.5  # load GB/s / sequential read GB/s
 MEMORY_BOUND_TOKENS, MEMORY_BOUND_TARGET = (1, 16), 0.25  # memory-bound limit / forward time
 GEMM_FROM_TOKENS, GEMM_TARGET = 512, 0.5  # forward GFLOP/s / dense GEMM GFLOP/s
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):  # the thread or process is gone
-            kids += [int(k) for k in (task / "children").read_text().split()]
-    return kids
-
-
-class TreeSampler:
-    """Samples anon + shmem RSS of this process and its descendants every ``period`` s."""
-
-    def __init__(self, period: float = 0.1):
-        self.period, self.peak_by_pid, self.peak_total = period, {}, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            pids, todo = [], [os.getpid()]
-            while todo:
-                pid = todo.pop()
-                pids.append(pid)
-                todo += _children(pid)
-            total = 0
-            for pid in pids:
-                r = process_rss(pid)
-                mine = r["anon"] + r["shmem"]
-                total += mine
-                self.peak_by_pid[pid] = max(self.peak_by_pid.get(pid, 0), mine)
-            self.peak_total = max(self.peak_total, total)
-            time.sleep(self.period)
-
-    def __enter__(self) -> TreeSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def memcpy_gbps(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
-    """Best-of-``reps`` bytes copied per second between two buffers."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / GB
 
 
 def sequential_read(files: list[Path], keep: bool, chunk: int = READ_CHUNK) -> dict[str, float]:
@@ -188,12 +130,7 @@ def dense_gemm_seconds(gemms: list[Gemm], reps: int) -> tuple[float, list[dict]]
         dtype = getattr(torch, g.dtype)
         x = torch.randn(g.m, g.k, generator=gen).to(dtype)
         w = torch.randn(g.n, g.k, generator=gen).to(dtype)
-        x @ w.t()
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            x @ w.t()
-            best = min(best, time.perf_counter() - start)
+        best = min(harness.time_calls(lambda x=x, w=w: x @ w.t(), reps).seconds)
         gflops = 2 * g.m * g.n * g.k / best / GB
         total += g.flops / GB / gflops
         rows.append({**asdict(g), "gflops": gflops})
@@ -227,10 +164,6 @@ def _lone_rank(_: Collectives, world: int, *args) -> dict:
     return _rank(LoneRank(0, world), *args)
 
 
-def _input(T: int, H: int) -> torch.Tensor:
-    return torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(torch.bfloat16)
-
-
 def _rank(
     comm: Collectives, ckpt: str, tokens: list[int], reps: int, scratch_bytes: int, decode_sample: int,
     check_tokens: int,
@@ -261,13 +194,10 @@ def _rank(
     decoded_bytes_per_expert = 3 * ex.intermediate_size * ex.latent_size * 2  # bf16 w13 + w2
     with torch.inference_mode():
         for T in tokens:
-            x = _input(T, cfg.hidden_size)
-            times, load0 = [], os.getloadavg()
-            for _ in range(reps):
-                start = time.perf_counter()
-                out = runner.forward(x)
-                times.append(time.perf_counter() - start)
-            load1 = os.getloadavg()
+            x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
+            load0 = harness.loadavg()
+            times, out = harness.time_calls(lambda x=x: runner.forward(x), reps, warmup=0)
+            load1 = harness.loadavg()
             ids, _ = route(x, runner.w.gate_EH, runner.w.bias_E, cfg)
             active = torch.unique(ids)
             # Decode cost per forward: the batch's active experts decoded alone, in the backend's
@@ -310,7 +240,8 @@ def run_tp(
     print(f"TP {P}: sequential read of {seq['bytes'] / GB:.2f} GB kept at {seq['gbps']:.2f} GB/s, "
           f"into a reused buffer at {cached['gbps']:.2f} GB/s; loading and running ...", flush=True)
     args = (ckpt, tokens, reps, scratch_bytes, decode_sample, check_tokens)
-    with TreeSampler() as sampler:
+    # anon + shmem of every process (PSS is not read: smaps_rollup of a 16 GB rank is slow)
+    with TreeSampler(os.getpid(), 0.1, pss=False) as sampler:
         start = time.perf_counter()
         # TP 1 too runs in a spawned rank: this process's sampler thread would otherwise
         # contend with torch's OpenMP threads (tens of times slower on 2 cores)
@@ -325,7 +256,7 @@ def run_tp(
         r["load_gbps"] = r["bytes_read"] / r["load_s"] / GB
         r["load_vs_sequential"] = r["load_gbps"] / seq["gbps"]
     group_gbps = sum(r["bytes_read"] for r in results) / max(r["load_s"] for r in results) / GB
-    return {"P": P, "lone_rank": lone, "wall_s": wall_s, "peak_tree_rss": sampler.peak_total,
+    return {"P": P, "lone_rank": lone, "wall_s": wall_s, "peak_tree_rss": sampler.peak["rss"],
             "sequential_read": seq, "sequential_read_reused": cached, "ranks": results,
             "group_load_gbps": group_gbps,
             "load_verdict": verdict(group_gbps / seq["gbps"], ">=", LOAD_TARGET)}
@@ -333,7 +264,7 @@ def run_tp(
 
 def forward_verdicts(results: dict[str, Any]) -> None:
     """Per forward row: the memory-bound limit and, at T >= 512, the dense GEMM comparison, each
-    with its target's verdict where the issue sets one (TP 1); at TP > 1 the group's memory-bound
+    with its target's verdict where one is set (TP 1); at TP > 1 the group's memory-bound
     fraction next to each rank's."""
     for run in results["runs"]:
         for r in run["ranks"]:
@@ -355,13 +286,6 @@ def forward_verdicts(results: dict[str, Any]) -> None:
                 fraction = sum(f["memory_bound_ms"] for f in rows) / max(f["ms"] for f in rows)
                 for f in rows:
                     f["group_memory_bound_fraction"] = fraction
-
-
-def _mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def compare_with_tp1(runs: list[dict], check_tokens: int) -> list[dict]:
@@ -388,7 +312,7 @@ def compare_with_tp1(runs: list[dict], check_tokens: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.bench_parser(__doc__, NAME)
     ap.add_argument("--checkpoint", type=Path, required=True)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512])
@@ -400,22 +324,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--decode-sample", type=int, default=8, help="experts decoded to time decoding")
     ap.add_argument("--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20)
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_real", help="folder for JSON + PNG")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
     ckpt = str(args.checkpoint)
     files = sorted(args.checkpoint.glob("*.safetensors"))
     shard_bytes = sum(f.stat().st_size for f in files)
     need = 1.15 * shard_bytes / (min(args.tp) if args.lone_rank else 1) + 2 * GB
-    if _mem_available() < need:
-        print(f"refusing: MemAvailable {_mem_available() / GB:.1f} GB < {need / GB:.1f} GB "
+    available = proc_bytes("/proc/meminfo", "MemAvailable") or 0
+    if available < need:
+        print(f"refusing: MemAvailable {available / GB:.1f} GB < {need / GB:.1f} GB "
               f"(1.15 x {shard_bytes / GB:.1f} GB of shards + 2 GB)", file=sys.stderr)
         return 2
     scratch = int(args.scratch_mb * 2**20)
     check_tokens = 16 if 16 in args.tokens else args.tokens[0]
-    load_before = machine_load()
+    machine = harness.machine_record()
     # measured before any run so its buffers stay out of the RSS peaks
-    memcpy = memcpy_gbps()
+    memcpy = harness.memcpy_gbps()
     print(f"memcpy: {memcpy:.2f} GB/s", flush=True)
     runs = []
     for P in args.tp:
@@ -428,11 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"read, peak RSS {r['peak_rss'] / GB:.2f} GB = {r['peak_rss_over_packed']:.3f} x packed",
                   flush=True)
     results = {
-        "argv": " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
-        "load_before": load_before["loadavg"],
-        "load_after": machine_load()["loadavg"],
-        "cpus": load_before["cpus"],
+        "argv": args.argv,
+        "machine": dict(machine, loadavg_after=harness.loadavg()),
         "checkpoint": ckpt,
         "checkpoint_name": args.checkpoint.name,
         "shard_bytes": shard_bytes,
@@ -442,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_vs_tp1": compare_with_tp1(runs, check_tokens),
     }
     forward_verdicts(results)
-    write_results(results, args.out, NAME, ROOT, plot, markdown, Path(args.docs) if args.docs else None)
+    write_results(results, args.out, NAME, plot, markdown, args.docs)
     return 0
 
 
@@ -466,14 +386,12 @@ def _summary(name: str, verdicts: list[tuple[str, dict]]) -> str:
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     first = results["runs"][0]["ranks"][0]
     lines = [
-        SECTION, "",
-        f"`python scripts/bench_real.py {results['argv']}` on {results['cpus']} CPUs "
-        f"({results['machine']['platform']}, torch {results['machine']['torch']}): checkpoint "
-        f"`{results['checkpoint_name']}` ({results['shard_bytes'] / GB:.2f} GB of shards), bfloat16, "
-        f"experts path {first['experts_path']}; memcpy {results['memcpy_gbps']:.2f} GB/s in the same run; "
-        f"{load_label(results['load_before'], results['load_after'], results['cpus'])}. "
-        f"JSON `{json_path}`, plot `{png_path}`.", "",
-        "**Load** (item 5): right before each TP size's loads, plain sequential reads of the same "
+        section_start(
+            SECTION, NAME, results["argv"], results["machine"],
+            f"checkpoint `{results['checkpoint_name']}` ({results['shard_bytes'] / GB:.2f} GB of "
+            f"shards), bfloat16, experts path {first['experts_path']}; memcpy "
+            f"{results['memcpy_gbps']:.2f} GB/s in the same run", json_path, png_path), "",
+        "**Load**: right before each TP size's loads, plain sequential reads of the same "
         "files in 64 MiB reads: *kept* (into one fresh buffer of the files' size, held to the end, as "
         "a load holds what it reads) and *reused* (into one 64 MiB buffer, twice, the faster "
         "counted). A reused read of cached files runs at page-cache speed, which no load reaches "
@@ -498,11 +416,11 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                 f"{_pct(v['value'])} | {_pct(run['group_load_gbps'] / cached)} | {verdict_word(v['met'])} | "
                 f"{r['load_threads']} | {r['peak_rss'] / GB:.2f} | {r['peak_rss_over_packed']:.3f} |")
     lines += [
-        "", f"**Forward** (item 3): best of the reps. T in {list(MEMORY_BOUND_TOKENS)}: the memory-bound "
+        "", f"**Forward**: best of the reps. T in {list(MEMORY_BOUND_TOKENS)}: the memory-bound "
         f"limit (bytes the forward must read: active experts packed + every dense tensor of the rank, over "
         f"the memcpy above), target >= {_pct(MEMORY_BOUND_TARGET)}; T >= {GEMM_FROM_TOKENS}: the forward's "
         f"GFLOP/s over torch's dense GEMM GFLOP/s on the same shapes and dtypes (measured in the rank "
-        f"after its forwards), target >= {_pct(GEMM_TARGET)}. The issue sets these targets at TP 1; TP > 1 "
+        f"after its forwards), target >= {_pct(GEMM_TARGET)}. These targets are set at TP 1; TP > 1 "
         "rows show the same fractions and, as the ranks share the memory bus, the group's (every "
         "rank's bytes over memcpy, over the slowest rank's time). Decode: the active experts' MXFP4 "
         "decode timed alone (what the fallback path would add).", "",
@@ -543,12 +461,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (a, b, c) = harness.pyplot().subplots(1, 3, figsize=(15, 4))
     labels, load, seq = [], [], []
     for run in results["runs"]:
         fw = run["ranks"][0]["forward"]
@@ -573,9 +486,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     c.axhline(1.15, color="r", ls=":", label="target 1.15")
     c.set(ylabel="peak anon+shmem RSS / packed bytes read", title="load memory")
     c.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -23,27 +23,19 @@ Targets: handle path at 2048-token requests >= 0.8 x in-process throughput; 32 c
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
-import os
-import platform
-import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from bench import harness
+from bench.docs import commentary, section_start, verdict, verdict_text, write_results
 
-import torch  # noqa: E402
-from bench_docs import commentary, load_label, verdict, verdict_word, write_results  # noqa: E402
-
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.tp.collectives import Collectives  # noqa: E402
-from moe_runtime.tp.local_group import run_local_group  # noqa: E402
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
 
 APP = "bench"
 SECTION = "## Serving (scripts/bench_serve.py)"
@@ -79,8 +71,7 @@ def _inprocess_rank(comm: Collectives, checkpoint: str, tail: str, dtype: str, s
     out = {}
     with torch.inference_mode():
         for T in sizes:
-            gen = torch.Generator().manual_seed(T)
-            x = torch.randn(T, cfg.hidden_size, generator=gen).to(torch_dtype(dtype))
+            x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch_dtype(dtype))
             runner.forward(x)  # warm-up
             start = time.perf_counter()
             runner.forward(x)
@@ -127,14 +118,12 @@ async def closed_loop(call, make_input, clients: int, duration_s: float, warmup:
     start = time.perf_counter()
     await asyncio.gather(*(client(x) for x in inputs))
     elapsed = time.perf_counter() - start
-    lat = sorted(latencies)
     return {
-        "requests": len(lat),
+        "requests": len(latencies),
         "duration_s": round(elapsed, 3),
         "tokens_per_s": tokens / elapsed,
-        "requests_per_s": len(lat) / elapsed,
-        "p50_ms": statistics.median(lat) * 1e3,
-        "p99_ms": lat[min(len(lat) - 1, math.ceil(0.99 * len(lat)) - 1)] * 1e3,
+        "requests_per_s": len(latencies) / elapsed,
+        **harness.latency_ms(latencies),
     }
 
 
@@ -143,7 +132,7 @@ def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: in
     from deployments.client import AsyncHTTPMoEClient, MoEClient
 
     def make_input(i: int) -> torch.Tensor:
-        return torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(i))
+        return harness.seeded_randn(tokens, hidden, seed=i)
 
     direct = MoEClient.direct(deployment, APP, timeout_s=600)
     before = direct.status()["counters"]
@@ -176,12 +165,7 @@ def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: in
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = harness.pyplot().subplots(1, 2, figsize=(11, 4))
     big = [r for r in results["scenarios"] if r["scenario"] == "large"]
     T = big[0]["tokens_per_request"] if big else None
     names = ["in-process"] + [r["path"] for r in big]
@@ -195,24 +179,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax2.set_title("32 concurrent 16-token clients")
     ax2.set_ylabel("tokens/s")
     fig.suptitle(f"latent-MoE serving, {results['env']['preset']} preset, {results['env']['cpus']} CPUs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_figure(fig, path)
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env, t = results["env"], results["targets"]
     lines = [
-        SECTION,
-        "",
-        f"Run: `{' '.join(['python scripts/bench_serve.py', *results['argv']])}` -- "
-        f"{env['date']}, {env['cpus']} CPUs ({env['machine']}), torch {env['torch']}, Ray {env['ray']}, "
-        f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on logical "
-        f"GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, TP ranks "
-        f"+{env['worker_nice_increment']}. "
-        f"Closed loop: each client sends its next request when the previous answer arrives; "
-        f"{env['duration_s']} s per row; "
-        f"{load_label(env['loadavg_before'], env.get('loadavg_after'), env['cpus'])}. "
-        f"Raw data: `{json_path}`, plot: `{png_path}`.",
+        section_start(
+            SECTION, "bench_serve", results["argv"], env,
+            f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on "
+            f"logical GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, "
+            f"TP ranks +{env['worker_nice_increment']}. Closed loop: each client sends its next request "
+            f"when the previous answer arrives; {env['duration_s']} s per row", json_path, png_path),
         "",
         "In-process runner (moe_runtime `local_group`, no Ray), same TP size and batch sizes:",
         "",
@@ -242,12 +220,10 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "",
         "Targets (verdicts computed from the rows above):",
         "",
-        f"- handle path at {t['large_tokens']}-token requests / in-process: **{handle['value']:.2f}** "
-        f"(target {handle['target']}: {verdict_word(handle['met'])}); "
+        f"- handle path at {t['large_tokens']}-token requests / in-process: {verdict_text(handle)}; "
         f"app handle {t['app_vs_inprocess']:.2f}, HTTP {t['http_vs_inprocess']:.2f}.",
         f"- 32 concurrent 16-token clients, batching / max_batch_tokens = 16: "
-        f"**{batching['value']:.1f}x** "
-        f"(target {batching['target']}: {verdict_word(batching['met'])}) with the ranks at "
+        f"{verdict_text(batching, '.1f')} with the ranks at "
         f"worker_nice_increment {env['worker_nice_increment']}"
         + (f"; {t['batching_speedup_nice0']:.1f}x with the ranks at the replica's priority "
            "(rows `batching-nice0`)." if "batching_speedup_nice0" in t else "."),
@@ -284,10 +260,9 @@ def computed_notes(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.bench_parser(__doc__, "bench_serve", quick="short windows; only the two target scenarios")
     ap.add_argument("--preset", default="small", choices=["tiny", "small"])
-    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/bench-<preset> (generated once)")
+    ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--tail", default="sharded")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -301,49 +276,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-nice-increment", type=int, default=10,
                     help="DeploymentSpec.worker_nice_increment of the TP ranks (CPU serving); the "
                          "batching pair is measured again at 0 for comparison")
-    ap.add_argument("--quick", action="store_true", help="short windows; only the two target scenarios")
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_serve")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
     if args.quick:
         args.duration = min(args.duration, 5.0)
 
-    ckpt = args.checkpoint or ROOT / f"checkpoints/bench-{args.preset}"
-    if not (ckpt / "config.json").is_file():
-        print(f"writing the {args.preset} checkpoint to {ckpt}", flush=True)
-        write_checkpoint(ckpt, preset_config(args.preset), seed=0)
-    cfg = LatentMoEConfig.from_pretrained(ckpt)
-    H = cfg.hidden_size
-    cpus = len(os.sched_getaffinity(0))
-    load_before = os.getloadavg()  # other work on the machine skews every number below
-
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-    from moe_runtime.tp.collectives import free_port
-
+    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
+    H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
     mbt = {"batched": args.max_batch_tokens, "unbatched": 16}
     results: dict[str, Any] = {
-        "argv": argv,
-        "env": {
-            "date": time.strftime("%Y-%m-%d"), "cpus": cpus, "machine": platform.machine(),
-            "torch": torch.__version__, "ray": ray.__version__, "preset": args.preset, "hidden_size": H,
-            "dtype": args.dtype, "tp_size": args.tp, "tail": args.tail, "duration_s": args.duration,
-            "worker_niceness": args.worker_niceness, "worker_nice_increment": args.worker_nice_increment,
-            "loadavg_before": [round(v, 2) for v in load_before],
-        },
+        "argv": args.argv,
+        "env": harness.machine_record(
+            with_ray=True, preset=args.preset, hidden_size=H, dtype=args.dtype, tp_size=args.tp,
+            tail=args.tail, duration_s=args.duration, worker_niceness=args.worker_niceness,
+            worker_nice_increment=args.worker_nice_increment),
         "max_batch_tokens": mbt,
         "scenarios": [],
     }
 
     sizes = sorted({16, 512, args.large_tokens})
-    ray.init(address="local", num_cpus=4, num_gpus=4 * args.tp, include_dashboard=False, namespace="serve",
-             log_to_driver=False, _system_config={"worker_niceness": args.worker_niceness})
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        base_url = f"http://127.0.0.1:{port}"
+    serving = harness.local_serve(num_cpus=4, num_gpus=4 * args.tp, worker_niceness=args.worker_niceness)
+    with serving as base_url:
         common = {"tp_size": args.tp, "tail": args.tail, "dtype": args.dtype, "layers": [LAYER],
                   "max_tokens_per_request": max(args.large_tokens, 4096), "max_ongoing_requests": 128,
                   "worker_nice_increment": args.worker_nice_increment}
@@ -355,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         }
         start = time.perf_counter()
-        serve.run(build_app(app_args), name=APP, route_prefix="/")
+        harness.deploy(app_args, APP)
         print(f"app up in {time.perf_counter() - start:.1f} s; in-process baseline at T = {sizes}",
               flush=True)
         results["inprocess"] = {
@@ -378,20 +330,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.worker_nice_increment:
             print("redeploying with worker_nice_increment 0", flush=True)
-            serve.run(build_app({**app_args, "worker_nice_increment": 0}), name=APP, route_prefix="/")
+            harness.deploy({**app_args, "worker_nice_increment": 0}, APP)
             for dep in ("batched", "unbatched"):
                 results["scenarios"].append(
                     run_scenario("batching-nice0", "handle", dep, 32, 16, args.duration, H, base_url)
                 )
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
     def find(scenario: str, path: str, dep: str) -> dict[str, Any]:
         return next(r for r in results["scenarios"]
                     if (r["scenario"], r["path"], r["deployment"]) == (scenario, path, dep))
 
-    results["env"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
+    results["env"]["loadavg_after"] = harness.loadavg()
     inproc = results["inprocess"][str(args.large_tokens)]["tokens_per_s"]
     results["targets"] = {
         "large_tokens": args.large_tokens,
@@ -407,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             find("batching-nice0", "handle", "batched")["tokens_per_s"]
             / find("batching-nice0", "handle", "unbatched")["tokens_per_s"]
         )
-    write_results(results, args.out, "bench_serve", ROOT, plot, markdown, args.docs and Path(args.docs))
+    write_results(results, args.out, "bench_serve", plot, markdown, args.docs)
     return 0
 
 

@@ -3,7 +3,7 @@
 What the README's real-size served run claims, as a script. For a checkpoint, TP size and dtype:
 
 1. the CLI reference: ``python -m moe_runtime forward`` on the same input (seeded ``[T, H]``), at the
-   same TP size and dtype, under scripts/measure_rss.py's sampler (its whole process tree);
+   same TP size and dtype, under scripts/bench/rss.py's sampler (its whole process tree);
 2. ``serve run`` of a generated Serve config (``deployments.app:build_app`` with the checkpoint,
    ``tp_size``, ``dtype`` and ``layers: [layer]``; HTTP on a free local port), as a child process
    whose whole tree (the Ray instance it starts: GCS, raylet, replica, TP ranks) is sampled the same
@@ -14,7 +14,7 @@ What the README's real-size served run claims, as a script. For a checkpoint, TP
 4. Ctrl-C (SIGINT) to `serve run`, which tears the app and its Ray instance down.
 
 Peaks are anonymous + shmem RSS summed over the tree, and PSS (shared pages divided among the
-processes that map them); see measure_rss.py. Writes JSON under --out and its section of
+processes that map them); see scripts/bench/rss.py. Writes JSON under --out and its section of
 docs/benchmarks.md (--docs; '' to skip).
 
     python scripts/bench_served_real.py --preset tiny --tp 2            # seconds of compute, ~1-2 min
@@ -37,19 +37,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import torch
+import yaml
+from bench import ROOT, harness
+from bench.docs import model_text, section_start, write_results
+from bench.rss import TreeSampler, measure
+from safetensors.torch import load_file, save_file
 
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from bench_docs import load_label, write_results  # noqa: E402
-from measure_rss import TreeSampler, measure  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.tp.collectives import free_port  # noqa: E402
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.tp.collectives import free_port
 
 SECTION = "## Served layer: `serve run`, one POST, vs the CLI (scripts/bench_served_real.py)"
 APP = "served"
@@ -92,26 +88,15 @@ def wait_ready(client, proc: subprocess.Popen, timeout_s: float) -> float | None
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from deployments.client import HTTPMoEClient
 
-    ckpt = args.checkpoint
-    if ckpt is None:
-        ckpt = ROOT / f"checkpoints/{args.preset}"
-        if not (ckpt / "config.json").is_file():
-            write_checkpoint(ckpt, preset_config(args.preset), seed=0)
+    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = args.layer or cfg.moe_layers[0]
-    x = torch.randn(args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(args.seed))
-    x = x.to(getattr(torch, args.dtype))
+    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=args.seed, dtype=getattr(torch, args.dtype))
     save_file({"hidden_states": x.contiguous()}, str(work / "in.safetensors"))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     result: dict[str, Any] = {
-        "argv": args.argv,
-        "env": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-                "loadavg_before": [round(v, 2) for v in os.getloadavg()]},
+        "argv": args.argv, "env": harness.machine_record(), "model": harness.model_record(cfg),
         "checkpoint": str(ckpt), "preset": None if args.checkpoint else args.preset,
-        "model": {"hidden_size": cfg.hidden_size, "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
-                  "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
-                  "moe_intermediate_size": cfg.moe_intermediate_size},
         "tp": args.tp, "dtype": args.dtype, "layer": layer, "tokens": args.tokens, "seed": args.seed,
         "tail": args.tail,
     }
@@ -167,7 +152,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     served.update(sampler.to_dict())
     served["seconds_total"] = round(time.perf_counter() - start, 2)
     result["served"] = served
-    result["env"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
+    result["env"]["loadavg_after"] = harness.loadavg()
     return result
 
 
@@ -175,15 +160,10 @@ def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
     env, s, c, m = r["env"], r["served"], r["cli"], r["model"]
     what = f"`{r['preset']}` preset" if r["preset"] else f"checkpoint `{r['checkpoint']}`"
     lines = [
-        SECTION,
-        "",
-        "Run: " + f"`python scripts/bench_served_real.py {' '.join(r['argv'])}`".replace(" `", "`")
-        + f" -- {env['date']}, {env['cpus']} CPUs, torch {env['torch']}; {what} (H = {m['hidden_size']}, "
-        f"D = {m['routed_expert_hidden_size']}, E = {m['num_experts']}, k = {m['num_experts_per_token']}, "
-        f"I = {m['moe_intermediate_size']}), layer {r['layer']}, TP {r['tp']}, tail {r['tail']}, "
-        f"{r['dtype']}, "
-        f"{r['tokens']} tokens (seed {r['seed']}); "
-        f"{load_label(env['loadavg_before'], env['loadavg_after'], env['cpus'])}. Raw data: `{json_path}`.",
+        section_start(
+            SECTION, "bench_served_real", r["argv"], env,
+            f"{what} ({model_text(m)}), layer {r['layer']}, TP {r['tp']}, tail {r['tail']}, "
+            f"{r['dtype']}, {r['tokens']} tokens (seed {r['seed']})", json_path),
         "",
         "| what | measured |",
         "|---|---|",
@@ -209,9 +189,8 @@ def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/<preset> (generated once)")
+    ap = harness.bench_parser(__doc__, "bench_served_real")
+    ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
     ap.add_argument("--preset", default="tiny", choices=("tiny", "medium", "small"))
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -221,13 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--interval", type=float, default=0.2, help="RSS sampling period, seconds")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_served_real")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
-    args.argv = argv
     with tempfile.TemporaryDirectory(prefix="served_real_") as tmp:
         result = run(args, Path(tmp))
-    write_results(result, args.out, "bench_served_real", ROOT, None, markdown, args.docs and Path(args.docs))
+    write_results(result, args.out, "bench_served_real", None, markdown, args.docs)
     return 0
 
 

@@ -25,31 +25,23 @@ data.
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import sys
 import time
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import torch
+from bench import harness
+from bench.docs import model_text, render_section, section_start, verdict, verdict_text, write_results
 
-import torch  # noqa: E402
-from bench_docs import load_label, render_section, verdict, verdict_word, write_results  # noqa: E402
-
-from moe_runtime.activation import GatedActivation  # noqa: E402
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.layer import routed_experts, shared_experts  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.tp.collectives import Collectives  # noqa: E402
-from moe_runtime.tp.local_group import run_local_group  # noqa: E402
-from moe_runtime.tp.plan import TailPlan  # noqa: E402
-from moe_runtime.tp.routed_input import RoutedInputConfig  # noqa: E402
-from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners  # noqa: E402
-from moe_runtime.units import torch_dtype  # noqa: E402
+from moe_runtime.activation import GatedActivation
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import routed_experts, shared_experts
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.routed_input import RoutedInputConfig
+from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
+from moe_runtime.units import torch_dtype
 
 LAYER = 1
 SECTION = "## Tails (scripts/bench_tail.py)"
@@ -198,12 +190,8 @@ def _crossovers(rows: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, path: Path) -> None:
+    plt = harness.pyplot()
     Ps = sorted({r["P"] for r in result["rows"]})
     fig, axes = plt.subplots(1, len(Ps) + 1, figsize=(6 * (len(Ps) + 1), 4.5))
     for ax, P in zip(axes, Ps, strict=False):
@@ -235,8 +223,7 @@ def _plot(result: dict, path: Path) -> None:
         )
         ax.set(title=f"routed input per rank, TP {sel[0]['P']}, T={Tmax}", ylabel="ms")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    harness.save_figure(fig, path)
 
 
 def compute_targets(rows: list[dict], routed: list[dict], tp: list[int], tokens: list[int]) -> dict:
@@ -277,17 +264,11 @@ def _stage(r: dict, key: str, stage: str) -> str:
 def markdown(result: dict, json_path: str, png_path: str) -> str:
     m, model = result["machine"], result["model"]
     lines = [
-        SECTION,
-        "",
-        "Run: " + f"`python scripts/bench_tail.py {' '.join(result['argv'])}`".replace(" `", "`")
-        + f" -- {m['date']}, {m['cpus']} CPUs, torch {m['torch']}, `{result['preset']}` preset "
-        f"(H={model['hidden_size']}, "
-        f"D={model['routed_expert_hidden_size']}, E={model['num_experts']}, "
-        f"k={model['num_experts_per_token']}, I={model['moe_intermediate_size']}, "
-        f"{model['num_shared_experts']} shared experts), {result['dtype']}, "
-        f"gloo on CPU, TP {', '.join(map(str, result['tp']))}; "
-        f"{load_label(m['loadavg_before'], m['loadavg_after'], m['cpus'])}. "
-        f"Raw data: `{json_path}`, plot `{png_path}` (`artifacts/` is not committed).",
+        section_start(
+            SECTION, "bench_tail", result["argv"], m,
+            f"`{result['preset']}` preset ({model_text(model)}), "
+            f"{result['dtype']}, gloo on CPU, TP {', '.join(map(str, result['tp']))}",
+            json_path, png_path),
         "",
         "Tail = everything after the experts (collectives, norm, up-projection), replayed on the same "
         "partials; layer = a whole forward. Each number is the median of its replays; the stage "
@@ -332,7 +313,7 @@ def markdown(result: dict, json_path: str, png_path: str) -> str:
     if not result["targets"]:
         lines.append("- none measurable with these TP sizes and token counts")
     for name, t in result["targets"].items():
-        lines.append(f"- {name}: **{t['value']:.2f}** (target {t['target']}: {verdict_word(t['met'])})")
+        lines.append(f"- {name}: {verdict_text(t)}")
     lines += ["", "Reading (computed from this run): " + reading(result)]
     return "\n".join(lines)
 
@@ -374,29 +355,21 @@ def reading(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, help="default: generate the --preset checkpoint")
+    ap = harness.bench_parser(__doc__, "bench_tail")
+    ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
     ap.add_argument("--preset", default="small", choices=("tiny", "medium", "small"))
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048, 8192])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--tail-reps", type=int, default=9)
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_tail")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     ap.add_argument("--render", type=Path, help="measure nothing: rewrite the docs section from this JSON")
     args = ap.parse_args(argv)
     if args.render:
-        render_section(args.render, markdown, Path(args.docs), "bench_tail", ROOT)
+        render_section(args.render, markdown, Path(args.docs), "bench_tail")
         return 0
-    ckpt = args.checkpoint
-    preset = args.preset if ckpt is None else f"checkpoint {ckpt}"
-    if ckpt is None:
-        ckpt = ROOT / f"artifacts/checkpoints/{args.preset}"
-        if not (ckpt / "config.json").is_file():
-            write_checkpoint(ckpt, preset_config(args.preset), progress=True)
+    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
-    load_before = os.getloadavg()
+    machine = harness.machine_record()
     rows, routed = [], []
     for P in args.tp:
         print(f"TP {P}: timing tails at T = {args.tokens} ...", flush=True)
@@ -405,36 +378,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         rows += res[0]["rows"]
         routed += res[0]["routed_input"]
+    machine["loadavg_after"] = harness.loadavg()
     result = {
-        "argv": argv,
-        "preset": preset,
+        "argv": args.argv,
+        "preset": args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}",
         "tp": args.tp,
-        "machine": {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpus": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "loadavg_before": [round(v, 2) for v in load_before],
-            "loadavg_after": [round(v, 2) for v in os.getloadavg()],
-        },
+        "machine": machine,
         "dtype": args.dtype,
-        "model": {
-            k: getattr(cfg, k)
-            for k in (
-                "hidden_size",
-                "routed_expert_hidden_size",
-                "num_experts",
-                "num_experts_per_token",
-                "moe_intermediate_size",
-                "num_shared_experts",
-            )
-        },
+        "model": harness.model_record(cfg),
         "rows": rows,
         "routed_input": routed,
         "crossovers": _crossovers(rows),
         "targets": compute_targets(rows, routed, args.tp, args.tokens),
     }
-    write_results(result, args.out, "bench_tail", ROOT, _plot, markdown, args.docs and Path(args.docs))
+    write_results(result, args.out, "bench_tail", plot, markdown, args.docs)
     return 0
 
 

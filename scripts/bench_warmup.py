@@ -11,29 +11,23 @@ default ``warmup_limit_s``) and sends one --tokens forward; it checks that the a
 first phase's bit for bit. Writes JSON + PNG under --out and the "## Warm-up
 (scripts/bench_warmup.py)" section of docs/benchmarks.md (--docs); verdicts come from the data.
 Target: warm start <= cold start - the cold measurement's time (nothing measured again), and a
-replaced replica answers again without measuring (plan_source: reused). After the rank's SIGKILL
-(issue 17 item 6): answered again within 1.5x the warm start (a load without measuring; the cold
+replaced replica answers again without measuring (plan_source: reused). After the rank's SIGKILL:
+answered again within 1.5x the warm start (a load without measuring; the cold
 ratio is printed too), no call hung (each call's seconds are recorded; a call that ran into the
 client's timeout counts as hung), no answer wrong (every answer equals the cold one).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from bench_docs import write_results  # noqa: E402
-
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+import torch
+from bench import harness
+from bench.docs import section_start, write_results
 
 APP = "warmup"
 SECTION = "## Warm-up (scripts/bench_warmup.py)"
@@ -41,13 +35,10 @@ SECTION = "## Warm-up (scripts/bench_warmup.py)"
 
 def deploy_and_answer(args: dict[str, Any], x: torch.Tensor, layer: int) -> tuple[float, float, Any, dict]:
     """Seconds from serve.run to ready and to the first answer, the answer, and the status."""
-    from ray import serve
-
-    from deployments.app import build_app
     from deployments.client import MoEClient
 
     start = time.perf_counter()
-    serve.run(build_app(args), name=APP, route_prefix="/")
+    harness.deploy(args, APP)
     ready = time.perf_counter() - start
     client = MoEClient(APP, timeout_s=3600)
     out = client.forward(x, layer)
@@ -84,20 +75,13 @@ def answer_after_rank_kill(x: torch.Tensor, layer: int, deadline_s: float) -> di
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     phases = ["cold", "warm", "replaced"]
     values = [results[p]["answered_s"] for p in phases]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = harness.pyplot().subplots(figsize=(6, 3.5))
     ax.bar(phases, values, color=["tab:red", "tab:green", "tab:blue"])
     ax.set_ylabel("seconds to the first answer")
     ax.set_title(f"warm-up, {results['checkpoint_name']} TP {results['tp']} {results['dtype']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    harness.save_figure(fig, path, dpi=120)
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
@@ -106,11 +90,10 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     restart = rep["answered_s"] / warm["answered_s"]
     slowest = max((c["s"] for c in rep["failed"]), default=0.0)
     lines = [
-        SECTION, "",
-        f"`python scripts/bench_warmup.py {results['argv']}` on {results['machine']} "
-        f"(load average {results['load_before']:.1f} before, {results['load_after']:.1f} after"
-        f"{'; contended' if results['load_before'] > 2.5 else ''}); "
-        f"JSON `{json_path}`, plot `{png_path}`.", "",
+        section_start(
+            SECTION, "bench_warmup", results["argv"], results["machine"],
+            f"checkpoint `{results['checkpoint_name']}`, TP {results['tp']}, {results['dtype']}, "
+            "CPU ranks", json_path, png_path), "",
         "| phase | plan | ready (s) | first answer (s) |", "|---|---|---|---|",
         f"| cold: nothing stored | {cold['plan_source']} | {cold['ready_s']:.1f} "
         f"| {cold['answered_s']:.1f} |",
@@ -124,7 +107,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"{'met' if rep['plan_source'] == 'reused' else 'MISSED'}; answers equal across phases — "
         f"{'met' if results['answers_equal'] else 'MISSED'}.",
         "",
-        f"Restart (issue 17 item 6): answered again {rep['answered_s']:.1f} s after the SIGKILL = "
+        f"Restart: answered again {rep['answered_s']:.1f} s after the SIGKILL = "
         f"{restart:.2f} x the warm start ({rep['answered_s'] / cold['answered_s']:.2f} x the cold one), "
         f"target <= 1.5 x — {'met' if restart <= 1.5 else 'MISSED'}; hung calls (reaching the "
         f"{CALL_TIMEOUT_S:.0f} s client timeout): {sum(c['hung'] for c in rep['failed'])} — "
@@ -137,28 +120,21 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, help="default: a generated small checkpoint")
+    ap = harness.bench_parser(__doc__, "bench_warmup")
+    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/small (written once)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layers", default=None, help="served layers (default: all)")
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=None, help="max_tokens_per_request / max_batch_tokens")
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/bench_warmup")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
-    import ray
     from ray import serve
 
     from deployments.client import MoEClient
     from deployments.cluster import kv
     from moe_runtime.config import LatentMoEConfig
 
-    ckpt = args.checkpoint
-    if ckpt is None:
-        ckpt = ROOT / "checkpoints/small"
-        if not (ckpt / "config.json").exists():
-            write_checkpoint(ckpt, preset_config("small"), seed=0)
+    ckpt = args.checkpoint or harness.preset_checkpoint("small")
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = cfg.moe_layers[0] if args.layers is None else int(str(args.layers).split(",")[0].split("-")[0])
     app = {"checkpoint": str(ckpt), "tp_size": args.tp, "dtype": args.dtype, "tail": "auto",
@@ -167,12 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         app["layers"] = args.layers
     if args.max_tokens is not None:
         app.update(max_tokens_per_request=args.max_tokens, max_batch_tokens=args.max_tokens)
-    x = torch.randn(args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    x = x.to(torch.float32 if args.dtype == "float32" else torch.bfloat16)
-    load_before = os.getloadavg()[0]
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="serve")
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": 0})
+    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=0,
+                     dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
+    machine = harness.machine_record(with_ray=True)
+    with harness.local_serve(num_cpus=4):
         for key in kv.entries(kv.PLAN_PREFIX):  # cold: nothing stored
             kv.delete(key)
         phases: dict[str, Any] = {}
@@ -189,18 +163,14 @@ def main(argv: list[str] | None = None) -> int:
         phases["replaced"] = {"answered_s": kill["answered_s"], "failed": kill["failed"],
                               "plan_source": ctl["plan_source"]}
         replaced_out = MoEClient(APP, timeout_s=600).forward(x, layer)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     results = {
-        **phases, "checkpoint_name": ckpt.name, "tp": args.tp, "dtype": args.dtype,
-        "argv": " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": f"{os.cpu_count()} CPUs", "load_before": load_before, "load_after": os.getloadavg()[0],
+        **phases, "checkpoint_name": ckpt.name, "tp": args.tp, "dtype": args.dtype, "argv": args.argv,
+        "machine": dict(machine, loadavg_after=harness.loadavg()),
         "answers_equal": all(torch.equal(cold_out, out) for out in (warm_out, kill["out"], replaced_out)),
     }
-    write_results(results, args.out, "bench_warmup", ROOT, plot, markdown, args.docs and Path(args.docs))
+    write_results(results, args.out, "bench_warmup", plot, markdown, args.docs)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -17,9 +17,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from jsonl_rows import read_rows  # noqa: E402
+from bench.rows import read_rows
 
 TIMING_STAGES = ("experts", "collectives", "tail")
 

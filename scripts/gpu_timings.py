@@ -26,27 +26,24 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from bench.harness import machine_record, synchronizer, time_calls
+from bench.rows import RowWriter, read_rows
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from jsonl_rows import RowWriter, read_rows  # noqa: E402
-
-from moe_runtime import mxfp4  # noqa: E402
-from moe_runtime.activation import GatedActivation  # noqa: E402
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.experts import get_backend  # noqa: E402
-from moe_runtime.experts.check import TOLERANCE  # noqa: E402
-from moe_runtime.tp.collectives import Collectives, free_port, init_group  # noqa: E402
-from moe_runtime.weights import ExpertWeights  # noqa: E402
+from moe_runtime import mxfp4
+from moe_runtime.activation import GatedActivation
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.experts import get_backend
+from moe_runtime.experts.check import TOLERANCE
+from moe_runtime.tp.collectives import Collectives, free_port, init_group
+from moe_runtime.weights import ExpertWeights
 
 K3 = {"D": 3584, "E": 896, "K": 16, "I": 3072}
 SMOKE = {"D": 64, "E": 8, "K": 2, "I": 64}
@@ -65,29 +62,15 @@ def device_of(smoke: bool, rank: int = 0) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def median_ms(fn, device: torch.device, reps: int, budget_s: float = float("inf")) -> dict:
     """Median / min of ``fn`` after a warm-up call: ``reps`` calls, fewer if they overrun ``budget_s``
     (never with collectives inside: every rank must make the same number of calls)."""
-    fn()
-    sync(device)
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < reps and (len(samples) < 2 or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        samples.append(1e3 * (time.perf_counter() - t0))
-    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "reps": len(samples)}
+    ms = [1e3 * s for s in time_calls(fn, reps, budget_s=budget_s, sync=synchronizer(device)).seconds]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "reps": len(ms)}
 
 
 def machine(device: torch.device) -> dict:
-    info = {"torch": torch.__version__, "hip": torch.version.hip, "cuda": torch.version.cuda,
-            "device": str(device)}
+    info = machine_record(hip=torch.version.hip, cuda=torch.version.cuda, device=str(device))
     if device.type == "cuda":
         info.update(gpu=torch.cuda.get_device_name(device), gpus=torch.cuda.device_count())
     return info

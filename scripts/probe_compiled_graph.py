@@ -24,24 +24,15 @@ Uses only ``deployments.app:build_app`` and ``deployments.client.MoEClient``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import platform
 import statistics
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from bench import harness
+from bench.docs import section_start, write_results
 
-import torch  # noqa: E402
-from bench_docs import load_label, write_results  # noqa: E402
-
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
+from moe_runtime.config import LatentMoEConfig
 
 APP = "cgprobe"
 LAYER = 1
@@ -55,15 +46,6 @@ def name(tp: int, graph: bool) -> str:
     return f"tp{tp}_{'graph' if graph else 'actor'}"
 
 
-def p50(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def p90(values: list[float]) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, math.ceil(0.9 * len(s)) - 1)]
-
-
 def summarize(samples: dict[str, dict[str, list[float]]], transports: dict[str, str]) -> list[dict[str, Any]]:
     """One row per (TP, T): graph and actor-call p50s side by side, and the computed verdict."""
     rows = []
@@ -75,8 +57,10 @@ def summarize(samples: dict[str, dict[str, list[float]]], transports: dict[str, 
                 fwd, client = samples[key]["group_forward_ms"], samples[key]["client_ms"]
                 side = "graph" if graph else "actor"
                 row[side] = {"transport": transports[name(tp, graph)], "calls": len(client),
-                             "group_forward_p50_ms": p50(fwd), "group_forward_p90_ms": p90(fwd),
-                             "client_p50_ms": p50(client), "client_p90_ms": p90(client)}
+                             "group_forward_p50_ms": statistics.median(fwd),
+                             "group_forward_p90_ms": harness.percentile(fwd, 0.9),
+                             "client_p50_ms": statistics.median(client),
+                             "client_p90_ms": harness.percentile(client, 0.9)}
             valid = row["graph"]["transport"] == "compiled graph" and row["actor"]["transport"].startswith(
                 "actor calls (compiled_graph is off)")
             g, a = row["graph"]["group_forward_p50_ms"], row["actor"]["group_forward_p50_ms"]
@@ -89,39 +73,25 @@ def summarize(samples: dict[str, dict[str, list[float]]], transports: dict[str, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    ckpt = args.checkpoint or ROOT / "checkpoints/tiny"
-    if not (ckpt / "config.json").is_file():
-        write_checkpoint(ckpt, preset_config("tiny"), seed=0)
+    ckpt = args.checkpoint or harness.preset_checkpoint("tiny")
     H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
-    cpus = len(os.sched_getaffinity(0))
     results: dict[str, Any] = {
         "argv": args.argv,
-        "env": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": cpus,
-                "machine": platform.machine(), "torch": torch.__version__, "hidden_size": H,
-                "checkpoint": str(ckpt), "calls_per_variant": args.calls, "rounds": args.rounds,
-                "loadavg_before": [round(v, 2) for v in os.getloadavg()]},
+        "env": harness.machine_record(with_ray=True, hidden_size=H, checkpoint=str(ckpt),
+                                      calls_per_variant=args.calls, rounds=args.rounds),
     }
 
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
     from deployments.client import MoEClient
-    from moe_runtime.tp.collectives import free_port
 
-    results["env"]["ray"] = ray.__version__
-    ray.init(address="local", num_cpus=4, num_gpus=8, include_dashboard=False, namespace="serve",
-             log_to_driver=False, _system_config={"worker_niceness": 0})
     samples: dict[str, dict[str, list[float]]] = {}
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    with harness.local_serve(num_cpus=4, num_gpus=8, worker_niceness=0):
         deployments = [{"name": name(tp, graph), "tp_size": tp, "compiled_graph": graph,
                         "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5}
                        for tp in TPS for graph in (True, False)]
-        serve.run(build_app({"checkpoint": str(ckpt), "layers": [LAYER], "auto_tune_tokens": [],
-                             "dtype": "float32", "deployments": deployments}), name=APP, route_prefix=None)
+        harness.deploy({"checkpoint": str(ckpt), "layers": [LAYER], "auto_tune_tokens": [],
+                        "dtype": "float32", "deployments": deployments}, APP, route_prefix=None)
         clients = {d["name"]: MoEClient.direct(d["name"], APP, timeout_s=120) for d in deployments}
-        inputs = {T: torch.randn(T, H, generator=torch.Generator().manual_seed(T)) for T in SIZES}
+        inputs = {T: harness.seeded_randn(T, H, seed=T) for T in SIZES}
         for c in clients.values():  # warm-up: handles, channels, first forwards
             for T in SIZES:
                 for _ in range(5):
@@ -136,20 +106,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for n, c in clients.items():
                 for T in SIZES:
                     before = c.status()["counters"]["forwards"]
-                    times = []
-                    for _ in range(per_round):
-                        start = time.perf_counter()
-                        c.forward(inputs[T], LAYER)
-                        times.append((time.perf_counter() - start) * 1e3)
+                    timed = harness.time_calls(lambda c=c, T=T: c.forward(inputs[T], LAYER), per_round,
+                                               warmup=0)
                     st = c.status()["counters"]
                     done = st["forwards"] - before  # one lone request per forward
                     s = samples.setdefault(f"{n}/T{T}", {"group_forward_ms": [], "client_ms": []})
                     s["group_forward_ms"] += st["forward_ms"]["recent"][-done:] if done else []
-                    s["client_ms"] += times
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    results["env"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
+                    s["client_ms"] += [t * 1e3 for t in timed.seconds]
+    results["env"]["loadavg_after"] = harness.loadavg()
     results["transports"] = transports
     results["samples"] = samples
     results["rows"] = summarize(samples, transports)
@@ -159,14 +123,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env = results["env"]
     lines = [
-        SECTION,
-        "",
-        "Run: " + f"`python scripts/probe_compiled_graph.py {' '.join(results['argv'])}`".replace(" `", "`")
-        + f" -- {env['date']}, {env['cpus']} CPUs, torch {env['torch']}, Ray {env['ray']}, `tiny` "
-        f"checkpoint (H = {env['hidden_size']}), float32, layer 1, TP ranks on logical GPUs (gloo); "
-        f"{env['calls_per_variant']} calls per variant and T in {env['rounds']} interleaved rounds, one "
-        f"request in flight; {load_label(env['loadavg_before'], env['loadavg_after'], env['cpus'])}. "
-        f"Raw data: `{json_path}`.",
+        section_start(
+            SECTION, "probe_compiled_graph", results["argv"], env,
+            f"`tiny` checkpoint (H = {env['hidden_size']}), float32, layer 1, TP ranks on logical GPUs "
+            f"(gloo); {env['calls_per_variant']} calls per variant and T in {env['rounds']} interleaved "
+            "rounds, one request in flight", json_path),
         "",
         "One app, four deployments of the same checkpoint: TP 1 and TP 2 with `compiled_graph: true` "
         "and `false`. group forward = the replica's own timing of each TP-group forward "
@@ -203,21 +164,16 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/tiny (generated once)")
+    ap = harness.bench_parser(__doc__, "probe_compiled_graph")
+    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/tiny (written once)")
     ap.add_argument("--calls", type=int, default=90, help="timed calls per variant and T (all rounds)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "artifacts/probe_compiled_graph")
-    ap.add_argument("--docs", default=str(ROOT / "docs/benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
-    args.argv = argv
     results = run(args)
     for r in results["rows"]:
         print(f"TP {r['tp']} T {r['T']}: graph {r['graph']['group_forward_p50_ms']:.2f} ms vs actor calls "
               f"{r['actor']['group_forward_p50_ms']:.2f} ms (p50 group forward); valid {r['valid']}")
-    write_results(results, args.out, "probe_compiled_graph", ROOT, None, markdown,
-                  args.docs and Path(args.docs))
+    write_results(results, args.out, "probe_compiled_graph", None, markdown, args.docs)
     return 0
 
 

@@ -26,27 +26,23 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.chdir(ROOT)  # Ray workers import the project from the driver's working directory
+import ray
+import torch
+import yaml
+from bench import ROOT
+from bench.harness import CHECKPOINTS, deploy, ensure_checkpoint
+from ray import serve
+from ray.cluster_utils import Cluster
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from ray import serve  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from deployments.app import build_app  # noqa: E402
-from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEServeError  # noqa: E402
-from deployments.cluster.observe import tp_group_placement  # noqa: E402
-from deployments.control.launcher import MI300X_RESOURCE  # noqa: E402
-from moe_runtime.synthetic import preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.tp.collectives import free_port  # noqa: E402
+from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEServeError
+from deployments.cluster.observe import tp_group_placement
+from deployments.control.launcher import MI300X_RESOURCE
+from moe_runtime.synthetic import preset_config
+from moe_runtime.tp.collectives import free_port
 
 CONFIG = ROOT / "deployments" / "configs" / "two_tier.yaml"
 ACCELERATOR = MI300X_RESOURCE.split(":", 1)[1]
@@ -73,13 +69,6 @@ def app_args(checkpoint: Path, config: Path = CONFIG) -> dict[str, Any]:
     args["checkpoint"] = str(checkpoint)
     args["accelerator_type"] = ACCELERATOR
     return args
-
-
-def ensure_checkpoint(path: Path) -> Path:
-    if not (path / "config.json").exists():
-        print(f"writing the tiny checkpoint to {path}", flush=True)
-        write_checkpoint(path, preset_config("tiny"), seed=0)
-    return path
 
 
 def node_labels(cluster: Cluster, workers: list) -> dict[str, str]:
@@ -182,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--gpus-per-node", type=int, default=4)
     ap.add_argument("--cpus-per-node", type=float, default=2.0, help="logical CPUs of each MI300X node")
-    ap.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "tiny")
+    ap.add_argument("--checkpoint", type=Path, default=CHECKPOINTS / "tiny")
     ap.add_argument("--concurrency", type=int, default=12, help="closed-loop HTTP clients during the load")
     ap.add_argument("--load-s", type=float, default=90.0, help="bound of the load phase")
     ap.add_argument("--quiet-s", type=float, default=60.0, help="bound of the quiet phase")
     ap.add_argument("--remove-node", action="store_true", help="then remove a node and recover")
     args = ap.parse_args(argv)
 
-    checkpoint = ensure_checkpoint(args.checkpoint.resolve())
+    os.chdir(ROOT)  # Ray workers import the project from the driver's working directory
+    checkpoint = ensure_checkpoint(args.checkpoint.resolve(), "tiny")
     hidden = preset_config("tiny")["hidden_size"]
     spec_args = app_args(checkpoint)
     decode = next(d for d in spec_args["deployments"] if d["name"] == "decode")
@@ -204,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         print(f"cluster up: head + {args.nodes} MI300X node(s) x {args.gpus_per_node} logical GPUs; "
               f"deploying {CONFIG.relative_to(ROOT)}", flush=True)
-        serve.run(build_app(spec_args), name=APP, route_prefix="/")
+        deploy(spec_args, APP)
         with HTTPMoEClient(url, timeout_s=30) as client:
             for name, status in client.status()["deployments"].items():
                 ctl = status.get("controller", {})

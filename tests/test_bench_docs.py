@@ -1,4 +1,4 @@
-"""scripts/bench_docs.py: each benchmark rewrites only its own marked section of benchmarks.md."""
+"""scripts/bench/docs.py: each benchmark rewrites only its own marked section of benchmarks.md."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from bench_docs import commentary, is_contended, load_label, update_section, verdict  # noqa: E402
+from bench.docs import commentary, is_contended, load_label, update_section, verdict  # noqa: E402
 
 DOC = """# Benchmarks
 

@@ -20,7 +20,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import gpu_timings  # noqa: E402
-from jsonl_rows import RowWriter, read_rows  # noqa: E402
+from bench.rows import RowWriter, read_rows  # noqa: E402
 
 OK_STAGES = ["environment:0:3:30", "gpu_tests:0:5:110", "experts:0:9:180", "collectives:0:4:60",
              "tail:0:6:90"]

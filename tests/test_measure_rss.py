@@ -14,7 +14,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from measure_rss import TreeSampler, process_memory, tree_pids  # noqa: E402
+from bench.rss import TreeSampler, process_memory, tree_pids  # noqa: E402
 
 MIB = 2**20
 GRANDCHILD = "import sys; b = bytearray(64 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); sys.stdin.read()"

@@ -5,25 +5,30 @@ rewritten whole from the run's JSON on every run; text outside the markers is ne
 section that predates the markers (found by its ``## `` heading) is replaced up to the next ``## ``
 heading the first time, and carries the markers from then on.
 
-Helpers every section uses: :func:`verdict` (met / missed computed from a measured value and its
-target), :func:`load_label` (the machine's load average, and whether the run was contended), and
-:func:`commentary` (text that is not computed from the data, labelled with the run it was written for).
+Helpers every section uses: :func:`section_start` (its heading, the command, the machine and its
+load), :func:`verdict`
+(met / missed computed from a measured value and its target), :func:`load_label` (the machine's
+load average, and whether the run was contended), and :func:`commentary` (text that is not computed
+from the data, labelled with the run it was written for).
 """
 
 from __future__ import annotations
 
 import json
 import operator
-import os
 import re
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import ROOT
+
 # A run is "contended" when other work already kept at least half the machine's CPUs busy when it
 # started (1-minute load average before the run >= CPUs / 2): its timings carry that noise.
 CONTENDED_LOAD_PER_CPU = 0.5
-_OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
+OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
+Markdown = Callable[[dict[str, Any], str, str], str]  # (results, JSON path, PNG path) -> the section
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -52,7 +57,7 @@ def update_section(docs: Path, section: str, name: str | None = None) -> None:
 
 def verdict(value: float | None, op: str, target: float) -> dict[str, Any]:
     """A target check from the data: ``{"value", "target": "op target", "met": bool | None}``."""
-    met = None if value is None else bool(_OPS[op](value, target))
+    met = None if value is None else bool(OPS[op](value, target))
     return {"value": value, "target": f"{op} {target}", "met": met}
 
 
@@ -60,10 +65,9 @@ def verdict_word(met: bool | None) -> str:
     return {True: "met", False: "**missed**", None: "not measured"}[met]
 
 
-def machine_load(cpus: int | None = None) -> dict[str, Any]:
-    """The load average now and the CPUs this process may use (for a benchmark's JSON)."""
-    return {"loadavg": [round(v, 2) for v in os.getloadavg()],
-            "cpus": cpus or len(os.sched_getaffinity(0))}
+def verdict_text(v: dict[str, Any], fmt: str = ".2f") -> str:
+    """A :func:`verdict` in words: '**0.70** (target <= 0.75: met)'."""
+    return f"**{v['value']:{fmt}}** (target {v['target']}: {verdict_word(v['met'])})"
 
 
 def is_contended(load_before: list[float] | float, cpus: int) -> bool:
@@ -91,33 +95,64 @@ def commentary(written_for: str, text: str) -> str:
     return f"*Commentary written for the run of {written_for} (not recomputed by this run):* {text}"
 
 
-def write_results(results: dict[str, Any], out_dir: Path, name: str, root: Path,
-                  plot: Callable[[dict[str, Any], Path], None] | None,
-                  markdown: Callable[[dict[str, Any], str, str], str], docs: Path | None,
-                  section_name: str | None = None) -> str:
+def command(script: str, argv: list[str] | str) -> str:
+    """The run's command line as a markdown code span: `python scripts/SCRIPT.py ARGS` (``argv`` a
+    list, shell-quoted here, or the string older results stored)."""
+    args = argv if isinstance(argv, str) else shlex.join(argv)
+    return f"`{' '.join(['python', f'scripts/{script}.py', *([args] if args else [])])}`"
+
+
+def section_start(heading: str, script: str, argv: list[str] | str, machine: dict[str, Any], details: str,
+                  json_path: str, png_path: str | None = None) -> str:
+    """A section's heading and opening line, from the run's machine record
+    (:func:`bench.harness.machine_record`): the command, its date, CPUs, torch (and Ray), ``details``,
+    the load average before and after, and where the raw data and the plot are."""
+    ray = f", Ray {machine['ray']}" if "ray" in machine else ""
+    load = load_label(machine["loadavg_before"], machine.get("loadavg_after"), machine["cpus"])
+    plot = f", plot: `{png_path}`" if png_path else ""
+    return (f"{heading}\n\nRun: {command(script, argv)} -- {machine['date']}, {machine['cpus']} CPUs, torch "
+            f"{machine['torch']}{ray}; {details}; {load}. Raw data: `{json_path}`{plot}.")
+
+
+def model_text(model: dict[str, int]) -> str:
+    """A :func:`bench.harness.model_record` in words: 'H=2048, D=1024, E=32, k=4, I=512, 2 shared experts'."""
+    text = (f"H={model['hidden_size']}, D={model['routed_expert_hidden_size']}, E={model['num_experts']}, "
+            f"k={model['num_experts_per_token']}, I={model['moe_intermediate_size']}")
+    return text + (f", {model['num_shared_experts']} shared experts" if "num_shared_experts" in model else "")
+
+
+def repo_relative(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def publish(section: str, docs: str | Path | None, name: str) -> None:
+    """Rewrite ``name``'s section of ``docs`` (none when ``docs`` is empty)."""
+    if docs:
+        update_section(Path(docs), section, name)
+        print(f"updated {docs}")
+
+
+def write_results(results: dict[str, Any], out_dir: Path, name: str,
+                  plot: Callable[[dict[str, Any], Path], None] | None, markdown: Markdown,
+                  docs: str | Path | None) -> str:
     """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``; the markdown section
-    (printed, and recorded in ``docs`` when given), which names the files relative to ``root``."""
+    (printed, and recorded as ``name``'s section of ``docs`` when given), which names the files
+    relative to the repository."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
     if plot is not None:
         plot(results, png_path)
-    rel = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in (json_path, png_path)]
-    section = markdown(results, *rel)
+    section = markdown(results, repo_relative(json_path), repo_relative(png_path))
     print("\n" + section)
-    if docs:
-        update_section(docs, section, section_name or name)
-        print(f"updated {docs}")
+    publish(section, docs, name)
     return section
 
 
-def render_section(json_path: Path, markdown: Callable[[dict[str, Any], str, str], str], docs: Path,
-                   name: str, root: Path) -> str:
+def render_section(json_path: Path, markdown: Markdown, docs: Path, name: str) -> str:
     """Rewrite a benchmark's docs section from a JSON it wrote earlier (no measurement)."""
     results = json.loads(json_path.read_text())
-    png = json_path.with_suffix(".png")
-    rel = [str(p.relative_to(root)) if p.is_relative_to(root) else str(p) for p in (json_path, png)]
-    section = markdown(results, *rel)
+    section = markdown(results, repo_relative(json_path), repo_relative(json_path.with_suffix(".png")))
     update_section(docs, section, name)
     print(f"updated {docs} from {json_path}")
     return section

@@ -9,8 +9,9 @@ tells a complete file from a cut-off one. No torch import: summaries read these 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from bench.harness import loadavg
 
 
 class RowWriter:
@@ -19,7 +20,7 @@ class RowWriter:
     def __init__(self, path: Path, **header) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"record": "header", **header, "loadavg": os.getloadavg()}) + "\n")
+        self.path.write_text(json.dumps({"record": "header", **header, "loadavg": loadavg()}) + "\n")
 
     def _append(self, record: dict) -> None:
         with self.path.open("a") as f:  # opened per record: a killed process loses no buffered row
@@ -29,7 +30,7 @@ class RowWriter:
         self._append({"record": "row", **row})
 
     def close(self, **info) -> None:
-        self._append({"record": "done", **info, "loadavg": os.getloadavg()})
+        self._append({"record": "done", **info, "loadavg": loadavg()})
 
 
 def read_rows(path: Path) -> tuple[dict, list[dict], dict | None]:

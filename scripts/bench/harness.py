@@ -1,0 +1,276 @@
+"""What every benchmark script does the same way: its options, the machine record, timing loops
+and percentiles, a private Ray + Serve, checkpoints written once, seeded inputs and plots.
+
+Heavy modules (torch, Ray, matplotlib, the project's own) are imported where they are used, so
+importing the harness costs nothing: ``bench.rows`` and ``bench.rss`` build on it without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from bench import ROOT
+
+DOCS = ROOT / "docs" / "benchmarks.md"
+CHECKPOINTS = ROOT / "checkpoints"
+
+# -- options -------------------------------------------------------------------------------------
+
+
+class BenchParser(argparse.ArgumentParser):
+    """An argument parser that keeps the arguments it parsed as ``args.argv``, so that a run's
+    results can name the command that made them."""
+
+    def parse_args(self, args: list[str] | None = None, namespace: Any = None) -> argparse.Namespace:
+        parsed = super().parse_args(args, namespace)
+        parsed.argv = sys.argv[1:] if args is None else list(args)
+        return parsed
+
+
+def bench_parser(doc: str, name: str, *, with_docs: bool = True, docs_default: Path | None = DOCS,
+                 quick: str | None = None) -> BenchParser:
+    """A benchmark's parser with the options benchmarks share: ``--out`` (the folder of its results,
+    default artifacts/NAME), ``--docs`` (the benchmarks.md whose section a run rewrites, default
+    ``docs_default``; '' for none) unless ``with_docs`` is off, and ``--quick`` (help: ``quick``)
+    where the benchmark has a short mode."""
+    ap = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / name, help="folder for the results")
+    if with_docs:
+        ap.add_argument("--docs", default=docs_default and str(docs_default),
+                        help="the benchmarks.md whose section this run rewrites ('' for none)")
+    if quick:
+        ap.add_argument("--quick", action="store_true", help=quick)
+    return ap
+
+
+# -- the machine record ----------------------------------------------------------------------------
+
+
+def loadavg() -> list[float]:
+    """The 1-, 5- and 15-minute load averages now (other work on the machine skews every timing)."""
+    return [round(v, 2) for v in os.getloadavg()]
+
+
+def cpu_count() -> int:
+    """The CPUs this process may run on (its affinity: what a container or taskset grants)."""
+    return len(os.sched_getaffinity(0))
+
+
+def machine_record(with_ray: bool = False, **extra: Any) -> dict[str, Any]:
+    """Where and when a run measured: date (UTC), CPUs, machine, platform, torch (and Ray's version
+    ``with_ray``), the load average before the run and ``extra``; the caller adds ``loadavg_after``
+    when the run ends."""
+    import torch
+
+    if with_ray:
+        import ray
+
+        extra = {"ray": ray.__version__, **extra}
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": cpu_count(),
+            "machine": platform.machine(), "platform": platform.platform(), "torch": torch.__version__,
+            "loadavg_before": loadavg(), **extra}
+
+
+MODEL_FIELDS = ("hidden_size", "routed_expert_hidden_size", "num_experts", "num_experts_per_token",
+                "moe_intermediate_size", "num_shared_experts")
+
+
+def model_record(cfg: Any) -> dict[str, int]:
+    """The shape of the measured layer (a ``LatentMoEConfig``), for a run's JSON."""
+    return {k: getattr(cfg, k) for k in MODEL_FIELDS}
+
+
+# -- timing loops and percentiles ------------------------------------------------------------------
+
+
+class Timed(NamedTuple):
+    seconds: list[float]  # each timed call
+    last: Any  # the last timed call's answer
+
+
+def synchronizer(device: Any) -> Callable[[], None] | None:
+    """What closes a timed call on ``device`` (a ``torch.device``): a CUDA synchronisation, as
+    kernels run asynchronously; nothing on the CPU."""
+    import torch
+
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+
+
+def time_calls(fn: Callable[[], Any], reps: int, *, warmup: int = 1, min_time_s: float = 0.0,
+               budget_s: float = math.inf, sync: Callable[[], None] | None = None) -> Timed:
+    """``fn`` ``warmup`` times untimed, then timed until there are ``reps`` calls and ``min_time_s``
+    seconds of them, or until ``budget_s`` runs out (two calls at least); ``sync`` (a device
+    synchronisation) closes the warm-up and every timed call. Give no budget to calls with
+    collectives inside: every rank must make the same number of calls."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    seconds: list[float] = []
+    last, start = None, time.perf_counter()
+    while ((len(seconds) < reps or sum(seconds) < min_time_s)
+           and (len(seconds) < 2 or time.perf_counter() - start < budget_s)):
+        t0 = time.perf_counter()
+        last = fn()
+        if sync:
+            sync()
+        seconds.append(time.perf_counter() - t0)
+    return Timed(seconds, last)
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, min_time_s: float = 0.0,
+                     sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
+    """Like :func:`time_calls` for several functions called in turn, so that a busy (shared) machine
+    slows them alike and their ratios stay meaningful: seconds of each one's calls."""
+    for fn in fns.values():
+        fn()
+    if sync:
+        sync()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    while min(len(t) for t in times.values()) < reps or min(sum(t) for t in times.values()) < min_time_s:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if sync:
+                sync()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0 < q <= 1): a value that was measured, never interpolated."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def latency_ms(seconds: list[float]) -> dict[str, float]:
+    """p50 (the median), p90 and p99 of call latencies given in seconds, in ms."""
+    ms = [s * 1e3 for s in seconds]
+    return {"p50_ms": statistics.median(ms), "p90_ms": percentile(ms, 0.9), "p99_ms": percentile(ms, 0.99)}
+
+
+def memcpy_gbps(reps: int = 5, nbytes: int = 256 * 2**20) -> float:
+    """This machine's memory bandwidth: bytes copied per second between two ``nbytes`` buffers,
+    best of ``reps`` copies (GB = 1e9 bytes)."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return nbytes / min(time_calls(lambda: dst.copy_(src), reps).seconds) / 1e9
+
+
+def seeded_randn(rows: int, cols: int, seed: int, dtype: Any = None) -> Any:
+    """A ``[rows, cols]`` standard-normal input from its own generator (the same on every run and
+    rank), cast to ``dtype`` when given."""
+    import torch
+
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+    return x if dtype is None else x.to(dtype)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+
+
+def ensure_checkpoint(path: Path, preset: str, layers: int | None = None, *, mxfp4: bool = False,
+                      decoder: bool = False) -> Path:
+    """The ``preset`` checkpoint (seed 0) at ``path``, written there when it is missing:
+    ``layers`` hidden layers (layer 0 dense), experts as MXFP4 with ``mxfp4``, and the client-side
+    decoder's tensors (embedding, attention, LM head) with ``decoder``."""
+    from moe_runtime.synthetic import preset_config, write_checkpoint
+    from moe_runtime.synthetic_decoder import DECODER_FILE, write_decoder
+
+    if not (path / (DECODER_FILE if decoder else "config.json")).is_file():
+        print(f"writing the {preset} checkpoint to {path}", flush=True)
+        overrides = {} if layers is None else {"num_hidden_layers": layers}
+        write_checkpoint(path, preset_config(preset, **overrides), use_mxfp4=mxfp4, seed=0, progress=True)
+        if decoder:
+            write_decoder(path, seed=0)
+    return path
+
+
+def ensure_decoder_checkpoint(path: Path, preset: str, layers: int | None = None) -> Path:
+    """:func:`ensure_checkpoint` with the decoder's tensors: what scripts/afd_demo.py serves."""
+    return ensure_checkpoint(path, preset, layers, decoder=True)
+
+
+def preset_checkpoint(preset: str, layers: int | None = None, *, mxfp4: bool = False,
+                      decoder: bool = False) -> Path:
+    """The checkpoint under checkpoints/ named for what it holds (``small``, ``small-mxfp4``,
+    ``small-4layers-decoder``), written once and shared by every script that asks for it."""
+    name = "-".join([preset, *([f"{layers}layers"] if layers else []), *(["mxfp4"] if mxfp4 else []),
+                     *(["decoder"] if decoder else [])])
+    return ensure_checkpoint(CHECKPOINTS / name, preset, layers, mxfp4=mxfp4, decoder=decoder)
+
+
+# -- a private Ray + Serve -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def local_serve(num_cpus: int, num_gpus: int = 0, worker_niceness: int | None = None) -> Iterator[str]:
+    """A private local Ray instance (TP groups on ``num_gpus`` logical GPUs) with Serve's HTTP proxy
+    on a free local port: yields the proxy's URL, and stops everything it started on the way out.
+    ``worker_niceness`` overrides Ray's 15 for its workers (a benchmark's served side then gets the
+    driver's priority)."""
+    import ray
+    from ray import serve
+
+    from moe_runtime.tp.collectives import free_port
+
+    system = {} if worker_niceness is None else {"_system_config": {"worker_niceness": worker_niceness}}
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+             namespace="serve", log_to_driver=False, **system)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(app_args: dict[str, Any], name: str, route_prefix: str | None = "/") -> None:
+    """``deployments.app:build_app(app_args)`` as the Serve application ``name`` (replacing one of
+    that name), back when it is ready."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(app_args), name=name, route_prefix=route_prefix)
+
+
+@contextlib.contextmanager
+def local_app(checkpoint: Path, app: str, deployments: list[dict[str, Any]], num_cpus: int,
+              num_gpus: int) -> Iterator[None]:
+    """:func:`local_serve` serving ``deployments`` of ``checkpoint`` as the application ``app``."""
+    with local_serve(num_cpus, num_gpus):
+        deploy({"checkpoint": str(checkpoint), "deployments": deployments}, app)
+        yield
+
+
+# -- plots -----------------------------------------------------------------------------------------
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: benchmarks draw to files, with no display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)

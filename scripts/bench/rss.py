@@ -1,0 +1,151 @@
+"""The resident memory of a process tree, sampled from /proc (Linux only).
+
+Every sample lists the root process and all its descendants (by parent pid, from /proc/*/stat, so
+Ray's raylet, workers and TP ranks count too) and sums, over them,
+
+* ``rss``: ``RssAnon + RssShmem`` from /proc/PID/status (anonymous memory plus shared memory the
+  process touched: what the kernel cannot drop under pressure). Shared pages mapped by several
+  processes (Ray's object store, torch's shared tensors) count once per process: an upper bound.
+* ``pss``: ``Pss_Anon + Pss_Shmem`` from /proc/PID/smaps_rollup, which divides each shared page
+  among the processes that map it: the tree's own share, never more than ``rss``.
+
+Page-cache (file) memory is not counted: a checkpoint read through mmap is reclaimable and is not
+the process tree's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.harness import loadavg
+
+KB = 1024
+
+
+def proc_bytes(path: str, *names: str) -> int | None:
+    """Sum of the ``NAME: N kB`` lines of a /proc file (/proc/meminfo, /proc/PID/status, ...); None
+    when it cannot be read (the process is gone)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    total = 0
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        if key in names:
+            total += int(rest.split()[0]) * KB
+    return total
+
+
+def children_map() -> dict[int, list[int]]:
+    """parent pid -> child pids, for every process /proc shows now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone since listdir
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name may hold spaces and parens
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and all its descendants alive now."""
+    children, out, todo = children_map(), [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def process_memory(pid: int, pss: bool = True) -> dict[str, int] | None:
+    """``rss`` and ``pss`` bytes of ``pid`` (None when it is gone); without ``pss`` the PSS is not
+    read (smaps_rollup walks the page tables: costly on a process holding many GB) and equals rss."""
+    rss = proc_bytes(f"/proc/{pid}/status", "RssAnon", "RssShmem")
+    if rss is None:
+        return None
+    shared = proc_bytes(f"/proc/{pid}/smaps_rollup", "Pss_Anon", "Pss_Shmem") if pss else None
+    return {"rss": rss, "pss": rss if shared is None else shared}
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class TreeSampler:
+    """Samples a process tree's memory: ``sample()`` once, or ``start()`` / ``stop()`` a thread (or
+    use it as a context manager). Keeps the peak sums, and each process's own peak rss."""
+
+    def __init__(self, root: int, interval_s: float = 0.2, pss: bool = True) -> None:
+        self.root, self.interval_s, self.pss = root, interval_s, pss
+        self.samples = 0
+        self.peak = {"rss": 0, "pss": 0}
+        self.peak_by_pid: dict[int, int] = {}
+        self.at_peak: list[dict[str, Any]] = []
+        self.max_processes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> dict[str, int]:
+        per = {pid: m for pid in tree_pids(self.root) if (m := process_memory(pid, self.pss)) is not None}
+        total = {k: sum(m[k] for m in per.values()) for k in ("rss", "pss")}
+        self.samples += 1
+        self.max_processes = max(self.max_processes, len(per))
+        for pid, m in per.items():
+            self.peak_by_pid[pid] = max(self.peak_by_pid.get(pid, 0), m["rss"])
+        if total["rss"] > self.peak["rss"]:
+            self.at_peak = sorted(({"pid": pid, "rss": m["rss"], "pss": m["pss"], "cmd": cmdline(pid)[:160]}
+                                   for pid, m in per.items()), key=lambda p: -p["rss"])
+        self.peak = {k: max(self.peak[k], total[k]) for k in total}
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> TreeSampler:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> TreeSampler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peak_rss_bytes": self.peak["rss"], "peak_pss_bytes": self.peak["pss"],
+                "peak_rss_gb": round(self.peak["rss"] / 1e9, 3),
+                "peak_pss_gb": round(self.peak["pss"] / 1e9, 3),
+                "samples": self.samples, "interval_s": self.interval_s, "max_processes": self.max_processes,
+                "processes_at_rss_peak": self.at_peak}
+
+
+def measure(cmd: list[str], interval_s: float = 0.2, **popen: Any) -> tuple[int, dict[str, Any]]:
+    """Run ``cmd`` to its end while sampling its tree: (exit status, measurement)."""
+    load_before = loadavg()
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, **popen)
+    with TreeSampler(proc.pid, interval_s) as sampler:
+        rc = proc.wait()
+    return rc, {"command": cmd, "exit": rc, "seconds": round(time.perf_counter() - start, 2),
+                "loadavg_before": load_before, "loadavg_after": loadavg(), **sampler.to_dict()}
