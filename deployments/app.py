@@ -71,7 +71,8 @@ def build_app(args: AppArgs) -> Application:
     args, resolved, decisions = decide_app(args, view)  # the controller logs each decision once
     groups = {}
     for decision in decisions:
-        logger.info("building deployment %r; options %s", decision.deployment, decision.options)
+        # Option names only, at DEBUG: the merged options can carry runtime_env variables (secrets).
+        logger.debug("building deployment %r; options %s", decision.deployment, sorted(decision.options))
         groups[decision.deployment] = MoEGroup.options(**decision.options).bind(decision)
     max_body = args.http_max_body_bytes or default_max_body_bytes(resolved)
     timeout = request_bound(args.request_timeout_s, [r.spec for r in resolved])

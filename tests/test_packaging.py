@@ -1,5 +1,5 @@
-"""Packaging audit: a fresh virtualenv, `pip install .` without extras, and everything the README
-tells users to import or run works from the installed package.
+"""Packaging audit: a fresh virtualenv, `pip install .` without extras, and everything the README and
+docs/*.md tell users to import or run works from the installed package.
 
 The venv has no access to this one's site-packages (``venv`` without
 ``--system-site-packages``) and runs from outside the repository, so only what `pip install .`
@@ -26,9 +26,9 @@ INSTALL_TIMEOUT_S = 600
 
 
 def readme_imports() -> tuple[set[str], set[str]]:
-    """Modules the README imports (``from X import`` / ``import X``) and runs (``python -m X``,
-    ``serve run X:attr``), restricted to this project's packages."""
-    text = (ROOT / "README.md").read_text()
+    """Modules the README and docs/*.md import (``from X import`` / ``import X``) and run
+    (``python -m X``, ``serve run X:attr``), restricted to this project's packages."""
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     project = "|".join(PACKAGES)
     imported = set(re.findall(rf"^\s*(?:from|import)\s+((?:{project})[\w.]*)", text, re.M))
     imported |= set(re.findall(rf"serve run\s+((?:{project})[\w.]*):\w+", text))
@@ -40,7 +40,7 @@ def readme_imports() -> tuple[set[str], set[str]]:
 @pytest.mark.packaging
 def test_pip_install_without_extras_gives_every_readme_import(tmp_path: Path) -> None:
     imported, run = readme_imports()
-    # The README's own entry points, so that a README rewrite cannot make this test vacuous.
+    # The documented entry points, so that a rewrite of the docs cannot make this test vacuous.
     assert {"deployments.client", "deployments.app"} <= imported and "moe_runtime" in run
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True, system_site_packages=False)

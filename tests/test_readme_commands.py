@@ -1,12 +1,14 @@
-"""Every command of README.md's fenced ```bash blocks runs as written, or is listed in ``SKIP``
-with the reason it cannot run here.
+"""Every command of the fenced ```bash blocks of README.md and docs/*.md runs as written, or is
+listed in ``SKIP`` with the reason it cannot run here.
 
-The commands run in README order in one temporary folder that mirrors the repository (``scripts``
-and ``deployments`` linked in), so ``checkpoints/tiny`` and the other paths the README writes land
-in that folder: the README's own ``make_checkpoint.py --preset tiny`` makes the checkpoint the later
-commands use. A new README command is run too; one that cannot finish within ``TIMEOUT_S`` here
-fails until it is added to ``SKIP`` with its reason, and a ``SKIP`` entry no longer in the README
-fails as stale.
+Each document's commands run in its order in a temporary folder of its own that mirrors the
+repository (``scripts``, ``deployments`` and ``cluster.yaml`` linked in), so ``checkpoints/tiny``
+and the other paths a document writes land in that folder: a document that uses a checkpoint
+makes it first, as a reader following it would. A new command is run too; one that cannot finish
+within ``TIMEOUT_S`` here fails until it is added to ``SKIP`` with its reason, and a ``SKIP`` or
+``EXPECT`` entry that no document has any more fails as stale.
+
+docs/benchmarks.md is not read: its sections are written by the benchmark scripts.
 """
 
 from __future__ import annotations
@@ -21,37 +23,57 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60  # "under a minute": anything slower belongs in SKIP (a hang bound, not a benchmark)
+SCRIPT_WRITTEN = {"docs/benchmarks.md"}
+DOCS = ["README.md"] + sorted(
+    p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")
+    if p.relative_to(ROOT).as_posix() not in SCRIPT_WRITTEN
+)
 
-# Command (as the README writes it, continuation lines joined, trailing comment dropped) -> why
-# it is not run here.
+_SERVER = "needs a running server"
+_CLUSTER = "needs the Azure subscription and the MI300X cluster"
+_REAL = "real size: needs the ~16 GB checkpoint of docs/real-size.md"
+
+# Command (as written, continuation lines joined, trailing comment dropped) -> why it is not run
+# here. One entry serves every document that has the command.
 SKIP = {
     "scripts/run.sh": "starts local Ray and the Serve app (minutes); tests/test_serve.py covers the same",
     "scripts/test.sh": "the whole suite: this test is part of it",
+    "ray start --head --num-cpus 4": "starts a Ray instance that outlives the command; tests/test_serve_cli.py "
+                                     "runs serve run on a Ray of its own",
+    "serve run deployments/configs/local.yaml": "long-running server (serves until Ctrl-C)",
+    "serve run deployments.app:build_app checkpoint=checkpoints/tiny tp_size=2 tail=sharded dtype=float32":
+        "long-running server (serves until Ctrl-C); tests/test_serve_cli.py runs serve run",
+    "curl -s --data-binary @in.safetensors -o out.safetensors http://127.0.0.1:8000/v1/layers/1/forward":
+        _SERVER + " (the README's serve run); tests/test_serve.py posts the same body",
+    "curl -s http://127.0.0.1:8000/v1/status | python -m json.tool": _SERVER + " (the README's serve run)",
     "python scripts/make_checkpoint.py --preset small --out checkpoints/small":
         "benchmark size (~120 MB), slow on a 2-core CI machine; the writer is tested on tiny/medium",
     "python scripts/make_checkpoint.py --preset medium --out checkpoints/medium --mxfp4":
-        "benchmark size (~25 MB per layer x all layers); tests/test_packed.py writes medium itself",
-    "serve run deployments.app:build_app checkpoint=checkpoints/tiny tp_size=2 tail=sharded dtype=float32":
-        "long-running server (serves until Ctrl-C); tests/test_serve_cli.py runs serve run",
-    "serve run deployments/configs/local.yaml": "long-running server (serves until Ctrl-C)",
-    "ray up cluster.yaml -y": "needs the Azure subscription and the MI300X cluster",
+        "benchmark size; tests/test_packed.py writes medium itself",
+    "ray up cluster.yaml -y": _CLUSTER,
     "ray attach cluster.yaml": "needs the launched cluster",
+    "ray dashboard cluster.yaml": "needs the launched cluster (an SSH port forward to its head)",
     "serve run deployments/configs/mi300x.yaml": "needs the MI300X cluster (and serves until Ctrl-C)",
+    "serve deploy deployments/configs/mi300x.yaml": "needs the MI300X cluster's head",
     'curl -s -H "Authorization: Bearer $LMS_HTTP_TOKEN" http://127.0.0.1:8000/v1/status | python -m json.tool':
-        "needs a running server with a token",
+        _SERVER + " with a token",
+    "python scripts/sim_cluster.py": "a simulated multi-node cluster under load (minutes on 2 cores); "
+                                     "tests/test_multinode.py covers it",
     "python scripts/afd_demo.py":
         "starts local Ray and two TP-2 deployments (minutes on 2 cores); tests/test_afd.py covers it",
     "df -h /work && free -g": "a look at this machine's disk and memory before the real-size demo",
     "python scripts/make_checkpoint.py --preset kimi-k3 --mxfp4 --moe-layers 1 --out /work/ckpt/k3-1layer":
         "real size: ~16 GB written in ~20 min",
     "python -m moe_runtime forward --checkpoint /work/ckpt/k3-1layer --layer 1 --tp 2 --dtype bfloat16 "
-    "--random-input 4 --output out.safetensors": "real size: needs the 16 GB checkpoint",
-    "python scripts/bench_real.py --checkpoint /work/ckpt/k3-1layer": "real size: benchmark of minutes",
+    "--random-input 4 --output out.safetensors": _REAL,
+    "python scripts/bench_real.py --checkpoint /work/ckpt/k3-1layer": _REAL + " (a benchmark of minutes)",
     "python scripts/bench_real.py --checkpoint /work/ckpt/k3-1layer --tp 2 --lone-rank":
-        "real size: benchmark of minutes",
+        _REAL + " (a benchmark of minutes)",
     "serve run deployments.app:build_app checkpoint=/work/ckpt/k3-1layer tp_size=2 dtype=bfloat16 layers=1 "
     "tail=sharded auto_tune_tokens=none max_tokens_per_request=64 max_batch_tokens=64":
-        "real size, long-running server",
+        _REAL + ", long-running server",
+    "python scripts/bench_served_real.py --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 --tokens 4 "
+    "--seed 11": _REAL + " (a benchmark of minutes)",
 }
 
 # What a command that runs must leave behind or print (beyond exit status 0), where it matters.
@@ -61,12 +83,18 @@ EXPECT = {
         ("stdout", "layer 1: 4 tokens x 128"),
     "python -m moe_runtime forward --checkpoint checkpoints/tiny --layer 1 --random-input 4 --output out.safetensors "
     "--dtype bfloat16 --tp 2 --tail sharded": ("stdout", "TP 2"),
+    "python -m moe_runtime forward --checkpoint checkpoints/tiny --layer 1 --tp 2 --explain":
+        ("stdout", "sharded tail legal: True"),
     "python -m moe_runtime plan --checkpoint checkpoints/k3 --experts-format mxfp4 --tp 8 --device-memory-gb 192 "
     "--max-tokens 16384": ("stdout", "3 groups of 30/31 layers (1-31, 32-62, 63-92)"),
+    "python -m moe_runtime forward --checkpoint checkpoints/k3 --layer 1 --tp 2 --dtype bfloat16 "
+    "--experts-format mxfp4 --max-tokens 64 --explain": ("stdout", "experts_packed 7.86 GB"),
+    "python scripts/make_checkpoint.py --preset tiny --out checkpoints/tiny-afd --decoder":
+        ("file", "checkpoints/tiny-afd/config.json"),
 }
 
 
-def readme_commands(text: str) -> list[str]:
+def doc_commands(text: str) -> list[str]:
     """Each command of the ```bash blocks: continuation lines joined, comments dropped."""
     commands = []
     for block in re.findall(r"^[ \t]*```bash\n(.*?)^[ \t]*```", text, flags=re.S | re.M):
@@ -84,44 +112,54 @@ def readme_commands(text: str) -> list[str]:
     return commands
 
 
-COMMANDS = readme_commands((ROOT / "README.md").read_text())
+COMMANDS = {doc: doc_commands((ROOT / doc).read_text()) for doc in DOCS}
+EVERY = {c for cs in COMMANDS.values() for c in cs}
 
 
 def test_the_skip_list_is_current_and_every_command_is_seen():
-    assert len(COMMANDS) > 10  # the extraction finds the README's commands
-    stale = sorted(set(SKIP) - set(COMMANDS))
-    assert not stale, f"SKIP lists commands the README no longer has: {stale}"
-    assert set(EXPECT) <= set(COMMANDS) - set(SKIP), "EXPECT names commands that do not run"
+    assert "docs/operations.md" in DOCS and "docs/cli.md" in DOCS
+    assert len(COMMANDS["README.md"]) >= 3 and len(EVERY) > 20  # the extraction finds the commands
+    assert {"scripts/run.sh", "scripts/test.sh"} <= set(COMMANDS["README.md"])
+    stale = sorted(set(SKIP) - EVERY)
+    assert not stale, f"SKIP lists commands no document has any more: {stale}"
+    assert set(EXPECT) <= EVERY - set(SKIP), "EXPECT names commands that are not run"
     assert all(reason.strip() for reason in SKIP.values())
-    assert "python scripts/make_checkpoint.py --preset tiny --out checkpoints/tiny" in COMMANDS
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    """A folder that looks like the repository root to the README's commands."""
-    d = tmp_path_factory.mktemp("readme")
-    for name in ("scripts", "deployments", "cluster.yaml"):
-        (d / name).symlink_to(ROOT / name)
-    return d
+def workdirs(tmp_path_factory):
+    """One folder per document that looks like the repository root to its commands."""
+    made: dict[str, Path] = {}
+
+    def get(doc: str) -> Path:
+        if doc not in made:
+            d = tmp_path_factory.mktemp(re.sub(r"\W", "_", doc))
+            for name in ("scripts", "deployments", "cluster.yaml"):
+                (d / name).symlink_to(ROOT / name)
+            made[doc] = d
+        return made[doc]
+
+    return get
 
 
-RUN = [c for c in COMMANDS if c not in SKIP]
+RUN = [(doc, c) for doc, cs in COMMANDS.items() for c in cs if c not in SKIP]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", RUN, ids=[c[:60] for c in RUN])
-def test_readme_command_runs_as_written(workdir, command):
+@pytest.mark.parametrize(("doc", "command"), RUN, ids=[f"{doc}: {c[:60]}" for doc, c in RUN])
+def test_doc_command_runs_as_written(workdirs, doc, command):
+    workdir = workdirs(doc)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONPATH": str(ROOT)}
     try:
         run = subprocess.run(["bash", "-c", command], cwd=workdir, env=env, capture_output=True, text=True,
                              timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"README command did not finish within {TIMEOUT_S} s: make it cheaper or add it to SKIP "
+        pytest.fail(f"{doc} command did not finish within {TIMEOUT_S} s: make it cheaper or add it to SKIP "
                     f"with the reason: {command}")
-    assert run.returncode == 0, f"README command failed ({run.returncode}): {command}\n{run.stdout}\n{run.stderr}"
+    assert run.returncode == 0, f"{doc} command failed ({run.returncode}): {command}\n{run.stdout}\n{run.stderr}"
     kind, what = EXPECT.get(command, (None, None))
     if kind == "file":
-        assert (workdir / what).is_file(), (command, what)
+        assert (workdir / what).is_file(), (doc, command, what)
     elif kind == "stdout":
-        assert what in run.stdout, (command, run.stdout)
+        assert what in run.stdout, (doc, command, run.stdout)
