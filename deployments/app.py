@@ -24,10 +24,10 @@ from .config.resolve import ResolvedDeployment, default_max_body_bytes
 from .config.spec import AppArgs
 from .config.timeouts import request_bound
 from .control.capacity import check_placeable
+from .control.cluster_view import ClusterView
 from .control.decide import Decision, decide
-from .control.options import ingress_options
-from .control.view import ClusterView
-from .serve.options import check_serve_options
+from .control.serve_options import ingress_options
+from .serve.check_options import check_serve_options
 
 
 def decide_app(
@@ -62,7 +62,7 @@ def build_app(args: AppArgs) -> Application:
     Serve converts the ``args`` dict of ``serve run`` / a config file into :class:`AppArgs`
     (the annotation); a plain dict works too when called from Python.
     """
-    from .cluster.view import current_cluster_view, launcher_files
+    from .cluster.live_view import current_cluster_view, launcher_files
     from .serve.deployment import MoEGroup
     from .serve.http import Ingress
 

@@ -27,7 +27,7 @@ from .tp.runner import build_rank_runners, check_activation_quant, check_mxfp4_s
 from .units import GB, gb, torch_dtype
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m moe_runtime", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     fw = sub.add_parser("forward", help="run one MoE layer")
@@ -334,7 +334,7 @@ def forward_times_line(times_s: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         return forward(args) if args.command == "forward" else plan_layers(args)
     except ValueError as exc:

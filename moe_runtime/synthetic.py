@@ -103,7 +103,7 @@ Planned = tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 
 
-def _random_mxfp4(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_mxfp4(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Random MXFP4 codes and E8M0 scales whose values have std ~ cols**-0.5 (fan-in init).
 
     Used at real size instead of randn + encode (~10x faster). Uniform codes have
@@ -155,7 +155,7 @@ def _layer_plan(
 
         def make(part: str) -> torch.Tensor:
             if not pair:  # the scale is written right after its nibbles
-                w = _random_mxfp4(rows, cols, gen) if random_codes else mxfp4.encode(rand(rows, cols))
+                w = random_mxfp4(rows, cols, gen) if random_codes else mxfp4.encode(rand(rows, cols))
                 pair.update(zip(("packed", "scale"), w, strict=True))
             return pair.pop(part)
 

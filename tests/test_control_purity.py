@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent('''
         for info in pkgutil.iter_modules(package.__path__):
             importlib.import_module(f"{package.__name__}.{info.name}")
     from deployments.control.decide import decide
-    from deployments.control.view import ClusterView, NodeType
+    from deployments.control.cluster_view import ClusterView, NodeType
     from moe_runtime.synthetic import preset_config
 
     cluster = yaml.safe_load(open("cluster.yaml"))  # the launcher config, as a dict

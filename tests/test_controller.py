@@ -18,6 +18,7 @@ scale after the sum), a few fp32 ulps on O(1) values; ``1e-5`` leaves a ~10x mar
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.request
 from pathlib import Path
@@ -355,10 +356,12 @@ def test_metrics_reach_the_prometheus_endpoint(auto_app):
 @pytest.mark.slow
 def test_new_replicas_reuse_the_measured_plan_and_remeasure_forces_one(auto_app):
     """Runs last in this module: it redeploys the app (a new replica, the same plan key)."""
+    import ray
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import MoEClient
+    from deployments.cluster import kv
 
     first = auto_app.client.status()
     ctl = first["deployments"]["decode"]["controller"]
@@ -375,5 +378,22 @@ def test_new_replicas_reuse_the_measured_plan_and_remeasure_forces_one(auto_app)
     assert "reused" in {r["state"] for r in again["warmup"]["decode"]}
     serve.delete("ctl")
     serve.run(build_app({**auto_app.args, "remeasure_tail": True}), name="ctl", route_prefix="/")
-    forced = MoEClient("ctl", timeout_s=60).status()["deployments"]["decode"]["controller"]
+    status = MoEClient("ctl", timeout_s=60).status()
+    forced = status["deployments"]["decode"]["controller"]
     assert forced["plan_source"] == "measured" and forced["measured_at"] > ctl["measured_at"]
+    # Warm-up records stay bounded: three replicas started and two ended, one record is left.
+    assert [r["replica"] for r in status["warmup"]["decode"]] == [status["deployments"]["decode"]["replica"]]
+    assert len(kv.entries(kv.PROGRESS_PREFIX)) == 1
+    # A replica killed (no clean-up of its own) loses its record when the next replica starts.
+    record = status["warmup"]["decode"][0]
+    ray.kill(ray.get_actor(record["actor"], namespace=record["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(Exception):  # while Serve replaces the replica
+            now = MoEClient("ctl", timeout_s=10).status()
+            if now["deployments"]["decode"].get("replica") not in (None, record["replica"]):
+                break
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(0.5)
+    assert [r["replica"] for r in now["warmup"]["decode"]] == [now["deployments"]["decode"]["replica"]]
+    assert len(kv.entries(kv.PROGRESS_PREFIX)) == 1

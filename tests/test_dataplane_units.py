@@ -22,9 +22,9 @@ from deployments.common.errors import (
 )
 from deployments.common.retry import Resend, resend_after
 from deployments.config.spec import BATCHING_KNOBS, DeploymentSpec, with_batching
-from deployments.control.options import MAX_CONSTRUCTOR_RETRIES, deployment_options
+from deployments.control.serve_options import MAX_CONSTRUCTOR_RETRIES, deployment_options
+from deployments.serve.check_options import check_serve_options
 from deployments.serve.metrics import METRIC_NAMES, ReplicaStats
-from deployments.serve.options import check_serve_options
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,10 +137,11 @@ def test_dashboard_covers_every_metric():
     (None, 1, "actor calls (auto: TP 1"),
 ])
 def test_forward_transport_decision_without_a_graph(tiny_ckpt, compiled_graph, tp, expected):
-    from deployments.config.resolve import resolve_app
+    from deployments.app import decide_app
     from deployments.serve.group import TPGroup
 
-    _, (resolved,) = resolve_app({"checkpoint": str(tiny_ckpt), "tp_size": tp, "compiled_graph": compiled_graph})
+    _, (resolved,), _ = decide_app({"checkpoint": str(tiny_ckpt), "tp_size": tp, "compiled_graph": compiled_graph,
+                                    "auto_tune_tokens": "none"})
     group = TPGroup(resolved, workers=[], names=[], infos=[], replica="r0")
     group._compile_forward()
     assert group.transport.startswith(expected) and group._dag is None

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from deployments.app import app_options
 from deployments.config.spec import AppArgs, DeploymentSpec, parse_layers
-from deployments.control.options import (
+from deployments.control.serve_options import (
     deployment_options,
     ingress_options,
     placement_bundles,

@@ -36,9 +36,9 @@ def section(text: str, heading: str) -> str:
 
 
 def subcommand_options(name: str) -> set[str]:
-    from moe_runtime.cli import _parser
+    from moe_runtime.cli import parser
 
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     parser = sub.choices[name]
     return {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
 

@@ -300,6 +300,28 @@ def test_an_idle_lane_releases_its_group_and_leases_again_on_the_next_call(fault
         assert lane.status()["deployments"]["solo"]["path"] == "lane"  # leased again by the call
 
 
+def test_a_lane_dropped_without_close_releases_its_group(fault_app):
+    """Only the lane's core is held by its idle thread: the lane itself is collected once its
+    owner lets go, and its finalizer releases the lease (no graph left polling)."""
+    import gc
+    import threading as th
+
+    lane = direct("solo").lane(max_tokens=1, name="forgotten")
+    assert lane.status()["deployments"]["solo"]["path"] == "lane"
+    lane.forward(rand(1, 3), 1)
+    idle = [t for t in th.enumerate() if t.name == "idle-forgotten"]
+    del lane
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while (lanes := direct("solo").status()["lanes"])["active"] is not None:
+        assert time.monotonic() < deadline, lanes
+        time.sleep(0.25)
+    assert lanes["history"][-1]["client"] == "forgotten" and lanes["history"][-1]["ended"] == "released"
+    for t in idle:
+        t.join(timeout=10)
+        assert not t.is_alive()
+
+
 def test_two_clients_on_two_replicas_each_get_a_group(fault_app):
     a = direct("pair").lane(max_tokens=2, name="a", wait_s=10)
     sa = a.status()["deployments"]["pair"]

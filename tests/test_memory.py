@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from deployments.app import app_options, decide_app
-from deployments.config.resolve import default_max_body_bytes, resolve_app, resolve_deployment
+from deployments.config.resolve import default_max_body_bytes, resolve_deployment
 from deployments.config.spec import DeploymentSpec
+from deployments.control.cluster_view import ClusterView
 from deployments.control.decide import decide, tail_decision
-from deployments.control.view import ClusterView
 from moe_runtime.checkpoint import checkpoint_expert_formats, load_layer_weights, resolve_expert_formats
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.planning import memory
@@ -371,12 +371,12 @@ def test_warmup_measurement_stays_within_its_limit():
 def test_body_limit_admits_a_full_request_of_7168_wide_input(k3_dir):
     from safetensors.torch import save
 
-    _, resolved = resolve_app({"checkpoint": str(k3_dir), "tp_size": 8, "max_tokens_per_request": 64})
+    _, resolved, _ = decide_app({"checkpoint": str(k3_dir), "tp_size": 8, "max_tokens_per_request": 64})
     limit = default_max_body_bytes(resolved)
     body = save({"hidden_states": torch.zeros(64, 7168), "router_logits": torch.zeros(64, 896)})
     assert len(body) <= limit  # F32 hidden states and router logits: the largest legal body
     # At K3's production size: 16384 tokens x (7168 + 896) x 4 B = 528_482_304 B of tensor data.
-    _, resolved = resolve_app({"checkpoint": str(k3_dir), "tp_size": 8, "max_tokens_per_request": 16384})
+    _, resolved, _ = decide_app({"checkpoint": str(k3_dir), "tp_size": 8, "max_tokens_per_request": 16384})
     assert default_max_body_bytes(resolved) >= 16384 * (7168 + 896) * 4 + (len(body) - 64 * 8064 * 4)
 
 

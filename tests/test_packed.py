@@ -186,10 +186,10 @@ def test_moe_layers_writes_only_the_first_layers(tmp_path: Path) -> None:
 
 
 def test_random_codes_have_fan_in_std() -> None:
-    from moe_runtime.synthetic import _random_mxfp4
+    from moe_runtime.synthetic import random_mxfp4
 
     for cols in (512, 3584, 3072):
-        packed, scale = _random_mxfp4(256, cols, torch.Generator().manual_seed(cols))
+        packed, scale = random_mxfp4(256, cols, torch.Generator().manual_seed(cols))
         w = mxfp4.decode(packed, scale)
         # 256 * cols samples: the std estimate is within ~1% of cols ** -0.5
         assert abs(w.std().item() * cols**0.5 - 1) < 0.03, cols

@@ -25,13 +25,13 @@ import ray
 import torch
 import yaml
 
-from deployments.cluster.view import current_cluster_view
+from deployments.cluster.live_view import current_cluster_view
 from deployments.config.spec import AppArgs, DeploymentSpec
 from deployments.control.accelerator import Accelerator, decide_accelerator
 from deployments.control.capacity import check_placeable
+from deployments.control.cluster_view import ClusterView, NodeType
 from deployments.control.launcher import launcher_node_types
-from deployments.control.options import placement_bundles, worker_resources
-from deployments.control.view import ClusterView, NodeType
+from deployments.control.serve_options import placement_bundles, worker_resources
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
@@ -203,12 +203,12 @@ def test_bare_app_serves_on_cpu_and_gpu_fails_fast(tiny_ckpt):
 @pytest.mark.slow
 def test_serve_run_without_ray_running_serves_on_cpu(tiny_ckpt, tmp_path):
     """`serve run` with no Ray: it starts its own (no GPU here), auto picks cpu, it serves."""
-    from test_serve_cli import SERVE, _port_in_use, stop, wait_ready
+    from test_serve_cli import SERVE, port_in_use, stop, wait_ready
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: auto rightly picks gpu")
     args = [f"checkpoint={tiny_ckpt}", "tp_size=2", "tail=sharded", "dtype=float32"]
-    if not _port_in_use(8000):  # the form of the issue; it can only serve on port 8000
+    if not port_in_use(8000):  # the form of the issue; it can only serve on port 8000
         port, cmd = 8000, [str(SERVE), "run", "deployments.app:build_app", *args]
     else:  # same app from a config file on a free port (the builder then runs in a Ray task)
         port = free_port()

@@ -24,13 +24,11 @@ from moe_runtime.tp.local_group import run_local_group
 from moe_runtime.tp.plan import TailPlan
 from moe_runtime.tp.routed_input import (
     FP8_MAX,
-    QUANT_MODES,
     RoutedInputConfig,
     dequantize,
     fp8_dequantize,
     fp8_quantize,
     quantize,
-    wire_bytes,
 )
 from moe_runtime.tp.runner import activation_quantizer, build_rank_runners, check_activation_quant
 
@@ -159,19 +157,17 @@ def test_quantize_none_is_the_identity() -> None:
     assert dequantize(parts, "none", torch.float32) is h
 
 
-@pytest.mark.parametrize("mode", QUANT_MODES)
-@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
-def test_wire_bytes_is_what_quantize_gathers(mode: str, dtype: torch.dtype) -> None:
-    h = _latent_like(T=7, D=96).to(dtype)
-    parts = quantize(h, mode)
-    assert wire_bytes(7, 96, mode, dtype) == sum(p.numel() * p.element_size() for p in parts)
+def test_gathered_bytes_shrink_at_k3_size() -> None:
+    """DESIGN §4: what a rank all-gathers shrinks ~2x (FP8) or ~3.8x (MXFP4) against bf16 (D = 3584)."""
+    h = _latent_like(T=64, D=3584).to(torch.bfloat16)
 
+    def gathered(mode: str) -> int:
+        return sum(p.numel() * p.element_size() for p in quantize(h, mode))
 
-def test_wire_bytes_ratios_at_k3_size() -> None:
-    """DESIGN §4: gathered bytes shrink ~2x (FP8) or ~3.8x (MXFP4) against bf16 (D = 3584)."""
-    bf16 = wire_bytes(1024, 3584, "none", torch.bfloat16)
-    assert bf16 / wire_bytes(1024, 3584, "fp8-approx", torch.bfloat16) == pytest.approx(2.0, abs=0.01)
-    assert bf16 / wire_bytes(1024, 3584, "mxfp4", torch.bfloat16) == pytest.approx(3.76, abs=0.01)
+    bf16 = gathered("none")
+    assert bf16 == 64 * 3584 * 2
+    assert bf16 / gathered("fp8-approx") == pytest.approx(2.0, abs=0.01)  # 1 B per element + a 4 B scale per row
+    assert bf16 / gathered("mxfp4") == pytest.approx(3.76, abs=0.01)  # 4 bits + one E8M0 scale per 32
 
 
 def test_config_defaults_and_validation() -> None:
@@ -523,7 +519,11 @@ def test_mxfp4_scale_rule_default_and_validation(ckpt: str, mxfp4_ckpt: str) -> 
 
 
 def test_deployment_spec_checks_w4a4_at_build_time(ckpt: str, mxfp4_ckpt: str) -> None:
-    from deployments.config.resolve import resolve_app
+    from deployments.app import decide_app
+
+    def resolve_app(args: dict) -> tuple:
+        app_args, resolved, _ = decide_app({"auto_tune_tokens": "none", **args})  # the build-time checks
+        return app_args, resolved
 
     args = {"tp_size": 2, "experts_activation_quant": "mxfp4"}
     _, [resolved] = resolve_app({"checkpoint": mxfp4_ckpt, **args})

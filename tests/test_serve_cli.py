@@ -35,7 +35,7 @@ READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
 
 
-def _port_in_use(port: int) -> bool:
+def port_in_use(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
@@ -102,7 +102,7 @@ def test_serve_run_local_config(tiny_ckpt, tmp_path):
 
 
 def test_serve_run_import_path(tiny_ckpt, tmp_path):
-    if _port_in_use(8000):  # the import-path form always serves HTTP on Serve's default port
+    if port_in_use(8000):  # the import-path form always serves HTTP on Serve's default port
         pytest.skip("port 8000 is taken; `serve run <import path>` cannot choose another")
     # tail=auto: also exercises the controller's warm-up measurement and CLI string coercion.
     cmd = [str(SERVE), "run", "deployments.app:build_app", f"checkpoint={tiny_ckpt}", "tp_size=2",

@@ -84,25 +84,30 @@ from ray.dag import InputNode, MultiOutputNode
 
 from moe_runtime.units import torch_dtype
 
+from ..cluster.liveness import dead_actors
 from ..common.errors import (
     GroupTimeoutError,
     GroupUnavailableError,
     ServeInputError,
+    actor_died,
     error_message,
     root_cause,
 )
 from ..common.wire import WireTensor
 from ..config.timeouts import LEASE_ATTEMPT_S, PROBE_S, TEARDOWN_S
 from .errors import MoEServerError, WorkerError, raise_for
-from .lane import (
+from .leases import (
     DEFAULT_RETRY_S,
     DEFAULT_WAIT_S,
+    GroupLease,
+    LeaseHolder,
+    bind_group_forward,
     check_seconds,
     default_client_name,
     lease_ended,
     served_layers,
+    teardown_then,
 )
-from .leases import GroupLease, LeaseHolder, bind_group_forward, teardown_then
 
 DEFAULT_MAX_TOKENS = 1  # rows per worker and step (decode: one token per sequence)
 MESSAGE_OVERHEAD_BYTES = 4096  # a message's pickled envelope around its rows
@@ -367,7 +372,9 @@ class CohortCore(LeaseHolder):
         """Every worker's answer; the first failure names its worker."""
         try:
             return ray.get(refs, timeout=timeout)
-        except ray.exceptions.RayActorError:
+        except Exception as e:
+            if not actor_died(e):
+                raise
             dead = self.dead_workers()
             if dead:
                 raise WorkerError(dead[0], self.names[dead[0]], "its actor died", died=True) from None
@@ -450,20 +457,11 @@ class CohortCore(LeaseHolder):
                                                "step is undone when that call returns"))
             except Exception as e:
                 pending.append(WorkerError(i, self.names[i], f"could not abort its step: {error_message(e)}",
-                                           died=isinstance(root_cause(e), ray.exceptions.RayActorError)))
+                                           died=actor_died(e)))
         return pending
 
     def dead_workers(self) -> list[int]:
-        refs = [w.__ray_ready__.remote() for w in self.workers]
-        dead = []
-        for i, ref in enumerate(refs):
-            try:
-                ray.get(ref, timeout=PROBE_S)
-            except ray.exceptions.RayActorError:
-                dead.append(i)
-            except Exception:  # slow to answer is not dead
-                pass
-        return dead
+        return dead_actors(self.workers)
 
     def broken_groups(self) -> dict[str, str]:
         """Leased groups with a dead, silent, failed or stuck rank -> what is wrong."""
@@ -475,11 +473,9 @@ class CohortCore(LeaseHolder):
             for r, ref in enumerate(refs):
                 try:
                     state = ray.get(ref, timeout=PROBE_S)
-                except ray.exceptions.RayActorError:
-                    broken[d] = f"rank {r} of {d!r} (replica {lease.replica}) died"
-                    break
-                except Exception:
-                    broken[d] = f"rank {r} of {d!r} (replica {lease.replica}) does not answer"
+                except Exception as e:
+                    how = "died" if actor_died(e) else "does not answer"
+                    broken[d] = f"rank {r} of {d!r} (replica {lease.replica}) {how}"
                     break
                 if state["failed"]:
                     broken[d] = f"{d!r} (replica {lease.replica}): {state['failed']}"

@@ -211,9 +211,12 @@ class LeaseHolder:
         until its leases expire."""
         while not self.closing:
             held = [lease for lease in self.leases.values() if lease.held]
-            term = min((lease.grant["term_s"] for lease in held), default=4 * LEASE_ATTEMPT_S)
+            if not held:  # nothing to drop: look again a lease attempt later
+                time.sleep(LEASE_ATTEMPT_S)
+                continue
+            term = min(lease.grant["term_s"] for lease in held)  # the replicas' lane_lease_s
             time.sleep(term / 4)
-            if not held or time.monotonic() - self.last_call < term / 2:
+            if time.monotonic() - self.last_call < term / 2:
                 continue
             with self.lock:
                 if self.closing or time.monotonic() - self.last_call < term / 2:

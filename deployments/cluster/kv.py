@@ -1,6 +1,11 @@
-"""Cluster-wide records in Ray's GCS key-value store: measured tail plans (reused by every
-replica whose plan key matches) and each starting replica's warm-up progress (read by the
-ingress's ``status()`` while the replica cannot answer yet). JSON values, one namespace.
+"""Cluster-wide records in Ray's GCS key-value store: measured tail plans (one per plan key,
+the latest measurement; reused by every replica whose key matches) and each replica's warm-up
+record (read by the ingress's ``status()`` while a replica cannot answer yet). JSON values, one
+namespace.
+
+Warm-up records stay bounded: each names its replica's actor; a replica deletes its own when it
+ends, and :func:`live_progress` (the ingress's read, and every replica's start) deletes those
+whose actor is gone (a replica that was killed never ran its own clean-up).
 """
 
 from __future__ import annotations
@@ -42,3 +47,32 @@ def entries(prefix: str) -> dict[str, dict[str, Any]]:
 
 def delete(key: str) -> None:
     _kv()._internal_kv_del(key, namespace=NAMESPACE)
+
+
+def progress_key(deployment: str, replica: str) -> str:
+    return f"{PROGRESS_PREFIX}{deployment}:{replica}"
+
+
+def actor_alive(name: str | None, namespace: str | None) -> bool:
+    """Whether the named actor still exists (a record without a name counts as alive)."""
+    if not name:
+        return True
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:  # no such actor (any more)
+        return False
+    return True
+
+
+def live_progress() -> list[dict[str, Any]]:
+    """Every warm-up record whose replica's actor exists; the others are deleted (blocking: GCS
+    calls, so callers in an event loop run it in a thread)."""
+    live = []
+    for key, record in entries(PROGRESS_PREFIX).items():
+        if actor_alive(record.get("actor"), record.get("namespace")):
+            live.append(record)
+        else:
+            delete(key)
+    return live

@@ -8,8 +8,6 @@ every replica starts from), W4A4 needs MXFP4 experts; a ``ValueError`` carries t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.config import LatentMoEConfig
@@ -18,7 +16,7 @@ from moe_runtime.tp.runner import check_activation_quant
 from moe_runtime.tp.sharding import check_tp_size
 from moe_runtime.units import format_layers, torch_dtype
 
-from .spec import AppArgs, DeploymentSpec
+from .spec import DeploymentSpec
 
 
 @dataclass(frozen=True)
@@ -63,15 +61,6 @@ def resolve_deployment(spec: DeploymentSpec, checkpoint: str, cfg: LatentMoEConf
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return ResolvedDeployment(spec, checkpoint, layers, plan, cfg.hidden_size, cfg.num_experts)
-
-
-def resolve_app(args: AppArgs | dict[str, Any]) -> tuple[AppArgs, list[ResolvedDeployment]]:
-    """Validate ``args`` and check every deployment against the checkpoint's config.json."""
-    if not isinstance(args, AppArgs):
-        args = AppArgs.model_validate(args)
-    checkpoint = str(Path(args.checkpoint).expanduser().resolve())
-    cfg = LatentMoEConfig.from_pretrained(checkpoint)
-    return args, [resolve_deployment(spec, checkpoint, cfg) for spec in args.deployments]
 
 
 def default_max_body_bytes(resolved: list[ResolvedDeployment]) -> int:

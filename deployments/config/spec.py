@@ -126,7 +126,9 @@ class DeploymentSpec(BaseModel):
     # [] turns the measurement off (auto is then the static rule: sharded when legal).
     auto_tune_tokens: list[int] = Field(default_factory=lambda: [1, 16, 128, 1024])
     auto_tune_reps: int = Field(3, ge=1)
-    tune_clock: str | None = None  # "module:callable" clock of the measurement (tests)
+    # The measurement's clock, "module:callable" in the project's own tests package only: a test
+    # scripts the timings; an app config must not make the workers import code of its choosing.
+    tune_clock: str | None = None
     # The warm-up measurement's time limit: the token counts whose measurement the planner's
     # cost model estimates within it are timed (ascending), the rule-based tail serves above the
     # largest one; measuring also stops once this much time has passed. A measured plan is
@@ -206,6 +208,14 @@ class DeploymentSpec(BaseModel):
             return [v]
         if isinstance(v, str):
             return parse_layers(v)
+        return v
+
+    @field_validator("tune_clock")
+    @classmethod
+    def _test_clock(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("tests."):
+            raise ValueError(f"tune_clock {v!r}: only a clock of the project's tests package "
+                             "('tests.<module>:<callable>') may replace the warm-up's clock; leave it unset")
         return v
 
     @field_validator("auto_tune_tokens", mode="before")

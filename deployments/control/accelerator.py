@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.spec import DeploymentSpec
-from .view import ClusterView
+from .cluster_view import ClusterView
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Any
 
 from ..config.spec import AppArgs, DeploymentSpec
 from .accelerator import Accelerator
+from .cluster_view import ClusterView, Resources
 from .launcher import max_tp_groups, mi300x_gpus
-from .options import placement_bundles
-from .view import ClusterView, Resources
+from .serve_options import placement_bundles
 
 
 def min_replicas(spec: DeploymentSpec) -> int:

@@ -11,7 +11,7 @@ launcher configs, and decides per deployment, each concept in one place:
   ``auto`` either static (TP 1, a single legal candidate, measurement off, or too little time)
   or "measured at warm-up" on the replica's group (``deployments.serve.group.tune_group``);
 * capacity (``control.capacity``): the app's shared budget of cluster GPUs;
-* the Serve options (``control.options``): bundles, autoscaling, batching knobs.
+* the Serve options (``control.serve_options``): bundles, autoscaling, batching knobs.
 
 Decisions are logged once, returned by the replicas' ``status()`` (``GET /v1/status``) and
 exported as Ray metrics (``deployments.serve.metrics``).
@@ -41,9 +41,9 @@ from ..config.resolve import ResolvedDeployment, resolve_deployment
 from ..config.spec import DeploymentSpec
 from .accelerator import Accelerator, decide_accelerator
 from .capacity import Capacity, app_capacity
+from .cluster_view import ClusterView
 from .launcher import load_cluster_config
-from .options import deployment_options
-from .view import ClusterView
+from .serve_options import deployment_options
 
 CONFIG_ONLY = "<config>"  # the checkpoint of a decision made from a config alone
 

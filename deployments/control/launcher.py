@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from .view import NodeType, clean_resources
+from .cluster_view import NodeType, clean_resources
 
 MI300X_RESOURCE = "accelerator_type:AMD-Instinct-MI300X-OAM"
 # Ray's local provider replaces any node types with this single one (on-prem configs).

@@ -22,6 +22,7 @@ trickling into small ones. A request larger than ``max_batch_tokens`` (but withi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +36,7 @@ from moe_runtime.config import LatentMoEConfig
 from moe_runtime.units import format_layers, torch_dtype
 
 from .. import logger
+from ..cluster import kv
 from ..common.errors import GroupUnavailableError, ServeInputError, http_status
 from ..common.requests import validate_forward
 from ..common.wire import WireTensor
@@ -341,6 +343,9 @@ class MoEGroupDeployment:
         return {QUEUED_TOKENS: float(queued), TOKENS_PER_S: self.stats.tokens_per_s()}
 
     def __del__(self) -> None:
+        if getattr(self, "spec", None) is not None:
+            with contextlib.suppress(Exception):  # the GCS may be gone with the cluster
+                kv.delete(kv.progress_key(self.spec.name, self.replica))
         lanes = getattr(self, "lanes", None)
         if lanes is not None:
             lanes.shutdown()

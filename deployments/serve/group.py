@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 import torch
+from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_runtime.logs import log_once
@@ -30,13 +31,14 @@ from moe_runtime.tp.tuning import Clock, Timings
 
 from .. import logger
 from ..cluster import kv
-from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message
+from ..cluster.liveness import dead_actors_async
+from ..common.errors import GroupTimeoutError, GroupUnavailableError, actor_died, error_message
 from ..common.wire import WireTensor, copy_graph_outputs, join_rank_outputs
 from ..config.resolve import ResolvedDeployment
-from ..config.timeouts import LIVENESS_POLL_S, PROBE_S
+from ..config.timeouts import LIVENESS_POLL_S
 from ..control.accelerator import Accelerator
 from ..control.decide import MEASURED, REUSED, Decision, TailDecision, measured_plan
-from ..control.options import worker_resources
+from ..control.serve_options import worker_resources
 from ..control.warmup import plan_key, plan_key_fields
 from .lanes import LANE_GRAPH_SLOTS
 from .worker import WORKER_NAMESPACE, TPWorker
@@ -77,7 +79,7 @@ class TPGroup:
         if pg is None:
             raise RuntimeError(
                 f"deployment {spec.name!r} must run in a placement group of 1 + {spec.tp_size} bundles "
-                "(placement_group_bundles in its options, see deployments.control.options)"
+                "(placement_group_bundles in its options, see deployments.control.serve_options)"
             )
         # Graph loops run on the actor's _ray_system threads: its replica's graph, a lane's, and
         # those abandoned by lane clients that died (serve.lanes).
@@ -188,7 +190,7 @@ class TPGroup:
             )
             raise GroupTimeoutError(f"TP group timed out: {reason}", self.replica) from None
         except _RankFailure as f:
-            died = isinstance(f.error, ray.exceptions.RayActorError)
+            died = actor_died(f.error)
             reason = self._break(
                 f"rank {f.rank} {'died' if died else 'failed'} during {what}: {error_message(f.error)}"
             )
@@ -255,19 +257,8 @@ class TPGroup:
         return copy_graph_outputs(results)
 
     async def _dead_ranks(self) -> list[int]:
-        """Ranks whose actor no longer answers (the graph's error does not say which)."""
-
-        async def dead(worker) -> bool:
-            try:
-                await asyncio.wait_for(worker.__ray_ready__.remote(), PROBE_S)
-            except ray.exceptions.RayActorError:
-                return True
-            except Exception:  # slow to answer (a loaded machine) is not dead
-                pass
-            return False
-
-        flags = await asyncio.gather(*(dead(w) for w in self.workers))
-        return [r for r, gone in enumerate(flags) if gone]
+        """Ranks whose actor died (the graph's error does not say which)."""
+        return await dead_actors_async(self.workers)
 
     async def _locked_call(self, method: str, args: tuple, what: str, timeout_s: float) -> list:
         async with self._lock:
@@ -353,7 +344,10 @@ def tune_group(
     fields = plan_key_fields(decision.resolved, decision.accelerator, tail.candidates,
                              settings.token_counts, settings.reps, settings.clock)
     key = kv.PLAN_PREFIX + plan_key(fields)
-    progress_key = f"{kv.PROGRESS_PREFIX}{spec.name}:{replica}"
+    progress_key = kv.progress_key(spec.name, replica)
+    # Who the record belongs to: Serve names its replica actors in its own namespace.
+    owner = {"actor": ray.get_runtime_context().get_actor_name(), "namespace": SERVE_NAMESPACE}
+    kv.live_progress()  # records of replicas that ended without deleting theirs go
     timeout_s = spec.bounds.warmup_s
     stored = None if spec.remeasure_tail else kv.get_json(key)
     if stored is not None:
@@ -363,7 +357,7 @@ def tune_group(
         log_once(f"warm-up: deployment {spec.name!r} reuses the tail plan measured at {when} UTC "
                  f"(key {key}): {plan.describe()}", logger)
         kv.put_json(progress_key, {"deployment": spec.name, "replica": replica, "state": REUSED,
-                                   "key": key, "measured_at": stored["measured_at"]})
+                                   "key": key, "measured_at": stored["measured_at"], **owner})
         return tail.with_measurement(plan, REUSED, stored["measured_at"])
 
     counts = list(settings.token_counts)
@@ -389,7 +383,7 @@ def tune_group(
         logger.info("warm-up: deployment %r: T = %d measured (%d/%d) in %.1f s total, ~%.0f s left: %s",
                     spec.name, T, len(done), len(counts), elapsed, left,
                     ", ".join(f"{t} {per[T]:.2f} ms" for t, per in rank0.items()))
-        kv.put_json(progress_key, {"deployment": spec.name, "replica": replica, "state": "measuring",
+        kv.put_json(progress_key, {"deployment": spec.name, "replica": replica, "state": "measuring", **owner,
                                    "measured_tokens": done, "token_counts": counts,
                                    "elapsed_s": round(elapsed, 1),
                                    "remaining_s": round(left, 1), "estimate_s": tail.estimate_s})
@@ -398,7 +392,8 @@ def tune_group(
     ray.get([w.set_plan.remote(plan) for w in workers], timeout=timeout_s)
     now = time.time()
     kv.put_json(key, {"plan": plan.to_dict(), "measured_at": now, "fields": fields})
-    kv.put_json(progress_key, {"deployment": spec.name, "replica": replica, "state": MEASURED, "key": key,
+    kv.put_json(progress_key, {"deployment": spec.name, "replica": replica, "state": MEASURED, **owner,
+                               "key": key,
                                "measured_tokens": done, "elapsed_s": round(clock() - start, 1)})
     log_once(f"warm-up: deployment {spec.name!r}: tail {plan.describe()} ({plan.reason}); "
              f"stored as {key}", logger)

@@ -307,13 +307,14 @@ class MoEIngress:
 
         results = await asyncio.gather(*(one(n, h) for n, h in self.groups.items()))
         return {"default_deployment": self.routes.default, "http_auth": self.http_auth(),
-                "deployments": dict(results), "warmup": self.warmup()}
+                "deployments": dict(results), "warmup": await asyncio.to_thread(self.warmup)}
 
     def warmup(self) -> dict[str, list[dict[str, Any]]]:
-        """Each deployment's replicas' warm-up records (measuring with progress, measured or
-        reused), from the cluster's store: a starting replica cannot answer status() itself."""
+        """Each deployment's live replicas' warm-up records (measuring with progress, measured or
+        reused), from the cluster's store: a starting replica cannot answer status() itself.
+        Blocking (GCS reads): :meth:`status` runs it off the event loop."""
         records: dict[str, list[dict[str, Any]]] = {name: [] for name in self.groups}
-        for record in kv.entries(kv.PROGRESS_PREFIX).values():
+        for record in kv.live_progress():
             records.setdefault(record["deployment"], []).append(record)
         return records
 

@@ -42,10 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
 from .. import logger
-from ..common.errors import ServeInputError, TooLargeError, error_message
+from ..common.errors import ServeInputError, TooLargeError, actor_died, error_message
 from ..config.timeouts import LANE_POLL_S, RANK_POLL_S
 
 LANE_GRAPH_SLOTS = 16  # compiled-graph loops a worker can run at once (its _ray_system threads)
@@ -284,7 +282,7 @@ class LaneLeases:
                 states = await asyncio.gather(
                     *(asyncio.wait_for(w.lane_state.remote(), RANK_POLL_S) for w in self.group.workers),
                     return_exceptions=True)
-                dead = [r for r, st in enumerate(states) if isinstance(st, ray.exceptions.RayActorError)]
+                dead = [r for r, st in enumerate(states) if isinstance(st, BaseException) and actor_died(st)]
                 if dead:
                     how = "a rank died"
                     self.group.mark_broken(f"rank {dead[0]} died while leased to client {lease.client}: "

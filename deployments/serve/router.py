@@ -1,7 +1,7 @@
 """Serve request router of the TP-group deployments: power of two choices among healthy replicas.
 
 Each replica reports ``{"healthy": bool}`` through Serve's ``record_routing_stats`` hook (every
-``config.timeouts.ROUTING_STATS_PERIOD_S``; ``control.options`` names this class in each
+``config.timeouts.ROUTING_STATS_PERIOD_S``; ``control.serve_options`` names this class in each
 deployment's ``request_router_config``). A replica whose TP group broke stays in Serve's replica
 set until its health check fails a few times; meanwhile this router sends requests only to
 replicas that report a usable group (all of them when none does, so the caller gets the

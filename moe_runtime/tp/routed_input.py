@@ -117,12 +117,3 @@ def dequantize(parts: list[torch.Tensor], mode: str, dtype: torch.dtype) -> torc
     if mode in ("mxfp4", "mxfp4-approx"):
         return mxfp4.decode(parts[0], parts[1], dtype)
     return parts[0]
-
-
-def wire_bytes(num_tokens: int, latent_size: int, mode: str, dtype: torch.dtype) -> int:
-    """Bytes one rank contributes to the all-gather for ``num_tokens`` rows."""
-    if mode == "fp8-approx":
-        return num_tokens * (latent_size + 4)
-    if mode in ("mxfp4", "mxfp4-approx"):
-        return num_tokens * (latent_size // 2 + latent_size // mxfp4.BLOCK)
-    return num_tokens * latent_size * torch.finfo(dtype).bits // 8

@@ -22,8 +22,8 @@ from pathlib import Path
 import yaml
 
 from ..config.spec import DeploymentSpec
+from ..control.cluster_view import ClusterView, NodeType, clean_resources
 from ..control.launcher import launcher_node_types, load_cluster_config
-from ..control.view import ClusterView, NodeType, clean_resources
 
 # The cluster launcher writes the filled-out config here on the head node.
 BOOTSTRAP_CONFIG = Path("~/ray_bootstrap_config.yaml").expanduser()

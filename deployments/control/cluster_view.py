@@ -1,5 +1,5 @@
 """What a cluster offers, as plain data: the nodes alive now and the node types a cluster
-launcher may add. ``deployments.cluster.view`` fills it from a live Ray cluster; tests and the
+launcher may add. ``deployments.cluster.live_view`` fills it from a live Ray cluster; tests and the
 launcher configs build it by hand. Pure: no Ray."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Serve deployment options as pure functions of the validated spec and the controller's
-decisions (no Ray: Serve validates the merged result in ``deployments.serve.options``).
+decisions (no Ray: Serve validates the merged result in ``deployments.serve.check_options``).
 
 A TP-group replica owns a placement group of ``1 + P`` bundles packed on one node:
 bundle 0 (``{"CPU": c}``) holds the replica actor, which asks for no GPU; bundle ``1 + r``
@@ -90,7 +90,7 @@ def autoscaling_config(spec: DeploymentSpec, max_replicas: int | None = None) ->
 
 def deployment_options(spec: DeploymentSpec, layout: str, max_replicas: int | None = None) -> dict[str, Any]:
     """Keyword arguments of ``Deployment.options`` for one TP-group deployment, with the spec's
-    ``deployment_config`` merged over them (Serve validates the result: ``serve.options``)."""
+    ``deployment_config`` merged over them (Serve validates the result: ``serve.check_options``)."""
     options: dict[str, Any] = {
         "name": spec.name,
         "ray_actor_options": {"num_cpus": spec.replica_cpus, "num_gpus": 0},
