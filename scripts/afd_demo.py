@@ -4,10 +4,13 @@
                                                       # over two TP-group deployments
     python scripts/afd_demo.py --connect default      # an app already running (serve run ...),
                                                       # whose checkpoint has the decoder tensors
+    python scripts/afd_demo.py --workers 1 2 4        # M decoders as the workers of one cohort
 
 Greedy-decodes a batch of prompts with ``micro_batches`` groups in flight, then runs the same
 model entirely in this process (``moe_forward`` as its MoE) and says whether the tokens match
-and how far the logits are apart.
+and how far the logits are apart. With ``--workers``, for each M: M decoders (Ray actors, each
+its own prompts and KV cache) decode together as one cohort, every MoE layer of a step one
+forward of all their rows, and each one's tokens are checked against the in-process model.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch  # noqa: E402
 from bench.harness import ensure_decoder_checkpoint as ensure_checkpoint  # noqa: E402
 from bench.harness import local_app  # noqa: E402
 
-from deployments.client.afd import Decoder, LocalMoE, RemoteMoE  # noqa: E402
+from deployments.client.afd import Decoder, DecoderWorker, LocalMoE, RemoteMoE  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 
 
@@ -33,8 +36,7 @@ def demo(checkpoint: Path, app: str, batch: int, tokens: int, micro_batches: int
     tier = RemoteMoE.connect(app)
     model = Decoder(checkpoint, tier)
     vocab = model.cfg.vocab_size
-    prompts = [torch.randint(vocab, (int(n),), generator=gen).tolist()
-               for n in torch.randint(2, 9, (batch,), generator=gen)]
+    prompts = random_prompts(gen, vocab, batch)
     routes = tier.client.layer_routes().to_dict()["layers"]
     print(f"MoE layers -> deployments: {routes}")
     remote = model.generate(prompts, tokens, micro_batches)
@@ -52,6 +54,43 @@ def demo(checkpoint: Path, app: str, batch: int, tokens: int, micro_batches: int
     return same
 
 
+def random_prompts(gen: torch.Generator, vocab: int, batch: int) -> list[list[int]]:
+    return [torch.randint(vocab, (int(n),), generator=gen).tolist()
+            for n in torch.randint(2, 9, (batch,), generator=gen)]
+
+
+def cohort_demo(checkpoint: Path, app: str, workers: list[int], batch: int, tokens: int) -> bool:
+    """For each M: M decoders as one cohort, tokens checked against the in-process model."""
+    import ray
+
+    from deployments.client import MoEClient
+
+    local = Decoder(checkpoint, LocalMoE(checkpoint))
+    gen = torch.Generator().manual_seed(1)
+    ok = True
+    for M in workers:
+        prompts = [random_prompts(gen, local.cfg.vocab_size, batch) for _ in range(M)]
+        actors = [ray.remote(DecoderWorker).options(num_cpus=0).remote(str(checkpoint), p, tokens)
+                  for p in prompts]
+        prefill = max(sum(map(len, p)) for p in prompts)  # the most rows a worker sends in a step
+        start = time.perf_counter()
+        with MoEClient(app).cohort(actors, max_tokens=prefill, name=f"afd-{M}") as cohort:
+            for _ in range(tokens):
+                cohort.step([None] * M)
+            status = cohort.status()
+        seconds = time.perf_counter() - start
+        made = ray.get([a.generation.remote() for a in actors])
+        same = [torch.equal(g.tokens, local.generate(p, tokens).tokens)
+                for g, p in zip(made, prompts, strict=True)]
+        for a in actors:
+            ray.kill(a)
+        print(f"cohort of {M} decoder(s) x {batch} prompts, {tokens} steps in {seconds:.1f} s "
+              f"({status['graph_steps']} on the graph, {status['serve_steps']} on the Serve path, "
+              f"{status['reruns']} re-run); tokens identical to the in-process model: {all(same)}")
+        ok &= all(same)
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints/tiny-afd")
@@ -60,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--workers", type=int, nargs="+", metavar="M",
+                    help="instead: M decoders (each --batch prompts) as the workers of one cohort, per M")
     args = ap.parse_args(argv)
     if args.connect:
         import ray
 
         ray.init(address="auto", log_to_driver=False)
-        ok = demo(args.checkpoint, args.connect, args.batch, args.tokens, args.micro_batches)
+        if args.workers:
+            ok = cohort_demo(args.checkpoint, args.connect, args.workers, args.batch, args.tokens)
+        else:
+            ok = demo(args.checkpoint, args.connect, args.batch, args.tokens, args.micro_batches)
         return 0 if ok else 1
     ckpt = ensure_checkpoint(args.checkpoint, args.preset)
     layers = LatentMoEConfig.from_pretrained(ckpt).moe_layers
@@ -75,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if layers[half:]:
         deployments.append({"name": "upper", "tp_size": 2, "layers": layers[half:], **common})
     with local_app(ckpt, "afd", deployments, num_cpus=4, num_gpus=4):
-        ok = demo(ckpt, "afd", args.batch, args.tokens, args.micro_batches)
+        ok = (cohort_demo(ckpt, "afd", args.workers, args.batch, args.tokens) if args.workers
+              else demo(ckpt, "afd", args.batch, args.tokens, args.micro_batches))
     return 0 if ok else 1
 
 

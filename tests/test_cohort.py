@@ -104,8 +104,20 @@ def app(tiny_ckpt):
         yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
 
 
-def workers(*tokens: int):
-    return [ray.remote(Echo).options(num_cpus=0).remote(T) for T in tokens]
+@pytest.fixture
+def workers():
+    """``workers(*T)``: Echo actors sending T rows each; every one is ended after the test (an
+    idle actor process still holds a few hundred MB)."""
+    made = []
+
+    def make(*tokens: int):
+        new = [ray.remote(Echo).options(num_cpus=0).remote(T) for T in tokens]
+        made.extend(new)
+        return new
+
+    yield make
+    for actor in made:
+        ray.kill(actor)
 
 
 def direct(name: str):
@@ -137,7 +149,7 @@ def counters(name: str) -> dict[str, dict]:
     return seen
 
 
-def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app):
+def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app, workers):
     tokens = (2, 0, 3)
     ws = workers(*tokens)
     want = serve_reference(app, tokens, lambda i: 10 + i)
@@ -165,7 +177,7 @@ def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app):
         assert a["lane"]["tokens"] - b["lane"]["tokens"] == 15
 
 
-def test_the_replica_lists_the_cohort_lease_with_its_workers(app):
+def test_the_replica_lists_the_cohort_lease_with_its_workers(app, workers):
     ws = workers(1, 1)
     with app.client.cohort(ws, name="listed") as cohort:
         cohort.step([1, 2])
@@ -176,7 +188,7 @@ def test_the_replica_lists_the_cohort_lease_with_its_workers(app):
 
 
 @pytest.mark.parametrize("fault", ["nan", "width", "rows", "too_many", "raise"])
-def test_a_bad_worker_fails_the_step_naming_it_and_the_cohort_keeps_serving(app, fault):
+def test_a_bad_worker_fails_the_step_naming_it_and_the_cohort_keeps_serving(app, workers, fault):
     ws = workers(2, 3)
     want = serve_reference(app, (2, 3), lambda i: 20 + i)
     with app.client.cohort(ws, max_tokens=4, name=f"bad-{fault}") as cohort:
@@ -191,7 +203,7 @@ def test_a_bad_worker_fails_the_step_naming_it_and_the_cohort_keeps_serving(app,
     assert all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
 
 
-def test_cohort_arguments_are_checked(app):
+def test_cohort_arguments_are_checked(app, workers):
     with pytest.raises(ValueError, match="max_tokens"):
         app.client.cohort(workers(1), max_tokens=0)
     with pytest.raises(ValueError, match="non-empty list"):
@@ -206,11 +218,12 @@ def test_cohort_arguments_are_checked(app):
     not_a_worker = ray.remote(num_cpus=0)(type("Plain", (), {"ping": lambda self: 1})).remote()
     with pytest.raises(WorkerError, match="AttentionWorker"):
         app.client.cohort([not_a_worker])
+    ray.kill(not_a_worker)
     with app.client.cohort(workers(1, 1)) as cohort, pytest.raises(ValueError, match="one input per worker"):
         cohort.step([1])
 
 
-def test_a_dead_worker_is_named_and_closes_the_cohort(app):
+def test_a_dead_worker_is_named_and_closes_the_cohort(app, workers):
     ws = workers(1, 1)
     with app.client.cohort(ws, name="dying") as cohort:
         cohort.step([1, 2])
@@ -222,7 +235,7 @@ def test_a_dead_worker_is_named_and_closes_the_cohort(app):
             cohort.step([1, 2])
 
 
-def test_without_a_lease_the_step_runs_aggregated_on_the_serve_path(app):
+def test_without_a_lease_the_step_runs_aggregated_on_the_serve_path(app, workers):
     ws = workers(2, 1)
     want = serve_reference(app, (2, 1), lambda i: 30 + i)
     before = counters("pair")
@@ -252,7 +265,7 @@ def rank_pid(cohort, deployment: str, rank: int) -> int:
     return ray.get(grant["ranks"][rank].info.remote(), timeout=30)["pid"]
 
 
-def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app):
+def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app, workers):
     """SIGKILL a rank of the leased "pair" replica while steps run: every step answers, with the
     same rows as before the kill (re-run on the other replica or the Serve path)."""
     ws = workers(1, 2)
@@ -290,7 +303,7 @@ def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app):
         cohort.close()
 
 
-def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app):
+def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app, workers):
     """SIGSTOP a rank of the leased "pair" replica: the step ends within step_timeout_s (twice
     the call bound), every worker aborts, and the re-run answers on the other replica."""
     deadline = time.monotonic() + 300  # Serve replaced the replica the test above broke
@@ -317,7 +330,7 @@ def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app
     assert took < bound + 30, took  # the step bound, then probes, abort and the re-run
 
 
-def test_a_stalled_worker_is_named_within_the_step_bound(app):
+def test_a_stalled_worker_is_named_within_the_step_bound(app, workers):
     ws = workers(1, 1)
     with app.client.cohort(ws, step_timeout_s=3.0, name="slow-worker") as cohort:
         ray.get(ws[0].set_fault.remote("sleep"))

@@ -61,6 +61,9 @@ SKIP = {
                                      "tests/test_multinode.py covers it",
     "python scripts/afd_demo.py":
         "starts local Ray and two TP-2 deployments (minutes on 2 cores); tests/test_afd.py covers it",
+    "python scripts/afd_demo.py --workers 1 2 4":
+        "starts local Ray, two TP-2 deployments and up to 4 decoder actors (minutes on 2 cores); "
+        "tests/test_afd.py covers a cohort of decoders",
     "df -h /work && free -g": "a look at this machine's disk and memory before the real-size demo",
     "python scripts/make_checkpoint.py --preset kimi-k3 --mxfp4 --moe-layers 1 --out /work/ckpt/k3-1layer":
         "real size: ~16 GB written in ~20 min",

@@ -37,7 +37,7 @@ from moe_runtime.layer import check_hidden
 from moe_runtime.units import torch_dtype
 
 from ..common.requests import to_tensor
-from ..common.wire import WireTensor, part_rows
+from ..common.wire import PartFailed, WireTensor, failure_in, part_rows
 from .errors import WorkerError
 
 
@@ -209,17 +209,35 @@ class AttentionWorker:
     # graph nodes: a step is begin -> next per later layer -> end. The step's epoch comes with
     # its input (``(epoch, inputs)``); later nodes run under it, so an abort refuses them.
 
+    # A failure travels as a value (``common.wire.PartFailed``), never as an exception: every
+    # node after it passes it on, and the driver raises it as a WorkerError.
+
     def cohort_begin(self, step: tuple[int, list[Any]], layer: int) -> Any:
         epoch, inputs = step
-        self.cohort_start(epoch, inputs[self._cohort_seat().index])
-        return self.cohort_attend(epoch, layer)
+        seat = self._cohort_seat()
+        return self._graph_node(lambda: (self.cohort_start(epoch, inputs[seat.index]),
+                                         self.cohort_attend(epoch, layer))[1])
 
     def cohort_next(self, layer: int, next_layer: int, *rank_outputs: Any) -> Any:
         seat = self._cohort_seat()
-        self.cohort_absorb(seat.step_epoch, layer, part_rows(list(rank_outputs), seat.index))
-        return self.cohort_attend(seat.step_epoch, next_layer)
+
+        def run() -> Any:
+            self.cohort_absorb(seat.step_epoch, layer, part_rows(list(rank_outputs), seat.index))
+            return self.cohort_attend(seat.step_epoch, next_layer)
+
+        return failure_in(out for out, _, _ in rank_outputs) or self._graph_node(run)
 
     def cohort_end(self, layer: int, *rank_outputs: Any) -> Any:
         seat = self._cohort_seat()
-        self.cohort_absorb(seat.step_epoch, layer, part_rows(list(rank_outputs), seat.index))
-        return self.cohort_finish(seat.step_epoch)
+
+        def run() -> Any:
+            self.cohort_absorb(seat.step_epoch, layer, part_rows(list(rank_outputs), seat.index))
+            return self.cohort_finish(seat.step_epoch)
+
+        return failure_in(out for out, _, _ in rank_outputs) or self._graph_node(run)
+
+    def _graph_node(self, run: Callable[[], Any]) -> Any:
+        try:
+            return run()
+        except WorkerError as e:
+            return PartFailed(e.index, e.name, e.message)

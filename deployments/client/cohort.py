@@ -38,10 +38,11 @@ tears the whole graph down (the cohort recompiles, see faults); Ray's default ch
 **Size** (L MoE layers, M workers, TP groups g of P_g ranks serving L_g of the layers):
 nodes = M·(L + 1) + Σ_g P_g·L_g; channels between processes = L·(M + 1) + 1 + M + Σ_g (P_g − 1)
 (per layer M worker→ranks channels, each read by the group's P ranks from one buffer, and one
-rank 0→workers channel; under sequence parallelism P of those); shared memory ≈ L·(M·b_w + b_r)
-with b_w = T·H·s (one worker's rows, T = ``max_tokens``, s = dtype bytes) and b_r = M·b_w (rank
-0's batch). For Kimi-K3 (L = 92, M = 8, TP 8, H = 7168, bf16, T = 4): 1,480 nodes, 837 channels,
-~84 MB. ``status()["graph"]`` reports the live graph's counts and its compile time.
+rank 0→workers channel; under sequence parallelism P of those); shared memory = (channels +
+L·(M − 1))·b with b = T·H·s + envelope (one worker's rows, T = ``max_tokens``, s = dtype bytes):
+every channel starts at b and rank 0's per-layer channel grows to M·b. For Kimi-K3 (L = 92,
+M = 8, TP 8, H = 7168, bf16, T = 4): 1,480 nodes, 844 channels, ~91 MB. ``status()["graph"]``
+reports the live graph's counts and its compile time.
 
 **Leases and membership.** The cohort leases every deployment serving its layers as a lane does
 (``lane_lease_s`` term, renewals, expiry, ``status()["lanes"]`` of the replica lists the lease
@@ -93,7 +94,7 @@ from ..common.errors import (
     error_message,
     root_cause,
 )
-from ..common.wire import WireTensor
+from ..common.wire import WireTensor, failure_in
 from ..config.timeouts import LEASE_ATTEMPT_S, PROBE_S, TEARDOWN_S
 from .errors import MoEServerError, WorkerError, raise_for
 from .leases import (
@@ -337,6 +338,10 @@ class CohortCore(LeaseHolder):
             results = ray.get(self.dag.execute((self.epoch, inputs)), timeout=self.step_timeout_s)
         except Exception as e:
             self.handle(self.classify(e))
+        failed = failure_in(results)
+        if failed is not None:  # the graph finished the step around a worker's failure: it stays
+            error = WorkerError(failed.index, failed.name, failed.message)
+            self.handle(Failure("worker", error), graph_ok=True)
         self.counts["graph_steps"] += 1
         return list(results[: len(self.workers)])
 
@@ -413,14 +418,15 @@ class CohortCore(LeaseHolder):
             return Failure("group", cause, tuple(self.leases))
         return Failure("unknown", cause)
 
-    def handle(self, failure: Failure, serve: bool = False) -> NoReturn:
+    def handle(self, failure: Failure, serve: bool = False, graph_ok: bool = False) -> NoReturn:
         """Abort the step everywhere, then raise what the caller (or the retry rule) gets.
 
-        A graph whose step failed is torn down whatever the cause: a group's failure or a stuck
-        step leaves it broken (its leases go too), and after a worker's or an input's error Ray
-        2.60 leaves the channel buffer a skipped node had read held for good, so that the graph
-        hangs once its writer comes back to it (measured: the next step with one buffer per
-        channel). The next step compiles a new graph on the leases it still holds."""
+        A worker's failure reaches the driver as a value the graph carried to the end
+        (``graph_ok``): the graph stays. Any other failed graph step tears it down: a group's
+        failure or a stuck step leaves it broken (its leases go too), and after an exception
+        inside a graph Ray 2.60 leaves the channel buffer a skipped node had read held for good,
+        so that the graph hangs once its writer comes back to it (measured: the next step with
+        one buffer per channel). The next step compiles a new graph on the leases it still holds."""
         error = failure.error
         died = isinstance(error, WorkerError) and error.died
         avoid = {d: self.leases[d].replica for d in failure.deployments}
@@ -429,7 +435,7 @@ class CohortCore(LeaseHolder):
             for d, lease in self.leases.items():
                 if d not in failure.deployments:
                     lease.next_try = 0.0  # nothing wrong there: the re-run leases it again at once
-        elif not serve:
+        elif not serve and not graph_ok:
             self.drop_graph()
         pending = self.abort(skip=error.index if died else None)
         if died:

@@ -62,6 +62,22 @@ def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[tor
     return results[0][0].to_torch(), tail
 
 
+@dataclass(frozen=True)
+class PartFailed:
+    """A cohort worker's failure as a value in its graph: passed on by every node after it, instead
+    of an exception (Ray 2.60 leaves a channel buffer held by a node an exception made it skip,
+    and the graph then hangs), so the graph finishes the step and stays usable."""
+
+    index: int
+    name: str
+    message: str
+
+
+def failure_in(values: Any) -> PartFailed | None:
+    """The first :class:`PartFailed` among ``values`` (or None)."""
+    return next((v for v in values if isinstance(v, PartFailed)), None)
+
+
 def part_tokens(part: Any) -> int:
     """Rows of one part of a lease forward (0 unless it is a ``[T, H]`` array)."""
     shape = getattr(part, "shape", ())

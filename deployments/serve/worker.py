@@ -26,7 +26,7 @@ from moe_runtime.units import torch_dtype
 from .. import logger
 from ..common.errors import ServeInputError, error_message
 from ..common.requests import check_layer, to_tensor, validate_forward
-from ..common.wire import WireTensor, part_tokens
+from ..common.wire import WireTensor, failure_in, part_tokens
 from ..config.resolve import ResolvedDeployment
 from .lanes import LaneSeat
 
@@ -154,6 +154,10 @@ class TPWorker:
         input the same way, so a bad one fails on every rank before any collective; a failure
         that is not the input's marks the lease failed, and the replica breaks the group."""
         self.lane.check(lease_id)
+        failed = failure_in(parts)
+        if failed is not None:  # a cohort worker failed this step: nothing runs, the graph goes on
+            self.lane.calls += 1
+            return failed, "none", [0] * len(parts)
         if torch.get_num_threads() != self.threads:
             # Graph loops run on their own thread, where OpenMP starts from its default count;
             # the same count as the Serve path's forward keeps the two bit-identical.
