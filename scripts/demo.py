@@ -1,6 +1,6 @@
 """End-to-end local run (``scripts/run.sh``): start a local Ray instance with logical GPUs, run
-a Serve config, exercise it through the handle and HTTP against the single-device reference,
-and shut down everything this process started.
+a Serve config, exercise it through every path a caller has (handle, HTTP, a lane, a cohort)
+against the single-device reference, and shut down everything this process started.
 
     python scripts/demo.py [--config deployments/configs/local.yaml] [--serve]
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from deployments.client import HTTPMoEClient, MoEClient  # noqa: E402
+from deployments.client import AttentionWorker, HTTPMoEClient, MoEClient  # noqa: E402
 from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.layer import moe_forward  # noqa: E402
@@ -53,40 +53,101 @@ def _ms(samples: list[float]) -> str:
     return f"{statistics.median(samples) * 1e3:7.2f} ms"
 
 
+class RowsWorker(AttentionWorker):
+    """The cohort path's stand-in attention worker: a step's input is its rows for every layer."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}
+        self.out: dict[int, torch.Tensor] = {}
+
+    def start(self, step_input: dict[int, torch.Tensor]) -> None:
+        self.rows, self.out = step_input, {}
+
+    def attend(self, layer: int) -> torch.Tensor:
+        return self.rows[layer]
+
+    def absorb(self, layer: int, moe_out_TH: torch.Tensor) -> None:
+        self.out[layer] = moe_out_TH
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        return self.out
+
+    def abort(self) -> None:
+        self.out = {}
+
+
+def references(resolved: list) -> list[dict[str, Any]]:
+    """Every deployment and layer at T = 1, 33, 300: its input, the single-device forward and the
+    tolerance (fp32: only the TP reduction order differs from the reference; bf16: bf16 rounding)."""
+    cases = []
+    for r in resolved:
+        cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
+        dtype = torch_dtype(r.spec.dtype)
+        for layer in r.layers:
+            weights = load_layer_weights(r.checkpoint, cfg, layer, dtype)
+            for T in (1, 33, 300):
+                if T <= r.spec.max_tokens_per_request:
+                    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(dtype)
+                    cases.append({"deployment": r.spec.name, "layer": layer, "T": T, "x": x,
+                                  "ref": moe_forward(x, weights, cfg).float(),
+                                  "tol": 1e-4 if dtype == torch.float32 else 5e-2})
+    return cases
+
+
+def timed(repeats: int, call: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[float]]:
+    times, out = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = call(*args, **kwargs)
+        times.append(time.perf_counter() - start)
+    return out, times
+
+
 def exercise(app_name: str, base_url: str, resolved: list, repeats: int) -> bool:
-    """Every deployment and layer at T = 1, 33, 300 through the handle and HTTP vs the reference."""
-    ok = True
+    """Every deployment and layer at T = 1, 33, 300 through each path a caller has (handle, HTTP,
+    a lane, a cohort of two workers splitting the rows) against the single-device reference."""
+    import ray
+
     status = MoEClient(app_name).status()
     for name, st in status["deployments"].items():
         print(f"[{name}] TP {st['tp_size']} on {st['device']}/{st['backend']}, layers {st['layers']}, "
               f"tail: {st['tail_plan']['describe']} -- {st['tail_reason']}")
+    cases = references(resolved)
+    max_T = max(c["T"] for c in cases)
+    results: dict[tuple[int, str], tuple[torch.Tensor, list[float]]] = {}
+    client = MoEClient(app_name)
     with HTTPMoEClient(base_url) as http:
-        print(f"{'deployment':>12} {'layer':>5} {'T':>5} {'path':>6} {'max|diff|':>10} {'latency p50':>12}")
-        for r in resolved:
-            cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
-            dtype = torch_dtype(r.spec.dtype)
-            # fp32: only the TP reduction order differs from the reference; bf16: bf16 rounding.
-            tol = 1e-4 if dtype == torch.float32 else 5e-2
-            handle = MoEClient(app_name, deployment=r.spec.name)
-            for layer in r.layers:
-                weights = load_layer_weights(r.checkpoint, cfg, layer, dtype)
-                for T in (1, 33, 300):
-                    if T > r.spec.max_tokens_per_request:
-                        continue
-                    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(T)).to(dtype)
-                    ref = moe_forward(x, weights, cfg).float()
-                    for path in ("handle", "http"):
-                        times, out = [], None
-                        for _ in range(repeats):
-                            start = time.perf_counter()
-                            if path == "handle":
-                                out = handle.forward(x, layer)
-                            else:
-                                out = http.forward(x, layer, deployment=r.spec.name)
-                            times.append(time.perf_counter() - start)
-                        diff = (out.float() - ref).abs().max().item()
-                        ok &= diff <= tol
-                        print(f"{r.spec.name:>12} {layer:>5} {T:>5} {path:>6} {diff:10.2e} {_ms(times):>12}")
+        for i, c in enumerate(cases):
+            handle = MoEClient(app_name, deployment=c["deployment"])
+            results[i, "handle"] = timed(repeats, handle.forward, c["x"], c["layer"])
+            results[i, "http"] = timed(repeats, http.forward, c["x"], c["layer"], deployment=c["deployment"])
+    with client.lane(max_tokens=max_T, name="demo") as lane:  # closed before the cohort leases
+        for i, c in enumerate(cases):
+            results[i, "lane"] = timed(repeats, lane.forward, c["x"], c["layer"])
+    workers = [ray.remote(RowsWorker).options(num_cpus=0).remote() for _ in range(2)]
+    with client.cohort(workers, max_tokens=(max_T + 1) // 2, name="demo") as cohort:
+        for T in sorted({c["T"] for c in cases}):
+            # one cohort step runs every layer: each worker brings half of the rows of each
+            step = [c for c in cases if c["T"] == T]
+            half = (T + 1) // 2
+            halves = [{c["layer"]: c["x"][:half] for c in step}, {c["layer"]: c["x"][half:] for c in step}]
+            outs, times = timed(repeats, cohort.step, halves)
+            per_layer = [t / len(step) for t in times]
+            for c in step:
+                i = cases.index(c)
+                results[i, "cohort"] = (torch.cat([o[c["layer"]] for o in outs]), per_layer)
+        path = cohort.status()["path"]
+    for w in workers:
+        ray.kill(w)
+    ok = True
+    print(f"{'deployment':>12} {'layer':>5} {'T':>5} {'path':>6} {'max|diff|':>10} {'latency p50':>12}")
+    for i, c in enumerate(cases):
+        for p in ("handle", "http", "lane", "cohort"):
+            out, times = results[i, p]
+            diff = (out.float() - c["ref"]).abs().max().item()
+            ok &= diff <= c["tol"]
+            print(f"{c['deployment']:>12} {c['layer']:>5} {c['T']:>5} {p:>6} {diff:10.2e} {_ms(times):>12}")
+    print(f"(cohort: two workers, one step over every layer on the {path} path; latency = step / layers)")
     return ok
 
 
@@ -115,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("ray.dag").setLevel(logging.WARNING)  # a graph's teardown, step by step
+    logging.getLogger("deployments.client").setLevel(logging.WARNING)  # each lease taken and released
 
     import ray
     from ray import serve
@@ -130,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # A private local instance: logical GPUs on a CPU machine; ray.shutdown() stops all of it.
     ray.init(address="local", num_cpus=args.num_cpus, num_gpus=gpus, include_dashboard=False,
-             namespace="serve")
+             namespace="serve", log_to_driver=False)  # this output is the table; workers log to files
     ok = False
     try:
         serve.start(http_options=http_options)
@@ -144,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
             ok &= exercise(a["name"], base_url, resolved, args.repeats)
             first = resolved[0]
             asyncio.run(concurrent_burst(a["name"], first.spec.name, first.layers[0], first.hidden_size))
-        print("all outputs match the single-device reference" if ok else "MISMATCH against the reference")
         if args.serve:
             print(f"serving at {base_url} (POST /v1/layers/{{layer}}/forward, GET /v1/status); Ctrl-C stops")
             while True:
@@ -152,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted")
     finally:
-        serve.shutdown()
+        # The instance is this process's own: stopping Ray stops Serve with it, without the
+        # controller's retried calls that serve.shutdown() leaves in the log.
         ray.shutdown()
+    print("all outputs match the single-device reference" if ok else "MISMATCH against the reference")
     return 0 if ok else 1
 
 

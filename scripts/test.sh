@@ -10,4 +10,6 @@ if [ "${1:-}" = "--vllm" ]; then
 fi
 source "$(dirname "$0")/env.sh"
 ruff check .
-exec python -m pytest -q -ra "$@"
+# Whole modules run in parallel (pytest-xdist): most tests wait on Ray processes, not on a core.
+# LMS_TEST_WORKERS=0 runs them in this one process.
+exec python -m pytest -q -ra -n "${LMS_TEST_WORKERS:-3}" --dist loadfile "$@"

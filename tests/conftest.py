@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,16 +36,102 @@ def make_ckpt(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
+# -- what the run's parallel test processes share ---------------------------------------------
+
+
+@pytest.fixture
+def port_8000() -> Iterator[None]:
+    """Serve's default HTTP port (the only one `serve run <import path>` serves on), held by one
+    test at a time across the run's worker processes."""
+    import fcntl
+    import tempfile
+
+    with open(Path(tempfile.gettempdir()) / "lms-tests-port-8000.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+# -- one Ray instance with Serve per test process ------------------------------------------------
+
+SHARED_RESOURCES = {"num_cpus": 16, "num_gpus": 16}  # logical: enough for every module that shares it
+
+
+class SharedServe:
+    """The test process's Ray instance with Serve (logical GPUs; CPU machine), started on first
+    use and kept across modules: each module deletes its applications when it ends. A module that
+    needs a Ray of its own (other resources, environment or cluster) calls :meth:`stop` first
+    (:func:`local_serve` does); the next sharing module starts it again."""
+
+    def __init__(self) -> None:
+        self.ports: SimpleNamespace | None = None
+
+    def start(self) -> SimpleNamespace:
+        if self.ports is None:
+            import ray
+            from ray import serve
+
+            from moe_runtime.tp.collectives import free_port
+
+            http, metrics = free_port(), free_port()
+            ray.init(address="local", include_dashboard=False, namespace="serve", log_to_driver=False,
+                     _metrics_export_port=metrics, **SHARED_RESOURCES)
+            try:
+                serve.start(http_options={"host": "127.0.0.1", "port": http})
+            except BaseException:
+                ray.shutdown()
+                raise
+            self.ports = SimpleNamespace(http=http, metrics=metrics)
+        return self.ports
+
+    def clear(self) -> None:
+        """Delete every application (and wait for them to go), keeping Ray and Serve up."""
+        if self.ports is not None:
+            from ray import serve
+
+            for name in serve.status().applications:
+                serve.delete(name)
+
+    def stop(self) -> None:
+        if self.ports is not None:
+            import ray
+            from ray import serve
+
+            self.ports = None
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+
+
+SHARED = SharedServe()
+
+
+@pytest.fixture(scope="module")
+def serve_ports() -> Iterator[SimpleNamespace]:
+    """This module's use of the shared Ray + Serve: ``.http`` (Serve's HTTP port) and
+    ``.metrics`` (Ray's Prometheus port); its applications are deleted when the module ends."""
+    ports = SHARED.start()
+    try:
+        yield ports
+    finally:
+        SHARED.clear()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    SHARED.stop()
+
+
 @contextmanager
 def local_serve(num_cpus: int, num_gpus: int) -> Iterator[int]:
-    """A private Ray instance with Serve's HTTP proxy on a free port (yielded); all of it is
-    stopped on exit. ``address="local"``: never a ``ray start`` cluster found on the machine;
+    """A Ray instance of this caller's own (the shared one stopped first) with Serve's HTTP proxy
+    on a free port (yielded); all of it is stopped on exit. ``address="local"``: never a ``ray start`` cluster found on the machine;
     the GPUs are logical (CPU machine)."""
     import ray
     from ray import serve
 
     from moe_runtime.tp.collectives import free_port
 
+    SHARED.stop()
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, namespace="serve",
              log_to_driver=False)
     try:

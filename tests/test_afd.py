@@ -17,19 +17,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from ray import serve
+from waiting import wait_until
 
 from deployments.app import build_app
 from deployments.client.afd import Decoder, LocalMoE, RemoteMoE, split_rows, tier_busy
+from deployments.config.timeouts import LANE_POLL_S
 from moe_runtime.synthetic import preset_config, write_checkpoint
 from moe_runtime.synthetic_decoder import write_decoder
-from moe_runtime.tp.collectives import free_port
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [100]]
@@ -154,23 +153,22 @@ def test_make_checkpoint_decoder_flag(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tier(ckpt):
+def afd_app(ckpt, serve_ports) -> str:
     """Layers split over two deployments (layer 1 on a TP-2 group, layer 2 on TP 1), so the
     decoder must route by layer; float32 so the comparison is tight."""
-    ray.init(address="local", num_cpus=4, num_gpus=3, include_dashboard=False, namespace="afd",
-             log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-        common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5}
-        serve.run(build_app({"checkpoint": str(ckpt), "deployments": [
-            {"name": "lo", "tp_size": 2, "layers": [1], **common},
-            {"name": "hi", "tp_size": 1, "layers": [2], **common},
-        ]}), name=APP, route_prefix="/")
-        with RemoteMoE.connect(APP, timeout_s=60.0) as tier:  # through lanes (the default)
-            yield tier
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5}
+    serve.run(build_app({"checkpoint": str(ckpt), "deployments": [
+        {"name": "lo", "tp_size": 2, "layers": [1], **common},
+        {"name": "hi", "tp_size": 1, "layers": [2], **common},
+    ]}), name=APP, route_prefix="/")
+    return APP
+
+
+@pytest.fixture
+def tier(afd_app):
+    """The app through lanes (the default), released after the test."""
+    with RemoteMoE.connect(afd_app, timeout_s=60.0) as tier:
+        yield tier
 
 
 @pytest.mark.ray
@@ -186,9 +184,49 @@ def test_generation_through_the_tier_is_exact_for_every_m(ckpt, local, tier):
         torch.testing.assert_close(out.logits, ref.logits, **TOL, msg=f"m={m}")
     lanes = tier.lane.status()["deployments"]
     assert {n: (d["path"], d["serve_calls"]) for n, d in lanes.items()} == {"lo": ("lane", 0), "hi": ("lane", 0)}
-    time.sleep(1.0)  # the replicas poll their lanes' counters every 0.25 s
-    after = tier.deployment_statuses()
+
+    def counted() -> dict | None:  # the replicas poll their lanes' counters every LANE_POLL_S
+        after = tier.deployment_statuses()
+        done = all(n > 0 and s > 0 for n, s in (tier_busy(before[d], after[d]) for d in ("lo", "hi")))
+        return after if done else None
+
+    after = wait_until(counted, timeout_s=30, what="the lanes' forwards in both replicas' counters",
+                       every_s=LANE_POLL_S)
     for name, layer in (("lo", "1"), ("hi", "2")):
         forwards, busy_s = tier_busy(before[name], after[name])
         assert forwards > 0 and busy_s > 0
         assert list(after[name]["counters"]["by_layer"]) == [layer]  # each layer went to its own group
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_decoders_as_one_cohort_are_token_identical(ckpt, local, afd_app):
+    """M decoders (Ray actors, prompts of their own) decode as one cohort, every step one graph
+    execution; each one's tokens equal the in-process model's on its prompts (M = 1 and 4)."""
+    import ray
+
+    from deployments.client import MoEClient
+    from deployments.client.afd import DecoderWorker
+
+    model, _ = local
+    for M in (1, 4):
+        prompts = [PROMPTS[i:] + PROMPTS[:i] for i in range(M)]  # each worker's own batch order
+        actors = [ray.remote(DecoderWorker).options(num_cpus=0).remote(str(ckpt), p, NEW_TOKENS)
+                  for p in prompts]
+        try:
+            rows = sum(map(len, PROMPTS))  # the prefill step sends every prompt token's rows
+            client = MoEClient(afd_app, timeout_s=60)
+            # a loaded machine: wait for the groups (free of the test before) instead of the Serve path
+            with client.cohort(actors, max_tokens=rows, wait_s=60, name=f"dec{M}") as cohort:
+                steps = [cohort.step([None] * M) for _ in range(NEW_TOKENS)]
+                status = cohort.status()
+            made = ray.get([a.generation.remote() for a in actors], timeout=60)
+        finally:
+            for a in actors:
+                ray.kill(a)
+        assert (status["graph_steps"], status["serve_steps"]) == (NEW_TOKENS, 0), status["deployments"]
+        for i, (got, p) in enumerate(zip(made, prompts, strict=True)):
+            ref = model.generate(p, NEW_TOKENS)
+            assert torch.equal(got.tokens, ref.tokens), (M, i)
+            torch.testing.assert_close(got.logits, ref.logits, **TOL, msg=f"M={M}, worker {i}")
+            assert [s[i] for s in steps] == ref.tokens.T.tolist()  # what each step returned

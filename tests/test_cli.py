@@ -113,7 +113,7 @@ def test_forward_times_line() -> None:
 
 def _slow_rank_loads_then_reduces(comm: Collectives, delay_s: float) -> float:
     if comm.rank == 1:
-        time.sleep(delay_s)  # a rank that loads more slowly than its peer
+        time.sleep(delay_s)  # the scenario, not a wait: a rank that loads more slowly than its peer
     comm.loaded()
     t = torch.ones(1)
     comm.all_reduce(t)

@@ -21,6 +21,7 @@ import pytest
 import ray
 import torch
 from ray import cloudpickle
+from waiting import wait_until
 
 from deployments.client import AttentionWorker, MoERequestError, WorkerError
 
@@ -75,7 +76,7 @@ class Echo(AttentionWorker):
         if self.fault == "too_many":
             x = torch.zeros(99, H, dtype=x.dtype)
         if self.fault == "sleep":
-            time.sleep(60)
+            time.sleep(60)  # the fault itself, not a wait: attend() stuck past the step bound
         return x.float().numpy() if self.dtype == torch.float32 and layer == 1 else x
 
     def absorb(self, layer, moe_out):
@@ -91,17 +92,15 @@ class Echo(AttentionWorker):
 
 
 @pytest.fixture(scope="module")
-def app(tiny_ckpt):
-    from conftest import local_serve
+def app(tiny_ckpt, serve_ports):
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import MoEClient
 
-    with local_serve(num_cpus=8, num_gpus=8):
-        serve.run(build_app({"checkpoint": str(tiny_ckpt), **COMMON, "deployments": DEPLOYMENTS}),
-                  name=APP, route_prefix="/")
-        yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
+    serve.run(build_app({"checkpoint": str(tiny_ckpt), **COMMON, "deployments": DEPLOYMENTS}),
+              name=APP, route_prefix="/")
+    yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
 
 
 @pytest.fixture
@@ -140,12 +139,15 @@ def counters(name: str) -> dict[str, dict]:
     """Each replica's counters (status() answers for whichever replica the router picks)."""
     replicas = 2 if name == "pair" else 1
     seen: dict[str, dict] = {}
-    deadline = time.monotonic() + 30  # a replica still leased is steered around until it reports free
-    while len(seen) < replicas:
-        assert time.monotonic() < deadline, f"status() of {name!r} reached only {list(seen)}"
+
+    def every_replica_seen() -> bool:
         st = direct(name).status()
         seen[st["replica"]] = st["counters"]
-        time.sleep(0.05)
+        return len(seen) >= replicas
+
+    # a replica still leased is steered around until it reports free
+    wait_until(every_replica_seen, timeout_s=30,
+               what=lambda: f"status() of {name!r} reached only {list(seen)}")
     return seen
 
 
@@ -204,22 +206,22 @@ def test_a_bad_worker_fails_the_step_naming_it_and_the_cohort_keeps_serving(app,
 
 
 def test_cohort_arguments_are_checked(app, workers):
+    pair = workers(1, 1)  # the same two actors for every check: a refused cohort leaves them free
     with pytest.raises(ValueError, match="max_tokens"):
-        app.client.cohort(workers(1), max_tokens=0)
+        app.client.cohort(pair[:1], max_tokens=0)
     with pytest.raises(ValueError, match="non-empty list"):
         app.client.cohort([])
     with pytest.raises(ValueError, match=r"layer\(s\) \[9\]"):
-        app.client.cohort(workers(1), layers=[9])
-    w = workers(1)
+        app.client.cohort(pair[:1], layers=[9])
     with pytest.raises(ValueError, match="twice"):
-        app.client.cohort(w + w)
+        app.client.cohort(pair[:1] * 2)
     with pytest.raises(MoERequestError, match="max_tokens_per_request"):
-        app.client.cohort(workers(1, 1), max_tokens=40)  # 2 x 40 rows > 64 per forward
+        app.client.cohort(pair, max_tokens=40)  # 2 x 40 rows > 64 per forward
     not_a_worker = ray.remote(num_cpus=0)(type("Plain", (), {"ping": lambda self: 1})).remote()
     with pytest.raises(WorkerError, match="AttentionWorker"):
         app.client.cohort([not_a_worker])
     ray.kill(not_a_worker)
-    with app.client.cohort(workers(1, 1)) as cohort, pytest.raises(ValueError, match="one input per worker"):
+    with app.client.cohort(pair) as cohort, pytest.raises(ValueError, match="one input per worker"):
         cohort.step([1])
 
 
@@ -285,16 +287,16 @@ def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app, workers):
 
         thread = threading.Thread(target=loop)
         thread.start()
-        time.sleep(1.0)
+        wait_until(lambda: results or errors, timeout_s=30, what="a first step before the kill")
         killed = cohort.status()["deployments"]["pair"]["replica"]
         os.kill(rank_pid(cohort, "pair", 1), signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while True:  # the step re-ran, and the cohort holds a healthy replica's group again
+
+        def moved_on() -> bool:  # the step re-ran, and the cohort holds a healthy replica's group again
             status = cohort.status()
-            if status["reruns"] >= 1 and status["deployments"]["pair"]["replica"] not in (None, killed):
-                break
-            assert time.monotonic() < deadline, status
-            time.sleep(0.25)
+            return status["reruns"] >= 1 and status["deployments"]["pair"]["replica"] not in (None, killed)
+
+        wait_until(moved_on, timeout_s=60, what=lambda: f"a re-run on another replica: {cohort.status()}",
+                   every_s=0.25)
         stop.set()
         thread.join(timeout=120)
         assert not thread.is_alive() and not errors, errors
@@ -306,10 +308,10 @@ def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app, workers):
 def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app, workers):
     """SIGSTOP a rank of the leased "pair" replica: the step ends within step_timeout_s (twice
     the call bound), every worker aborts, and the re-run answers on the other replica."""
-    deadline = time.monotonic() + 300  # Serve replaced the replica the test above broke
-    while len({st["replica"] for st in (direct("pair").status() for _ in range(16)) if st["healthy"]}) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(1.0)
+    wait_until(lambda: len({st["replica"] for st in (direct("pair").status() for _ in range(16))
+                            if st["healthy"]}) >= 2,
+               timeout_s=300, what="two healthy pair replicas (Serve replaced the one the test above broke)",
+               every_s=1.0)
     ws = workers(1, 1)
     want = serve_reference(app, (1, 1), lambda i: 50 + i)
     with app.client.cohort(ws, name="stalled") as cohort:

@@ -18,7 +18,6 @@ scale after the sum), a few fp32 ulps on O(1) values; ``1e-5`` leaves a ~10x mar
 
 from __future__ import annotations
 
-import contextlib
 import time
 import urllib.request
 from pathlib import Path
@@ -255,38 +254,29 @@ def scripted_clock() -> float:
 
 
 @pytest.fixture(scope="module")
-def auto_app(tiny_ckpt):
-    import ray
+def auto_app(tiny_ckpt, serve_ports):
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import MoEClient
     from moe_runtime.checkpoint import load_layer_weights
     from moe_runtime.config import LatentMoEConfig
-    from moe_runtime.tp.collectives import free_port
 
-    metrics_port, http_port = free_port(), free_port()
-    ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, namespace="controller_test",
-             log_to_driver=False, _metrics_export_port=metrics_port)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        args = {
-            "checkpoint": str(tiny_ckpt), "name": "decode", "tp_size": 2, "tail": "auto",
-            "auto_tune_tokens": TUNE_TOKENS, "auto_tune_reps": 2,
-            "tune_clock": f"tests.test_controller:{scripted_clock.__name__}",
-            "max_batch_tokens": 512, "max_tokens_per_request": 1024, "collective_timeout_s": 20,
-            "call_margin_s": 10, "health_check_period_s": 2, "graceful_shutdown_timeout_s": 1,
-        }
-        serve.run(build_app(args), name="ctl", route_prefix="/")
-        cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
-        yield SimpleNamespace(
-            args=args, client=MoEClient("ctl", timeout_s=60), url=f"http://127.0.0.1:{http_port}",
-            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", cfg=cfg,
-            weights=load_layer_weights(tiny_ckpt, cfg, 1, torch.float32),
-        )
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    metrics_port, http_port = serve_ports.metrics, serve_ports.http
+    args = {
+        "checkpoint": str(tiny_ckpt), "name": "decode", "tp_size": 2, "tail": "auto",
+        "auto_tune_tokens": TUNE_TOKENS, "auto_tune_reps": 2,
+        "tune_clock": f"tests.test_controller:{scripted_clock.__name__}",
+        "max_batch_tokens": 512, "max_tokens_per_request": 1024, "collective_timeout_s": 20,
+        "call_margin_s": 10, "health_check_period_s": 2, "graceful_shutdown_timeout_s": 1,
+    }
+    serve.run(build_app(args), name="ctl", route_prefix="/")
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    yield SimpleNamespace(
+        args=args, client=MoEClient("ctl", timeout_s=60), url=f"http://127.0.0.1:{http_port}",
+        metrics_url=f"http://127.0.0.1:{metrics_port}/metrics", cfg=cfg,
+        weights=load_layer_weights(tiny_ckpt, cfg, 1, torch.float32),
+    )
 
 
 @pytest.mark.ray
@@ -330,23 +320,24 @@ def test_auto_serves_each_range_with_its_measured_tail(auto_app):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_metrics_reach_the_prometheus_endpoint(auto_app):
+    from waiting import wait_until  # here: the workers import this module for its clock
+
     # Runs after the serving test (same module): forwards, an error and the decision exist.
     wanted = ["ray_moe_forward_latency_ms_bucket", "ray_moe_batch_tokens_bucket", "ray_moe_tail_batches",
               "ray_moe_queued_tokens", "ray_moe_errors", 'ray_moe_tail_plan{', 'tail="single_allreduce"',
               "ray_moe_tail_timing_ms"]
     auto_app.client.forward(torch.randn(4, auto_app.cfg.hidden_size), 1)
-    deadline, body = time.monotonic() + 60, ""
-    while time.monotonic() < deadline:  # the metrics agent exports every few seconds
-        try:
-            with urllib.request.urlopen(auto_app.metrics_url, timeout=10) as response:
-                body = response.read().decode()
-        except OSError:
-            body = ""
-        if all(name in body for name in wanted):
-            break
-        time.sleep(1)
-    missing = [name for name in wanted if name not in body]
-    assert not missing, f"not exported within 60 s: {missing}"
+    body = ""
+
+    def exported() -> bool:  # the metrics agent exports every few seconds
+        nonlocal body
+        body = ""
+        with urllib.request.urlopen(auto_app.metrics_url, timeout=10) as response:
+            body = response.read().decode()
+        return all(name in body for name in wanted)
+
+    wait_until(exported, timeout_s=60, every_s=1, ignoring=(OSError,),
+               what=lambda: f"every metric exported; missing {[name for name in wanted if name not in body]}")
     plan_lines = [line for line in body.splitlines() if line.startswith("ray_moe_tail_plan{")]
     assert any('deployment="decode"' in line and 'max_tokens="16"' in line and 'tail="overlap"' in line
                for line in plan_lines), plan_lines
@@ -358,6 +349,7 @@ def test_new_replicas_reuse_the_measured_plan_and_remeasure_forces_one(auto_app)
     """Runs last in this module: it redeploys the app (a new replica, the same plan key)."""
     import ray
     from ray import serve
+    from waiting import wait_until  # here: the workers import this module for its clock
 
     from deployments.app import build_app
     from deployments.client import MoEClient
@@ -387,13 +379,13 @@ def test_new_replicas_reuse_the_measured_plan_and_remeasure_forces_one(auto_app)
     # A replica killed (no clean-up of its own) loses its record when the next replica starts.
     record = status["warmup"]["decode"][0]
     ray.kill(ray.get_actor(record["actor"], namespace=record["namespace"]), no_restart=True)
-    deadline = time.monotonic() + 120
-    while True:
-        with contextlib.suppress(Exception):  # while Serve replaces the replica
-            now = MoEClient("ctl", timeout_s=10).status()
-            if now["deployments"]["decode"].get("replica") not in (None, record["replica"]):
-                break
-        assert time.monotonic() < deadline, "the killed replica was not replaced"
-        time.sleep(0.5)
+
+    def replaced() -> dict | None:
+        now = MoEClient("ctl", timeout_s=10).status()
+        return now if now["deployments"]["decode"].get("replica") not in (None, record["replica"]) else None
+
+    # Any error counts as "not yet" while Serve replaces the replica.
+    now = wait_until(replaced, timeout_s=120, what="the killed replica replaced", every_s=0.5,
+                     ignoring=(Exception,))
     assert [r["replica"] for r in now["warmup"]["decode"]] == [now["deployments"]["decode"]["replica"]]
     assert len(kv.entries(kv.PROGRESS_PREFIX)) == 1

@@ -17,16 +17,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
-from conftest import local_serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 from safetensors.torch import save as st_save
+from waiting import wait_until
 
 from deployments.client import MoEClient, MoEOverloadedError
 from moe_runtime.checkpoint import load_layer_weights
@@ -64,13 +63,13 @@ def wait_running(timeout_s: float = READY_S) -> None:
 
 
 @pytest.fixture(scope="module")
-def app(tiny_ckpt):
-    with local_serve(num_cpus=4, num_gpus=4) as port:
-        _get_global_client().deploy_apps(app_config(tiny_ckpt))
-        wait_running()
-        cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
-        yield SimpleNamespace(cfg=cfg, weights=load_layer_weights(tiny_ckpt, cfg, 1), ckpt=tiny_ckpt,
-                              url=f"http://127.0.0.1:{port}", client=MoEClient(APP, timeout_s=BOUND_S))
+def app(tiny_ckpt, serve_ports):
+    port = serve_ports.http
+    _get_global_client().deploy_apps(app_config(tiny_ckpt))
+    wait_running()
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    yield SimpleNamespace(cfg=cfg, weights=load_layer_weights(tiny_ckpt, cfg, 1), ckpt=tiny_ckpt,
+                          url=f"http://127.0.0.1:{port}", client=MoEClient(APP, timeout_s=BOUND_S))
 
 
 def rand(T: int, seed: int) -> torch.Tensor:
@@ -104,13 +103,16 @@ def test_user_config_reconfigures_without_restart(app):
     assert {v["max_batch_tokens"] for v in before.values()} == {256}
     _get_global_client().deploy_apps(app_config(app.ckpt, {"max_batch_tokens": 64, "batch_wait_timeout_s": 0.0,
                                                            "max_tokens_per_request": 100}))
-    deadline = time.monotonic() + READY_S
-    while True:
+
+    def reconfigured() -> dict | None:
         after = replica_views("pool")
-        if {v["max_batch_tokens"] for v in after.values()} == {64} and len(after) == 2:
-            break
-        assert time.monotonic() < deadline, {k: v["max_batch_tokens"] for k, v in after.items()}
-        time.sleep(1.0)
+        return after if {v["max_batch_tokens"] for v in after.values()} == {64} and len(after) == 2 else None
+
+    def now() -> str:
+        limits = {k: v["max_batch_tokens"] for k, v in replica_views("pool").items()}
+        return f"max_batch_tokens 64 on both replicas, now {limits}"
+
+    after = wait_until(reconfigured, timeout_s=READY_S, what=now, every_s=1.0)
     # Same replicas, same worker processes, shards loaded once: a reconfigure, not a restart.
     assert set(after) == set(before)
     for rid in before:
@@ -143,10 +145,8 @@ def test_a_live_user_config_change_reaches_lane_calls(app):
         renewing.start()
         try:
             _get_global_client().deploy_apps(app_config(app.ckpt, {**limits, "max_tokens_per_request": 50}))
-            deadline = time.monotonic() + READY_S
-            while {v["max_tokens_per_request"] for v in replica_views("pool").values()} != {50}:
-                assert time.monotonic() < deadline
-                time.sleep(1.0)
+            wait_until(lambda: {v["max_tokens_per_request"] for v in replica_views("pool").values()} == {50},
+                       timeout_s=READY_S, what="max_tokens_per_request 50 on every replica", every_s=1.0)
         finally:
             stop.set()
             renewing.join(timeout=BOUND_S)
@@ -227,9 +227,10 @@ def test_killing_a_rank_of_one_replica_costs_no_client_errors(app):
     async def scenario():
         stop = asyncio.Event()
         tasks = [asyncio.create_task(caller(stop)) for _ in range(4)]
-        await asyncio.sleep(2.0)
+        # in a thread: the callers run on this event loop meanwhile
+        await asyncio.to_thread(wait_until, lambda: answered or errors, 30, "a first answer before the kill")
         os.kill(victim, signal.SIGKILL)  # one rank of one replica, looked up from status()
-        await asyncio.sleep(10.0)
+        await asyncio.sleep(10.0)  # the scenario, not a wait: the load runs on across the failover
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 2 * BOUND_S)
 

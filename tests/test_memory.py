@@ -445,7 +445,7 @@ def sleepy_clock() -> float:
     sleeps, and the worker's pid is logged so the test can tell how many groups ever started."""
     with open(os.environ[SLOW_CLOCK_LOG], "a") as log:
         log.write(f"{os.getpid()}\n")
-    time.sleep(SLOW_CLOCK_SLEEP_S)
+    time.sleep(SLOW_CLOCK_SLEEP_S)  # the slow start under test, not a wait
     return time.perf_counter()
 
 
@@ -471,6 +471,9 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
 
     log = tmp_path / "clock.log"
     monkeypatch.setenv(SLOW_CLOCK_LOG, str(log))  # inherited by the local Ray's workers
+    from conftest import SHARED  # here: the workers import this module for its clock
+
+    SHARED.stop()  # this test's Ray instance: its own resources and environment
     ray.init(address="local", num_cpus=3, num_gpus=2, include_dashboard=False, namespace="slow_start",
              log_to_driver=False)
     try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -24,8 +23,10 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
+from conftest import SHARED
 from ray import serve
 from ray.cluster_utils import Cluster
+from waiting import wait_until
 
 from deployments.app import build_app
 from deployments.client import MoEClient
@@ -52,6 +53,7 @@ FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}  # TP 2 reduction order only (see test_s
 
 @pytest.fixture(scope="module")
 def sim(tiny_ckpt):
+    SHARED.stop()  # this module's Ray: a cluster of simulated nodes
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False})
     try:
@@ -101,13 +103,8 @@ def groups() -> list[list[str | None]]:
 
 
 def wait_for(what: str, condition: Callable[[], bool], bound_s: float, every_s: float = 1.0) -> None:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(every_s)
-    raise AssertionError(f"{what}: not reached within {bound_s:.0f} s (replicas {replica_states()}, "
-                         f"groups {groups()})")
+    wait_until(condition, timeout_s=bound_s, every_s=every_s,
+               what=lambda: f"{what} (replicas {replica_states()}, groups {groups()})")
 
 
 def check_forward(sim, T: int = 9, seed: int = 0) -> None:
@@ -132,7 +129,7 @@ class Load:
                     self.ok += 1
                 except Exception as e:  # noted and retried: the test asserts on the count
                     self.errors.append(repr(e))
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2)  # a loop's back-off before it retries, not a wait
 
         await asyncio.gather(*(loop(i) for i in range(self.concurrency)))
 
@@ -193,12 +190,11 @@ def test_removed_node_replica_comes_back_on_the_other_node(sim):
                 and set(placement[0]) == {survivor})
 
     wait_for("the replica back on the surviving node", back, RECOVERY_BOUND_S)
-    deadline = time.monotonic() + 30
-    while True:  # the handle may need a moment to drop the dead replica
-        try:
-            check_forward(sim, T=33, seed=3)
-            break
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+
+    def forwards() -> bool:
+        check_forward(sim, T=33, seed=3)
+        return True
+
+    # Any error counts as "not yet": the handle may need a moment to drop the dead replica.
+    wait_until(forwards, timeout_s=30, what="a correct forward after the node's removal", every_s=1,
+               ignoring=(Exception,))

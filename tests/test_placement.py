@@ -24,6 +24,7 @@ import pytest
 import ray
 import torch
 import yaml
+from conftest import SHARED
 
 from deployments.cluster.live_view import current_cluster_view
 from deployments.config.spec import AppArgs, DeploymentSpec
@@ -145,6 +146,7 @@ def test_view_before_serve_run_starts_ray(monkeypatch):
     # `serve run <import path>` builds the app before ray.init: the builder makes that same
     # connection (here RAY_ADDRESS=local: a fresh instance with this machine's resources, as Ray
     # detects them) through the public API, and serve run then keeps using it.
+    SHARED.stop()  # another module's Ray instance in this test process
     assert not ray.is_initialized()
     monkeypatch.setenv("RAY_ADDRESS", "local")
     monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
@@ -177,6 +179,7 @@ def test_bare_app_serves_on_cpu_and_gpu_fails_fast(tiny_ckpt):
     from deployments.app import build_app
     from deployments.client import MoEClient
 
+    SHARED.stop()  # this test's Ray instance: no GPUs
     ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, namespace="serve",
              log_to_driver=False)
     try:
@@ -201,7 +204,7 @@ def test_bare_app_serves_on_cpu_and_gpu_fails_fast(tiny_ckpt):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_serve_run_without_ray_running_serves_on_cpu(tiny_ckpt, tmp_path):
+def test_serve_run_without_ray_running_serves_on_cpu(tiny_ckpt, tmp_path, port_8000):
     """`serve run` with no Ray: it starts its own (no GPU here), auto picks cpu, it serves."""
     from test_serve_cli import SERVE, port_in_use, stop, wait_ready
 

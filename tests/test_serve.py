@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import local_serve
 from ray import serve
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from waiting import wait_until
 
 from deployments.app import build_app
 from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEClient, MoERequestError, MoEServerError
@@ -52,27 +52,27 @@ BF16_TOL = {"rtol": 3e-2, "atol": 3e-2}
 
 
 @pytest.fixture(scope="module")
-def app(tiny_ckpt):
-    with local_serve(num_cpus=6, num_gpus=6) as port:
-        common = {"tp_size": 2, "max_tokens_per_request": MAX_TOKENS, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
-                  "call_margin_s": CALL_MARGIN_S, "health_check_period_s": 1.0,
-                  "graceful_shutdown_timeout_s": 1.0}
-        args = {
-            "checkpoint": str(tiny_ckpt),
-            **common,
-            "deployments": [
-                {"name": "decode", "tail": "sharded", "dtype": "float32", "max_batch_tokens": MAX_BATCH_TOKENS,
-                 "batch_wait_timeout_s": 0.02},
-                {"name": "prefill", "role": "prefill", "sequence_parallel": True, "dtype": "bfloat16",
-                 "layers": [2], "max_batch_tokens": 1024},
-            ],
-        }
-        serve.run(build_app(args), name=APP, route_prefix="/")
-        cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
-        weights = {(layer, dt): load_layer_weights(tiny_ckpt, cfg, layer, dt)
-                   for layer in (1, 2) for dt in (torch.float32, torch.bfloat16)}
-        yield SimpleNamespace(cfg=cfg, weights=weights, url=f"http://127.0.0.1:{port}",
-                              client=MoEClient(APP, timeout_s=REQUEST_BOUND_S))
+def app(tiny_ckpt, serve_ports):
+    port = serve_ports.http
+    common = {"tp_size": 2, "max_tokens_per_request": MAX_TOKENS, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
+              "call_margin_s": CALL_MARGIN_S, "health_check_period_s": 1.0,
+              "graceful_shutdown_timeout_s": 1.0}
+    args = {
+        "checkpoint": str(tiny_ckpt),
+        **common,
+        "deployments": [
+            {"name": "decode", "tail": "sharded", "dtype": "float32", "max_batch_tokens": MAX_BATCH_TOKENS,
+             "batch_wait_timeout_s": 0.02},
+            {"name": "prefill", "role": "prefill", "sequence_parallel": True, "dtype": "bfloat16",
+             "layers": [2], "max_batch_tokens": 1024},
+        ],
+    }
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    weights = {(layer, dt): load_layer_weights(tiny_ckpt, cfg, layer, dt)
+               for layer in (1, 2) for dt in (torch.float32, torch.bfloat16)}
+    yield SimpleNamespace(cfg=cfg, weights=weights, url=f"http://127.0.0.1:{port}",
+                          client=MoEClient(APP, timeout_s=REQUEST_BOUND_S))
 
 
 def reference(app, x: torch.Tensor, layer: int, router_logits=None) -> torch.Tensor:
@@ -337,16 +337,18 @@ def test_a_dead_worker_gets_the_replica_replaced(app):
                 err = None
             except MoEServerError as e:
                 err = e
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.2)  # a caller's back-off before its next request, not a wait
             results.append((start, time.monotonic(), err))
 
     async def scenario() -> tuple[float, float]:
         stop = asyncio.Event()
         callers = [asyncio.create_task(caller(stop)) for _ in range(4)]
-        await asyncio.sleep(1.0)
+        # in a thread: the callers run on this event loop meanwhile
+        await asyncio.to_thread(wait_until, lambda: results, 30, "a first answer before the kill")
         killed_at = time.monotonic()
         ray.kill(ray.get_actor(victim, namespace=WORKER_NAMESPACE), no_restart=True)
         recovered_at = None
+        # Polled here, not by wait_until: a timeout is asserted below, once the callers stopped.
         while time.monotonic() - killed_at < RECOVERY_BOUND_S:
             await asyncio.sleep(0.5)
             ok_after = [s for s, e, err in results if err is None and s > killed_at]

@@ -14,12 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from waiting import wait_until
 
 from deployments.client import HTTPMoEClient, MoEServeError
 from moe_runtime.checkpoint import load_layer_weights
@@ -42,17 +42,15 @@ def port_in_use(port: int) -> bool:
 
 def wait_ready(proc: subprocess.Popen, port: int, log: Path) -> HTTPMoEClient:
     """An HTTP client of the app once `serve run` (``proc``) answers /healthz; fails if it exits."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
     http = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=30)
-    while True:
-        assert proc.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"
-        try:
-            if http.healthz()["ok"]:
-                return http
-        except MoEServeError:
-            pass
-        assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
-        time.sleep(2)
+
+    def ready() -> bool:
+        assert proc.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"  # fails at once
+        return http.healthz()["ok"]
+
+    wait_until(ready, timeout_s=READY_TIMEOUT_S, every_s=2, ignoring=(MoEServeError,),
+               what=lambda: f"serve run ready:\n{log.read_text()[-4000:]}")
+    return http
 
 
 def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, measured: bool = False) -> None:
@@ -101,7 +99,7 @@ def test_serve_run_local_config(tiny_ckpt, tmp_path):
     _run_and_check([str(SERVE), "run", str(path)], port, tiny_ckpt, tmp_path / "serve.log")
 
 
-def test_serve_run_import_path(tiny_ckpt, tmp_path):
+def test_serve_run_import_path(tiny_ckpt, tmp_path, port_8000):
     if port_in_use(8000):  # the import-path form always serves HTTP on Serve's default port
         pytest.skip("port 8000 is taken; `serve run <import path>` cannot choose another")
     # tail=auto: also exercises the controller's warm-up measurement and CLI string coercion.
