@@ -23,6 +23,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from deployments.client import AttentionWorker, HTTPMoEClient, MoEClient  # noqa: E402
+from deployments.config.timeouts import LANE_POLL_S  # noqa: E402
 from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.layer import moe_forward  # noqa: E402
@@ -151,10 +152,22 @@ def exercise(app_name: str, base_url: str, resolved: list, repeats: int) -> bool
     return ok
 
 
+async def settled_counters(client: MoEClient) -> dict[str, Any]:
+    """The replica's counters once the lane and cohort forwards before (which it reads from its
+    ranks every LANE_POLL_S) have all arrived."""
+    last = None
+    while True:
+        now = (await client.status_async())["counters"]
+        if last is not None and now["forwards"] == last["forwards"]:
+            return now
+        last = now
+        await asyncio.sleep(2 * LANE_POLL_S)
+
+
 async def concurrent_burst(app_name: str, deployment: str, layer: int, hidden: int, n: int = 32) -> None:
     """n concurrent 16-token requests: shows the token-budget batching in the counters."""
     client = MoEClient.direct(deployment, app_name)
-    before = (await client.status_async())["counters"]
+    before = await settled_counters(client)
     xs = [torch.randn(16, hidden) for _ in range(n)]
     start = time.perf_counter()
     await asyncio.gather(*(client.forward_async(x, layer) for x in xs))
