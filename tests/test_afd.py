@@ -156,7 +156,9 @@ def test_make_checkpoint_decoder_flag(tmp_path):
 def afd_app(ckpt, serve_ports) -> str:
     """Layers split over two deployments (layer 1 on a TP-2 group, layer 2 on TP 1), so the
     decoder must route by layer; float32 so the comparison is tight."""
-    common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5}
+    # lane_lease_s 30: a lease outlives a graph compile on a loaded 2-core machine
+    common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5,
+              "lane_lease_s": 30.0}
     serve.run(build_app({"checkpoint": str(ckpt), "deployments": [
         {"name": "lo", "tp_size": 2, "layers": [1], **common},
         {"name": "hi", "tp_size": 1, "layers": [2], **common},
@@ -214,6 +216,7 @@ def test_decoders_as_one_cohort_are_token_identical(ckpt, local, afd_app):
         actors = [ray.remote(DecoderWorker).options(num_cpus=0).remote(str(ckpt), p, NEW_TOKENS)
                   for p in prompts]
         try:
+            ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)  # their models loaded
             rows = sum(map(len, PROMPTS))  # the prefill step sends every prompt token's rows
             client = MoEClient(afd_app, timeout_s=60)
             # a loaded machine: wait for the groups (free of the test before) instead of the Serve path
