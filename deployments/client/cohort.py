@@ -310,22 +310,32 @@ class CohortCore(LeaseHolder):
 
     def attempts(self, inputs: list[Any]) -> list[Any]:
         """The retry rule for a step: once more (avoiding the failed groups' replicas) after a
-        group broke; a step the ranks refused for a lost lease never ran and starts over once."""
+        group broke; an attempt the ranks refused for a lost lease never ran and starts over
+        once, the rerun's too."""
         try:
-            return self.attempt(inputs, first=True)
+            return self.started_over(inputs, first=True)
         except StepAgain as again:
-            if again.failure.kind == "lease":
-                try:
-                    return self.attempt(inputs, first=True)
-                except StepAgain as twice:
-                    again = twice
-            if again.failure.kind == "lease":
-                raise_for(again.failure.error)
             self.counts["reruns"] += 1
             try:
-                return self.attempt(inputs, first=False, avoid=again.avoid)
+                return self.started_over(inputs, first=False, avoid=again.avoid)
             except StepAgain as last:
                 raise_for(last.failure.error)
+
+    def started_over(self, inputs: list[Any], first: bool,
+                     avoid: dict[str, str | None] | None = None) -> list[Any]:
+        """One attempt, and once more if the ranks refused it for a lost lease (it never ran);
+        a second lost lease is the caller's error, any other failure raises ``StepAgain``."""
+        try:
+            return self.attempt(inputs, first, avoid)
+        except StepAgain as again:
+            if again.failure.kind != "lease":
+                raise
+        try:
+            return self.attempt(inputs, first, avoid)
+        except StepAgain as twice:
+            if twice.failure.kind == "lease":
+                raise_for(twice.failure.error)
+            raise
 
     def attempt(self, inputs: list[Any], first: bool,
                 avoid: dict[str, str | None] | None = None) -> list[Any]:
