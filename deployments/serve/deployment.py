@@ -37,7 +37,7 @@ from moe_runtime.units import format_layers, torch_dtype
 
 from .. import logger
 from ..cluster import kv
-from ..common.errors import GroupUnavailableError, ServeInputError, http_status
+from ..common.errors import GroupUnavailableError, ServeInputError, error_message, http_status
 from ..common.requests import validate_forward
 from ..common.wire import WireTensor
 from ..config.spec import DeploymentSpec, with_batching
@@ -139,16 +139,22 @@ class MoEGroupDeployment:
         return (f"max_batch_tokens {s.max_batch_tokens}, max_tokens_per_request {s.max_tokens_per_request}, "
                 f"batch wait {s.batch_wait_timeout_s:.3f} s (none for a lone request on an idle group)")
 
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's ``user_config`` hook: apply new batching knobs (``spec.BATCHING_KNOBS``) to the
-        running replica -- no restart, no reload; a bad value raises ``ValueError``."""
+        running replica -- no restart, no reload; a bad value raises ``ValueError``. Done once
+        the ranks hold the new ``max_tokens_per_request`` too (lane calls check it there)."""
         spec = with_batching(self.spec, user_config)
         if spec == self.spec:
             return
         check_planned_tokens(spec, self.decision)
         self.spec = spec
-        for worker in self.group.workers:  # lane calls check the limit on the ranks
-            worker.set_max_tokens.remote(spec.max_tokens_per_request)
+        pushes = [w.set_max_tokens.remote(spec.max_tokens_per_request) for w in self.group.workers]
+        try:
+            await asyncio.wait_for(asyncio.gather(*pushes), spec.bounds.call_s)
+        except Exception as e:  # a rank that does not answer within a call's bound is broken
+            logger.warning("replica %s of deployment %r: a rank did not take max_tokens_per_request "
+                           "%d within %.0f s (%s); its health check decides", self.replica, spec.name,
+                           spec.max_tokens_per_request, spec.bounds.call_s, error_message(e))
         for queue in self._queues.values():
             queue.set_max_batch_size(spec.max_batch_tokens)
             queue.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
