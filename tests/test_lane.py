@@ -275,7 +275,10 @@ def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
         try:
             end = time.monotonic() + 8.0
             while time.monotonic() < end:
-                assert torch.equal(lane.forward(rand(T, T), 1), want[T])
+                # Not bit for bit: once both clients run on the Serve path, one batch can hold
+                # both clients' rows, and a 3-row batch moves a 2-row one's fp32 results by a few
+                # ulps (1.2e-6 measured on this layer). Those are the GEMMs' blocking, not a fault.
+                torch.testing.assert_close(lane.forward(rand(T, T), 1), want[T], rtol=1e-5, atol=1e-5)
         except BaseException as e:  # noqa: BLE001 -- reported below
             errors.append(e)
 
