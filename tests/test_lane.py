@@ -65,7 +65,7 @@ EXACT_DEPLOYMENTS = [
     {"name": "tp1_bf16", "dtype": "bfloat16", "layers": [2]},
     {"name": "tp2_f32", "dtype": "float32", **AUTO},
     {"name": "tp2_bf16", "dtype": "bfloat16", **AUTO},
-    {"name": "sp_f32", "dtype": "float32", "tp_size": 2, "sequence_parallel": True},
+    {"name": "sp_f32", "dtype": "float32", "tp_size": 2, "sequence_parallel": True, "graph_idle_s": 1.0},
     {"name": "sp_bf16", "dtype": "bfloat16", "tp_size": 2, "sequence_parallel": True},
 ]
 
@@ -192,6 +192,25 @@ def test_lane_arguments_are_checked(exact_app):
 PAIR = {"name": "pair", "tp_size": 2, "tail": "sharded", "dtype": "float32", "num_replicas": 2,
         "lane_lease_s": 10.0, "collective_timeout_s": 4.0, "call_margin_s": 4.0}
 SOLO = {"name": "solo", "tp_size": 1, "dtype": "float32", "lane_lease_s": 2.0}
+
+
+def test_an_idle_replica_tears_its_graph_down_and_compiles_it_again(exact_app):
+    """An idle compiled graph keeps a core per rank polling, so the replica drops it after
+    graph_idle_s (1 s for sp_f32) without a forward; the next forward compiles it again and
+    answers bit for bit as before."""
+    from waiting import wait_until
+
+    client = direct("sp_f32")
+    x = rand(5, seed=11)
+    first = client.forward(x, 1)
+    status = client.status()
+    assert status["group_transport"] == "compiled graph"
+    drops = status["group_graph_drops"]
+    wait_until(lambda: client.status()["group_graph_drops"] > drops, timeout_s=30,
+               what="the replica dropping its idle graph", every_s=0.25)
+    assert client.status()["group_transport"] is None
+    assert torch.equal(client.forward(x, 1), first)
+    assert client.status()["group_transport"] == "compiled graph"
 
 
 @pytest.fixture(scope="module")

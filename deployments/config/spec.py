@@ -174,6 +174,10 @@ class DeploymentSpec(BaseModel):
     # On this project's CPU benchmark the graph cut the TP-2 hop but made the TP-1 hop slower
     # (docs/benchmarks.md, "Data-plane overhead").
     compiled_graph: bool | None = None
+    # An idle compiled graph still costs CPU: with Ray 2.60 every rank's loop and the replica's
+    # reader poll their channels, about a core each. The replica tears its graph down after this
+    # long without a forward and compiles it again at the next one (about 0.1-0.5 s on CPU).
+    graph_idle_s: float = Field(5.0, gt=0, le=3600)
     # Lanes (deployments.client.lane): a client may lease a replica's TP group and call its
     # ranks through its own compiled graph. A lease lasts this long past the client's last
     # renewal (the client renews every half term while it calls); a replica whose Serve path or

@@ -2,7 +2,8 @@
 order the bounds must keep.
 
 Per deployment (:class:`Bounds`, from the spec's ``collective_timeout_s``, ``call_margin_s``,
-``health_check_timeout_s``, ``warmup_limit_s``, ``startup_timeout_s``, ``lane_lease_s``):
+``health_check_timeout_s``, ``warmup_limit_s``, ``startup_timeout_s``, ``lane_lease_s``,
+``graph_idle_s``):
 
 ==================  =======================================  ===========================================
 bound               value                                    what it bounds
@@ -20,6 +21,8 @@ bound               value                                    what it bounds
                     floor
 ``lease_s``         ``lane_lease_s``                         a lease past its last renewal; clients
                                                              renew and drop idle leases every half
+``graph_idle_s``    ``graph_idle_s``                         a replica's compiled graph without a
+                                                             forward; then it is torn down
 ==================  =======================================  ===========================================
 
 Per app: ``request_s`` = ``request_timeout_s`` or the largest ``call_s`` + ``REQUEST_MARGIN_S``:
@@ -74,6 +77,7 @@ class Bounds:
     warmup_s: float
     startup_s: float
     lease_s: float
+    graph_idle_s: float
 
     @classmethod
     def of(cls, spec: Any) -> Bounds:
@@ -86,6 +90,7 @@ class Bounds:
             serve_health_s=spec.health_check_timeout_s or health + HEALTH_MARGIN_S,
             close_s=max(RANK_POLL_S, collective), warmup_s=call + spec.warmup_limit_s,
             startup_s=spec.startup_timeout_s or STARTUP_FLOOR_S, lease_s=spec.lane_lease_s,
+            graph_idle_s=spec.graph_idle_s,
         )
 
 

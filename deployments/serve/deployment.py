@@ -300,6 +300,7 @@ class MoEGroupDeployment:
             "device": self.group.infos[0]["device"],
             "backend": self.group.infos[0]["backend"],
             "group_transport": self.group.transport,
+            "group_graph_drops": self.group.graph_drops,
             "experts_backend": self.group.infos[0]["experts_backend"],
             "experts_backend_warning": self.group.infos[0]["experts_backend_warning"],
             "experts_path": self.group.infos[0]["experts_path"],

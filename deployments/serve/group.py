@@ -68,6 +68,9 @@ class TPGroup:
         self.busy_listeners: list[Callable[[bool], None]] = []
         self._dag: Any = None  # the forward hop as a compiled graph (compiled at the first forward)
         self.transport: str | None = None  # how forwards reach the ranks, once decided
+        self._logged_transport: str | None = None
+        self.last_forward = time.monotonic()
+        self.graph_drops = 0  # compiled graphs torn down for idleness
 
     @classmethod
     def start(cls, resolved: ResolvedDeployment, accelerator: Accelerator, replica: str) -> TPGroup:
@@ -165,6 +168,20 @@ class TPGroup:
             with contextlib.suppress(Exception):  # ranks gone: the group is broken anyway
                 await asyncio.to_thread(dag.teardown)
 
+    async def _drop_graph_when_idle(self, dag: Any) -> None:
+        """Tear ``dag`` down once no forward has started for ``graph_idle_s`` (under the call
+        lock, so never under a running forward); ends when the graph goes another way."""
+        idle_s = self.bounds.graph_idle_s
+        while self._dag is dag:
+            wait_s = self.last_forward + idle_s - time.monotonic()
+            if wait_s > 0 or self._lock.locked():  # recent, or a forward or a lease holds the group
+                await asyncio.sleep(max(wait_s, idle_s / 4))
+                continue
+            async with self._lock:
+                if self._dag is dag and time.monotonic() - self.last_forward >= idle_s:
+                    await self.drop_graph()
+                    self.graph_drops += 1
+
     def check_usable(self) -> None:
         if self.broken is not None:
             raise GroupUnavailableError(
@@ -214,9 +231,14 @@ class TPGroup:
                     dag = MultiOutputNode([w.forward.bind(inp[0], inp[1], inp[2]) for w in self.workers])
                 self._dag = dag.experimental_compile(enable_asyncio=True)
                 self.transport = "compiled graph"
+                asyncio.get_running_loop().create_task(self._drop_graph_when_idle(self._dag))
             except Exception as e:  # e.g. an older Ray, or channels not available here
                 self.transport = f"actor calls (compiled graph unavailable: {error_message(e)})"
-        logger.info("TP group %s: forwards reach the ranks by %s", self.resolved.spec.name, self.transport)
+        if self.transport != self._logged_transport:  # once, not at every recompile after idleness
+            self._logged_transport = self.transport
+            idle = f" (torn down after {self.bounds.graph_idle_s:g} s idle)" if self._dag is not None else ""
+            logger.info("TP group %s: forwards reach the ranks by %s%s", self.resolved.spec.name,
+                        self.transport, idle)
 
     async def _gather_compiled(self, args: tuple, what: str, timeout_s: float) -> list:
         async def run() -> list:
@@ -268,13 +290,27 @@ class TPGroup:
                 for listener in self.busy_listeners:
                     listener(True)
             try:
-                if notify and self._dag is not None:
-                    return await self._gather_compiled(args, what, timeout_s)
+                if notify:
+                    # Under the lock: a compile never overlaps a graph's teardown (idle drop,
+                    # lease) or a lease's own graph on these ranks.
+                    if self.transport is None:
+                        self._compile_forward()
+                    if self._dag is not None:
+                        return await self._gather_compiled(args, what, timeout_s)
+                    args = self._put_large(args)
                 return await self._gather(self._submit(method, *args), what, timeout_s)
             finally:
                 if notify:
                     for listener in self.busy_listeners:
                         listener(False)
+
+    def _put_large(self, args: tuple) -> tuple:
+        """A forward's tensors for actor calls: into the object store once rather than serialised
+        for every rank; small batches (decode) travel inline, cheaper than a put and a fetch."""
+        layer, x_w, logits_w = args
+        if self.world == 1 or x_w.array.nbytes <= INLINE_BYTES:
+            return args
+        return layer, ray.put(x_w), None if logits_w is None else ray.put(logits_w)
 
     async def _shielded(self, method: str, args: tuple, what: str, timeout_s: float) -> list:
         # A cancelled caller must not release the lock while its call still runs on the ranks.
@@ -286,15 +322,9 @@ class TPGroup:
     ) -> tuple[torch.Tensor, str]:
         """``out [T, H]`` of ``layer`` and the tail that ran."""
         T = x_TH.shape[0]
-        if self.transport is None:
-            self._compile_forward()
+        self.last_forward = time.monotonic()
         x_w = WireTensor.from_torch(x_TH)
         logits_w = None if router_logits_TE is None else WireTensor.from_torch(router_logits_TE)
-        if self._dag is None and self.world > 1 and x_w.array.nbytes > INLINE_BYTES:
-            # Into the object store once rather than serialised for every rank; small batches
-            # (decode) travel inline in the call, which costs less than a put and a fetch.
-            x_w = ray.put(x_w)
-            logits_w = None if logits_w is None else ray.put(logits_w)
         results = await self._shielded(
             "forward", (layer, x_w, logits_w), f"the layer {layer} forward of {T} tokens", self.bounds.call_s
         )
