@@ -71,6 +71,7 @@ class TPGroup:
         self._logged_transport: str | None = None
         self.last_forward = time.monotonic()
         self.graph_drops = 0  # compiled graphs torn down for idleness
+        self._idle_watch: asyncio.Task | None = None
 
     @classmethod
     def start(cls, resolved: ResolvedDeployment, accelerator: Accelerator, replica: str) -> TPGroup:
@@ -231,7 +232,8 @@ class TPGroup:
                     dag = MultiOutputNode([w.forward.bind(inp[0], inp[1], inp[2]) for w in self.workers])
                 self._dag = dag.experimental_compile(enable_asyncio=True)
                 self.transport = "compiled graph"
-                asyncio.get_running_loop().create_task(self._drop_graph_when_idle(self._dag))
+                # held here: the event loop keeps only a weak reference to a task
+                self._idle_watch = asyncio.ensure_future(self._drop_graph_when_idle(self._dag))
             except Exception as e:  # e.g. an older Ray, or channels not available here
                 self.transport = f"actor calls (compiled graph unavailable: {error_message(e)})"
         if self.transport != self._logged_transport:  # once, not at every recompile after idleness
