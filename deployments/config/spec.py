@@ -176,7 +176,7 @@ class DeploymentSpec(BaseModel):
     compiled_graph: bool | None = None
     # An idle compiled graph still costs CPU: with Ray 2.60 every rank's loop and the replica's
     # reader poll their channels, about a core each. The replica tears its graph down after this
-    # long without a forward and compiles it again at the next one (about 0.1-0.5 s on CPU).
+    # long without a forward and compiles it again at the next one (about 0.3 s on 2 CPUs).
     graph_idle_s: float = Field(5.0, gt=0, le=3600)
     # Lanes (deployments.client.lane): a client may lease a replica's TP group and call its
     # ranks through its own compiled graph. A lease lasts this long past the client's last
