@@ -36,6 +36,7 @@ from typing import Any
 
 from bench import harness
 from bench.docs import section_start, verdict, verdict_text, write_results
+from bench.rss import cmdline
 
 APP, KEEP_APP, LAYER, TP = "idle", "idle_keep", 1, 2
 SECTION = "## Idle TP groups: compiled graphs torn down when idle (`scripts/bench_idle.py`)"
@@ -58,16 +59,11 @@ def app_of(deployment: str) -> str:
 
 def replica_pid(deployment: str) -> int:
     """The process of ``deployment``'s (single) Serve replica, found by its process title."""
-    prefix = f"ray::ServeReplica:{app_of(deployment)}:{deployment}".encode()
+    prefix = f"ray::ServeReplica:{app_of(deployment)}:{deployment}"
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().startswith(prefix):
-                        return int(entry)
-            except OSError:
-                continue
-    raise RuntimeError(f"no process titled {prefix.decode()}")
+        if entry.isdigit() and cmdline(int(entry)).startswith(prefix):
+            return int(entry)
+    raise RuntimeError(f"no process titled {prefix}")
 
 
 def group_pids(client: Any, deployment: str) -> list[int]:
