@@ -1,22 +1,15 @@
 """Where TP groups run (``accelerator``), and apps Ray could never place refused at build time.
 
-Pure half: the accelerator choice and the placement check on hand-made cluster views, and the
-view ``serve run`` gets before it has started Ray (this machine, ``RAY_OVERRIDE_RESOURCES``).
-Ray half: on a fresh local Ray with no GPU, the bare app (TP 2, ``accelerator`` left at
-``auto``) serves on CPU ranks and matches the single-device forward, an explicit ``gpu``
-deployment is refused at once with the missing resources and the command that provides them,
-and ``serve run`` with no Ray running serves too (it used to wait forever for GPU bundles).
-
-Tolerance (float32): TP 2 differs from the single-device forward only by the order of the
-reductions (two partial sums, then an all-reduce), a few fp32 ulps on O(1) values; ``1e-5``
-leaves a ~10x margin.
+The accelerator choice and the placement check on hand-made cluster views, and the view
+``serve run`` gets before it has started Ray (this machine, ``RAY_OVERRIDE_RESOURCES``), on
+which an explicit ``gpu`` deployment is refused at once with the missing resources and the
+command that provides them. That ``serve run`` with no Ray running and no GPU serves on CPU
+ranks (it used to wait forever for GPU bundles) is tests/test_serve_cli.py's local-config test.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,14 +26,9 @@ from deployments.control.capacity import check_placeable
 from deployments.control.cluster_view import ClusterView, NodeType
 from deployments.control.launcher import launcher_node_types
 from deployments.control.serve_options import placement_bundles, worker_resources
-from moe_runtime.checkpoint import load_layer_weights
-from moe_runtime.config import LatentMoEConfig
-from moe_runtime.layer import moe_forward
-from moe_runtime.tp.collectives import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MI300X = "accelerator_type:AMD-Instinct-MI300X-OAM"
-FP32_TOL = {"rtol": 1e-5, "atol": 1e-5}
 CPU_ONLY = ClusterView("a 2-CPU test cluster", ({"CPU": 2.0},))
 
 
@@ -142,7 +130,7 @@ def test_minimums_must_fit_the_cluster_total():
 
 
 @pytest.mark.ray
-def test_view_before_serve_run_starts_ray(monkeypatch):
+def test_view_before_serve_run_starts_ray(monkeypatch, tiny_ckpt):
     # `serve run <import path>` builds the app before ray.init: the builder makes that same
     # connection (here RAY_ADDRESS=local: a fresh instance with this machine's resources, as Ray
     # detects them) through the public API, and serve run then keeps using it.
@@ -155,6 +143,12 @@ def test_view_before_serve_run_starts_ray(monkeypatch):
         assert ray.is_initialized() and view.fresh_local and view.nodes[0]["CPU"] >= 1
         if not torch.cuda.is_available():
             assert view.gpus() == 0 and choose_accelerator(DeploymentSpec(), view)[0] == "cpu"
+            # An explicit GPU layout this Ray cannot hold is refused at build time: nothing waits.
+            from deployments.app import build_app
+
+            bare = {"checkpoint": str(tiny_ckpt), "tp_size": 2, "tail": "sharded", "dtype": "float32"}
+            with pytest.raises(ValueError, match=r"missing \{GPU: 2\}.*ray start --head --num-cpus 2 --num-gpus 2"):
+                build_app({**bare, "accelerator": "gpu"})
     finally:
         ray.shutdown()
     monkeypatch.setenv("RAY_OVERRIDE_RESOURCES", json.dumps({"GPU": 2}))
@@ -169,73 +163,6 @@ def test_view_before_serve_run_starts_ray(monkeypatch):
 
 
 # -- Ray: a fresh local instance without GPUs ------------------------------------------------
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_bare_app_serves_on_cpu_and_gpu_fails_fast(tiny_ckpt):
-    from ray import serve
-
-    from deployments.app import build_app
-    from deployments.client import MoEClient
-
-    SHARED.stop()  # this test's Ray instance: no GPUs
-    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False, namespace="serve",
-             log_to_driver=False)
-    try:
-        bare = {"checkpoint": str(tiny_ckpt), "tp_size": 2, "tail": "sharded", "dtype": "float32"}
-        with pytest.raises(ValueError, match=r"missing \{GPU: 2\}.*ray start --head --num-cpus 2 --num-gpus 2"):
-            build_app({**bare, "accelerator": "gpu"})  # refused at build time: nothing waits
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-        serve.run(build_app(bare), name="bare", route_prefix="/")
-        client = MoEClient("bare", timeout_s=60)
-        status = client.status()["deployments"]["moe"]
-        assert status["controller"]["accelerator"] == "cpu"
-        assert "no GPU" in status["controller"]["accelerator_reason"]
-        assert [w["device"] for w in status["workers"]] == ["cpu", "cpu"] and status["backend"] == "gloo"
-        cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
-        x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
-        ref = moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1), cfg)
-        torch.testing.assert_close(client.forward(x, layer=1), ref, **FP32_TOL)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_serve_run_without_ray_running_serves_on_cpu(tiny_ckpt, tmp_path, port_8000):
-    """`serve run` with no Ray: it starts its own (no GPU here), auto picks cpu, it serves."""
-    from test_serve_cli import SERVE, port_in_use, stop, wait_ready
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: auto rightly picks gpu")
-    args = [f"checkpoint={tiny_ckpt}", "tp_size=2", "tail=sharded", "dtype=float32"]
-    if not port_in_use(8000):  # the form of the issue; it can only serve on port 8000
-        port, cmd = 8000, [str(SERVE), "run", "deployments.app:build_app", *args]
-    else:  # same app from a config file on a free port (the builder then runs in a Ray task)
-        port = free_port()
-        config = {"http_options": {"host": "127.0.0.1", "port": port}, "applications": [{
-            "name": "default", "route_prefix": "/", "import_path": "deployments.app:build_app",
-            "args": dict(a.split("=", 1) for a in args)}]}
-        (tmp_path / "bare.yaml").write_text(yaml.safe_dump(config))
-        cmd = [str(SERVE), "run", str(tmp_path / "bare.yaml")]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_OVERRIDE_RESOURCES"}
-    env["RAY_ADDRESS"] = "local"  # never join another `ray start` cluster of this machine
-    log = tmp_path / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        http = wait_ready(proc, port, log)
-        with http:
-            status = http.status()["deployments"]["moe"]
-            assert status["controller"]["accelerator"] == "cpu", log.read_text()[-3000:]
-            cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
-            x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
-            ref = moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1), cfg)
-            torch.testing.assert_close(http.forward(x, 1), ref, **FP32_TOL)
-    finally:
-        stop(proc)
 
 
 if __name__ == "__main__":

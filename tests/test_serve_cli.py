@@ -1,7 +1,9 @@
 """Smoke tests of the `serve run` command line: the local config file and the import-path form.
 
-Each test starts `serve run` in a subprocess; it starts its own local Ray instance, given two
-logical GPUs through RAY_OVERRIDE_RESOURCES (this is a CPU machine). The test stops only the
+Each test starts `serve run` in a subprocess with no Ray running, so it starts its own local
+instance: the local config as a user's CPU machine has it (no GPUs: the accelerator is CPU),
+the import path with two logical GPUs through RAY_OVERRIDE_RESOURCES (the GPU layout, computing
+on CPU, as after `ray start --head --num-gpus 2`). The test stops only the
 process it started, by PID (SIGINT: `serve run` shuts Serve down and its Ray instance exits
 with it), with finite timeouts everywhere.
 """
@@ -53,15 +55,22 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path) -> HTTPMoEClient:
     return http
 
 
-def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, measured: bool = False) -> None:
+def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, gpus: int, measured: bool = False) -> None:
     # RAY_ADDRESS=local: `serve run` starts its own instance, never joins one found on the machine.
-    env = dict(os.environ, RAY_OVERRIDE_RESOURCES=json.dumps({"GPU": 2}), RAY_ADDRESS="local")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_OVERRIDE_RESOURCES"}
+    env["RAY_ADDRESS"] = "local"
+    if gpus:
+        env["RAY_OVERRIDE_RESOURCES"] = json.dumps({"GPU": gpus})
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         with wait_ready(proc, port, log) as http:
             status = http.status()["deployments"]["moe"]
             assert status["tp_size"] == 2
+            if not gpus and not torch.cuda.is_available():  # auto without GPUs: CPU bundles, gloo
+                assert status["controller"]["accelerator"] == "cpu", log.read_text()[-3000:]
+                assert "no GPU" in status["controller"]["accelerator_reason"]
+                assert [w["device"] for w in status["workers"]] == ["cpu", "cpu"] and status["backend"] == "gloo"
             if measured:  # tail auto: the controller timed the legal tails on the group at warm-up
                 decision = status["controller"]
                 assert decision["measured"] and decision["requested_tail"] == "auto"
@@ -89,14 +98,17 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
-def test_serve_run_local_config(tiny_ckpt, tmp_path):
+def test_serve_run_local_config_on_a_machine_without_gpus(tiny_ckpt, tmp_path):
+    """The README's `serve run deployments/configs/local.yaml` with no Ray running and no GPU:
+    it starts its own Ray, accelerator auto picks the CPU, and it serves (it once waited
+    forever for GPU bundles)."""
     config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
     port = free_port()
     config["http_options"]["port"] = port
     config["applications"][0]["args"]["checkpoint"] = str(tiny_ckpt)
     path = tmp_path / "local.yaml"
     path.write_text(yaml.safe_dump(config))
-    _run_and_check([str(SERVE), "run", str(path)], port, tiny_ckpt, tmp_path / "serve.log")
+    _run_and_check([str(SERVE), "run", str(path)], port, tiny_ckpt, tmp_path / "serve.log", gpus=0)
 
 
 def test_serve_run_import_path(tiny_ckpt, tmp_path, port_8000):
@@ -105,4 +117,4 @@ def test_serve_run_import_path(tiny_ckpt, tmp_path, port_8000):
     # tail=auto: also exercises the controller's warm-up measurement and CLI string coercion.
     cmd = [str(SERVE), "run", "deployments.app:build_app", f"checkpoint={tiny_ckpt}", "tp_size=2",
            "tail=auto", "auto_tune_tokens=1,64", "layers=1-2", "max_batch_tokens=64"]
-    _run_and_check(cmd, 8000, tiny_ckpt, tmp_path / "serve.log", measured=True)
+    _run_and_check(cmd, 8000, tiny_ckpt, tmp_path / "serve.log", gpus=2, measured=True)
