@@ -68,32 +68,45 @@ def test_explain_prints_decision_without_running(tiny_ckpt):
     assert "TP size is 1" in res.stdout and "-> replicated" in res.stdout
 
 
-def test_errors(tiny_ckpt, tmp_path):
+def in_process(capsys, *args: str) -> tuple[int, str]:
+    """``main(["forward", *args])`` in this process: its exit status and stderr (no interpreter
+    to start: the error cases below need no new process; one of them runs as one)."""
+    from moe_runtime.cli import main
+
+    code = main(["forward", *map(str, args)])
+    return code, capsys.readouterr().err
+
+
+def test_errors(tiny_ckpt, tmp_path, capsys):
     good = tmp_path / "in.safetensors"
     save_file({"hidden_states": torch.randn(4, 128)}, good)
+    out = tmp_path / "o.safetensors"
+    bad = tmp_path / "bad.safetensors"
+    save_file({"other": torch.randn(4, 128)}, bad)
+    res = cli("--checkpoint", tiny_ckpt, "--layer", 1, "--input", bad, "--output", out)  # as a user runs it
+    assert res.returncode == 2 and "has no tensor 'hidden_states'" in res.stderr, res.stderr
     cases = {
-        "has no tensor 'hidden_states'": {"other": torch.randn(4, 128)},
         "must have shape [T, 128]": {"hidden_states": torch.randn(4, 64)},
         "NaN or Inf": {"hidden_states": torch.full((4, 128), float("nan"))},
         "no tokens": {"hidden_states": torch.randn(0, 128)},
     }
     for message, tensors in cases.items():
-        path = tmp_path / "bad.safetensors"
-        save_file(tensors, path)
-        res = cli("--checkpoint", tiny_ckpt, "--layer", 1, "--input", path, "--output", tmp_path / "o.safetensors")
-        assert res.returncode == 2 and message in res.stderr, (message, res.stderr)
-    res = cli("--checkpoint", tiny_ckpt, "--layer", 0, "--input", good, "--output", tmp_path / "o.safetensors")
-    assert res.returncode == 2 and "layer 0 is not a MoE layer" in res.stderr
-    res = cli("--checkpoint", tiny_ckpt, "--layer", 1, "--input", good, "--output", tmp_path / "o.safetensors",
-              "--tail", "sharded")
-    assert res.returncode == 2 and "TP size is 1" in res.stderr
+        save_file(tensors, bad)
+        code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", bad, "--output", out)
+        assert code == 2 and message in err, (message, err)
+    code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 0, "--input", good, "--output", out)
+    assert code == 2 and "layer 0 is not a MoE layer" in err
+    code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", good, "--output", out,
+                           "--tail", "sharded")
+    assert code == 2 and "TP size is 1" in err
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    res = cli("--checkpoint", tiny_ckpt, "--layer", 1, "--input", tmp_path / "junk.safetensors",
-              "--output", tmp_path / "o.safetensors")
-    assert res.returncode == 2 and "not a readable safetensors file" in res.stderr
+    code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", tmp_path / "junk.safetensors",
+                           "--output", out)
+    assert code == 2 and "not a readable safetensors file" in err
+    assert not out.exists()  # no error wrote an output
 
 
-def test_repeat_prints_first_and_median(tiny_ckpt, io, tmp_path):
+def test_repeat_prints_first_and_median(tiny_ckpt, io, tmp_path, capsys):
     d, ref = io
     out = tmp_path / "o.safetensors"
     res = cli("--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors", "--output", out,
@@ -102,9 +115,9 @@ def test_repeat_prints_first_and_median(tiny_ckpt, io, tmp_path):
     line = [s for s in res.stdout.splitlines() if s.startswith("forward ms:")]
     assert len(line) == 1 and re.fullmatch(r"forward ms: first [\d.]+, median [\d.]+ over 3", line[0]), res.stdout
     torch.testing.assert_close(load_file(out)["output"], ref, rtol=1e-5, atol=1e-5)  # as test_tp2_every_tail
-    res = cli("--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors", "--output", out,
-              "--repeat", 0)
-    assert res.returncode == 2 and "--repeat must be at least 1, got 0" in res.stderr
+    code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors",
+                           "--output", out, "--repeat", 0)
+    assert code == 2 and "--repeat must be at least 1, got 0" in err
 
 
 def test_forward_times_line() -> None:
