@@ -47,6 +47,7 @@ from bench import harness
 from bench.docs import section_start, verdict, verdict_text, write_results
 
 from deployments.client import AttentionWorker
+from deployments.client.cohort import graph_size_formula, row_bytes
 
 APP, NAME = "cohortbench", "moe"
 SECTION = "## Cohorts (scripts/bench_cohort.py)"
@@ -219,9 +220,18 @@ def row(mode: str, workers: int, tokens: int, step_s: list[float], worker_steps:
     return out
 
 
-def settle(client: Any, seconds: float = 1.0) -> None:
-    """The replica reads a lease's counters from its ranks every 0.25 s and at its end."""
-    time.sleep(seconds)
+def settled_counters(client: Any) -> dict[str, int]:
+    """The replica's counters once two readings agree: it reads a lease's counters from its
+    ranks every LANE_POLL_S and at the lease's end, so they trail the steps by that much."""
+    from deployments.config.timeouts import LANE_POLL_S
+
+    last = counters(client)
+    while True:
+        time.sleep(2 * LANE_POLL_S)
+        now = counters(client)
+        if now == last:
+            return now
+        last = now
 
 
 def measure_cohort(client: Any, workers: list[Any], tokens: int, layers: int, seconds: float
@@ -237,15 +247,13 @@ def measure_cohort(client: Any, workers: list[Any], tokens: int, layers: int, se
         idle_busy = cores_busy(idle)
         for _ in range(3):  # untimed, before the counters are read
             cohort.step([None] * M)
-        settle(client)
-        before, started = counters(client), busy_jiffies()
+        before, started = settled_counters(client), busy_jiffies()
         steps = timed(lambda: cohort.step([None] * M), seconds, warmup=0)
         busy = cores_busy(started)
         status = cohort.status()
         # exactness: the last step's rows against the Serve path's forward of all of them
         outs = ray.get([w.outputs.remote() for w in workers])
-    settle(client)
-    after = counters(client)
+    after = settled_counters(client)
     exact = True
     for layer in range(1, layers + 1):
         xs = [harness.seeded_randn(tokens, 128, 1000 * i + layer) for i in range(M)]
@@ -264,11 +272,11 @@ def measure_independent(client: Any, workers: list[Any], mode: str, tokens: int,
     before, started, start = counters(client), busy_jiffies(), time.perf_counter()
     steps = ray.get([w.run_for.remote(APP, mode, tokens, seconds, WARMUP) for w in workers])
     wall, busy = time.perf_counter() - start, cores_busy(started)
-    settle(client)
+    after = settled_counters(client)
     flat = [s for per in steps for s in per]
     # the workers' timed windows overlap; the rate counts every timed step over the longest window
     window = max(sum(per) for per in steps)
-    return row(mode, len(workers), tokens, flat, len(flat), window, busy, before, counters(client),
+    return row(mode, len(workers), tokens, flat, len(flat), window, busy, before, after,
                untimed=WARMUP * len(workers), elapsed_s=wall)
 
 
@@ -297,14 +305,6 @@ def k3_shape(layers: int, workers: int, tp: int) -> dict[str, Any]:
             exact_path = cohort.status()["path"]
     return {"layers": len(routes), "workers": workers, "tp": tp, "graph": graph, "cohort_built_s": built_s,
             "first_step_s": step_s, "path": exact_path}
-
-
-def formula(layers: int, workers: int, tp: int, row_bytes: int) -> dict[str, int]:
-    """The cohort module's size formula for one group serving every layer (row_bytes: one
-    worker's rows per layer, its envelope included)."""
-    channels = layers * (workers + 1) + 1 + workers + (tp - 1)
-    return {"nodes": workers * (layers + 1) + tp * layers, "channels": channels,
-            "shm_bytes_in_use": (channels + layers * (workers - 1)) * row_bytes}
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -473,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                            for i in range(M)]
                 result, graph = measure_cohort(client, workers, T, len(layers), args.seconds)
                 rows.append(result)
-                graphs.append({**graph, "tp": args.tp,
-                               "formula": formula(len(layers), M, args.tp, T * 128 * 4 + 4096)})
+                size = graph_size_formula(len(layers), M, [(args.tp, len(layers))], row_bytes(T, 128, 4))
+                graphs.append({**graph, "tp": args.tp, "formula": size})
                 for mode in ("lanes", "serve"):
                     rows.append(measure_independent(client, workers, mode, T, args.seconds))
                 echo_workers = [ray.remote(EchoWorker).options(num_cpus=0).remote(T, 128) for _ in range(M)]
@@ -489,14 +489,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.k3_shape:
         print("the K3-shaped graph", flush=True)
         k3 = k3_shape(K3["layers"], K3["workers"], K3["tp"])
-        row_bytes = K3["tokens"] * K3["hidden"] * K3["bytes"] + 4096
-        size = formula(k3["layers"], k3["workers"], k3["tp"], row_bytes)
+        size = graph_size_formula(k3["layers"], k3["workers"], [(k3["tp"], k3["layers"])],
+                                  row_bytes(K3["tokens"], K3["hidden"], K3["bytes"]))
         k3["formula"] = size
         k3["shm_gb_at_k3_sizes"] = size["shm_bytes_in_use"] / 1e9
         results["k3"] = k3
         graphs.append({**k3["graph"], "layers": k3["layers"], "workers": k3["workers"], "tp": k3["tp"],
                        "tokens": 1,
-                       "formula": formula(k3["layers"], k3["workers"], k3["tp"], 1 * 128 * 4 + 4096)})
+                       "formula": graph_size_formula(k3["layers"], k3["workers"], [(k3["tp"], k3["layers"])],
+                                                     row_bytes(1, 128, 4))})
     results["machine"] = dict(machine, loadavg_after=harness.loadavg())
     results["verdicts"] = verdicts(results)
     write_results(results, args.out, "bench_cohort", plot, markdown, args.docs)

@@ -56,6 +56,35 @@ def port_8000() -> Iterator[None]:
 SHARED_RESOURCES = {"num_cpus": 16, "num_gpus": 16}  # logical: enough for every module that shares it
 
 
+def start_ray_and_serve(**ray_args) -> int:
+    """A Ray instance of this process (``address="local"``: never a ``ray start`` cluster found on
+    the machine; the GPUs are logical on a CPU machine) with Serve's HTTP proxy on a free port,
+    which is returned."""
+    import ray
+    from ray import serve
+
+    from moe_runtime.tp.collectives import free_port
+
+    ray.init(address="local", include_dashboard=False, namespace="serve", log_to_driver=False, **ray_args)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    except BaseException:
+        ray.shutdown()
+        raise
+    return port
+
+
+def stop_ray_and_serve() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
 class SharedServe:
     """The test process's Ray instance with Serve (logical GPUs; CPU machine), started on first
     use and kept across modules: each module deletes its applications when it ends. A module that
@@ -67,19 +96,10 @@ class SharedServe:
 
     def start(self) -> SimpleNamespace:
         if self.ports is None:
-            import ray
-            from ray import serve
-
             from moe_runtime.tp.collectives import free_port
 
-            http, metrics = free_port(), free_port()
-            ray.init(address="local", include_dashboard=False, namespace="serve", log_to_driver=False,
-                     _metrics_export_port=metrics, **SHARED_RESOURCES)
-            try:
-                serve.start(http_options={"host": "127.0.0.1", "port": http})
-            except BaseException:
-                ray.shutdown()
-                raise
+            metrics = free_port()
+            http = start_ray_and_serve(_metrics_export_port=metrics, **SHARED_RESOURCES)
             self.ports = SimpleNamespace(http=http, metrics=metrics)
         return self.ports
 
@@ -93,14 +113,8 @@ class SharedServe:
 
     def stop(self) -> None:
         if self.ports is not None:
-            import ray
-            from ray import serve
-
             self.ports = None
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
+            stop_ray_and_serve()
 
 
 SHARED = SharedServe()
@@ -123,21 +137,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @contextmanager
 def local_serve(num_cpus: int, num_gpus: int) -> Iterator[int]:
-    """A Ray instance of this caller's own (the shared one stopped first) with Serve's HTTP proxy
-    on a free port (yielded); all of it is stopped on exit. ``address="local"``: never a ``ray start`` cluster found on the machine;
-    the GPUs are logical (CPU machine)."""
-    import ray
-    from ray import serve
-
-    from moe_runtime.tp.collectives import free_port
-
+    """A Ray instance with Serve of this caller's own resources (the shared one stopped first);
+    yields Serve's HTTP port and stops both on exit."""
     SHARED.stop()
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, namespace="serve",
-             log_to_driver=False)
+    port = start_ray_and_serve(num_cpus=num_cpus, num_gpus=num_gpus)
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield port
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray_and_serve()

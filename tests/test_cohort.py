@@ -24,6 +24,7 @@ from ray import cloudpickle
 from waiting import wait_until
 
 from deployments.client import AttentionWorker, MoERequestError, WorkerError
+from deployments.client.cohort import graph_size_formula, row_bytes
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # The workers' classes travel by value: Ray's worker processes need not import this module.
@@ -171,6 +172,10 @@ def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app, wo
         if T:
             torch.testing.assert_close(got[i][1], lone[i], rtol=1e-5, atol=1e-5)
     assert status["graph_steps"] == 3 and status["serve_steps"] == 0
+    # The live graph's size is the module's formula: 2 layers, 3 workers, two TP-2 groups of one
+    # layer each, float32 rows of max_tokens 4.
+    size = graph_size_formula(2, len(tokens), [(2, 1), (2, 1)], row_bytes(4, H, 4))
+    assert {k: status["graph"][k] for k in size} == size, status["graph"]
     for name in ("pair", "half"):  # one forward per layer per step, of every worker's rows
         b, a = before[name][leased[name]], after[name][leased[name]]
         assert a["forwards"] - b["forwards"] == 3

@@ -461,23 +461,17 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
     had Serve probed the starting replica it would have failed 3 probes within ~27 s
     and replaced it; instead the one group that started serves. The ranks read the clock in
     step, so their collectives wait for no more than the skew between two sleeps."""
-    import ray
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import MoEClient
     from moe_runtime.layer import moe_forward
-    from moe_runtime.tp.collectives import free_port
 
     log = tmp_path / "clock.log"
     monkeypatch.setenv(SLOW_CLOCK_LOG, str(log))  # inherited by the local Ray's workers
-    from conftest import SHARED  # here: the workers import this module for its clock
+    from conftest import local_serve  # here: the workers import this module for its clock
 
-    SHARED.stop()  # this test's Ray instance: its own resources and environment
-    ray.init(address="local", num_cpus=3, num_gpus=2, include_dashboard=False, namespace="slow_start",
-             log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    with local_serve(num_cpus=3, num_gpus=2):  # this test's Ray: its own resources and environment
         args = {"checkpoint": str(tiny_ckpt), "name": "slow", "tp_size": 2, "tail": "auto",
                 "auto_tune_tokens": [1, 2], "auto_tune_reps": 1,
                 "tune_clock": f"tests.test_memory:{sleepy_clock.__name__}",
@@ -496,6 +490,3 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
         # fp32 on both sides; another process may block its GEMMs differently: ~1e-7 relative.
         torch.testing.assert_close(client.forward(x, 1), moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1), cfg),
                                    rtol=1e-5, atol=1e-5)
-    finally:
-        serve.shutdown()
-        ray.shutdown()

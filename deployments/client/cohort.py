@@ -114,6 +114,21 @@ DEFAULT_MAX_TOKENS = 1  # rows per worker and step (decode: one token per sequen
 MESSAGE_OVERHEAD_BYTES = 4096  # a message's pickled envelope around its rows
 
 
+def row_bytes(max_tokens: int, hidden: int, itemsize: int) -> int:
+    """One worker's rows per layer with their envelope: every channel of the graph starts there."""
+    return max_tokens * hidden * itemsize + MESSAGE_OVERHEAD_BYTES
+
+
+def graph_size_formula(layers: int, workers: int, groups: Sequence[tuple[int, int]],
+                       row: int) -> dict[str, int]:
+    """The size formula of the module docstring, without sequence parallelism (what
+    :func:`graph_size` measures on a live graph): ``groups`` holds (ranks, layers served) per TP
+    group, ``row`` is :func:`row_bytes`."""
+    channels = layers * (workers + 1) + 1 + workers + sum(ranks - 1 for ranks, _ in groups)
+    return {"nodes": workers * (layers + 1) + sum(ranks * served for ranks, served in groups),
+            "channels": channels, "shm_bytes_in_use": (channels + layers * (workers - 1)) * row}
+
+
 @dataclass
 class Failure:
     """Why a step failed, as the cohort handles it."""
@@ -264,8 +279,7 @@ class CohortCore(LeaseHolder):
         """One worker's rows per layer (+ envelope): channels start there; rank 0's batch grows
         its channel to M times that on first use."""
         itemsize = max(torch_dtype(i["dtype"]).itemsize for i in self.info.values())
-        hidden = next(iter(self.info.values()))["hidden_size"]
-        return self.max_tokens * hidden * itemsize + MESSAGE_OVERHEAD_BYTES
+        return row_bytes(self.max_tokens, next(iter(self.info.values()))["hidden_size"], itemsize)
 
     def drop_all(self, why: str, wait_s: float = 0.5) -> None:
         """Tear the graph down and release every lease (aside; the Serve path until asked again)."""
