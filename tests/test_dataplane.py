@@ -206,8 +206,13 @@ def test_healthz_reports_the_groups(app):
 
 def test_killing_a_rank_of_one_replica_costs_no_client_errors(app):
     """Closed-loop load on two replicas; one rank dies; every request still gets its answer."""
-    views = replica_views("pool")
-    assert len(views) == 2
+    # Both replicas in view: one that a lane (the test above) just released is steered around
+    # until it reports itself free.
+    def both_seen() -> dict[str, dict] | None:
+        views = replica_views("pool")
+        return views if len(views) == 2 else None
+
+    views = wait_until(both_seen, timeout_s=READY_S, what="status() from both pool replicas", every_s=1.0)
     victim = next(iter(views.values()))["workers"][0]["pid"]
     x = rand(8, 9)
     ref = reference(app, x)

@@ -147,7 +147,6 @@ class MoEGroupDeployment:
         if spec == self.spec:
             return
         check_planned_tokens(spec, self.decision)
-        self.spec = spec
         pushes = [w.set_max_tokens.remote(spec.max_tokens_per_request) for w in self.group.workers]
         try:
             await asyncio.wait_for(asyncio.gather(*pushes), spec.bounds.call_s)
@@ -155,6 +154,8 @@ class MoEGroupDeployment:
             logger.warning("replica %s of deployment %r: a rank did not take max_tokens_per_request "
                            "%d within %.0f s (%s); its health check decides", self.replica, spec.name,
                            spec.max_tokens_per_request, spec.bounds.call_s, error_message(e))
+        # Only now: status() reporting the new limit means the ranks (which check lane calls) hold it.
+        self.spec = spec
         for queue in self._queues.values():
             queue.set_max_batch_size(spec.max_batch_tokens)
             queue.set_batch_wait_timeout_s(spec.batch_wait_timeout_s)
