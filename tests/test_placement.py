@@ -162,8 +162,5 @@ def test_view_before_serve_run_starts_ray(monkeypatch, tiny_ckpt):
         ray.shutdown()
 
 
-# -- Ray: a fresh local instance without GPUs ------------------------------------------------
-
-
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
