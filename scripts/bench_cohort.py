@@ -189,15 +189,14 @@ def timed(step: Any, seconds: float, warmup: int = 3) -> list[float]:
     return times
 
 
-def busy_jiffies() -> tuple[int, float]:
-    """Non-idle CPU jiffies of the whole machine so far, and when they were read."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4], time.monotonic()  # minus idle and iowait
+def busy_mark() -> tuple[float, float]:
+    """The machine's busy CPU-seconds so far, and when they were read."""
+    return harness.busy_cpu_s(), time.monotonic()
 
 
-def cores_busy(before: tuple[int, float]) -> float:
-    jiffies, when = busy_jiffies()
-    return round((jiffies - before[0]) / os.sysconf("SC_CLK_TCK") / (when - before[1]), 2)
+def cores_busy(before: tuple[float, float]) -> float:
+    busy, when = busy_mark()
+    return round((busy - before[0]) / (when - before[1]), 2)
 
 
 def counters(client: Any) -> dict[str, int]:
@@ -242,12 +241,12 @@ def measure_cohort(client: Any, workers: list[Any], tokens: int, layers: int, se
     with client.cohort(workers, max_tokens=tokens, name=f"bench-{M}x{tokens}") as cohort:
         cohort.step([None] * M)  # compiles the graph (and checks it runs)
         graph = dict(cohort.status()["graph"])
-        idle = busy_jiffies()
+        idle = busy_mark()
         time.sleep(1.0)  # the graph exists, nothing steps: what its polling loops cost
         idle_busy = cores_busy(idle)
         for _ in range(3):  # untimed, before the counters are read
             cohort.step([None] * M)
-        before, started = settled_counters(client), busy_jiffies()
+        before, started = settled_counters(client), busy_mark()
         steps = timed(lambda: cohort.step([None] * M), seconds, warmup=0)
         busy = cores_busy(started)
         status = cohort.status()
@@ -269,7 +268,7 @@ def measure_independent(client: Any, workers: list[Any], mode: str, tokens: int,
                         ) -> dict[str, Any]:
     import ray
 
-    before, started, start = counters(client), busy_jiffies(), time.perf_counter()
+    before, started, start = counters(client), busy_mark(), time.perf_counter()
     steps = ray.get([w.run_for.remote(APP, mode, tokens, seconds, WARMUP) for w in workers])
     wall, busy = time.perf_counter() - start, cores_busy(started)
     after = settled_counters(client)
@@ -479,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(measure_independent(client, workers, mode, T, args.seconds))
                 echo_workers = [ray.remote(EchoWorker).options(num_cpus=0).remote(T, 128) for _ in range(M)]
                 echo_ranks = [ray.remote(EchoRank).options(num_cpus=0).remote(r) for r in range(args.tp)]
-                started = busy_jiffies()
+                started = busy_mark()
                 for mode, steps in measure_floor(echo_workers, echo_ranks, len(layers), args.seconds).items():
                     rows.append(row(mode, M, T, steps, M * len(steps), sum(steps), cores_busy(started)))
                 for actor in workers + echo_workers + echo_ranks:

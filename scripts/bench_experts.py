@@ -164,14 +164,11 @@ def describe(r: dict) -> str:
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
     """(wall s, busy CPU-s of the whole machine, CPU-s of this process), Linux only."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
+    busy = harness.busy_cpu_s()
+    if busy is None:
         return None
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.time(), (sum(fields[:8]) - idle) / tick, usage.ru_utime + usage.ru_stime
+    return time.time(), busy, usage.ru_utime + usage.ru_stime
 
 
 def other_load(start, end) -> float | None:

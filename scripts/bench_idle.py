@@ -36,7 +36,7 @@ from typing import Any
 
 from bench import harness
 from bench.docs import section_start, verdict, verdict_text, write_results
-from bench.rss import cmdline
+from bench.rss import cmdline, stat_fields
 
 APP, KEEP_APP, LAYER, TP = "idle", "idle_keep", 1, 2
 SECTION = "## Idle TP groups: compiled graphs torn down when idle (`scripts/bench_idle.py`)"
@@ -45,12 +45,7 @@ HZ = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds the processes ``pids`` have used so far (threads included)."""
-    total = 0.0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / HZ
-    return total
+    return sum(int(fields[11]) + int(fields[12]) for fields in map(stat_fields, pids)) / HZ
 
 
 def app_of(deployment: str) -> str:

@@ -61,6 +61,16 @@ def loadavg() -> list[float]:
     return [round(v, 2) for v in os.getloadavg()]
 
 
+def busy_cpu_s() -> float | None:
+    """CPU-seconds the whole machine has been busy so far (/proc/stat: every state but idle and
+    iowait; the guest states are inside user already); None where there is no /proc/stat."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_count() -> int:
     """The CPUs this process may run on (its affinity: what a container or taskset grants)."""
     return len(os.sched_getaffinity(0))

@@ -42,6 +42,12 @@ def proc_bytes(path: str, *names: str) -> int | None:
     return total
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces and parens):
+    ``[0]`` is the state, ``[1]`` the parent pid, ``[11]``/``[12]`` user/system CPU ticks."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def children_map() -> dict[int, list[int]]:
     """parent pid -> child pids, for every process /proc shows now."""
     children: dict[int, list[int]] = {}
@@ -49,10 +55,9 @@ def children_map() -> dict[int, list[int]]:
         if not entry.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat_fields(int(entry))[1])
         except OSError:  # gone since listdir
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command name may hold spaces and parens
         children.setdefault(ppid, []).append(int(entry))
     return children
 
