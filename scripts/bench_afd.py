@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from bench import harness
-from bench.docs import commentary, section_start, verdict, verdict_word, write_results
+from bench.docs import commentary, section_start, verdict, verdict_word, write_results, yes_no
 
 from deployments.client.afd import Decoder, LocalMoE, MoELayers, RemoteMoE, tier_busy
 
@@ -201,7 +201,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
             lines.append(
                 f"| {r['batch']} | {path} | {r['m']} | {r['tokens_per_s']} | {r['step_ms']} | "
                 f"{r['tokens_per_s'] / local[r['batch']]['tokens_per_s']:.2f} | {vs_m1} | "
-                f"{'yes' if r['tokens_identical'] else '**no**'} | {r['moe_wait_ms_per_step']} | "
+                f"{yes_no(r['tokens_identical'])} | {r['moe_wait_ms_per_step']} | "
                 f"{r['client_cpu_ms_per_step']} | "
                 f"{r['tier_busy_frac']:.0%} | {r['tier_forward_ms']} | {r['tier_forwards_per_step']} |"
             )
@@ -237,8 +237,8 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         + ", ".join(f"batch {r['batch']}: {r['tokens_per_s'] / local[r['batch']]['tokens_per_s']:.2f}×"
                     for r in results["tier_serve"]) + ").",
         "Generated tokens equal the in-process model's in every tier generation (lane and Serve handles, "
-        f"every batch and m, every rep): {'yes' if s['tokens_identical'] else '**no**'}. Every lane call on "
-        f"the lane (none on the Serve path; `Lane.status()`): {'yes' if s['lane_on_lane'] else '**no**'}.",
+        f"every batch and m, every rep): {yes_no(s['tokens_identical'])}. Every lane call on "
+        f"the lane (none on the Serve path; `Lane.status()`): {yes_no(s['lane_on_lane'])}.",
     ]
     rows = {(r["batch"], r["m"]): r for r in results["tier"]}
     if s["target"]["met"] is False and (32, 1) in rows and (32, 2) in rows:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 from bench import harness
-from bench.docs import section_start, verdict, verdict_text, write_results
+from bench.docs import section_start, verdict, verdict_text, write_results, yes_no
 
 from deployments.client import AttentionWorker
 from deployments.client.cohort import graph_size_formula, row_bytes
@@ -360,7 +360,7 @@ def findings(results: dict[str, Any]) -> list[str]:
     if "m1_vs_lane" in v:
         lines.append("- M = 1: cohort worker-steps/s over one lane's, lowest over T "
                      f"{verdict_text(v['m1_vs_lane'])}.")
-    exact = "yes" if v["exact"]["met"] else "**no**"
+    exact = yes_no(v["exact"]["met"])
     lines.append("- Every cohort step checked equals the Serve path's forward of the same concatenated rows "
                  f"bit for bit: {exact}.")
     floors = [(r, pick(rows, "floor_per_layer", r["workers"], r["tokens"]))

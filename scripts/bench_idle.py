@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.docs import section_start, verdict, verdict_text, write_results
+from bench.docs import section_start, verdict, verdict_text, write_results, yes_no
 from bench.rss import cmdline, stat_fields
 
 APP, KEEP_APP, LAYER, TP = "idle", "idle_keep", 1, 2
@@ -174,7 +174,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"({med['keep'] / max(med['drop'], 1e-3):.0f}x), Ray's floor graph {med['floor_graph']:.2f}.",
         f"- The forward that compiles the graph again: p50 {p['cold']['p50_ms']:.0f} ms vs "
         f"{p['warm']['p50_ms']:.1f} ms warm ({results['reps']} of each, alternating), extra "
-        f"{verdict_text(price_v)} s; answers bit-identical: {'yes' if p['bit_identical'] else '**no**'}.",
+        f"{verdict_text(price_v)} s; answers bit-identical: {yes_no(p['bit_identical'])}.",
     ])
 
 

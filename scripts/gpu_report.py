@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import ROOT, harness
-from bench.docs import load_label, repo_relative, update_section, verdict, verdict_text
+from bench.docs import load_label, repo_relative, update_section, verdict, verdict_text, yes_no
 from bench.rows import read_rows
 from gpu_check_summary import TIMING_STAGES, junit_counts
 
@@ -91,10 +91,6 @@ def size(nbytes: int) -> str:
     return f"{kib:.1f} KiB" if kib < 1024 else f"{kib / 1024:.1f} MiB"
 
 
-def yes(ok: bool) -> str:
-    return "yes" if ok else "**no**"
-
-
 def extremes(rows: list[dict[str, Any]], key: str) -> tuple[tuple[float, int], tuple[float, int]]:
     """((smallest value, its T), (largest value, its T)) of ``row[key]`` over ``rows``."""
     lo, hi = min(rows, key=lambda r: r[key]), max(rows, key=lambda r: r[key])
@@ -157,7 +153,7 @@ def experts_text(record: dict[str, Any]) -> list[str]:
     for r in rows:
         lines.append(f"| {r['format']} | {r['T']} | {r['active_experts']} | {r['torch']['median_ms']:.3f} "
                      f"| {r['grouped']['median_ms']:.3f} | {r['grouped_speedup']:.2f}x "
-                     f"| {r['grouped_vs_torch_rel_diff']:.1e} | {yes(r['within_tolerance'])} |")
+                     f"| {r['grouped_vs_torch_rel_diff']:.1e} | {yes_no(r['within_tolerance'])} |")
     slowest = min(r["grouped_speedup"] for r in rows)
     outside = sum(not r["within_tolerance"] for r in rows)
     lines += ["", f"- grouped is not slower than torch in every row: lowest speedup "
@@ -210,7 +206,7 @@ def tail_text(record: dict[str, Any]) -> list[str]:
              "| tail | T | layer ms | rel diff | within tolerance |", "|---|---:|---:|---:|---|"]
     for r in stage["rows"]:
         lines.append(f"| {r['tail']} | {r['T']} | {r['layer']['median_ms']:.3f} "
-                     f"| {r['rel_diff_vs_single_gpu']:.1e} | {yes(r['within_tolerance'])} |")
+                     f"| {r['rel_diff_vs_single_gpu']:.1e} | {yes_no(r['within_tolerance'])} |")
     return lines
 
 

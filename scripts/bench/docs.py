@@ -65,6 +65,11 @@ def verdict_word(met: bool | None) -> str:
     return {True: "met", False: "**missed**", None: "not measured"}[met]
 
 
+def yes_no(ok: bool) -> str:
+    """A yes/no fact in a report, the no in bold (it is the one a reader must not miss)."""
+    return "yes" if ok else "**no**"
+
+
 def verdict_text(v: dict[str, Any], fmt: str = ".2f") -> str:
     """A :func:`verdict` in words: '**0.70** (target <= 0.75: met)'."""
     return f"**{v['value']:{fmt}}** (target {v['target']}: {verdict_word(v['met'])})"
