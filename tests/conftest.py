@@ -54,6 +54,31 @@ def port_8000() -> Iterator[None]:
 # -- one Ray instance with Serve per test process ------------------------------------------------
 
 SHARED_RESOURCES = {"num_cpus": 16, "num_gpus": 16}  # logical: enough for every module that shares it
+# Test apps run one ingress replica: no test needs the second (production keeps two for failover),
+# and each replica is a process to start (~2.5 CPU-s of imports).
+ONE_INGRESS = {"ingress_replicas": 1}
+# Modules that start a Ray of their own (a simulated cluster, a fresh instance, `serve run` in a
+# subprocess) while the shared one could be up: they run after every module that shares it, and
+# it is stopped first, so it starts once per run and never runs beside theirs. (local_serve's
+# modules, which use no serve_ports, run before it starts.)
+OWN_RAY_MODULES = ("test_multinode.py", "test_placement.py", "test_readme_commands.py", "test_serve_cli.py")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules without Ray first, then those sharing the test process's instance (any test
+    using ``serve_ports``), then those with a Ray of their own. A stable sort of whole modules:
+    each keeps its tests' order, and any module runs alone just as well."""
+    shared = {item.path for item in items if "serve_ports" in item.fixturenames}
+
+    def group(item: pytest.Item) -> int:
+        return 2 if item.path.name in OWN_RAY_MODULES else int(item.path in shared)
+
+    items.sort(key=group)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.path.name in OWN_RAY_MODULES:
+        SHARED.stop()
 
 
 def start_ray_and_serve(**ray_args) -> int:

@@ -46,35 +46,39 @@ def test_single_device_matches_reference(tiny_ckpt, io):
     torch.testing.assert_close(load_file(d / "o1.safetensors")["output"], ref, rtol=1e-5, atol=1e-5)
 
 
+def in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """``main(["forward", *args])`` in this process: its exit status, stdout and stderr (no
+    interpreter to start; the ranks of --tp 2 are still spawned processes). The command line
+    itself runs as a subprocess in test_single_device_matches_reference, at --tp 2 in
+    test_repeat_prints_first_and_median, and in one error case."""
+    from moe_runtime.cli import main
+
+    code = main(["forward", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 # The TP ranks sum fp32 partials in another order than the single device: ~1e-6 relative.
 @pytest.mark.parametrize("flags", [
     ["--tail", "replicated"], ["--tail", "overlap"], ["--tail", "sharded"], ["--tail", "single_allreduce"],
     ["--sequence-parallel"], ["--preshard-up-proj", "--tail", "sharded"],
 ])
-def test_tp2_every_tail(tiny_ckpt, io, flags):
+def test_tp2_every_tail(tiny_ckpt, io, flags, capsys):
     d, ref = io
     out = d / f"o_{'_'.join(f.strip('-') for f in flags)}.safetensors"
-    res = cli("--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors", "--output", out, "--tp", 2, *flags)
-    assert res.returncode == 0, res.stderr
-    assert "TP 2" in res.stdout
+    code, stdout, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors",
+                                   "--output", out, "--tp", 2, *flags)
+    assert code == 0, err
+    assert "TP 2" in stdout
     torch.testing.assert_close(load_file(out)["output"], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_explain_prints_decision_without_running(tiny_ckpt):
-    res = cli("--checkpoint", tiny_ckpt, "--layer", 1, "--tp", 2, "--explain")
-    assert res.returncode == 0, res.stderr
-    assert "tail plan: T in [1, inf] -> sharded" in res.stdout
-    res = cli("--checkpoint", tiny_ckpt, "--layer", 1, "--tp", 1, "--explain")
-    assert "TP size is 1" in res.stdout and "-> replicated" in res.stdout
-
-
-def in_process(capsys, *args: str) -> tuple[int, str]:
-    """``main(["forward", *args])`` in this process: its exit status and stderr (no interpreter
-    to start: the error cases below need no new process; one of them runs as one)."""
-    from moe_runtime.cli import main
-
-    code = main(["forward", *map(str, args)])
-    return code, capsys.readouterr().err
+def test_explain_prints_decision_without_running(tiny_ckpt, capsys):
+    code, out, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--tp", 2, "--explain")
+    assert code == 0, err
+    assert "tail plan: T in [1, inf] -> sharded" in out
+    code, out, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--tp", 1, "--explain")
+    assert code == 0 and "TP size is 1" in out and "-> replicated" in out
 
 
 def test_errors(tiny_ckpt, tmp_path, capsys):
@@ -92,15 +96,15 @@ def test_errors(tiny_ckpt, tmp_path, capsys):
     }
     for message, tensors in cases.items():
         save_file(tensors, bad)
-        code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", bad, "--output", out)
+        code, _, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", bad, "--output", out)
         assert code == 2 and message in err, (message, err)
-    code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 0, "--input", good, "--output", out)
+    code, _, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 0, "--input", good, "--output", out)
     assert code == 2 and "layer 0 is not a MoE layer" in err
-    code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", good, "--output", out,
+    code, _, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", good, "--output", out,
                            "--tail", "sharded")
     assert code == 2 and "TP size is 1" in err
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", tmp_path / "junk.safetensors",
+    code, _, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 1, "--input", tmp_path / "junk.safetensors",
                            "--output", out)
     assert code == 2 and "not a readable safetensors file" in err
     assert not out.exists()  # no error wrote an output
@@ -115,7 +119,7 @@ def test_repeat_prints_first_and_median(tiny_ckpt, io, tmp_path, capsys):
     line = [s for s in res.stdout.splitlines() if s.startswith("forward ms:")]
     assert len(line) == 1 and re.fullmatch(r"forward ms: first [\d.]+, median [\d.]+ over 3", line[0]), res.stdout
     torch.testing.assert_close(load_file(out)["output"], ref, rtol=1e-5, atol=1e-5)  # as test_tp2_every_tail
-    code, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors",
+    code, _, err = in_process(capsys, "--checkpoint", tiny_ckpt, "--layer", 2, "--input", d / "in.safetensors",
                            "--output", out, "--repeat", 0)
     assert code == 2 and "--repeat must be at least 1, got 0" in err
 

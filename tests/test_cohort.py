@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
+from conftest import ONE_INGRESS
 from ray import cloudpickle
 from waiting import wait_until
 
@@ -32,7 +33,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 APP = "cohort_test"
 H = 128  # tiny preset
-COMMON = {"collective_timeout_s": 4.0, "call_margin_s": 4.0, "health_check_period_s": 1.0,
+COMMON = {**ONE_INGRESS, "collective_timeout_s": 4.0, "call_margin_s": 4.0, "health_check_period_s": 1.0,
           "graceful_shutdown_timeout_s": 1.0, "max_tokens_per_request": 64, "max_batch_tokens": 64,
           "lane_lease_s": 4.0, "auto_tune_tokens": "none"}
 DEPLOYMENTS = [
@@ -106,13 +107,15 @@ def app(tiny_ckpt, serve_ports):
 
 @pytest.fixture
 def workers():
-    """``workers(*T)``: Echo actors sending T rows each; every one is ended after the test (an
-    idle actor process still holds a few hundred MB)."""
+    """``workers(*T)``: Echo actors sending T rows each, once their processes are up (a test's
+    timed part never waits for a start); every one is ended after the test (an idle actor
+    process still holds a few hundred MB)."""
     made = []
 
     def make(*tokens: int):
         new = [ray.remote(Echo).options(num_cpus=0).remote(T) for T in tokens]
         made.extend(new)
+        ray.get([w.counts.remote() for w in new], timeout=120)
         return new
 
     yield make

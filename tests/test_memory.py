@@ -451,7 +451,7 @@ def sleepy_clock() -> float:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_path, monkeypatch):
+def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_path, serve_ports):
     """Ray Serve 2.60 health-checks only RUNNING replicas (deployment_state.py:
     check_and_update_replicas -> _dirty_set_active_pairs) and never stops a STARTING replica
     for being slow (_check_startup_replicas(STARTING) has stop_on_slow False; it only warns
@@ -461,32 +461,33 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
     had Serve probed the starting replica it would have failed 3 probes within ~27 s
     and replaced it; instead the one group that started serves. The ranks read the clock in
     step, so their collectives wait for no more than the skew between two sleeps."""
-    from ray import serve
+    from conftest import ONE_INGRESS  # here: the workers import this module for its clock
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
 
-    from deployments.app import build_app
     from deployments.client import MoEClient
     from moe_runtime.layer import moe_forward
 
     log = tmp_path / "clock.log"
-    monkeypatch.setenv(SLOW_CLOCK_LOG, str(log))  # inherited by the local Ray's workers
-    from conftest import local_serve  # here: the workers import this module for its clock
-
-    with local_serve(num_cpus=3, num_gpus=2):  # this test's Ray: its own resources and environment
-        args = {"checkpoint": str(tiny_ckpt), "name": "slow", "tp_size": 2, "tail": "auto",
-                "auto_tune_tokens": [1, 2], "auto_tune_reps": 1,
-                "tune_clock": f"tests.test_memory:{sleepy_clock.__name__}",
-                "health_check_period_s": 0.5, "health_check_timeout_s": 8.5,
-                "collective_timeout_s": 3, "call_margin_s": 10, "graceful_shutdown_timeout_s": 1}
-        serve.run(build_app(args), name="slow", route_prefix="/")
-        client = MoEClient("slow", timeout_s=60)
-        status = client.status()["deployments"]["slow"]
-        assert status["controller"]["measured"]
-        # 2 token counts x 4 tails x (start + stop readings) on each of the 2 ranks.
-        pids = Path(log).read_text().split()
-        assert len(pids) == 2 * 4 * 2 * 2
-        assert sorted(set(pids)) == sorted(str(w["pid"]) for w in status["workers"])  # one group ever
-        cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
-        x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
-        # fp32 on both sides; another process may block its GEMMs differently: ~1e-7 relative.
-        torch.testing.assert_close(client.forward(x, 1), moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1), cfg),
-                                   rtol=1e-5, atol=1e-5)
+    args = {"checkpoint": str(tiny_ckpt), **ONE_INGRESS, "name": "slow", "tp_size": 2, "tail": "auto",
+            "auto_tune_tokens": [1, 2], "auto_tune_reps": 1,
+            "tune_clock": f"tests.test_memory:{sleepy_clock.__name__}",
+            "health_check_period_s": 0.5, "health_check_timeout_s": 8.5,
+            "collective_timeout_s": 3, "call_margin_s": 10, "graceful_shutdown_timeout_s": 1}
+    # The clock's log path reaches the workers through the app's environment (they inherit it).
+    client = _get_global_client()
+    client.deploy_apps(ServeDeploySchema.model_validate({"applications": [{
+        "name": "slow", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
+        "runtime_env": {"env_vars": {SLOW_CLOCK_LOG: str(log)}}}]}))
+    client._wait_for_application_running("slow", timeout_s=300)
+    status = MoEClient("slow", timeout_s=60).status()["deployments"]["slow"]
+    assert status["controller"]["measured"]
+    # 2 token counts x 4 tails x (start + stop readings) on each of the 2 ranks.
+    pids = Path(log).read_text().split()
+    assert len(pids) == 2 * 4 * 2 * 2
+    assert sorted(set(pids)) == sorted(str(w["pid"]) for w in status["workers"])  # one group ever
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    # fp32 on both sides; another process may block its GEMMs differently: ~1e-7 relative.
+    torch.testing.assert_close(MoEClient("slow", timeout_s=60).forward(x, 1),
+                               moe_forward(x, load_layer_weights(tiny_ckpt, cfg, 1), cfg), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,6 @@ import pytest
 import ray
 import torch
 import yaml
-from conftest import SHARED
 
 from deployments.cluster.live_view import current_cluster_view
 from deployments.config.spec import AppArgs, DeploymentSpec
@@ -134,8 +133,7 @@ def test_view_before_serve_run_starts_ray(monkeypatch, tiny_ckpt):
     # `serve run <import path>` builds the app before ray.init: the builder makes that same
     # connection (here RAY_ADDRESS=local: a fresh instance with this machine's resources, as Ray
     # detects them) through the public API, and serve run then keeps using it.
-    SHARED.stop()  # another module's Ray instance in this test process
-    assert not ray.is_initialized()
+    assert not ray.is_initialized()  # conftest stopped the shared instance (OWN_RAY_MODULES)
     monkeypatch.setenv("RAY_ADDRESS", "local")
     monkeypatch.delenv("RAY_OVERRIDE_RESOURCES", raising=False)
     try:
