@@ -137,17 +137,21 @@ def test_needs_a_missing_package():
 '''
 
 
-@pytest.mark.slow  # four fresh Python processes
+@pytest.mark.slow  # two fresh Python processes
 def test_fault_machinery_reports_caught_missed_and_not_run(tmp_path):
     (tmp_path / "test_checks.py").write_text(CHECKS)
-    run = lambda test: faults.run_fault("moe_runtime.mxfp4:decode", "swap_nibbles",  # noqa: E731
-                                        [f"test_checks.py::{test}"], cwd=tmp_path)
-    caught = run("test_values")
-    assert caught["verdict"] == "caught" and caught["outcomes"] == {"test_checks.py::test_values": "failed"}
-    # The same check without the fault passes (it fails for the fault, not for itself).
+    # One faulted run of three checks: each check's outcome, and the verdict each alone gets.
+    checks = ["test_values", "test_shape_only", "test_needs_a_missing_package"]
+    run = faults.run_fault("moe_runtime.mxfp4:decode", "swap_nibbles", [f"test_checks.py::{t}" for t in checks],
+                           cwd=tmp_path)
+    outcomes = {name.removeprefix("test_checks.py::"): o for name, o in run["outcomes"].items()}
+    assert outcomes == {"test_values": "failed", "test_shape_only": "passed", "test_needs_a_missing_package": "skipped"}
+    assert run["verdict"] == "caught"
+    alone = {t: faults.verdict({t: o}) for t, o in outcomes.items()}
+    # A check blind to the fault is reported; one that cannot run is no verdict either way.
+    assert alone == {"test_values": "caught", "test_shape_only": "MISSED", "test_needs_a_missing_package": "not run"}
+    # The same checks without the fault pass (they fail for the fault, not for themselves).
     plain = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_checks.py"],
                            cwd=tmp_path, capture_output=True, text=True)
     assert "3 passed, 1 skipped" in plain.stdout, plain.stdout
-    assert run("test_shape_only")["verdict"] == "MISSED"  # a check blind to the fault is reported
-    assert run("test_needs_a_missing_package")["verdict"] == "not run"
     assert faults.verdict({"a": "passed", "b": "failed"}) == "caught" and faults.verdict({}) == "not run"
