@@ -15,6 +15,7 @@ import torch
 from deployments.client import MoEClient, MoERequestError, MoEServerError
 from deployments.client.cohort import CohortCore, Failure, StepAgain
 from deployments.client.lane import LaneCore
+from deployments.client.leases import GroupLease
 from deployments.common.errors import (
     GroupTimeoutError,
     GroupUnavailableError,
@@ -171,3 +172,38 @@ def test_cohort_path():
     lost = Failure("lease", type("LaneLeaseError", (RuntimeError,), {})("lease ended"), ("d",))
     core, tries = stepping(lost, ["done"])
     assert core.attempts([0]) == ["done"] and tries == [(True, None), (True, None)]
+
+
+def lease_asks(*outcomes) -> tuple[GroupLease, list]:
+    """A lease whose asks answer from a script (a grant, or an error), recording each ask's
+    ``avoid_replica``."""
+    asks = []
+
+    def lease_lane(*args, avoid_replica=None):
+        asks.append(avoid_replica)
+        outcome = outcomes[len(asks) - 1]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return SimpleNamespace(result=lambda timeout_s=None: outcome)
+
+    handle = SimpleNamespace(lease_lane=SimpleNamespace(remote=lease_lane))
+    client = SimpleNamespace(group_handle=lambda name: handle, timeout_s=5)
+    return GroupLease(client, "d", "owner", max_tokens=4, retry_s=30), asks
+
+
+def test_lease_path():
+    grant = {"granted": True, "replica": "r2", "world": 2, "lease_id": "l", "term_s": 4.0}
+    # the replica asked has a broken group: asked once more, elsewhere, and leased there
+    lease, asks = lease_asks(BROKEN, grant)
+    assert lease.acquire(1.0) and lease.replica == "r2" and asks == [None, "r1"]
+    # broken there too: no lease and no error; the Serve path until asked again
+    lease, asks = lease_asks(BROKEN, GroupUnavailableError("rank 0 died", "r2"))
+    assert not lease.acquire(1.0) and asks == [None, "r1"] and "rank 0 died" in lease.why_not
+    assert not lease.due()  # asked again after retry_s, not at the next call
+    # a replica that died under the ask is unknown: no second ask
+    lease, asks = lease_asks(type("RayActorError", (RuntimeError,), {})("the replica died"))
+    assert not lease.acquire(1.0) and asks == [None]
+    # anything else is the caller's error
+    lease, asks = lease_asks(ServeInputError("max_tokens 0 must be positive"))
+    with pytest.raises(MoERequestError):
+        lease.acquire(1.0)

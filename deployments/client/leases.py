@@ -29,6 +29,7 @@ from typing import Any
 import ray
 
 from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message, root_cause
+from ..common.retry import resend_after
 from ..config.timeouts import LEASE_ATTEMPT_S, RELEASE_S
 from .errors import raise_for
 
@@ -110,6 +111,7 @@ class GroupLease:
         """Ask for a lease, waiting up to ``wait_s`` for a group (never ``avoid_replica``'s)."""
         handle = self.client.group_handle(self.deployment)
         deadline = time.monotonic() + wait_s
+        asked_elsewhere = False
         while True:
             # Short waits, asked again: the router's view of which replicas are leased lags by
             # up to its stats period, so a later ask may reach a free replica.
@@ -120,7 +122,17 @@ class GroupLease:
                                                  avoid_replica=avoid_replica).result(
                     timeout_s=attempt_s + self.client.timeout_s)
             except Exception as e:
-                raise_for(e)
+                # The replica asked has a known-broken group (the router has not steered around
+                # it yet): ask once more, elsewhere (common.retry's rule), then take the Serve
+                # path. A broken group is never the caller's error when another can serve.
+                again = resend_after(e)
+                if again is None:
+                    raise_for(e)
+                if asked_elsewhere or again.avoid_replica in (None, avoid_replica):
+                    self.refused(f"lease failed: {error_message(e)}")
+                    return False
+                asked_elsewhere, avoid_replica = True, again.avoid_replica
+                continue
             if grant["granted"] or time.monotonic() >= deadline:
                 break
         if not grant["granted"]:
