@@ -50,11 +50,18 @@ class Echo(AttentionWorker):
     """Sends ``T`` seeded rows per layer (the step input is the seed) and keeps what comes back;
     ``fault`` names a misbehaviour for one step."""
 
-    def __init__(self, T: int, dtype: str = "float32"):
-        self.T, self.dtype = T, getattr(torch, dtype)
+    def __init__(self):
+        self.reset(0)
+
+    def reset(self, T: int) -> None:
+        """As new, sending ``T`` rows per layer (the next test reuses a healthy actor)."""
+        self.T, self.dtype = T, torch.float32
         self.got: dict[int, torch.Tensor] = {}
         self.fault: str | None = None
         self.aborts = self.steps = 0
+
+    def reusable(self) -> bool:
+        return self.fault != "sleep"  # its attend() may still be sleeping
 
     def set_fault(self, fault: str | None) -> None:
         self.fault = fault
@@ -105,22 +112,40 @@ def app(tiny_ckpt, serve_ports):
     yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
 
 
+@pytest.fixture(scope="module")
+def idle_workers():
+    """Echo actors a test left healthy, for the next test: a new one is a process to start
+    (~2 CPU-s). Ended with the module (an idle actor process still holds a few hundred MB)."""
+    idle: list = []
+    yield idle
+    for actor in idle:
+        ray.kill(actor)
+
+
 @pytest.fixture
-def workers():
-    """``workers(*T)``: Echo actors sending T rows each, once their processes are up (a test's
-    timed part never waits for a start); every one is ended after the test (an idle actor
-    process still holds a few hundred MB)."""
+def workers(idle_workers):
+    """``workers(*T)``: Echo actors sending T rows each, reset and up (a test's timed part never
+    waits for a process start). After the test, each healthy one goes back to ``idle_workers``;
+    any other (killed, or stuck in a fault) is ended."""
     made = []
 
     def make(*tokens: int):
-        new = [ray.remote(Echo).options(num_cpus=0).remote(T) for T in tokens]
+        new = [idle_workers.pop() if idle_workers else ray.remote(Echo).options(num_cpus=0).remote()
+               for _ in tokens]
         made.extend(new)
-        ray.get([w.counts.remote() for w in new], timeout=120)
+        ray.get([w.reset.remote(T) for w, T in zip(new, tokens, strict=True)], timeout=120)
         return new
 
     yield make
     for actor in made:
-        ray.kill(actor)
+        try:
+            reusable = ray.get(actor.reusable.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            reusable = False
+        if reusable:
+            idle_workers.append(actor)
+        else:
+            ray.kill(actor)
 
 
 def direct(name: str):

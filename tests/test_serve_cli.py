@@ -116,5 +116,5 @@ def test_serve_run_import_path(tiny_ckpt, tmp_path, port_8000):
         pytest.skip("port 8000 is taken; `serve run <import path>` cannot choose another")
     # tail=auto: also exercises the controller's warm-up measurement and CLI string coercion.
     cmd = [str(SERVE), "run", "deployments.app:build_app", f"checkpoint={tiny_ckpt}", "tp_size=2",
-           "tail=auto", "auto_tune_tokens=1,64", "layers=1-2", "max_batch_tokens=64"]
+           "tail=auto", "auto_tune_tokens=1,64", "layers=1-2", "max_batch_tokens=64", "ingress_replicas=1"]
     _run_and_check(cmd, 8000, tiny_ckpt, tmp_path / "serve.log", gpus=2, measured=True)
