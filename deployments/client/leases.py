@@ -122,9 +122,10 @@ class GroupLease:
                                                  avoid_replica=avoid_replica).result(
                     timeout_s=attempt_s + self.client.timeout_s)
             except Exception as e:
-                # The replica asked has a known-broken group (the router has not steered around
-                # it yet): ask once more, elsewhere (common.retry's rule), then take the Serve
-                # path. A broken group is never the caller's error when another can serve.
+                # The replica asked has a known-broken group, or died, and the router has not
+                # steered around it yet: ask once more, elsewhere (common.retry's rule; not when
+                # the failed replica is unknown), then take the Serve path. A broken group is
+                # never the caller's error when another can serve.
                 again = resend_after(e)
                 if again is None:
                     raise_for(e)
