@@ -160,6 +160,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     SHARED.stop()
 
 
+def serve_deploy(config: dict, wait_for: str | None = None, timeout_s: float = 300.0) -> None:
+    """Deploy ``config`` (what a `serve deploy` file holds) through the Serve controller, as
+    `serve deploy` does: a changed ``user_config`` is then a light update, and an app can carry a
+    ``runtime_env``. With ``wait_for``, wait until that application runs. (Serve's Python API has
+    no public call for this: the one place the tests use its private client.)"""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    client = _get_global_client()
+    client.deploy_apps(ServeDeploySchema.model_validate(config))
+    if wait_for is not None:
+        client._wait_for_application_running(wait_for, timeout_s=timeout_s)
+
+
 @contextmanager
 def local_serve(num_cpus: int, num_gpus: int) -> Iterator[int]:
     """A Ray instance with Serve of this caller's own resources (the shared one stopped first);

@@ -22,9 +22,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from conftest import ONE_INGRESS
-from ray.serve.context import _get_global_client
-from ray.serve.schema import ServeDeploySchema
+from conftest import ONE_INGRESS, serve_deploy
 from safetensors.torch import save as st_save
 from waiting import wait_until
 
@@ -42,9 +40,9 @@ BOUND_S = 60.0  # any single request, answered or refused
 READY_S = 300.0
 
 
-def app_config(ckpt, pool_user_config: dict | None = None) -> ServeDeploySchema:
+def app_config(ckpt, pool_user_config: dict | None = None) -> dict:
     overrides = [] if pool_user_config is None else [{"name": "pool", "user_config": pool_user_config}]
-    return ServeDeploySchema.model_validate({"applications": [{
+    return {"applications": [{
         "name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
         "args": {
             "checkpoint": str(ckpt), "layers": [1], "replica_cpus": 0.25, "collective_timeout_s": 10.0,
@@ -56,18 +54,13 @@ def app_config(ckpt, pool_user_config: dict | None = None) -> ServeDeploySchema:
             ],
         },
         "deployments": overrides,
-    }]})
-
-
-def wait_running(timeout_s: float = READY_S) -> None:
-    _get_global_client()._wait_for_application_running(APP, timeout_s=timeout_s)
+    }]}
 
 
 @pytest.fixture(scope="module")
 def app(tiny_ckpt, serve_ports):
     port = serve_ports.http
-    _get_global_client().deploy_apps(app_config(tiny_ckpt))
-    wait_running()
+    serve_deploy(app_config(tiny_ckpt), wait_for=APP, timeout_s=READY_S)
     cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
     yield SimpleNamespace(cfg=cfg, weights=load_layer_weights(tiny_ckpt, cfg, 1), ckpt=tiny_ckpt,
                           url=f"http://127.0.0.1:{port}", client=MoEClient(APP, timeout_s=BOUND_S))
@@ -102,8 +95,8 @@ def test_user_config_reconfigures_without_restart(app):
     before = replica_views("pool")
     assert len(before) == 2
     assert {v["max_batch_tokens"] for v in before.values()} == {256}
-    _get_global_client().deploy_apps(app_config(app.ckpt, {"max_batch_tokens": 64, "batch_wait_timeout_s": 0.0,
-                                                           "max_tokens_per_request": 100}))
+    serve_deploy(app_config(app.ckpt, {"max_batch_tokens": 64, "batch_wait_timeout_s": 0.0,
+                                       "max_tokens_per_request": 100}))
 
     def reconfigured() -> dict | None:
         after = replica_views("pool")
@@ -145,7 +138,7 @@ def test_a_live_user_config_change_reaches_lane_calls(app):
         renewing = threading.Thread(target=keep_calling)
         renewing.start()
         try:
-            _get_global_client().deploy_apps(app_config(app.ckpt, {**limits, "max_tokens_per_request": 50}))
+            serve_deploy(app_config(app.ckpt, {**limits, "max_tokens_per_request": 50}))
             wait_until(lambda: {v["max_tokens_per_request"] for v in replica_views("pool").values()} == {50},
                        timeout_s=READY_S, what="max_tokens_per_request 50 on every replica", every_s=1.0)
         finally:
@@ -156,8 +149,7 @@ def test_a_live_user_config_change_reaches_lane_calls(app):
         assert err.value.status == 413
         state = lane.status()["deployments"]["pool"]
         assert (state["path"], state["fallbacks"], state["serve_calls"]) == ("lane", 0, 0)
-    _get_global_client().deploy_apps(app_config(app.ckpt, {**limits, "max_tokens_per_request": 100}))
-    wait_running()
+    serve_deploy(app_config(app.ckpt, {**limits, "max_tokens_per_request": 100}), wait_for=APP, timeout_s=READY_S)
 
 
 def test_backpressure_refuses_at_once_and_never_hangs(app):

@@ -461,9 +461,7 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
     had Serve probed the starting replica it would have failed 3 probes within ~27 s
     and replaced it; instead the one group that started serves. The ranks read the clock in
     step, so their collectives wait for no more than the skew between two sleeps."""
-    from conftest import ONE_INGRESS  # here: the workers import this module for its clock
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
+    from conftest import ONE_INGRESS, serve_deploy  # here: the workers import this module for its clock
 
     from deployments.client import MoEClient
     from moe_runtime.layer import moe_forward
@@ -475,11 +473,9 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
             "health_check_period_s": 0.5, "health_check_timeout_s": 8.5,
             "collective_timeout_s": 3, "call_margin_s": 10, "graceful_shutdown_timeout_s": 1}
     # The clock's log path reaches the workers through the app's environment (they inherit it).
-    client = _get_global_client()
-    client.deploy_apps(ServeDeploySchema.model_validate({"applications": [{
+    serve_deploy({"applications": [{
         "name": "slow", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": args,
-        "runtime_env": {"env_vars": {SLOW_CLOCK_LOG: str(log)}}}]}))
-    client._wait_for_application_running("slow", timeout_s=300)
+        "runtime_env": {"env_vars": {SLOW_CLOCK_LOG: str(log)}}}]}, wait_for="slow")
     status = MoEClient("slow", timeout_s=60).status()["deployments"]["slow"]
     assert status["controller"]["measured"]
     # 2 token counts x 4 tails x (start + stop readings) on each of the 2 ranks.
