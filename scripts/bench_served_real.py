@@ -118,6 +118,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     print(f"serve run (HTTP on 127.0.0.1:{port}) ...", flush=True)
     start = time.perf_counter()
     log = (work / "serve.log").open("w")
+    # Started in the background, this process has SIGINT ignored and `serve run` would inherit
+    # that, ignoring the Ctrl-C that stops it below; a handler is reset to the default at exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     proc = subprocess.Popen([serve_bin, "run", str(work / "serve.yaml")], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     sampler = TreeSampler(proc.pid, args.interval).start()

@@ -1,11 +1,11 @@
 """Smoke tests of the `serve run` command line: the local config file and the import-path form.
 
-Each test starts `serve run` in a subprocess with no Ray running, so it starts its own local
-instance: the local config as a user's CPU machine has it (no GPUs: the accelerator is CPU),
-the import path with two logical GPUs through RAY_OVERRIDE_RESOURCES (the GPU layout, computing
-on CPU, as after `ray start --head --num-gpus 2`). The test stops only the
-process it started, by PID (SIGINT: `serve run` shuts Serve down and its Ray instance exits
-with it), with finite timeouts everywhere.
+Each test starts `serve run` in a subprocess with RAY_ADDRESS=local, so it starts a local
+instance of its own: the local config as a user's CPU machine has it (no GPUs: the accelerator
+is CPU), the import path with two logical GPUs through RAY_OVERRIDE_RESOURCES (the GPU layout,
+computing on CPU, as after `ray start --head --num-gpus 2`). It then stops it as a user does,
+with Ctrl-C (SIGINT, to the process it started, by PID: `serve run` shuts Serve down and its
+Ray instance exits with it), and fails if that takes longer than its bound.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVE = Path(sys.executable).parent / "serve"
+# `serve run` stops on SIGINT, but a process started in the background (`cmd &`, as a CI script
+# may start the suite) inherits SIGINT ignored, and so would `serve run` (it then ran out the stop
+# bound every time): the child restores the default before it becomes `serve run`.
+SIGINT_RESTORED = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.argv[1], sys.argv[1:])"]
 READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
 
@@ -62,7 +67,7 @@ def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, gpus: int, 
     if gpus:
         env["RAY_OVERRIDE_RESOURCES"] = json.dumps({"GPU": gpus})
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*SIGINT_RESTORED, *cmd], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         with wait_ready(proc, port, log) as http:
             status = http.status()["deployments"]["moe"]
@@ -83,17 +88,14 @@ def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, gpus: int, 
             ref = moe_forward(x, load_layer_weights(ckpt, cfg, 1), cfg)
             # fp32, TP-2 reduction order only (see tests/test_serve.py)
             torch.testing.assert_close(http.forward(x, 1), ref, rtol=1e-5, atol=1e-5)
-    finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGINT (`serve run` shuts Serve and its Ray down), then kill after a bound."""
-    if proc.poll() is None:
+        # Ctrl-C: `serve run` shuts Serve and its Ray instance down and exits.
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
+            pytest.fail(f"serve run still running {STOP_TIMEOUT_S} s after SIGINT:\n{log.read_text()[-3000:]}")
+    finally:
+        if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
 
