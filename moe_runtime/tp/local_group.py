@@ -20,6 +20,12 @@ import torch.distributed as dist
 
 from .collectives import Collectives, free_port, init_group, threads_per_rank
 
+# Ranks are forked from a server process that imported torch once (multiprocessing's forkserver),
+# where a spawned rank paid ~1 CPU-s of imports every time. They therefore see the environment
+# and sys.path as they were when that server started: at this process's first group.
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", __name__])
+
 
 def _rank_main(
     rank: int, world: int, port: int, timeouts: tuple[float, float], threads: int, fn: Callable, args: tuple,
@@ -49,19 +55,18 @@ def run_local_group(
     timeout_s: float = 300.0,
     collective_timeout_s: float = 60.0,
 ) -> list[Any]:
-    """Run ``fn(comm, *args)`` on ``world`` spawned ranks and return their results.
+    """Run ``fn(comm, *args)`` on ``world`` forked ranks and return their results.
 
     The group's rendezvous (and every collective until ``fn`` calls ``comm.loaded()``) may take up
     to ``timeout_s``, so ranks that load at different speeds meet; ``comm.loaded()`` then gives
     the collectives ``collective_timeout_s``: the collective timeout starts after load."""
     if world < 1:
         raise ValueError(f"TP size must be >= 1, got {world}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = _CTX.Queue()
     port = free_port()
     threads = threads_per_rank(world)
     procs = [
-        ctx.Process(
+        _CTX.Process(
             target=_rank_main,
             daemon=True,
             args=(r, world, port, (max(timeout_s, collective_timeout_s), collective_timeout_s), threads, fn,
