@@ -10,8 +10,8 @@ if [ "${1:-}" = "--vllm" ]; then
 fi
 source "$(dirname "$0")/env.sh"
 ruff check .
-# One module at a time by default. LMS_TEST_WORKERS=N runs N modules at once (pytest-xdist, whole
-# modules per process): faster on a machine with cores to spare; on 2 cores the open lanes' and
-# cohorts' graph loops (each keeps a core busy) push the tight time bounds of the fault tests
-# past their limits (docs/design.md, section 7).
-exec python -m pytest -q -ra -n "${LMS_TEST_WORKERS:-0}" --dist loadfile "$@"
+# Two processes (pytest-xdist), whole modules each: the modules using Ray run in two sets, one per
+# process (set 1: those starting a Ray of their own, plus two that share one; set 2: the other
+# sharing ones; tests/conftest.py splits them), and the modules without Ray fill in wherever a
+# process is free. LMS_TEST_WORKERS=0 runs it all in this process, one module at a time.
+exec python -m pytest -q -ra -n "${LMS_TEST_WORKERS:-2}" --no-loadscope-reorder "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,28 +58,55 @@ SHARED_RESOURCES = {"num_cpus": 16, "num_gpus": 16}  # logical: enough for every
 # Test apps run one ingress replica: no test needs the second (production keeps two for failover),
 # and each replica is a process to start (~2.5 CPU-s of imports).
 ONE_INGRESS = {"ingress_replicas": 1}
-# Modules that start a Ray of their own (a simulated cluster, a fresh instance, `serve run` in a
-# subprocess) while the shared one could be up: they run after every module that shares it, and
-# it is stopped first, so it starts once per run and never runs beside theirs. (local_serve's
-# modules, which use no serve_ports, run before it starts.)
-OWN_RAY_MODULES = ("test_multinode.py", "test_placement.py", "test_readme_commands.py", "test_serve_cli.py")
+# Modules that start a Ray of their own (their own resources or environment, a simulated cluster,
+# `serve run` in a subprocess): in one process they run before the shared instance starts (so it
+# starts once per run); with pytest-xdist, in a worker of their own beside it (each Ray instance
+# is a fresh local one: RAY_ADDRESS=local, never one found on the machine).
+OWN_RAY_MODULES = ("test_http_auth.py", "test_multinode.py", "test_placement.py", "test_readme_commands.py",
+                   "test_serve_cli.py")
+# With pytest-xdist, the modules using Ray run in two sets, one worker each: these shared-instance
+# modules join the modules above, and every other module that shares an instance runs in the
+# second set, so that the two take about as long (each worker starts its own shared instance).
+# The modules without Ray fill in on whichever worker is done first.
+WITH_OWN_RAY_MODULES = ("test_controller.py", "test_memory.py")
+
+
+@functools.cache
+def ray_use(module: Path) -> int:
+    """0: the test module starts a Ray of its own; 1: it shares the test process's (it names
+    ``serve_ports``); 2: it needs none. Read from the file, so that pytest-xdist's controller,
+    which collects nothing, sees what the workers see (pytest_collection_modifyitems checks it)."""
+    if module.name in OWN_RAY_MODULES:
+        return 0
+    return 1 if "serve_ports" in module.read_text() else 2
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Whole modules per worker, the modules using Ray in two sets of modules (one worker each:
+    ``WITH_OWN_RAY_MODULES``), and each module without Ray a scope of its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = config.rootpath / nodeid.split("::", 1)[0]
+            use = ray_use(module)
+            if use == 2:
+                return module.name
+            return "Ray, set 1" if use == 0 or module.name in WITH_OWN_RAY_MODULES else "Ray, set 2"
+
+    return RayModulesTogether(config, log)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules without Ray first, then those sharing the test process's instance (any test
-    using ``serve_ports``), then those with a Ray of their own. A stable sort of whole modules:
-    each keeps its tests' order, and any module runs alone just as well."""
-    shared = {item.path for item in items if "serve_ports" in item.fixturenames}
-
-    def group(item: pytest.Item) -> int:
-        return 2 if item.path.name in OWN_RAY_MODULES else int(item.path in shared)
-
-    items.sort(key=group)
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.path.name in OWN_RAY_MODULES:
-        SHARED.stop()
+    """Modules with a Ray of their own first, then those sharing the test process's instance,
+    then those without Ray. A stable sort of whole modules: each keeps its tests' order, and any
+    module runs alone just as well."""
+    for item in items:
+        if "serve_ports" in item.fixturenames and ray_use(item.path) == 2:
+            raise pytest.UsageError(f"{item.nodeid} uses serve_ports through another fixture: name it in "
+                                    f"{item.path.name}, or tests/conftest.py cannot tell that the module uses Ray")
+    items.sort(key=lambda item: ray_use(item.path))
 
 
 def start_ray_and_serve(**ray_args) -> int:
@@ -112,9 +140,9 @@ def stop_ray_and_serve() -> None:
 
 class SharedServe:
     """The test process's Ray instance with Serve (logical GPUs; CPU machine), started on first
-    use and kept across modules: each module deletes its applications when it ends. A module that
-    needs a Ray of its own (other resources, environment or cluster) calls :meth:`stop` first
-    (:func:`local_serve` does); the next sharing module starts it again."""
+    use and kept across modules: each module deletes its applications when it ends. The modules
+    needing a Ray of their own run before it starts (``OWN_RAY_MODULES``); :func:`local_serve`
+    still stops it first, so that any module can also run on its own after a sharing one."""
 
     def __init__(self) -> None:
         self.ports: SimpleNamespace | None = None
