@@ -83,7 +83,7 @@ def ray_use(module: Path) -> int:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Whole modules per worker, the modules using Ray in two sets of modules (one worker each:
+    """Whole modules per worker: the modules using Ray in two sets, one worker each (see
     ``WITH_OWN_RAY_MODULES``), and each module without Ray a scope of its own."""
     from xdist.scheduler import LoadScopeScheduling
 
