@@ -55,9 +55,12 @@ def port_8000() -> Iterator[None]:
 # -- one Ray instance with Serve per test process ------------------------------------------------
 
 SHARED_RESOURCES = {"num_cpus": 16, "num_gpus": 16}  # logical: enough for every module that shares it
-# Test apps run one ingress replica: no test needs the second (production keeps two for failover),
-# and each replica is a process to start (~2.5 CPU-s of imports).
-ONE_INGRESS = {"ingress_replicas": 1}
+# What test apps run with, beside their own settings. One ingress replica: no test needs the
+# second (production keeps two for failover), and each replica is a process to start (~2.5 CPU-s
+# of imports). Compiled graphs torn down after 0.5 s idle (the default: 5 s): an idle graph keeps
+# its ranks and its replica polling, about a core each, and a test app idles after most calls
+# (a graph compiled again costs ~0.3 s; scripts/bench_idle.py measures both).
+TEST_APP = {"ingress_replicas": 1, "graph_idle_s": 0.5}
 # Modules that start a Ray of their own (their own resources or environment, a simulated cluster,
 # `serve run` in a subprocess): in one process they run before the shared instance starts (so it
 # starts once per run); with pytest-xdist, in a worker of their own beside it (each Ray instance
@@ -100,13 +103,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules with a Ray of their own first, then those sharing the test process's instance,
-    then those without Ray. A stable sort of whole modules: each keeps its tests' order, and any
-    module runs alone just as well."""
+    then those without Ray, of which those with a slow test first (the longest jobs first, so
+    that the two processes end about together). A stable sort of whole modules: each keeps its
+    tests' order, and any module runs alone just as well."""
     for item in items:
         if "serve_ports" in item.fixturenames and ray_use(item.path) == 2:
             raise pytest.UsageError(f"{item.nodeid} uses serve_ports through another fixture: name it in "
                                     f"{item.path.name}, or tests/conftest.py cannot tell that the module uses Ray")
-    items.sort(key=lambda item: ray_use(item.path))
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (ray_use(item.path), ray_use(item.path) == 2 and item.path not in slow))
 
 
 def start_ray_and_serve(**ray_args) -> int:

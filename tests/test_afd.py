@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ONE_INGRESS
+from conftest import TEST_APP
 from ray import serve
 from waiting import wait_until
 
@@ -160,7 +160,7 @@ def afd_app(ckpt, serve_ports) -> str:
     # lane_lease_s 30: a lease outlives a graph compile on a loaded 2-core machine
     common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5,
               "lane_lease_s": 30.0}
-    serve.run(build_app({"checkpoint": str(ckpt), **ONE_INGRESS, "deployments": [
+    serve.run(build_app({"checkpoint": str(ckpt), **TEST_APP, "deployments": [
         {"name": "lo", "tp_size": 2, "layers": [1], **common},
         {"name": "hi", "tp_size": 1, "layers": [2], **common},
     ]}), name=APP, route_prefix="/")

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
-from conftest import ONE_INGRESS
+from conftest import TEST_APP
 from ray import cloudpickle
 from waiting import wait_until
 
@@ -33,7 +33,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 APP = "cohort_test"
 H = 128  # tiny preset
-COMMON = {**ONE_INGRESS, "collective_timeout_s": 4.0, "call_margin_s": 4.0, "health_check_period_s": 1.0,
+COMMON = {**TEST_APP, "collective_timeout_s": 4.0, "call_margin_s": 4.0, "health_check_period_s": 1.0,
           "graceful_shutdown_timeout_s": 1.0, "max_tokens_per_request": 64, "max_batch_tokens": 64,
           "lane_lease_s": 4.0, "auto_tune_tokens": "none"}
 DEPLOYMENTS = [

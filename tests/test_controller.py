@@ -255,7 +255,7 @@ def scripted_clock() -> float:
 
 @pytest.fixture(scope="module")
 def auto_app(tiny_ckpt, serve_ports):
-    from conftest import ONE_INGRESS  # here: the workers import this module for its clock
+    from conftest import TEST_APP  # here: the workers import this module for its clock
     from ray import serve
 
     from deployments.app import build_app
@@ -265,7 +265,7 @@ def auto_app(tiny_ckpt, serve_ports):
 
     metrics_port, http_port = serve_ports.metrics, serve_ports.http
     args = {
-        "checkpoint": str(tiny_ckpt), **ONE_INGRESS, "name": "decode", "tp_size": 2, "tail": "auto",
+        "checkpoint": str(tiny_ckpt), **TEST_APP, "name": "decode", "tp_size": 2, "tail": "auto",
         "auto_tune_tokens": TUNE_TOKENS, "auto_tune_reps": 2,
         "tune_clock": f"tests.test_controller:{scripted_clock.__name__}",
         "max_batch_tokens": 512, "max_tokens_per_request": 1024, "collective_timeout_s": 20,

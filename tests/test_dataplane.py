@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from conftest import ONE_INGRESS, serve_deploy
+from conftest import TEST_APP, serve_deploy
 from safetensors.torch import save as st_save
 from waiting import wait_until
 
@@ -47,7 +47,7 @@ def app_config(ckpt, pool_user_config: dict | None = None) -> dict:
         "args": {
             "checkpoint": str(ckpt), "layers": [1], "replica_cpus": 0.25, "collective_timeout_s": 10.0,
             "call_margin_s": 10.0, "health_check_period_s": 2.0, "graceful_shutdown_timeout_s": 1.0,
-            "ingress_cpus": 0.05, **ONE_INGRESS,
+            "ingress_cpus": 0.05, **TEST_APP,
             "deployments": [
                 {"name": "pool", "num_replicas": 2, "max_batch_tokens": 256, "batch_wait_timeout_s": 0.005},
                 {"name": "tight", "max_ongoing_requests": 1, "max_queued_requests": 1},

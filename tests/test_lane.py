@@ -72,13 +72,13 @@ EXACT_DEPLOYMENTS = [
 
 @pytest.fixture(scope="module")
 def exact_app(tiny_ckpt, serve_ports):
-    from conftest import ONE_INGRESS  # here: the workers import this module for its clock
+    from conftest import TEST_APP  # here: the workers import this module for its clock
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import MoEClient
 
-    serve.run(build_app({"checkpoint": str(tiny_ckpt), **ONE_INGRESS, **COMMON, "deployments": EXACT_DEPLOYMENTS}),
+    serve.run(build_app({"checkpoint": str(tiny_ckpt), **TEST_APP, **COMMON, "deployments": EXACT_DEPLOYMENTS}),
               name=APP, route_prefix="/")
     yield SimpleNamespace(ckpt=tiny_ckpt, client=MoEClient(APP, timeout_s=60))
 
@@ -217,14 +217,14 @@ def test_an_idle_replica_tears_its_graph_down_and_compiles_it_again(exact_app):
 @pytest.fixture(scope="module")
 def fault_app(tiny_ckpt, exact_app):
     """Replaces the exact app (one Ray instance at a time on a small machine)."""
-    from conftest import ONE_INGRESS
+    from conftest import TEST_APP
     from ray import serve
 
     from deployments.app import build_app
     from deployments.client import MoEClient
 
     serve.delete(APP)
-    args = {"checkpoint": str(tiny_ckpt), **ONE_INGRESS, **COMMON, "deployments": [PAIR, SOLO]}
+    args = {"checkpoint": str(tiny_ckpt), **TEST_APP, **COMMON, "deployments": [PAIR, SOLO]}
     serve.run(build_app(args), name=APP, route_prefix="/")
     yield SimpleNamespace(args=args, client=MoEClient(APP, timeout_s=60), build_app=build_app)
 

@@ -461,13 +461,13 @@ def test_a_replica_start_longer_than_health_checks_is_not_killed(tiny_ckpt, tmp_
     had Serve probed the starting replica it would have failed 3 probes within ~27 s
     and replaced it; instead the one group that started serves. The ranks read the clock in
     step, so their collectives wait for no more than the skew between two sleeps."""
-    from conftest import ONE_INGRESS, serve_deploy  # here: the workers import this module for its clock
+    from conftest import TEST_APP, serve_deploy  # here: the workers import this module for its clock
 
     from deployments.client import MoEClient
     from moe_runtime.layer import moe_forward
 
     log = tmp_path / "clock.log"
-    args = {"checkpoint": str(tiny_ckpt), **ONE_INGRESS, "name": "slow", "tp_size": 2, "tail": "auto",
+    args = {"checkpoint": str(tiny_ckpt), **TEST_APP, "name": "slow", "tp_size": 2, "tail": "auto",
             "auto_tune_tokens": [1, 2], "auto_tune_reps": 1,
             "tune_clock": f"tests.test_memory:{sleepy_clock.__name__}",
             "health_check_period_s": 0.5, "health_check_timeout_s": 8.5,

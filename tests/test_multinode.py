@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import torch
-from conftest import ONE_INGRESS
+from conftest import TEST_APP
 from ray import serve
 from ray.cluster_utils import Cluster
 from waiting import wait_until
@@ -65,7 +65,7 @@ def sim(tiny_ckpt):
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         args = {
-            "checkpoint": str(tiny_ckpt), **ONE_INGRESS, "name": DEPLOYMENT, "tp_size": TP, "tail": "sharded",
+            "checkpoint": str(tiny_ckpt), **TEST_APP, "name": DEPLOYMENT, "tp_size": TP, "tail": "sharded",
             "accelerator_type": MI300X_RESOURCE.split(":", 1)[1], "replica_cpus": 0.5,
             "max_batch_tokens": 64, "max_tokens_per_request": 256, "batch_wait_timeout_s": 0.002,
             "collective_timeout_s": 10, "call_margin_s": 10, "health_check_period_s": 1,

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import ONE_INGRESS
+from conftest import TEST_APP
 from ray import serve
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -60,7 +60,7 @@ def app(tiny_ckpt, serve_ports):
               "graceful_shutdown_timeout_s": 1.0}
     args = {
         "checkpoint": str(tiny_ckpt),
-        **ONE_INGRESS,
+        **TEST_APP,
         **common,
         "deployments": [
             {"name": "decode", "tail": "sharded", "dtype": "float32", "max_batch_tokens": MAX_BATCH_TOKENS,
