@@ -347,7 +347,8 @@ def test_metrics_reach_the_prometheus_endpoint(auto_app):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_new_replicas_reuse_the_measured_plan_and_remeasure_forces_one(auto_app):
-    """Runs last in this module: it redeploys the app (a new replica, the same plan key)."""
+    """Runs last in this module: it kills the replica (Serve starts a new one, the same plan key),
+    then redeploys the app with remeasure_tail."""
     import ray
     from ray import serve
     from waiting import wait_until  # here: the workers import this module for its clock
@@ -361,24 +362,9 @@ def test_new_replicas_reuse_the_measured_plan_and_remeasure_forces_one(auto_app)
     assert ctl["plan_source"] == "measured" and ctl["measured_at"] > 0
     assert {r["state"] for r in first["warmup"]["decode"]} == {"measured"}
     assert ctl["measure_estimate_s"] is not None  # the planner's estimate, logged at the start
-    serve.delete("ctl")
-    serve.run(build_app(auto_app.args), name="ctl", route_prefix="/")
-    again = MoEClient("ctl", timeout_s=60).status()
-    reused = again["deployments"]["decode"]
-    assert reused["controller"]["plan_source"] == "reused"
-    assert reused["controller"]["measured_at"] == ctl["measured_at"]  # the first replica's measurement
-    assert reused["tail_plan"]["tiers"] == EXPECTED_TIERS and reused["controller"]["timings_ms"] == ctl["timings_ms"]
-    assert "reused" in {r["state"] for r in again["warmup"]["decode"]}
-    serve.delete("ctl")
-    serve.run(build_app({**auto_app.args, "remeasure_tail": True}), name="ctl", route_prefix="/")
-    status = MoEClient("ctl", timeout_s=60).status()
-    forced = status["deployments"]["decode"]["controller"]
-    assert forced["plan_source"] == "measured" and forced["measured_at"] > ctl["measured_at"]
-    # Warm-up records stay bounded: three replicas started and two ended, one record is left.
-    assert [r["replica"] for r in status["warmup"]["decode"]] == [status["deployments"]["decode"]["replica"]]
-    assert len(kv.entries(kv.PROGRESS_PREFIX)) == 1
-    # A replica killed (no clean-up of its own) loses its record when the next replica starts.
-    record = status["warmup"]["decode"][0]
+    # A replica killed (no clean-up of its own): its replacement reuses the plan, and the killed
+    # replica's warm-up record goes when the replacement starts.
+    (record,) = first["warmup"]["decode"]
     ray.kill(ray.get_actor(record["actor"], namespace=record["namespace"]), no_restart=True)
 
     def replaced() -> dict | None:
@@ -386,7 +372,19 @@ def test_new_replicas_reuse_the_measured_plan_and_remeasure_forces_one(auto_app)
         return now if now["deployments"]["decode"].get("replica") not in (None, record["replica"]) else None
 
     # Any error counts as "not yet" while Serve replaces the replica.
-    now = wait_until(replaced, timeout_s=120, what="the killed replica replaced", every_s=0.5,
-                     ignoring=(Exception,))
-    assert [r["replica"] for r in now["warmup"]["decode"]] == [now["deployments"]["decode"]["replica"]]
+    again = wait_until(replaced, timeout_s=120, what="the killed replica replaced", every_s=0.5,
+                       ignoring=(Exception,))
+    reused = again["deployments"]["decode"]
+    assert reused["controller"]["plan_source"] == "reused"
+    assert reused["controller"]["measured_at"] == ctl["measured_at"]  # the first replica's measurement
+    assert reused["tail_plan"]["tiers"] == EXPECTED_TIERS and reused["controller"]["timings_ms"] == ctl["timings_ms"]
+    assert [(r["replica"], r["state"]) for r in again["warmup"]["decode"]] == [(reused["replica"], "reused")]
+    assert len(kv.entries(kv.PROGRESS_PREFIX)) == 1
+    # remeasure_tail: the updated replica measures again, and the one it replaced (ended by
+    # Serve) took its record with it: three replicas started and two ended, one record is left.
+    serve.run(build_app({**auto_app.args, "remeasure_tail": True}), name="ctl", route_prefix="/")
+    status = MoEClient("ctl", timeout_s=60).status()
+    forced = status["deployments"]["decode"]["controller"]
+    assert forced["plan_source"] == "measured" and forced["measured_at"] > ctl["measured_at"]
+    assert [r["replica"] for r in status["warmup"]["decode"]] == [status["deployments"]["decode"]["replica"]]
     assert len(kv.entries(kv.PROGRESS_PREFIX)) == 1
