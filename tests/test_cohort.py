@@ -33,9 +33,12 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 APP = "cohort_test"
 H = 128  # tiny preset
+# lane_lease_s 10: a lease's term runs from its grant, and the cohort's graph compiles after it
+# (starting a Ray process of its own); a compile that outlasts the term on a loaded 2-core machine
+# lets the replica end the lease before the first step, which then runs on the Serve path.
 COMMON = {**TEST_APP, "collective_timeout_s": 4.0, "call_margin_s": 4.0, "health_check_period_s": 1.0,
           "graceful_shutdown_timeout_s": 1.0, "max_tokens_per_request": 64, "max_batch_tokens": 64,
-          "lane_lease_s": 4.0, "auto_tune_tokens": "none"}
+          "lane_lease_s": 10.0, "auto_tune_tokens": "none"}
 DEPLOYMENTS = [
     {"name": "pair", "tp_size": 2, "tail": "sharded", "dtype": "float32", "num_replicas": 2, "layers": [1]},
     {"name": "half", "tp_size": 2, "tail": "replicated", "dtype": "bfloat16", "layers": [2]},
