@@ -33,12 +33,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 APP = "cohort_test"
 H = 128  # tiny preset
-# lane_lease_s 10: a lease's term runs from its grant, and the cohort's graph compiles after it
-# (starting a Ray process of its own); a compile that outlasts the term on a loaded 2-core machine
-# lets the replica end the lease before the first step, which then runs on the Serve path.
 COMMON = {**TEST_APP, "collective_timeout_s": 4.0, "call_margin_s": 4.0, "health_check_period_s": 1.0,
           "graceful_shutdown_timeout_s": 1.0, "max_tokens_per_request": 64, "max_batch_tokens": 64,
-          "lane_lease_s": 10.0, "auto_tune_tokens": "none"}
+          "lane_lease_s": 4.0, "auto_tune_tokens": "none"}
 DEPLOYMENTS = [
     {"name": "pair", "tp_size": 2, "tail": "sharded", "dtype": "float32", "num_replicas": 2, "layers": [1]},
     {"name": "half", "tp_size": 2, "tail": "replicated", "dtype": "bfloat16", "layers": [2]},
@@ -206,6 +203,8 @@ def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app, wo
         if T:
             torch.testing.assert_close(got[i][1], lone[i], rtol=1e-5, atol=1e-5)
     assert status["graph_steps"] == 3 and status["serve_steps"] == 0
+    # the default step bound: twice the groups' call bound (collective timeout + call margin)
+    assert status["step_timeout_s"] == 2 * (COMMON["collective_timeout_s"] + COMMON["call_margin_s"])
     # The live graph's size is the module's formula: 2 layers, 3 workers, two TP-2 groups of one
     # layer each, float32 rows of max_tokens 4.
     size = graph_size_formula(2, len(tokens), [(2, 1), (2, 1)], row_bytes(4, H, 4))
@@ -346,16 +345,20 @@ def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app, workers):
         cohort.close()
 
 
+STALL_STEP_S = 4.0
+
+
 def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app, workers):
-    """SIGSTOP a rank of the leased "pair" replica: the step ends within step_timeout_s (twice
-    the call bound), every worker aborts, and the re-run answers on the other replica."""
+    """SIGSTOP a rank of the leased "pair" replica: the step ends within step_timeout_s (4 s
+    here: a step waiting on its graph keeps a core polling; the default, twice the call bound,
+    is checked above), every worker aborts, and the re-run answers on the other replica."""
     wait_until(lambda: len({st["replica"] for st in (direct("pair").status() for _ in range(16))
                             if st["healthy"]}) >= 2,
                timeout_s=300, what="two healthy pair replicas (Serve replaced the one the test above broke)",
                every_s=1.0)
     ws = workers(1, 1)
     want = serve_reference(app, (1, 1), lambda i: 50 + i)
-    with app.client.cohort(ws, name="stalled") as cohort:
+    with app.client.cohort(ws, step_timeout_s=STALL_STEP_S, name="stalled") as cohort:
         cohort.step([50, 51])
         pid = rank_pid(cohort, "pair", 1)
         os.kill(pid, signal.SIGSTOP)
@@ -369,8 +372,7 @@ def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app
         status = cohort.status()
     assert all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
     assert status["reruns"] == 1 and all(ray.get(w.counts.remote())[1] == 1 for w in ws)
-    bound = 2 * (COMMON["collective_timeout_s"] + COMMON["call_margin_s"])
-    assert took < bound + 30, took  # the step bound, then probes, abort and the re-run
+    assert took < STALL_STEP_S + 30, took  # the step bound, then probes, abort and the re-run
 
 
 def test_a_stalled_worker_is_named_within_the_step_bound(app, workers):

@@ -286,6 +286,29 @@ while True:  # a busy client (an idle one would drop its lease itself), killed m
     assert direct("solo").status()["lanes"]["abandoned_graphs"] == 1
 
 
+def test_a_compile_longer_than_the_lease_term_keeps_the_lease(fault_app, monkeypatch):
+    """A lane's graph compiles after its lease is granted and makes no call meanwhile (a compile
+    starts a Ray process: seconds on a loaded node); the lease is renewed while it compiles, so
+    the first call runs on the lane, not on the Serve path after the replica ended the lease."""
+    import deployments.client.lane as lane_module
+
+    bind = lane_module.bind_group_forward
+
+    def slow_bind(*args, **kwargs):
+        time.sleep(1.5 * SOLO["lane_lease_s"])  # the replica ends a lease one term past its renewal
+        return bind(*args, **kwargs)
+
+    monkeypatch.setattr(lane_module, "bind_group_forward", slow_bind)
+    x = rand(3, 21)
+    want = direct("solo").forward(x, 1)
+    with direct("solo").lane(max_tokens=4, name="slow-compile") as lane:
+        got = lane.forward(x, 1)
+        status = lane.status()["deployments"]["solo"]
+    assert torch.equal(got, want)
+    assert status["path"] == "lane" and status["lane_calls"] == 1, status
+    assert status["serve_calls"] == 0 and status["fallbacks"] == 0, status
+
+
 def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
     """The documented rule: the second client waits wait_s, then takes the Serve path; the
     Serve path's demand stops the first lease's renewal after one term; nobody deadlocks."""

@@ -105,6 +105,7 @@ from .leases import (
     bind_group_forward,
     check_seconds,
     default_client_name,
+    kept_renewed,
     lease_ended,
     served_layers,
     teardown_then,
@@ -203,24 +204,33 @@ class CohortCore(LeaseHolder):
     def lease_all(self, wait_s: float, avoid: dict[str, str | None] | None = None) -> bool:
         """Hold a lease of every group and a graph over them, or hold nothing (the Serve path
         must not wait behind this cohort's own idle leases)."""
-        avoid = avoid or {}
-        for d, lease in self.leases.items():
-            if lease.held:
-                if lease.renew_due() and not lease.renew():
-                    break
-                continue
-            if not (lease.due() or d in avoid):
-                break
-            wait, lease.next_wait = max(wait_s, lease.next_wait), 0.0
-            if not lease.acquire(wait, avoid.get(d)):
-                break
+        if self.dag is not None:  # every group held (a graph is built over all of them or none)
+            if all(lease.renew() for lease in self.leases.values() if lease.renew_due()):
+                return True
         else:
-            if self.dag is None:
-                return self.compile()
-            return True
+            # Leasing each group (each may wait for it) and compiling make no call: the leases
+            # already held are renewed meanwhile.
+            with kept_renewed(self.leases.values()):
+                if self.lease_each(wait_s, avoid or {}):
+                    return self.compile()
         self.drop_all(next((lease.why_not for lease in self.leases.values() if lease.why_not),
                            "a group could not be leased"))
         return False
+
+    def lease_each(self, wait_s: float, avoid: dict[str, str | None]) -> bool:
+        """Lease every group not held (renewing the held ones when due); False at the first that
+        cannot be."""
+        for d, lease in self.leases.items():
+            if lease.held:
+                if lease.renew_due() and not lease.renew():
+                    return False
+                continue
+            if not (lease.due() or d in avoid):
+                return False
+            wait, lease.next_wait = max(wait_s, lease.next_wait), 0.0
+            if not lease.acquire(wait, avoid.get(d)):
+                return False
+        return True
 
     def compile(self) -> bool:
         try:

@@ -68,6 +68,7 @@ from .leases import (
     check_seconds,
     default_client_name,
     group_failure,
+    kept_renewed,
     lease_ended,
     served_layers,
     teardown_then,
@@ -93,9 +94,9 @@ class LaneCore(LeaseHolder):
         if not lease.acquire(wait_s, avoid_replica):
             return False
         try:
-            with InputNode() as inp:  # (layer, x, router_logits)
+            with kept_renewed([lease]), InputNode() as inp:  # (layer, x, router_logits)
                 dag = MultiOutputNode(bind_group_forward(lease.grant, inp[0], inp[2], [inp[1]]))
-            self.dags[deployment] = dag.experimental_compile()
+                self.dags[deployment] = dag.experimental_compile()
         except Exception as e:
             GroupLease.release(lease.take(f"compiled graph unavailable: {error_message(e)}"))
             lease.next_try = float("inf")  # a graph that cannot be built will not be built later

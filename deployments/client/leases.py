@@ -3,7 +3,8 @@ cohorts.
 
 A :class:`GroupLease` asks one deployment for a lease of one of its replicas' TP groups through
 the Serve path (the control plane: ``lease_lane`` on the deployment, ``deployments.serve.lanes``
-on the replica), renews it every half term while its owner calls, reports a call that outlived
+on the replica), renews it every half term while its owner calls (and, through
+:func:`kept_renewed`, while the owner leases its other groups or compiles), reports a call that outlived
 its bound, and releases it. Its owner -- a lane (one graph per leased group) or a cohort (one
 graph over its attention workers and every leased group) -- binds each group forward of its
 graph with :func:`bind_group_forward` (every rank's ``lane_forward``: the parts' rows as one
@@ -23,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import ray
@@ -153,15 +154,18 @@ class GroupLease:
         logger.info("%s: %s: %s; Serve path until it is asked again", self.owner, self.deployment, why)
 
     def renew_due(self) -> bool:
-        return self.grant is not None and time.monotonic() - self.renewed_at >= self.grant["term_s"] / 2
+        grant = self.grant
+        return grant is not None and time.monotonic() - self.renewed_at >= grant["term_s"] / 2
 
     def renew(self) -> bool:
         """Renew the lease (True), or say why not: the owner then drops it."""
-        sent = time.monotonic()
+        sent, grant = time.monotonic(), self.grant  # read once: a keeper thread may renew too
+        if grant is None:
+            return False
         try:
-            ok = ray.get(self.grant["ranks"][0].lane_renew.remote(self.grant["lease_id"]),
+            ok = ray.get(grant["ranks"][0].lane_renew.remote(grant["lease_id"]),
                          timeout=self.client.timeout_s)
-            why = f"lease {self.grant['lease_id']} not renewed (others wait for the group, or it ended)"
+            why = f"lease {grant['lease_id']} not renewed (others wait for the group, or it ended)"
         except Exception as e:
             ok, why = False, f"lease renewal failed: {error_message(e)}"
         if ok:
@@ -196,6 +200,34 @@ class GroupLease:
                 "replica": None if grant is None else grant["replica"],
                 "lease_id": None if grant is None else grant["lease_id"],
                 "why_serve": self.why_not or None, "leases": self.leases}
+
+
+@contextlib.contextmanager
+def kept_renewed(leases: Iterable[GroupLease]) -> Iterator[None]:
+    """Renew every held lease of ``leases`` when due while the block runs, from a thread of its
+    own: an owner leasing its other groups (each may wait for its group) or compiling its graph
+    (which starts a Ray process: seconds on a loaded node) makes no call, and a lease is
+    ended one term after its last renewal. A renewal refused here leaves the lease due, so the
+    owner's next renewal finds it ended and drops it."""
+    leases = list(leases)
+    done = threading.Event()
+    refused: set[str] = set()
+
+    def keep() -> None:
+        while True:
+            grants = [lease.grant for lease in leases]
+            if done.wait(min((g["term_s"] for g in grants if g is not None), default=LEASE_ATTEMPT_S) / 8):
+                return
+            for lease, grant in zip(leases, grants, strict=True):
+                if grant is not None and grant["lease_id"] not in refused and lease.renew_due() \
+                        and not lease.renew():
+                    refused.add(grant["lease_id"])
+
+    threading.Thread(target=keep, name="renew-leases", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()  # not joined: a renewal under way ends within its own timeout
 
 
 class LeaseHolder:
