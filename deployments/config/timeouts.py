@@ -63,6 +63,7 @@ LEASE_ATTEMPT_S = 1.0  # one lease request's wait on the replica it reached
 RELEASE_S = 10.0  # a client's release of a lease on rank 0
 TEARDOWN_S = 30.0  # a closing client waits this long for its graph's teardown
 CLIENT_TIMEOUT_S = 120.0  # a client's default wait for one answer (handle or HTTP)
+DRAIN_POLL_S = 0.2  # a stopping replica looks this often whether its requests are done (Serve: 2 s)
 
 
 @dataclass(frozen=True)

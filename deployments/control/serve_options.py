@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config.spec import BATCHING_KNOBS, AutoscalingSpec, DeploymentSpec, with_batching
-from ..config.timeouts import ROUTING_STATS_PERIOD_S
+from ..config.timeouts import DRAIN_POLL_S, ROUTING_STATS_PERIOD_S
 
 # Ray's convention for "must run on this accelerator type" (what ``accelerator_type=`` sets).
 # Ray gives the resource 1 per node, so P ranks of a node ask P x 0.001 of it together.
@@ -100,7 +100,7 @@ def deployment_options(spec: DeploymentSpec, layout: str, max_replicas: int | No
         "health_check_period_s": spec.health_check_period_s,
         "health_check_timeout_s": spec.bounds.serve_health_s,
         "graceful_shutdown_timeout_s": spec.graceful_shutdown_timeout_s,
-        "graceful_shutdown_wait_loop_s": 1.0,
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
         "logging_config": {"enable_access_log": spec.access_log},
         "max_queued_requests": spec.max_queued_requests,
         "backpressure_config": {"retry_after_s": RETRY_AFTER_S},
@@ -139,5 +139,6 @@ def ingress_options(cpus: float = 0.1, replicas: int = 2, max_ongoing_requests: 
         "max_ongoing_requests": max_ongoing_requests,
         "max_queued_requests": max_queued_requests,
         "backpressure_config": {"retry_after_s": RETRY_AFTER_S},
+        "graceful_shutdown_wait_loop_s": DRAIN_POLL_S,
         "num_replicas": replicas,
     }
