@@ -7,6 +7,7 @@ whole call; only the processes started here are terminated.
 
 from __future__ import annotations
 
+import functools
 import io
 import multiprocessing as mp
 import queue
@@ -20,11 +21,17 @@ import torch.distributed as dist
 
 from .collectives import Collectives, free_port, init_group, threads_per_rank
 
-# Ranks are forked from a server process that imported torch once (multiprocessing's forkserver),
-# where a spawned rank paid ~1 CPU-s of imports every time. They therefore see the environment
-# and sys.path as they were when that server started: at this process's first group.
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", __name__])
+
+@functools.cache
+def _forkserver() -> mp.context.ForkServerContext:
+    """Ranks are forked from a server process that imported torch once (multiprocessing's
+    forkserver), where a spawned rank paid ~1 CPU-s of imports every time. They therefore see the
+    environment and sys.path as they were when that server started: at this process's first
+    group. The preload list is the process's one forkserver's: set here, at the first group, not
+    when this module is imported."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    return ctx
 
 
 def _rank_main(
@@ -62,11 +69,12 @@ def run_local_group(
     the collectives ``collective_timeout_s``: the collective timeout starts after load."""
     if world < 1:
         raise ValueError(f"TP size must be >= 1, got {world}")
-    results = _CTX.Queue()
+    ctx = _forkserver()
+    results = ctx.Queue()
     port = free_port()
     threads = threads_per_rank(world)
     procs = [
-        _CTX.Process(
+        ctx.Process(
             target=_rank_main,
             daemon=True,
             args=(r, world, port, (max(timeout_s, collective_timeout_s), collective_timeout_s), threads, fn,
