@@ -204,14 +204,16 @@ class CohortCore(LeaseHolder):
     def lease_all(self, wait_s: float, avoid: dict[str, str | None] | None = None) -> bool:
         """Hold a lease of every group and a graph over them, or hold nothing (the Serve path
         must not wait behind this cohort's own idle leases)."""
+        avoid = avoid or {}
         if self.dag is not None:  # every group held (a graph is built over all of them or none)
             if all(lease.renew() for lease in self.leases.values() if lease.renew_due()):
                 return True
-        else:
+        elif any(lease.held or lease.due() or d in avoid for d, lease in self.leases.items()):
             # Leasing each group (each may wait for it) and compiling make no call: the leases
-            # already held are renewed meanwhile.
+            # already held are renewed meanwhile. (Nothing held and nothing to ask for yet: the
+            # Serve path until retry_s, without starting that thread at every step.)
             with kept_renewed(self.leases.values()):
-                if self.lease_each(wait_s, avoid or {}):
+                if self.lease_each(wait_s, avoid):
                     return self.compile()
         self.drop_all(next((lease.why_not for lease in self.leases.values() if lease.why_not),
                            "a group could not be leased"))
