@@ -295,7 +295,7 @@ def test_a_compile_longer_than_the_lease_term_keeps_the_lease(fault_app, monkeyp
     bind = lane_module.bind_group_forward
 
     def slow_bind(*args, **kwargs):
-        time.sleep(1.5 * SOLO["lane_lease_s"])  # the replica ends a lease one term past its renewal
+        time.sleep(1.5 * SOLO["lane_lease_s"])  # the scenario, not a wait: a compile longer than a term
         return bind(*args, **kwargs)
 
     monkeypatch.setattr(lane_module, "bind_group_forward", slow_bind)
