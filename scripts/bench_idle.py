@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import harness
-from bench.docs import section_start, verdict, verdict_text, write_results, yes_no
+from bench.docs import rounds_table, section_start, verdict, verdict_text, write_results, yes_no
 from bench.rss import cmdline, stat_fields
 
 APP, KEEP_APP, LAYER, TP = "idle", "idle_keep", 1, 2
@@ -161,15 +161,12 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     med = {n: statistics.median(v) for n, v in results["idle_cores"].items()}
     p = results["price"]
     idle_v, price_v = results["verdicts"]["idle"], results["verdicts"]["price"]
-    rows = ["| group | what it is | cores busy while idle (median of rounds) | rounds |",
-            "|---|---|---:|---|"]
     what = {"keep": "compiled graph kept (graph_idle_s 3600, the earlier behaviour)",
             "drop": f"compiled graph dropped after {results['idle_s']:g} s idle",
             "actor_calls": "no compiled graph (compiled_graph: false)",
             "floor_graph": f"Ray's floor: a bare {TP}-actor asyncio compiled graph, idle",
             "floor_torn_down": "the same processes after the graph's teardown"}
-    for name, values in results["idle_cores"].items():
-        rows.append(f"| {name} | {what[name]} | {med[name]:.2f} | {', '.join(f'{v:.2f}' for v in values)} |")
+    rows = rounds_table("group", "cores busy while idle", results["idle_cores"], what)
     return "\n".join([
         section_start(SECTION, "bench_idle", results["argv"], results["machine"],
                       f"tiny checkpoint, TP {TP}, float32, layer {LAYER}, T = {results['tokens']}",

@@ -50,3 +50,23 @@ def test_verdicts_and_labels_are_computed() -> None:
     assert "contended" not in load_label([0.2, 0, 0], [0.5, 0, 0], 2)
     assert "**contended**" in load_label([7.5, 0, 0], None, 2)
     assert commentary("2026-12-03, load 10", "why.").startswith("*Commentary written for the run of 2026-12-03")
+
+
+def test_rounds_table_gives_each_name_its_median_and_rounds() -> None:
+    from bench.docs import rounds_table
+
+    rows = rounds_table("app", "serve.delete, s", {"a": [3.0, 1.0, 2.0], "b": [0.5]}, {"a": "A", "b": "B"})
+    assert rows[0] == "| app | what it is | serve.delete, s (median of rounds) | rounds |"
+    assert rows[2:] == ["| a | A | 2.00 | 3.00, 1.00, 2.00 |", "| b | B | 0.50 | 0.50 |"]
+
+
+def test_bench_shutdown_verdicts_come_from_the_medians() -> None:
+    import bench_shutdown
+
+    results = {"delete_s": {"ours": [1.0, 1.2, 1.1], "floor_default": [3.0, 3.0, 3.1],
+                            "floor_fast": [1.0, 1.0, 1.0]}}
+    v = bench_shutdown.verdicts(results)
+    assert v["over_floor"]["met"] and abs(v["over_floor"]["value"] - 0.1) < 1e-9  # 1.1 - 1.0
+    assert v["vs_default"]["met"] and abs(v["vs_default"]["value"] - 1.1 / 3.0) < 1e-9
+    results["delete_s"]["ours"] = [3.5, 3.5, 3.5]  # slower than Serve's default: both missed
+    assert not any(x["met"] for x in bench_shutdown.verdicts(results).values())

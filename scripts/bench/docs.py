@@ -18,6 +18,7 @@ import json
 import operator
 import re
 import shlex
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,16 @@ def section_start(heading: str, script: str, argv: list[str] | str, machine: dic
     plot = f", plot: `{png_path}`" if png_path else ""
     return (f"{heading}\n\nRun: {command(script, argv)} -- {machine['date']}, {machine['cpus']} CPUs, torch "
             f"{machine['torch']}{ray}; {details}; {load}. Raw data: `{json_path}`{plot}.")
+
+
+def rounds_table(kind: str, measure: str, values: dict[str, list[float]], what: dict[str, str]) -> list[str]:
+    """Markdown rows of measurements taken in rounds: each ``kind`` (a name of ``values``), what
+    it is, the median of its rounds (``measure``) and every round."""
+    rows = [f"| {kind} | what it is | {measure} (median of rounds) | rounds |", "|---|---|---:|---|"]
+    for name, vs in values.items():
+        rounds = ", ".join(f"{v:.2f}" for v in vs)
+        rows.append(f"| {name} | {what[name]} | {statistics.median(vs):.2f} | {rounds} |")
+    return rows
 
 
 def model_text(model: dict[str, int]) -> str:
