@@ -113,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     from deployments.config.timeouts import DRAIN_POLL_S
+    from moe_runtime.config import LatentMoEConfig
 
-    app_args = {"checkpoint": str(harness.preset_checkpoint("tiny")), "ingress_replicas": 1, "tp_size": 2,
+    checkpoint = harness.preset_checkpoint("tiny")
+    app_args = {"checkpoint": str(checkpoint), "ingress_replicas": 1, "tp_size": 2,
                 "tail": "sharded", "dtype": "float32", "auto_tune_tokens": "none"}
-    x = harness.seeded_randn(3, 128, seed=0)
+    x = harness.seeded_randn(3, LatentMoEConfig.from_pretrained(checkpoint).hidden_size, seed=0)
     machine = harness.machine_record(with_ray=True)
     measured: dict[str, list[float]] = {name: [] for name in APPS}
     with harness.local_serve(num_cpus=8, num_gpus=2):
