@@ -38,7 +38,7 @@ from tqdm import tqdm
 from . import mxfp4
 from .config import LatentMoEConfig
 from .tp.sharding import Split, TPShard
-from .units import format_layers
+from .units import DENSE, EXPERT_FORMATS, MXFP4, format_layers
 from .weights import ExpertWeights, LayerWeights
 
 PREFIXES = (
@@ -48,8 +48,6 @@ PREFIXES = (
 )
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-MXFP4, DENSE = "mxfp4", "dense"  # how a layer's routed experts are stored
-EXPERT_FORMATS = (MXFP4, DENSE)
 
 # safetensors dtype names -> torch dtypes (the ones a checkpoint of this model may hold)
 ST_DTYPES = {

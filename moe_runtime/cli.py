@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import mxfp4
-from .checkpoint import EXPERT_FORMATS, CheckpointReader, resolve_expert_formats
+from .checkpoint import CheckpointReader, resolve_expert_formats
 from .config import LatentMoEConfig
 from .experts import DEFAULT_SCRATCH_BYTES, mxfp4_cpu, select_backend
 from .layer import check_input
@@ -24,7 +24,7 @@ from .tp.local_group import run_local_group
 from .tp.plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
 from .tp.routed_input import ACTIVATION_QUANT_MODES, REQUESTABLE_QUANT_MODES, RoutedInputConfig
 from .tp.runner import build_rank_runners, check_activation_quant, check_mxfp4_scale_rule
-from .units import GB, gb, torch_dtype
+from .units import EXPERT_FORMATS, GB, gb, torch_dtype
 
 
 def parser() -> argparse.ArgumentParser:

@@ -6,25 +6,35 @@ Units: GB is 10**9 bytes throughout (an MI300X is sold as 192 GB of HBM3).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GB = 10**9
-# Every compute dtype by its config/spec name; a deployment serves the SERVED_DTYPES subset.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-}
+# Every compute dtype by its config/spec name (the name of its torch dtype), with its size in
+# bytes; a deployment serves the SERVED_DTYPES subset. Names, not torch dtypes: processes that
+# only check or route (the HTTP ingress, the app builder) need no torch.
+DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 SERVED_DTYPES = ("float32", "bfloat16")
+MXFP4, DENSE = "mxfp4", "dense"  # how a layer's routed experts are stored
+EXPERT_FORMATS = (MXFP4, DENSE)
+
+
+def _known(name: str) -> str:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return name
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return DTYPES[name]
+    import torch
+
+    return getattr(torch, _known(name))
 
 
 def dtype_bytes(name: str) -> int:
-    return torch_dtype(name).itemsize
+    return DTYPES[_known(name)]
 
 
 def gb(n: float) -> str:

@@ -5,6 +5,10 @@ The same clients against a live app are exercised in tests/test_serve.py.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import numpy as np
 import pytest
@@ -26,21 +30,30 @@ from deployments.common.errors import (
     root_cause,
 )
 from deployments.common.layer_routing import LayerRoutes
+from deployments.common.wire import WireTensor
 from deployments.serve.http import decode_body, encode_body
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_request_codec_round_trip():
+    """The ingress reads bodies with numpy alone: F32 hidden states as an array (the handle API's
+    numpy path), BF16 and router logits as WireTensors over the same bits; answers decode with
+    safetensors' own torch loader (what the clients use) to the same values."""
     x = torch.randn(3, 8)
     logits = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
     hidden, router = decode_body(encode_request(x, logits))
-    torch.testing.assert_close(hidden, x, rtol=0, atol=0)
-    torch.testing.assert_close(router, torch.from_numpy(logits), rtol=0, atol=0)
+    assert isinstance(hidden, np.ndarray) and np.array_equal(hidden, x.numpy())
+    assert router.dtype == "float32" and np.array_equal(router.array, logits)
     hidden, router = decode_body(encode_request(x.numpy()))
-    assert router is None and hidden.dtype == torch.float32
+    assert router is None and hidden.dtype == np.float32
+    xb = x.bfloat16()
+    hidden, _ = decode_body(encode_request(xb))
+    assert isinstance(hidden, WireTensor) and torch.equal(hidden.to_torch(), xb)
     out = np.ones((2, 3), np.float32)  # numpy answers (F32 requests) are encoded as F32
-    assert st_load(encode_body({"output": out}))["output"].dtype == torch.float32
-    bf16 = torch.randn(2, 3).bfloat16()
-    assert st_load(encode_body({"output": bf16}))["output"].dtype == torch.bfloat16
+    assert torch.equal(st_load(encode_body({"output": out}))["output"], torch.ones(2, 3))
+    bf16 = torch.randn(2, 3).bfloat16()  # answers to BF16 requests come back as WireTensors
+    assert torch.equal(st_load(encode_body({"output": WireTensor.from_torch(bf16)}))["output"], bf16)
 
 
 @pytest.mark.parametrize(
@@ -50,11 +63,39 @@ def test_request_codec_round_trip():
         (b"\x00" * 7 + b"garbage", "not a valid safetensors"),
         (st_save({"router_logits": torch.zeros(1, 4)}), "missing tensor 'hidden_states'"),
         (st_save({"hidden_states": torch.zeros(1, 4), "extra": torch.zeros(1)}), "unexpected tensor"),
+        (st_save({"hidden_states": torch.zeros(1, 4, dtype=torch.float8_e4m3fn)}), "dtype F8_E4M3"),
     ],
 )
 def test_decode_body_rejects_bad_bodies(body, message):
     with pytest.raises(ServeInputError, match=message):
         decode_body(body)
+
+
+NO_TORCH = """
+import sys
+
+class NoTorch:  # `import torch` fails while this finder is first
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"{name} is blocked: the ingress must not import torch")
+
+sys.meta_path.insert(0, NoTorch())
+from deployments.serve.http import decode_body, encode_body
+
+hidden, logits = decode_body(sys.stdin.buffer.read())
+sys.stdout.buffer.write(encode_body({"output": hidden, "router_logits": logits}))
+"""
+
+
+def test_the_ingress_reads_and_writes_bodies_without_torch(tmp_path):
+    """An ingress replica never imports torch (~1.5 CPU-s and its memory per replica): a fresh
+    interpreter that cannot import it decodes a BF16 body and encodes it back, bit for bit."""
+    x, logits = torch.randn(3, 8).bfloat16(), torch.randn(3, 4)
+    run = subprocess.run([sys.executable, "-c", NO_TORCH], input=encode_request(x, logits), cwd=ROOT,
+                         capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    back = st_load(run.stdout)
+    assert torch.equal(back["output"], x) and torch.equal(back["router_logits"], logits)
 
 
 def test_forward_paths_and_routing():
@@ -110,7 +151,7 @@ def test_http_client_success_keeps_the_input_kind():
     def handler(request: httpx.Request) -> httpx.Response:
         seen["path"] = request.url.path
         x, _ = decode_body(request.content)
-        return httpx.Response(200, content=st_save({"output": x * 2}))
+        return httpx.Response(200, content=encode_body({"output": x * 2}))
 
     with _mock_client(handler) as client:
         out = client.forward(torch.ones(2, 4), 1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -307,6 +308,23 @@ def test_bad_input_over_http(app, case):
     good = httpx.post(app.url + "/v1/layers/1/forward", content=_body(hidden_states=x), timeout=REQUEST_BOUND_S)
     assert good.status_code == 200
     torch.testing.assert_close(st_load(good.content)["output"], reference(app, x, 1), **FP32_TOL)
+
+
+def test_the_ingress_replica_never_loads_torch(app):
+    """After the tests above (handle and HTTP calls, F32 and BF16 bodies, bad input), the app's
+    ingress replica has not mapped torch's library: it routes and converts bodies with numpy."""
+    title = f"ServeReplica:{APP}:ingress".encode()  # in its process title, whatever it runs
+    pids = [p.parent for p in Path("/proc").glob("[0-9]*/cmdline") if title in read_or_empty(p)]
+    assert pids, f"no process titled {title!r}"
+    for proc in pids:
+        assert "libtorch" not in (proc / "maps").read_text(), f"{proc} maps libtorch"
+
+
+def read_or_empty(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # a process that ended meanwhile
+        return b""
 
 
 def test_client_errors_are_counted_not_fatal(app):

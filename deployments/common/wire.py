@@ -4,19 +4,23 @@ Ray serialises numpy arrays out of band (pickle protocol 5, no copy into the pic
 but torch tensors through their generic pickle path, several times slower for large
 activations (a 16 MB fp32 [2048, 2048] batch: ~4x on the round trip). Internal hops
 (client -> replica -> workers and back) therefore carry a :class:`WireTensor`: the tensor's
-bytes as a numpy array plus its torch dtype (bfloat16, which numpy lacks, travels as int16).
+bytes as a numpy array plus its torch dtype's name (bfloat16, which numpy lacks, travels as
+int16). torch is imported where a tensor is made: the HTTP ingress builds and reads
+``WireTensor``s from its bodies without it.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-_VIEW_AS = {torch.bfloat16: torch.int16}
+if TYPE_CHECKING:
+    import torch
+
+VIEW_AS = {"bfloat16": "int16"}  # a dtype numpy lacks -> the dtype its bits travel as (both names)
 
 
 @dataclass(frozen=True)
@@ -26,14 +30,19 @@ class WireTensor:
 
     @classmethod
     def from_torch(cls, t: torch.Tensor) -> WireTensor:
+        import torch
+
         t = t.detach().cpu().contiguous()
-        view = _VIEW_AS.get(t.dtype)
-        array = (t.view(view) if view is not None else t).numpy()
-        return cls(array, str(t.dtype).removeprefix("torch."))
+        name = str(t.dtype).removeprefix("torch.")
+        view = VIEW_AS.get(name)
+        array = (t.view(getattr(torch, view)) if view is not None else t).numpy()
+        return cls(array, name)
 
     def to_torch(self, writable: bool = True) -> torch.Tensor:
         """A torch tensor over the bytes; copied when Ray handed a read-only buffer, unless the
         caller only reads it (``writable=False``: no copy)."""
+        import torch
+
         array = self.array
         if not array.flags.writeable:
             if writable:
@@ -45,8 +54,9 @@ class WireTensor:
         return self._view(torch.from_numpy(array))
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
-        dtype = getattr(torch, self.dtype)
-        return t.view(dtype) if dtype in _VIEW_AS else t
+        import torch
+
+        return t.view(getattr(torch, self.dtype)) if self.dtype in VIEW_AS else t
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -56,6 +66,8 @@ class WireTensor:
 def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[torch.Tensor, str]:
     """The group's output from every rank's ``(out, tail)``: rank 0's, or under sequence
     parallel every rank's rows in rank order; plus the tail that ran."""
+    import torch
+
     tail = results[0][1]
     if tail == "sequence_parallel":
         return torch.cat([out.to_torch() for out, _ in results]), tail
@@ -88,6 +100,8 @@ def part_rows(results: list[tuple[Any, str, list[int]]], index: int) -> torch.Te
     """Part ``index``'s rows of a lease forward, from its ranks' ``(out, tail, sizes)`` (rank
     0's ``out``, or under sequence parallel every rank's rows in order), copied out of the
     channels. ``out`` is a :class:`WireTensor`, or a device tensor on the accelerator path."""
+    import torch
+
     sizes, tail = results[0][2], results[0][1]
     outs = [out for out, _, _ in results] if tail == "sequence_parallel" else [results[0][0]]
     views = [out.to_torch(writable=False) if isinstance(out, WireTensor) else out for out in outs]

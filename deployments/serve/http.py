@@ -39,16 +39,14 @@ import re
 from typing import Any
 
 import numpy as np
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from ray import serve
-from safetensors import SafetensorError
-from safetensors.numpy import save as st_save_numpy
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors import SafetensorError, TensorSpec
+from safetensors import deserialize as st_deserialize
+from safetensors import serialize as st_serialize
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moe_runtime.units import format_layers
@@ -67,11 +65,14 @@ from ..common.errors import (
 )
 from ..common.layer_routing import LayerRoutes
 from ..common.retry import call_with_retry_async
-from ..common.wire import WireTensor
+from ..common.wire import VIEW_AS, WireTensor
 from ..config.timeouts import INGRESS_HEALTH_S
 
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 INPUT_TENSORS = ("hidden_states", "router_logits")
+# safetensors dtype codes the ingress reads -> torch dtype names (the deployments check which they serve)
+ST_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                  "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 HTTP_TOKEN_ENV = "LMS_HTTP_TOKEN"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -185,27 +186,48 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
                         status_code=400)
 
 
-def decode_body(body: bytes) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``hidden_states`` (and optional ``router_logits``) from a safetensors body."""
+def decode_body(body: bytes) -> tuple[np.ndarray | WireTensor, WireTensor | None]:
+    """``hidden_states`` (and optional ``router_logits``) from a safetensors body, as they travel
+    to the deployments: F32 ``hidden_states`` as a numpy array (the handle API's numpy path),
+    anything else as a :class:`WireTensor`. Read with numpy alone (no torch in the ingress)."""
     if not body:
         raise ServeInputError("empty body: expected safetensors with a 'hidden_states' tensor")
     try:
-        tensors = st_load(body)
-    except (SafetensorError, ValueError, RuntimeError) as e:
+        tensors = dict(st_deserialize(body))
+    except (SafetensorError, ValueError) as e:
         raise ServeInputError(f"body is not a valid safetensors file: {e}") from None
     unexpected = sorted(set(tensors) - set(INPUT_TENSORS))
     if unexpected:
         raise ServeInputError(f"unexpected tensor(s) {unexpected}; the body may hold {list(INPUT_TENSORS)}")
     if "hidden_states" not in tensors:
         raise ServeInputError(f"missing tensor 'hidden_states' (the body holds {sorted(tensors)})")
-    return tensors["hidden_states"], tensors.get("router_logits")
+    hidden = body_tensor("hidden_states", tensors["hidden_states"])
+    logits = tensors.get("router_logits")
+    return (hidden.array if hidden.dtype == "float32" else hidden,
+            None if logits is None else body_tensor("router_logits", logits))
 
 
-def encode_body(tensors: dict[str, torch.Tensor | np.ndarray]) -> bytes:
-    """A safetensors body; all torch or all numpy (numpy answers to F32 requests)."""
-    if all(isinstance(v, np.ndarray) for v in tensors.values()):
-        return st_save_numpy({k: np.ascontiguousarray(v) for k, v in tensors.items()})
-    return st_save({k: v.contiguous() for k, v in tensors.items()})
+def body_tensor(name: str, entry: dict[str, Any]) -> WireTensor:
+    """One deserialized safetensors entry (``dtype`` code, ``shape``, ``data``) over its bytes."""
+    code = entry["dtype"]
+    dtype = ST_DTYPE_NAMES.get(code)
+    if dtype is None:
+        raise ServeInputError(f"tensor {name!r} has safetensors dtype {code}, which this server does not "
+                              "read (hidden_states: F32, or BF16 for bfloat16 deployments)")
+    array = np.frombuffer(entry["data"], VIEW_AS.get(dtype, dtype)).reshape(entry["shape"])
+    return WireTensor(array, dtype)
+
+
+def encode_body(tensors: dict[str, np.ndarray | WireTensor]) -> bytes:
+    """A safetensors body of numpy arrays (answers to F32 requests) and :class:`WireTensor`s."""
+    specs, keep = {}, []
+    for name, t in tensors.items():
+        array, dtype = (t.array, t.dtype) if isinstance(t, WireTensor) else (t, t.dtype.name)
+        array = np.ascontiguousarray(array)
+        keep.append(array)  # serialize reads the bytes through their address
+        specs[name] = TensorSpec(dtype=dtype, shape=array.shape, data_ptr=array.ctypes.data,
+                                 data_len=array.nbytes)
+    return bytes(st_serialize(specs))
 
 
 def parse_layer(layer: str) -> int:
@@ -336,14 +358,9 @@ class MoEIngress:
         try:
             layer_id = parse_layer(layer)
             name = self.route(deployment, layer_id)
-            x, logits = decode_body(await self._read_body(request))
             # F32 travels as numpy: the deployment's numpy rules apply (see serve/deployment.py).
-            hidden = x.numpy() if x.dtype == torch.float32 else WireTensor.from_torch(x)
-            if logits is not None:
-                logits = WireTensor.from_torch(logits)
+            hidden, logits = decode_body(await self._read_body(request))
             out = await self._forward(name, hidden, layer_id, logits)
-            if isinstance(out, WireTensor):
-                out = out.to_torch()
             return Response(encode_body({"output": out}), media_type=SAFETENSORS_MEDIA_TYPE)
         except Exception as e:
             if http_status(e) >= 500:

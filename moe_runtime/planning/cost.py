@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import LatentMoEConfig
-from ..units import GB, dtype_bytes
-from .memory import MXFP4, MemoryPlan
+from ..units import GB, MXFP4, dtype_bytes
+
+if TYPE_CHECKING:  # the plan's module loads the weights' (torch): this one stays light for config.timeouts
+    from .memory import MemoryPlan
 
 # Startup (moe_runtime never reads faster than storage allows): a TP group's ranks read their
 # slices at the same time from the node's storage; 0.25 GB/s is a slow network filesystem (local

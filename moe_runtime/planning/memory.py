@@ -45,13 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import EXPERT_FORMATS, MXFP4, resolve_expert_formats
+from ..checkpoint import resolve_expert_formats
 from ..config import LatentMoEConfig
 
 # DEFAULT_SCRATCH_BYTES: the torch backend's decode budget per rank
 from ..experts import DEFAULT_SCRATCH_BYTES, REFERENCE_BACKEND, planned_extra_bytes
 from ..tp.sharding import check_tp_size
-from ..units import dtype_bytes, format_layers, gb
+from ..units import EXPERT_FORMATS, MXFP4, dtype_bytes, format_layers, gb
 from ..weights import PARTS, expert_shapes
 from .budget import Budget
 

@@ -18,7 +18,7 @@ import torch
 
 from .. import mxfp4
 from ..activation import GatedActivation
-from ..checkpoint import MXFP4, CheckpointReader, checkpoint_expert_formats, load_layer_weights
+from ..checkpoint import CheckpointReader, checkpoint_expert_formats, load_layer_weights
 from ..config import LatentMoEConfig
 from ..experts import (
     DEFAULT_SCRATCH_BYTES,
@@ -33,6 +33,7 @@ from ..experts.check import BackendCheck, verify_backend
 from ..experts.mxfp4_cpu import dense_linear
 from ..layer import down_project, latent_norm, routed_experts, shared_experts
 from ..logs import log_once
+from ..units import MXFP4
 from ..weights import LayerWeights
 from .collectives import Collectives
 from .plan import TailPlan, check_preshard, legal_tails, shardability_for
