@@ -54,7 +54,8 @@ def floor_app(wait_loop_s: float | None) -> Any:
     return Front.bind(Backend.bind())
 
 
-def deploy_and_call(name: str, app_args: dict[str, Any], x: Any) -> None:
+def deploy_call_delete_s(name: str, app_args: dict[str, Any], x: Any) -> float:
+    """Deploy the app ``name``, call it once, then delete it: the seconds ``serve.delete`` took."""
     from ray import serve
 
     from deployments.client import MoEClient
@@ -67,11 +68,6 @@ def deploy_and_call(name: str, app_args: dict[str, Any], x: Any) -> None:
         handle = serve.run(floor_app(None if name == "floor_default" else DRAIN_POLL_S), name=name,
                            route_prefix=f"/{name}")
         handle.remote(1).result(timeout_s=120)
-
-
-def delete_s(name: str) -> float:
-    from ray import serve
-
     t0 = time.perf_counter()
     serve.delete(name)
     return time.perf_counter() - t0
@@ -113,19 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     from deployments.config.timeouts import DRAIN_POLL_S
-    from moe_runtime.config import LatentMoEConfig
 
-    checkpoint = harness.preset_checkpoint("tiny")
-    app_args = {"checkpoint": str(checkpoint), "ingress_replicas": 1, "tp_size": 2,
-                "tail": "sharded", "dtype": "float32", "auto_tune_tokens": "none"}
-    x = harness.seeded_randn(3, LatentMoEConfig.from_pretrained(checkpoint).hidden_size, seed=0)
+    app_args, x = harness.tiny_app(tp_size=2, tail="sharded")
     machine = harness.machine_record(with_ray=True)
-    measured: dict[str, list[float]] = {name: [] for name in APPS}
     with harness.local_serve(num_cpus=8, num_gpus=2):
-        for _ in range(args.reps):
-            for name in APPS:
-                deploy_and_call(name, app_args, x)
-                measured[name].append(delete_s(name))
+        measured = harness.in_turns(APPS, args.reps, lambda name: deploy_call_delete_s(name, app_args, x))
     results = {"delete_s": measured, "reps": args.reps, "drain_poll_s": DRAIN_POLL_S, "argv": args.argv,
                "machine": dict(machine, loadavg_after=harness.loadavg())}
     results["verdicts"] = verdicts(results)

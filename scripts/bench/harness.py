@@ -15,7 +15,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -157,6 +157,16 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, min_time_s
     return times
 
 
+def in_turns(names: Iterable[str], reps: int, measure: Callable[[str], Any]) -> dict[str, list[Any]]:
+    """``measure(name)`` for every name in turn, ``reps`` rounds (whatever slows the machine meanwhile
+    slows each alike): every name's results in round order."""
+    results: dict[str, list[Any]] = {name: [] for name in names}
+    for _ in range(reps):
+        for name in results:
+            results[name].append(measure(name))
+    return results
+
+
 def percentile(values: list[float], q: float) -> float:
     """The nearest-rank ``q`` quantile (0 < q <= 1): a value that was measured, never interpolated."""
     s = sorted(values)
@@ -220,6 +230,17 @@ def preset_checkpoint(preset: str, layers: int | None = None, *, mxfp4: bool = F
     name = "-".join([preset, *([f"{layers}layers"] if layers else []), *(["mxfp4"] if mxfp4 else []),
                      *(["decoder"] if decoder else [])])
     return ensure_checkpoint(CHECKPOINTS / name, preset, layers, mxfp4=mxfp4, decoder=decoder)
+
+
+def tiny_app(**spec: Any) -> tuple[dict[str, Any], Any]:
+    """App arguments serving the tiny preset's checkpoint with one deployment (``spec``), one
+    ingress replica and no tail measurement; and a seeded 3-token float32 input of its width."""
+    from moe_runtime.config import LatentMoEConfig
+
+    checkpoint = preset_checkpoint("tiny")
+    args = {"checkpoint": str(checkpoint), "ingress_replicas": 1, "dtype": "float32",
+            "auto_tune_tokens": "none", **spec}
+    return args, seeded_randn(3, LatentMoEConfig.from_pretrained(checkpoint).hidden_size, seed=0)
 
 
 # -- a private Ray + Serve -------------------------------------------------------------------------
