@@ -65,13 +65,13 @@ def floor_app(import_torch: bool) -> Any:
 
 
 def ingress_pid(app: str) -> int:
-    """The one process titled as ``app``'s ingress replica (Ray titles a replica's process
-    ``ServeReplica:APP:DEPLOYMENT``, with the task it runs)."""
+    """The newest process titled as ``app``'s ingress replica (Ray titles a replica's process
+    ``ServeReplica:APP:DEPLOYMENT``, with the task it runs; a previous round's may still be exiting)."""
     title = f"ServeReplica:{app}:ingress"
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and title in cmdline(int(p))]
-    if len(pids) != 1:
-        raise RuntimeError(f"expected one process titled {title!r}, found {pids}")
-    return pids[0]
+    if not pids:
+        raise RuntimeError(f"no process titled {title!r}")
+    return max(pids, key=lambda pid: int(stat_fields(pid)[19]))  # field 22 of stat: the start time
 
 
 def deploy_call_measure(name: str, app_args: dict[str, Any], url: str, body: bytes) -> dict[str, float]:
