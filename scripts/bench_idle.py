@@ -36,35 +36,19 @@ from typing import Any
 
 from bench import harness
 from bench.docs import rounds_table, section_start, verdict, verdict_text, write_results, yes_no
-from bench.rss import cmdline, stat_fields
+from bench.rss import cpu_seconds, serve_replica_pid
 
 APP, KEEP_APP, LAYER, TP = "idle", "idle_keep", 1, 2
 SECTION = "## Idle TP groups: compiled graphs torn down when idle (`scripts/bench_idle.py`)"
-HZ = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds the processes ``pids`` have used so far (threads included)."""
-    return sum(int(fields[11]) + int(fields[12]) for fields in map(stat_fields, pids)) / HZ
-
 
 def app_of(deployment: str) -> str:
     return KEEP_APP if deployment == "keep" else APP
 
 
-def replica_pid(deployment: str) -> int:
-    """The process of ``deployment``'s (single) Serve replica, found by its process title."""
-    prefix = f"ray::ServeReplica:{app_of(deployment)}:{deployment}"
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and cmdline(int(entry)).startswith(prefix):
-            return int(entry)
-    raise RuntimeError(f"no process titled {prefix}")
-
-
 def group_pids(client: Any, deployment: str) -> list[int]:
     """The replica's and its ranks' processes."""
     ranks = [w["pid"] for w in client.status()["workers"]]
-    return [replica_pid(deployment), *ranks]
+    return [serve_replica_pid(app_of(deployment), deployment), *ranks]
 
 
 def cores(pids: list[int], window_s: float) -> float:

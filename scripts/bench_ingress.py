@@ -21,14 +21,13 @@ Targets (medians): ours uses <= 0.5 CPU-s more than ``floor`` and holds <= 30 MB
 against ``floor_torch`` both ratios are < 1.
 """
 
-import os
 import statistics
 from pathlib import Path
 from typing import Any
 
 from bench import harness
 from bench.docs import rounds_table, section_start, verdict, verdict_text, write_results
-from bench.rss import cmdline, process_memory, stat_fields
+from bench.rss import cpu_seconds, process_memory, serve_replica_pid
 
 SECTION = "## An ingress replica's start: CPU and memory (`scripts/bench_ingress.py`)"
 APPS = ("ours", "floor", "floor_torch")
@@ -64,16 +63,6 @@ def floor_app(import_torch: bool) -> Any:
     return Front.bind(Backend.bind(), import_torch)
 
 
-def ingress_pid(app: str) -> int:
-    """The newest process titled as ``app``'s ingress replica (Ray titles a replica's process
-    ``ServeReplica:APP:DEPLOYMENT``, with the task it runs; a previous round's may still be exiting)."""
-    title = f"ServeReplica:{app}:ingress"
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and title in cmdline(int(p))]
-    if not pids:
-        raise RuntimeError(f"no process titled {title!r}")
-    return max(pids, key=lambda pid: int(stat_fields(pid)[19]))  # field 22 of stat: the start time
-
-
 def deploy_call_measure(name: str, app_args: dict[str, Any], url: str, body: bytes) -> dict[str, float]:
     import httpx
     from ray import serve
@@ -84,11 +73,10 @@ def deploy_call_measure(name: str, app_args: dict[str, Any], url: str, body: byt
         serve.run(floor_app(name == "floor_torch"), name=name, route_prefix="/")
     answer = httpx.post(f"{url}/v1/layers/1/forward", content=body, timeout=120)
     answer.raise_for_status()
-    pid = ingress_pid(name)
-    fields, memory = stat_fields(pid), process_memory(pid)
+    pid = serve_replica_pid(name, "ingress")
+    cpu_s, memory = cpu_seconds([pid]), process_memory(pid)
     serve.delete(name)
-    return {"cpu_s": (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"),
-            "rss_mb": memory["rss"] / MB, "pss_mb": memory["pss"] / MB}
+    return {"cpu_s": cpu_s, "rss_mb": memory["rss"] / MB, "pss_mb": memory["pss"] / MB}
 
 
 def medians(results: dict[str, Any], metric: str) -> dict[str, float]:

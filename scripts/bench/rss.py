@@ -16,6 +16,7 @@ the process tree's.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 import time
@@ -46,6 +47,22 @@ def stat_fields(pid: int) -> list[str]:
     """The fields of /proc/PID/stat after the command name (which may hold spaces and parens):
     ``[0]`` is the state, ``[1]`` the parent pid, ``[11]``/``[12]`` user/system CPU ticks."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes ``pids`` have used so far (threads included)."""
+    return sum(int(f[11]) + int(f[12]) for f in map(stat_fields, pids)) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_replica_pid(app: str, deployment: str) -> int:
+    """The process of ``app``'s replica of ``deployment``, found by its title (Ray titles it
+    ``ServeReplica:APP:DEPLOYMENT``, followed by the task it runs); the newest, where a replica
+    of an earlier round of the same app is still exiting."""
+    title = re.compile(rf"ServeReplica:{re.escape(app)}:{re.escape(deployment)}(?![\w-])")
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and title.search(cmdline(int(p)))]
+    if not pids:
+        raise RuntimeError(f"no process titled ServeReplica:{app}:{deployment}")
+    return max(pids, key=lambda pid: int(stat_fields(pid)[19]))  # field 22 of stat: its start time
 
 
 def children_map() -> dict[int, list[int]]:
