@@ -12,7 +12,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from . import mxfp4
 from .checkpoint import CheckpointReader, resolve_expert_formats
 from .config import LatentMoEConfig
 from .experts import DEFAULT_SCRATCH_BYTES, mxfp4_cpu, select_backend
@@ -23,8 +22,16 @@ from .tp.collectives import Collectives
 from .tp.local_group import run_local_group
 from .tp.plan import REQUESTABLE_TAILS, TailPlan, resolve_tail, shardability_for
 from .tp.routed_input import ACTIVATION_QUANT_MODES, REQUESTABLE_QUANT_MODES, RoutedInputConfig
-from .tp.runner import build_rank_runners, check_activation_quant, check_mxfp4_scale_rule
-from .units import EXPERT_FORMATS, GB, gb, torch_dtype
+from .tp.runner import build_rank_runners, check_activation_quant
+from .units import (
+    ACTIVATION_SCALE_RULE,
+    EXPERT_FORMATS,
+    GB,
+    SCALE_RULES,
+    check_mxfp4_scale_rule,
+    gb,
+    torch_dtype,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
         help="mxfp4: W4A4 emulation of MXFP4 experts (what ROCm production runs)",
     )
     fw.add_argument(
-        "--mxfp4-scale-rule", choices=mxfp4.SCALE_RULES, default=mxfp4.ACTIVATION_SCALE_RULE,
+        "--mxfp4-scale-rule", choices=SCALE_RULES, default=ACTIVATION_SCALE_RULE,
         help="block exponent of MXFP4 activations: even (AMD Quark's default, what vLLM's emulation and "
         "aiter's Triton quantiser use) or floor (the plain OCP rule, for comparison)",
     )

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .units import ACTIVATION_SCALE_RULE, WEIGHT_SCALE_RULE, check_scale_rule
+
 BLOCK = 32
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
@@ -23,9 +25,8 @@ _EMAX_ELEM = 2  # exponent of E2M1's largest normal, 6 = 1.5 * 2**2 (OCP MX: sca
 #   is first rounded to a power of two, up when ``m >= 1.75`` (add 2**21 to the fp32 bits,
 #   drop the mantissa), then ``floor(log2) - 2``: ``e - 1`` when ``m >= 1.75``, else ``e - 2``.
 #   Such a block maximum scales into [3.5, 4) instead of [7, 8) and is no longer clipped to 6.
-SCALE_RULES = ("even", "floor")
-WEIGHT_SCALE_RULE = "floor"  # checkpoint encoding (DESIGN §3: the OCP MX rule)
-ACTIVATION_SCALE_RULE = "even"  # W4A4 activations: the production rule (Quark/vLLM, aiter Triton)
+# The names (``SCALE_RULES``, ``WEIGHT_SCALE_RULE``, ``ACTIVATION_SCALE_RULE``) live in ``units``:
+# configs check them without torch.
 _EVEN_ROUND_UP = 0.875  # frexp mantissa in [0.5, 1): m >= 1.75 is a frexp mantissa >= 0.875
 
 
@@ -82,15 +83,9 @@ def _check_blocks(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} input contains NaN or Inf; MXFP4 has no encoding for them")
 
 
-def check_scale_rule(rule: str) -> str:
-    if rule not in SCALE_RULES:
-        raise ValueError(f"MXFP4 scale rule {rule!r} is not one of {SCALE_RULES}")
-    return rule
-
-
 def shared_exponent(amax: torch.Tensor, rule: str) -> torch.Tensor:
     """Each block's shared exponent (float, in E8M0's [-127, 127]) from its largest magnitude
-    ``amax`` (>= 0, finite) by ``rule`` (see ``SCALE_RULES``); 0 (scale 1) for all-zero blocks."""
+    ``amax`` (>= 0, finite) by ``rule`` (see ``units.SCALE_RULES``); 0 (scale 1) for all-zero blocks."""
     check_scale_rule(rule)
     # frexp: amax = f * 2**k with f in [0.5, 1), so floor(log2(amax)) = k - 1 exactly (also
     # for fp32 subnormals, where a float log2 could round up across a power of two).

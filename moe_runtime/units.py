@@ -19,22 +19,59 @@ DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 SERVED_DTYPES = ("float32", "bfloat16")
 MXFP4, DENSE = "mxfp4", "dense"  # how a layer's routed experts are stored
 EXPERT_FORMATS = (MXFP4, DENSE)
+# The parts a rank's resident bytes are reported in (and the memory planner predicts).
+PARTS = (
+    "experts_packed",
+    "experts_dense",
+    "experts_backend",  # an experts backend's own copies in its layout (aiter: shuffled MXFP4)
+    "shared_experts",
+    "latent_projections",
+    "up_projection",
+    "router",
+)
+REFERENCE_BACKEND = "torch"  # the experts backend every other one is checked against
+DEFAULT_SCRATCH_BYTES = 256 * 2**20  # an experts backend's decode scratch per rank, by default
+# How an MXFP4 block's shared exponent follows from its largest magnitude (``mxfp4`` has the math).
+SCALE_RULES = ("even", "floor")
+WEIGHT_SCALE_RULE = "floor"  # checkpoint encoding (DESIGN §3: the OCP MX rule)
+ACTIVATION_SCALE_RULE = "even"  # W4A4 activations: the production rule (Quark/vLLM, aiter Triton)
 
 
-def _known(name: str) -> str:
+def check_dtype(name: str) -> str:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
     return name
 
 
+def check_scale_rule(rule: str) -> str:
+    if rule not in SCALE_RULES:
+        raise ValueError(f"MXFP4 scale rule {rule!r} is not one of {SCALE_RULES}")
+    return rule
+
+
+def check_mxfp4_scale_rule(
+    rule: str, experts_activation_quant: str, routed_input_quant: str = "none"
+) -> None:
+    """``rule`` names a scale rule and, unless it is the default, something quantises MXFP4
+    activations with it (the W4A4 experts or an MXFP4 routed input): ValueError otherwise."""
+    check_scale_rule(rule)
+    used = experts_activation_quant == "mxfp4" or routed_input_quant in ("mxfp4", "mxfp4-approx")
+    if rule != ACTIVATION_SCALE_RULE and not used:
+        raise ValueError(
+            f"mxfp4_scale_rule {rule!r} would have no effect: nothing quantises MXFP4 activations "
+            f"(experts_activation_quant {experts_activation_quant!r}, routed-input quantisation "
+            f"{routed_input_quant!r})"
+        )
+
+
 def torch_dtype(name: str) -> torch.dtype:
     import torch
 
-    return getattr(torch, _known(name))
+    return getattr(torch, check_dtype(name))
 
 
 def dtype_bytes(name: str) -> int:
-    return DTYPES[_known(name)]
+    return DTYPES[check_dtype(name)]
 
 
 def gb(n: float) -> str:

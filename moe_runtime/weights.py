@@ -8,17 +8,6 @@ import torch
 
 from . import mxfp4
 
-# The parts a rank's resident bytes are reported in (and the memory planner predicts).
-PARTS = (
-    "experts_packed",
-    "experts_dense",
-    "experts_backend",  # an experts backend's own copies in its layout (aiter: shuffled MXFP4)
-    "shared_experts",
-    "latent_projections",
-    "up_projection",
-    "router",
-)
-
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()

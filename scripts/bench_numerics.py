@@ -37,13 +37,14 @@ from moe_runtime.tp.local_group import run_local_group
 from moe_runtime.tp.plan import TailPlan
 from moe_runtime.tp.routed_input import RoutedInputConfig
 from moe_runtime.tp.runner import build_rank_runners
+from moe_runtime.units import SCALE_RULES
 
 SECTION = ("## Numerics: routed-input modes and W4A4 under both MXFP4 scale rules "
            "(`scripts/bench_numerics.py`)")
 LAYER = 1
 REQUEST = 16  # the request whose batch dependence is measured
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-RULES = mxfp4.SCALE_RULES  # ("even", "floor"): even first, the default
+RULES = SCALE_RULES  # ("even", "floor"): even first, the default
 RANDOM_BLOCKS = 8228  # as many random-normal blocks as the first measurement of the two rules had
 
 

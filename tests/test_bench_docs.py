@@ -72,15 +72,18 @@ def test_bench_shutdown_verdicts_come_from_the_medians() -> None:
     assert not any(x["met"] for x in bench_shutdown.verdicts(results).values())
 
 
-def test_bench_ingress_verdicts_come_from_the_medians() -> None:
-    import bench_ingress
+def test_bench_replicas_verdicts_come_from_the_medians() -> None:
+    import bench_replicas
 
-    def rounds(cpu_s: float, pss_mb: float) -> list[dict[str, float]]:
-        return [{"cpu_s": cpu_s + d, "pss_mb": pss_mb + d, "rss_mb": 0.0} for d in (0.0, -0.1, 0.1)]
+    def rounds(ingress: tuple[float, float], backend: tuple[float, float]) -> list[dict[str, dict[str, float]]]:
+        return [{role: {"cpu_s": cpu + d, "pss_mb": pss + d, "rss_mb": 0.0}
+                 for role, (cpu, pss) in (("ingress", ingress), ("backend", backend))} for d in (0.0, -0.1, 0.1)]
 
-    results = {"rounds": {"ours": rounds(1.3, 88.0), "floor": rounds(1.2, 87.0), "floor_torch": rounds(2.6, 212.0)}}
-    v = bench_ingress.verdicts(results)
-    assert all(x["met"] for x in v.values())
-    assert abs(v["cpu_over_floor"]["value"] - 0.1) < 1e-9 and abs(v["pss_vs_floor_torch"]["value"] - 88 / 212) < 1e-9
-    results["rounds"]["ours"] = rounds(2.7, 213.0)  # an ingress importing torch misses every target
-    assert not any(x["met"] for x in bench_ingress.verdicts(results).values())
+    results = {"rounds": {"ours": rounds((1.3, 88.0), (1.1, 86.0)), "floor": rounds((1.2, 87.0), (1.0, 84.0)),
+                          "floor_torch": rounds((2.6, 212.0), (2.2, 209.0))}}
+    v = bench_replicas.verdicts(results)
+    assert all(x["met"] for x in v.values()) and len(v) == 8
+    assert abs(v["ingress_cpu_over_floor"]["value"] - 0.1) < 1e-9
+    assert abs(v["backend_pss_vs_floor_torch"]["value"] - 86 / 209) < 1e-9
+    results["rounds"]["ours"] = rounds((2.7, 213.0), (2.8, 212.0))  # replicas importing torch miss every target
+    assert not any(x["met"] for x in bench_replicas.verdicts(results).values())

@@ -199,3 +199,24 @@ def test_wire_tensor_round_trip(dtype):
     readonly = WireTensor(w.array.copy(), w.dtype)
     readonly.array.flags.writeable = False  # what Ray hands over: copied before torch sees it
     assert torch.equal(readonly.to_torch(), x)
+
+
+def test_float32_rows_round_to_bfloat16_as_torch_does():
+    """The group replica rounds numpy float32 input to bfloat16 without torch: bit for bit what
+    ``Tensor.to(torch.bfloat16)`` gives, ties to even, subnormals, overflow to Inf and NaN
+    included, and widens bfloat16 back exactly."""
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001,  # ties (even / odd), below, above
+                     0x00000001, 0x00008000, 0x00018000, 0x807FFFFF,  # subnormals
+                     0x7F7FFFFF, 0xFF7F8000, 0x7F7F7FFF,  # max float rounds to Inf, the largest that does not
+                     0x00000000, 0x80000000, 0x7F800000, 0xFF800000], dtype=np.uint32)
+    rng = np.random.default_rng(0)
+    values = np.concatenate([bits.view(np.float32), rng.standard_normal(4096).astype(np.float32) * 1e3,
+                             rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+    nan = np.isnan(values)  # any NaN will do there (torch may keep the sign and payload)
+    ours = WireTensor.from_float32(values, "bfloat16")
+    theirs = torch.from_numpy(values).bfloat16()
+    assert ours.dtype == "bfloat16" and nan.any()
+    assert np.array_equal(ours.array[~nan], theirs.view(torch.int16).numpy()[~nan])
+    assert np.array_equal(ours.float32(), theirs.float().numpy(), equal_nan=True)  # widening is exact
+    assert not ours.all_finite()
+    assert WireTensor.from_float32(np.array([1.0, -2.5e38], np.float32), "bfloat16").all_finite()

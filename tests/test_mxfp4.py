@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moe_runtime import mxfp4
+from moe_runtime.units import SCALE_RULES
 
 # The 16 FP4 E2M1 codes: bits 0-2 index the magnitude, bit 3 is the sign. Code 8 is -0.0,
 # which must decode to a zero.
@@ -254,7 +255,7 @@ EDGE_BLOCKS = {
 }
 
 
-@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
+@pytest.mark.parametrize("rule", SCALE_RULES)
 @pytest.mark.parametrize("name", list(EDGE_BLOCKS))
 def test_encoder_matches_independent_reference(name: str, rule: str) -> None:
     block = EDGE_BLOCKS[name]
@@ -302,7 +303,7 @@ def test_default_rules() -> None:
         mxfp4.encode(x, "nearest")
 
 
-@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
+@pytest.mark.parametrize("rule", SCALE_RULES)
 def test_random_blocks_match_independent_reference_in_every_dtype(rule: str) -> None:
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(6, 96, generator=gen) * torch.logspace(-30, 30, 6).unsqueeze(1)
@@ -333,7 +334,7 @@ def test_rules_differ_exactly_on_blocks_with_amax_mantissa_from_1_75() -> None:
     assert 0.1 < up.float().mean().item() < 0.25  # ~17 % of random-normal blocks
 
 
-@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
+@pytest.mark.parametrize("rule", SCALE_RULES)
 def test_quantize_dequantize_is_idempotent_and_batched(rule: str) -> None:
     """MXFP4 values re-quantise to themselves under either rule (the deferred routed input
     relies on it), and a leading batch shape is fine."""

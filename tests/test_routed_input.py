@@ -31,6 +31,7 @@ from moe_runtime.tp.routed_input import (
     quantize,
 )
 from moe_runtime.tp.runner import activation_quantizer, build_rank_runners, check_activation_quant
+from moe_runtime.units import SCALE_RULES
 
 LAYER = 1
 P = 2
@@ -131,7 +132,7 @@ def test_fp8_dequantize_dtype() -> None:
     torch.testing.assert_close(q16, fp8_dequantize(codes, scale, torch.float32).to(torch.bfloat16), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
+@pytest.mark.parametrize("rule", SCALE_RULES)
 def test_mxfp4_roundtrip_within_bound(rule: str) -> None:
     h = _latent_like()
     parts = quantize(h, "mxfp4-approx", rule)
@@ -419,7 +420,7 @@ def test_w4a4_hook_quantises_both_activations(mxfp4_ckpt: str) -> None:
     assert (moe_forward(x, w, cfg) - ref).abs().max().item() > 100 * 1e-5 * m
 
 
-@pytest.mark.parametrize("rule", mxfp4.SCALE_RULES)
+@pytest.mark.parametrize("rule", SCALE_RULES)
 @pytest.mark.parametrize("dname", list(DTYPES))
 @pytest.mark.parametrize("tail", TAILS)
 @pytest.mark.parametrize("T", TOKENS)

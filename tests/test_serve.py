@@ -310,10 +310,13 @@ def test_bad_input_over_http(app, case):
     torch.testing.assert_close(st_load(good.content)["output"], reference(app, x, 1), **FP32_TOL)
 
 
-def test_the_ingress_replica_never_loads_torch(app):
-    """After the tests above (handle and HTTP calls, F32 and BF16 bodies, bad input), the app's
-    ingress replica has not mapped torch's library: it routes and converts bodies with numpy."""
-    title = f"ServeReplica:{APP}:ingress".encode()  # in its process title, whatever it runs
+@pytest.mark.parametrize("deployment", ["ingress", "decode", "prefill"])
+def test_the_replicas_never_load_torch(app, deployment):
+    """After the tests above (handle and HTTP calls, F32 and BF16 bodies, bad input), neither the
+    ingress replica nor a group replica has mapped torch's library: the ingress converts bodies
+    with numpy, a group replica checks, rounds, batches and splits rows with numpy (its ranks
+    compute). A handle caller's torch tensor would load it; the clients send WireTensors."""
+    title = f"ServeReplica:{APP}:{deployment}".encode()  # in its process title, whatever it runs
     pids = [p.parent for p in Path("/proc").glob("[0-9]*/cmdline") if title in read_or_empty(p)]
     assert pids, f"no process titled {title!r}"
     for proc in pids:

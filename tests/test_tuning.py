@@ -7,9 +7,9 @@ import torch
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.tp.collectives import Collectives
-from moe_runtime.tp.plan import TailPlan, TailTier
+from moe_runtime.tp.plan import TailPlan, TailTier, plan_from_timings
 from moe_runtime.tp.runner import build_rank_runners
-from moe_runtime.tp.tuning import plan_from_timings, time_tails
+from moe_runtime.tp.tuning import time_tails
 
 
 def test_plan_from_timings_merges_neighbouring_winners():

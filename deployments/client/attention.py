@@ -36,7 +36,7 @@ import torch
 from moe_runtime.layer import check_hidden
 from moe_runtime.units import torch_dtype
 
-from ..common.requests import to_tensor
+from ..common.requests import as_rows, is_torch_tensor
 from ..common.wire import PartFailed, WireTensor, failure_in, part_rows
 from .errors import WorkerError
 
@@ -48,7 +48,7 @@ class WorkerSeat:
                  epoch: int, device: str, undo: Callable[[], None]):
         self.index, self.name, self.hidden_size, self.max_tokens = index, name, hidden_size, max_tokens
         self.undo = undo  # the worker's abort()
-        self.dtypes = {int(layer): torch_dtype(d) for layer, d in dtypes.items()}
+        self.dtypes = {int(layer): d for layer, d in dtypes.items()}  # names
         self.epoch = epoch  # an abort moves it on: calls of the aborted attempt are refused
         self.step_epoch = -1  # the epoch the running step began with (graph nodes carry no epoch)
         self.device = torch.device(device)  # where rows travel from: cpu, or the GPU (accelerator path)
@@ -109,8 +109,8 @@ class WorkerSeat:
         accelerator path a tensor on this worker's GPU)."""
         dtype = self.dtypes[layer]
         try:
-            t = to_tensor(x, "attend's rows", dtype)
-            check_hidden(t, self.hidden_size, dtype, self.max_tokens, allow_empty=True,
+            t = x if is_torch_tensor(x) else as_rows(x, "attend's rows", dtype).to_torch()
+            check_hidden(t, self.hidden_size, torch_dtype(dtype), self.max_tokens, allow_empty=True,
                          what=f"attend({layer})'s rows")
         except ValueError as e:
             raise self.fail(str(e)) from None

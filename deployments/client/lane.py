@@ -47,14 +47,12 @@ import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
 
-from moe_runtime.units import torch_dtype
-
 from ..common.errors import (
     ServeInputError,
     error_message,
     root_cause,
 )
-from ..common.requests import to_tensor
+from ..common.requests import as_logits, as_rows
 from ..common.retry import resend_after
 from ..common.wire import WireTensor, part_rows
 from ..config.timeouts import TEARDOWN_S
@@ -172,11 +170,9 @@ class LaneCore(LeaseHolder):
     def _wire(self, lease: GroupLease, hidden_states: Any, router_logits: Any) -> tuple[WireTensor, Any]:
         # The Serve path's conversions (numpy float32 rounded to the deployment dtype); the ranks
         # check the rest exactly as the replica would.
-        x = to_tensor(hidden_states, "hidden_states", torch_dtype(lease.grant["dtype"]))
-        logits = None
-        if router_logits is not None:
-            logits = WireTensor.from_torch(to_tensor(router_logits, "router_logits", None))
-        return WireTensor.from_torch(x), logits
+        x = as_rows(hidden_states, "hidden_states", lease.grant["dtype"])
+        logits = None if router_logits is None else WireTensor(as_logits(router_logits), "float32")
+        return x, logits
 
     def close(self) -> None:
         """Tear every graph down and release every lease (idempotent)."""

@@ -2,43 +2,74 @@
 rank of the leased group, which sees the same input and so reaches the same verdict before any
 collective). Input kinds and conversions are described in ``deployments.serve.deployment``.
 
-Pure: no Ray import.
+Pure and numpy only: no Ray, no torch (the group replica checks and batches rows without
+loading torch; a torch tensor that comes in has loaded it already, and is read as its bits).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection
 from typing import Any
 
 import numpy as np
-import torch
 
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.layer import check_input
 
 from .errors import ServeInputError, TooLargeError, UnknownLayerError
-from .wire import WireTensor
+from .wire import FLOAT_DTYPES, WireTensor
 
 
-def to_tensor(value: Any, what: str, dtype: torch.dtype | None) -> torch.Tensor:
-    """numpy -> torch per the module's rules; ``dtype`` None: any float (router logits)."""
-    if isinstance(value, torch.Tensor):
-        return value
+def is_torch_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # a tensor's class lives there: loaded if one came in
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def as_rows(value: Any, what: str, dtype: str) -> WireTensor:
+    """``value`` as a :class:`WireTensor`: a numpy float32 array rounded to ``dtype``, a torch
+    tensor or a WireTensor as it is (:func:`check_rows` then checks its dtype)."""
     if isinstance(value, WireTensor):
-        return value.to_torch()
+        return value
+    if is_torch_tensor(value):
+        return WireTensor.from_torch(value)
     if isinstance(value, np.ndarray):
-        if dtype is None:
-            if value.dtype.kind != "f":
-                raise ServeInputError(f"{what} must be floating point, got numpy {value.dtype}")
-            return torch.from_numpy(np.array(value, dtype=np.float32, copy=True))
         if value.dtype != np.float32:
             raise ServeInputError(
                 f"numpy {what} must be float32 (numpy has no bfloat16; a bfloat16 deployment "
                 f"rounds float32 input), got {value.dtype}"
             )
-        # Ray hands over read-only arrays; torch wants a writable buffer.
-        return torch.from_numpy(np.array(value, copy=True)).to(dtype)
+        return WireTensor.from_float32(value, dtype)
     raise ServeInputError(f"{what} must be a numpy array or a torch tensor, got {type(value).__name__}")
+
+
+def as_logits(value: Any) -> np.ndarray:
+    """Router logits of any floating dtype as float32 (the router works in fp32)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind != "f":
+            raise ServeInputError(f"router_logits must be floating point, got numpy {value.dtype}")
+        return value.astype(np.float32)
+    wire = as_rows(value, "router_logits", "float32")
+    if wire.dtype not in FLOAT_DTYPES:
+        raise ServeInputError(f"router_logits must be floating point, got torch.{wire.dtype}")
+    return wire.float32()
+
+
+def check_rows(x: WireTensor, hidden_size: int, dtype: str, max_tokens: int | None = None,
+               allow_empty: bool = False, what: str = "hidden_states") -> None:
+    """ServeInputError naming what is wrong with ``[T, H]`` rows in ``dtype`` (``T == 0`` only
+    with ``allow_empty``); the same rules and words as ``moe_runtime.layer.check_hidden``."""
+    H, shape = hidden_size, list(x.shape)
+    if len(shape) != 2 or shape[1] != H:
+        raise ServeInputError(f"{what} must have shape [T, {H}], got {shape}")
+    if x.dtype != dtype:
+        raise ServeInputError(f"{what} dtype is torch.{x.dtype}, this layer runs in torch.{dtype}")
+    T = shape[0]
+    if T == 0 and not allow_empty:
+        raise ServeInputError(f"{what} has no tokens (T == 0)")
+    if max_tokens is not None and T > max_tokens:
+        raise ServeInputError(f"{what} has {T} tokens, more than the limit of {max_tokens}")
+    if not x.all_finite():
+        raise ServeInputError(f"{what} contains NaN or Inf")
 
 
 def check_layer(layer: Any, cfg: LatentMoEConfig, served: Collection[int], deployment: str) -> int:
@@ -58,25 +89,27 @@ def check_layer(layer: Any, cfg: LatentMoEConfig, served: Collection[int], deplo
 
 
 def validate_forward(
-    hidden_states: Any, layer: Any, router_logits: Any, *, cfg: LatentMoEConfig, dtype: torch.dtype,
+    hidden_states: Any, layer: Any, router_logits: Any, *, cfg: LatentMoEConfig, dtype: str,
     served: Collection[int], deployment: str, max_tokens: int,
-) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """``(layer, x [T, H] in dtype on CPU, fp32 logits or None)``; ServeInputError (4xx) naming
-    what is wrong otherwise."""
+) -> tuple[int, WireTensor, np.ndarray | None]:
+    """``(layer, x [T, H] in dtype, fp32 logits or None)``; ServeInputError (4xx) naming what
+    is wrong otherwise."""
     layer = check_layer(layer, cfg, served, deployment)
-    x = to_tensor(hidden_states, "hidden_states", dtype)
-    logits = None if router_logits is None else to_tensor(router_logits, "router_logits", None)
-    if x.dim() == 2 and x.shape[0] > max_tokens:
+    x = as_rows(hidden_states, "hidden_states", dtype)
+    logits = None if router_logits is None else as_logits(router_logits)
+    if len(x.shape) == 2 and x.shape[0] > max_tokens:
         raise TooLargeError(
             f"hidden_states has {x.shape[0]} tokens, more than max_tokens_per_request = {max_tokens} "
             f"of deployment {deployment!r}; split the request"
         )
-    try:
-        check_input(x, cfg, dtype, logits, max_tokens=max_tokens)
-    except ValueError as e:
-        raise ServeInputError(str(e)) from None
-    if x.device.type != "cpu":
-        x = x.cpu()
+    check_rows(x, cfg.hidden_size, dtype, max_tokens)
     if logits is not None:
-        logits = logits.float().cpu()
+        T, E = x.shape[0], cfg.num_experts
+        if logits.shape != (T, E):
+            raise ServeInputError(
+                f"router_logits must have shape [{T}, {E}] (T of hidden_states, num_experts), "
+                f"got {list(logits.shape)}"
+            )
+        if not np.isfinite(logits).all():
+            raise ServeInputError("router_logits contains NaN or Inf")
     return layer, x, logits

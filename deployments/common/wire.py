@@ -5,8 +5,9 @@ but torch tensors through their generic pickle path, several times slower for la
 activations (a 16 MB fp32 [2048, 2048] batch: ~4x on the round trip). Internal hops
 (client -> replica -> workers and back) therefore carry a :class:`WireTensor`: the tensor's
 bytes as a numpy array plus its torch dtype's name (bfloat16, which numpy lacks, travels as
-int16). torch is imported where a tensor is made: the HTTP ingress builds and reads
-``WireTensor``s from its bodies without it.
+int16). torch is imported where a tensor is made: the HTTP ingress and the group replica
+check, batch and split ``WireTensor``s without it (numpy only: the ingress reads bodies, the
+replica only routes rows to its ranks).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     import torch
 
 VIEW_AS = {"bfloat16": "int16"}  # a dtype numpy lacks -> the dtype its bits travel as (both names)
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_BF16_NAN = 0x7FC0
+_BF16_EXPONENT = 0x7F80
 
 
 @dataclass(frozen=True)
@@ -58,20 +62,53 @@ class WireTensor:
 
         return t.view(getattr(torch, self.dtype)) if self.dtype in VIEW_AS else t
 
+    @classmethod
+    def from_float32(cls, array: np.ndarray, dtype: str) -> WireTensor:
+        """float32 ``array`` in ``dtype``: bfloat16 rounds to nearest, ties to even, as torch's
+        ``Tensor.to`` does (a NaN stays a NaN); float16 rounds the same way in numpy."""
+        if dtype == "float32":
+            return cls(array, dtype)
+        if dtype != "bfloat16":
+            return cls(array.astype(np.dtype(dtype)), dtype)
+        u = np.ascontiguousarray(array).view(np.uint32)
+        bits = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)  # wraps only for NaNs:
+        bits[np.isnan(array)] = _BF16_NAN  # set right here
+        return cls(bits.view(np.int16), dtype)
+
+    def float32(self) -> np.ndarray:
+        """The values as a float32 array (bfloat16 widened exactly)."""
+        if self.dtype == "bfloat16":
+            return (self.array.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return self.array.astype(np.float32)
+
+    def all_finite(self) -> bool:
+        if self.dtype == "bfloat16":
+            return not ((self.array.view(np.uint16) & _BF16_EXPONENT) == _BF16_EXPONENT).any()
+        return bool(np.isfinite(self.array).all())
+
+    def rows(self, start: int, stop: int) -> WireTensor:
+        """A copy of rows ``start:stop`` (a view would keep the whole batch's buffer alive)."""
+        return WireTensor(self.array[start:stop].copy(), self.dtype)
+
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.array.shape)
 
 
-def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[torch.Tensor, str]:
+def concat_rows(parts: list[WireTensor]) -> WireTensor:
+    """``parts`` (one dtype) as one batch, in order; a single part as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    return WireTensor(np.concatenate([p.array for p in parts]), parts[0].dtype)
+
+
+def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[WireTensor, str]:
     """The group's output from every rank's ``(out, tail)``: rank 0's, or under sequence
     parallel every rank's rows in rank order; plus the tail that ran."""
-    import torch
-
     tail = results[0][1]
     if tail == "sequence_parallel":
-        return torch.cat([out.to_torch() for out, _ in results]), tail
-    return results[0][0].to_torch(), tail
+        return concat_rows([out for out, _ in results]), tail
+    return results[0][0], tail
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_runtime.checkpoint import CheckpointReader
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.tp.plan import TailPlan, resolve_tail
-from moe_runtime.tp.runner import check_activation_quant
 from moe_runtime.tp.sharding import check_tp_size
-from moe_runtime.units import format_layers, torch_dtype
+from moe_runtime.units import check_dtype, format_layers
 
 from .spec import DeploymentSpec
 
@@ -41,7 +39,7 @@ def resolve_deployment(spec: DeploymentSpec, checkpoint: str, cfg: LatentMoEConf
     """Check ``spec`` against the model config; ValueError with the arithmetic when it cannot run."""
     where = f"deployment {spec.name!r}"
     try:
-        torch_dtype(spec.dtype)
+        check_dtype(spec.dtype)
         if spec.layers is None:
             layers = tuple(cfg.moe_layers)
         else:
@@ -56,6 +54,11 @@ def resolve_deployment(spec: DeploymentSpec, checkpoint: str, cfg: LatentMoEConf
         )
         plan = resolve_tail(spec.tail, cfg, spec.tp_size, spec.preshard_up_proj, spec.sequence_parallel)
         if spec.experts_activation_quant != "none":  # config-only checkpoints plan with "none"
+            # The runtime loads torch: imported where a deployment is resolved (the builder),
+            # never by a group replica, which imports this module for ResolvedDeployment.
+            from moe_runtime.checkpoint import CheckpointReader
+            from moe_runtime.tp.runner import check_activation_quant
+
             reader = CheckpointReader(checkpoint)
             check_activation_quant(spec.experts_activation_quant, cfg, spec.tp_size, reader, layers)
     except ValueError as e:

@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from moe_runtime.planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_GB
 from moe_runtime.tp.plan import check_sequence_parallel_tail
-from moe_runtime.tp.runner import check_mxfp4_scale_rule
-from moe_runtime.units import SERVED_DTYPES
+from moe_runtime.units import SERVED_DTYPES, check_mxfp4_scale_rule
 
 from .timeouts import Bounds, check_order, request_bound
 

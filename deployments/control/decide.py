@@ -25,15 +25,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from moe_runtime.checkpoint import resolve_expert_formats
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.logs import log_once
 from moe_runtime.planning.budget import Budget, cpu_budget, gpu_budget
 from moe_runtime.planning.cost import STARTUP_FLOOR_S, bounded_token_counts, forward_cost_s
 from moe_runtime.planning.cost import startup_timeout_s as derived_startup_timeout_s
 from moe_runtime.planning.memory import MemoryPlan, plan_memory
-from moe_runtime.tp.plan import Shardability, TailPlan, legal_tails, shardability_for
-from moe_runtime.tp.tuning import Timings, plan_from_timings
+from moe_runtime.tp.plan import (
+    Shardability,
+    TailPlan,
+    Timings,
+    legal_tails,
+    plan_from_timings,
+    shardability_for,
+)
 from moe_runtime.units import format_layers
 
 from .. import logger
@@ -287,6 +292,10 @@ def memory_decision(
 ) -> tuple[MemoryPlan | None, str]:
     """The per-rank memory plan of a deployment against its budget (ValueError with the arithmetic
     when it does not fit), or None with the reason it cannot be planned."""
+    # The checkpoint reader loads torch: imported where the plan is made, never by a group
+    # replica, which imports this module for its decision's records (serve.deployment).
+    from moe_runtime.checkpoint import resolve_expert_formats
+
     spec = resolved.spec
     fmt = None if spec.experts_format == "auto" else spec.experts_format
     try:

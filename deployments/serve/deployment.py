@@ -8,7 +8,8 @@ array must be float32 (numpy has no bfloat16): a float32 deployment takes it as 
 deployment rounds it to bfloat16 on the replica (round-to-nearest-even, as ``torch.Tensor.to`` does).
 The output comes back in the kind that came in: a torch tensor in the deployment dtype, or a
 float32 numpy array (bfloat16 results widened exactly). Router logits may be any floating
-dtype (the router works in fp32).
+dtype (the router works in fp32). The replica checks, batches and splits rows with numpy and
+never loads torch itself (its ranks compute): a caller's torch tensor loads it on arrival.
 
 Batching: concurrent requests for the same layer wait in that layer's queue (``@serve.batch``
 with a token-counting ``batch_size_fn``) for up to ``batch_wait_timeout_s`` and run as one
@@ -29,17 +30,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from ray import serve
 
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.units import format_layers, torch_dtype
+from moe_runtime.units import format_layers
 
 from .. import logger
 from ..cluster import kv
 from ..common.errors import GroupUnavailableError, ServeInputError, error_message, http_status
-from ..common.requests import validate_forward
-from ..common.wire import WireTensor
+from ..common.requests import is_torch_tensor, validate_forward
+from ..common.wire import WireTensor, concat_rows
 from ..config.spec import DeploymentSpec, with_batching
 from ..control.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
 from ..control.decide import Decision
@@ -53,8 +53,8 @@ class LayerRequest:
     """One validated request, ready to be merged into a batch."""
 
     layer: int
-    x_TH: torch.Tensor  # deployment dtype
-    router_logits_TE: torch.Tensor | None  # float32
+    x_TH: WireTensor  # deployment dtype
+    router_logits_TE: np.ndarray | None  # float32
     kind: str  # what came in and goes back out: "torch", "numpy" or "wire" (WireTensor)
 
     @property
@@ -105,7 +105,6 @@ class MoEGroupDeployment:
         spec = resolved.spec
         self.resolved, self.spec = resolved, spec
         self.cfg = LatentMoEConfig.from_pretrained(resolved.checkpoint)
-        self.dtype = torch_dtype(spec.dtype)
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id if ctx is not None else "local"
         self.group = TPGroup.start(resolved, decision.accelerator, self.replica)
@@ -163,7 +162,7 @@ class MoEGroupDeployment:
 
     def _layer_queue(self, layer: int):
         # One @serve.batch queue per layer: layers never share a forward.
-        async def run_layer_batch(requests: list[LayerRequest]) -> list[torch.Tensor]:
+        async def run_layer_batch(requests: list[LayerRequest]) -> list[WireTensor]:
             return await self._run_batch(layer, requests)
 
         run_layer_batch.__name__ = f"layer_{layer}_batch"
@@ -183,12 +182,12 @@ class MoEGroupDeployment:
 
     def _validate(self, hidden_states: Any, layer: Any, router_logits: Any) -> LayerRequest:
         layer, x, logits = validate_forward(
-            hidden_states, layer, router_logits, cfg=self.cfg, dtype=self.dtype, served=self._queues,
+            hidden_states, layer, router_logits, cfg=self.cfg, dtype=self.spec.dtype, served=self._queues,
             deployment=self.spec.name, max_tokens=self.spec.max_tokens_per_request,
         )
-        kind = "numpy" if isinstance(hidden_states, np.ndarray) else "torch"
-        if isinstance(hidden_states, WireTensor):
-            kind = "wire"
+        kind = "torch" if is_torch_tensor(hidden_states) else "wire"
+        if isinstance(hidden_states, np.ndarray):
+            kind = "numpy"
         return LayerRequest(layer, x, logits, kind)
 
     # -- handle API -----------------------------------------------------------------------
@@ -240,8 +239,8 @@ class MoEGroupDeployment:
             self._in_flight -= 1
             self.stats.released(req.tokens, answered)
         if req.kind == "numpy":
-            return out.float().numpy()
-        return WireTensor.from_torch(out) if req.kind == "wire" else out
+            return out.float32()
+        return out.to_torch() if req.kind == "torch" else out
 
     async def lease_lane(self, client: str, max_tokens: int, wait_s: float = 0.0,
                          workers: list[str] | None = None,
@@ -255,20 +254,18 @@ class MoEGroupDeployment:
                     "reason": "this replica failed the client's last call (no other replica was free)"}
         return await self.lanes.grant(client, max_tokens, wait_s, workers)
 
-    async def _run_batch(self, layer: int, requests: list[LayerRequest]) -> list[torch.Tensor]:
+    async def _run_batch(self, layer: int, requests: list[LayerRequest]) -> list[WireTensor]:
         """One forward per router-logits kind (given or computed), split back per request."""
-        results: list[torch.Tensor | None] = [None] * len(requests)
+        results: list[WireTensor | None] = [None] * len(requests)
         for with_logits in (False, True):
             idx = [i for i, r in enumerate(requests) if (r.router_logits_TE is not None) == with_logits]
             if not idx:
                 continue
             part = [requests[i] for i in idx]
-            x = part[0].x_TH if len(part) == 1 else torch.cat([r.x_TH for r in part])
+            x = concat_rows([r.x_TH for r in part])
             logits = None
             if with_logits:
-                logits = part[0].router_logits_TE if len(part) == 1 else torch.cat(
-                    [r.router_logits_TE for r in part]
-                )
+                logits = np.concatenate([r.router_logits_TE for r in part])
             start = time.perf_counter()
             out, tail = await self.group.forward(layer, x, logits)
             seconds = time.perf_counter() - start
@@ -276,9 +273,10 @@ class MoEGroupDeployment:
             if len(part) == 1:
                 results[idx[0]] = out
                 continue
-            # clone: a view would carry the whole batch's storage back to every caller.
-            for i, rows in zip(idx, torch.split(out, [r.tokens for r in part]), strict=True):
-                results[i] = rows.clone()
+            start = 0
+            for i, r in zip(idx, part, strict=True):
+                results[i] = out.rows(start, start + r.tokens)
+                start += r.tokens
         return results
 
     async def status(self) -> dict[str, Any]:

@@ -20,14 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import ray
-import torch
 from ray.serve._private.constants import SERVE_NAMESPACE
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moe_runtime.logs import log_once
-from moe_runtime.tp.plan import TailPlan
-from moe_runtime.tp.tuning import Clock, Timings
+from moe_runtime.tp.plan import Clock, TailPlan, Timings
 
 from .. import logger
 from ..cluster import kv
@@ -320,15 +319,14 @@ class TPGroup:
         return await asyncio.shield(task)
 
     async def forward(
-        self, layer: int, x_TH: torch.Tensor, router_logits_TE: torch.Tensor | None
-    ) -> tuple[torch.Tensor, str]:
-        """``out [T, H]`` of ``layer`` and the tail that ran."""
+        self, layer: int, x_TH: WireTensor, router_logits_TE: np.ndarray | None
+    ) -> tuple[WireTensor, str]:
+        """``out [T, H]`` of ``layer`` (fp32 ``router_logits_TE`` or None) and the tail that ran."""
         T = x_TH.shape[0]
         self.last_forward = time.monotonic()
-        x_w = WireTensor.from_torch(x_TH)
-        logits_w = None if router_logits_TE is None else WireTensor.from_torch(router_logits_TE)
+        logits_w = None if router_logits_TE is None else WireTensor(router_logits_TE, "float32")
         results = await self._shielded(
-            "forward", (layer, x_w, logits_w), f"the layer {layer} forward of {T} tokens", self.bounds.call_s
+            "forward", (layer, x_TH, logits_w), f"the layer {layer} forward of {T} tokens", self.bounds.call_s
         )
         return join_rank_outputs(results)
 

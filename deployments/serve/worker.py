@@ -4,6 +4,10 @@ The replica (``serve.group.TPGroup``) starts rank ``r`` in bundle ``1 + r`` of i
 group. Rank 0 picks a free port on its node IP; every rank joins the process group with a
 finite timeout and loads only its shard of every served layer, once. Where it computes is the
 controller's decision (``control.accelerator``): ``cpu``, or ``gpu`` on the device Ray assigned.
+
+The group replica imports this module to start the ranks and never loads torch (see
+``serve.deployment``), so torch and the runtime are imported inside the methods, which run in
+the rank's own process.
 """
 
 from __future__ import annotations
@@ -12,23 +16,23 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.tp.collectives import Collectives, default_backend, free_port, init_group, threads_per_rank
-from moe_runtime.tp.runner import build_rank_runners
-from moe_runtime.tp.tuning import apply_plan, measure_runners
-from moe_runtime.units import torch_dtype
 
 from .. import logger
 from ..common.errors import ServeInputError, error_message
-from ..common.requests import check_layer, to_tensor, validate_forward
-from ..common.wire import WireTensor, failure_in, part_tokens
+from ..common.requests import as_rows, check_layer, check_rows, validate_forward
+from ..common.wire import WireTensor, concat_rows, failure_in, part_tokens
 from ..config.resolve import ResolvedDeployment
 from .lanes import LaneSeat
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_runtime.tp.collectives import Collectives
 
 WORKER_NAMESPACE = "latent_moe_serve"
 # Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
@@ -63,6 +67,10 @@ class TPWorker:
 
     def __init__(self, rank: int, resolved: ResolvedDeployment, compute: str):
         """``compute``: the controller's decision, ``gpu`` or ``cpu``."""
+        import torch
+
+        from moe_runtime.tp.collectives import default_backend, threads_per_rank
+
         # A plain actor process: let the runtime's decisions (tail, backend, device) reach its log.
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         spec = resolved.spec
@@ -90,17 +98,22 @@ class TPWorker:
         self.comm: Collectives | None = None
         self.runners: dict = {}
         self.load_s = 0.0
-        self.dtype = torch_dtype(spec.dtype)
         self.max_tokens = spec.max_tokens_per_request  # the lane's limit, kept live by the replica
         self.lane = LaneSeat()
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0: this node's IP and a free port on it for the process-group store."""
+        from moe_runtime.tp.collectives import free_port
+
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the group (finite timeout) and load this rank's shard of every served layer."""
+        from moe_runtime.tp.collectives import Collectives, init_group
+        from moe_runtime.tp.runner import build_rank_runners
+        from moe_runtime.units import torch_dtype
+
         r = self.resolved
         if self.world > 1:
             # Until every rank has loaded, the group's timeout is the startup bound: a rank that
@@ -130,6 +143,8 @@ class TPWorker:
         return self._run(layer, x_TH.to_torch(writable=False), logits)
 
     def _run(self, layer: int, x: torch.Tensor, logits: torch.Tensor | None) -> tuple[WireTensor | None, str]:
+        import torch
+
         runner = self.runners[layer]
         x = x.to(self.device, non_blocking=True)
         if logits is not None:
@@ -153,6 +168,8 @@ class TPWorker:
         each part's token count (``common.wire.part_rows`` splits it back). Every rank checks the
         input the same way, so a bad one fails on every rank before any collective; a failure
         that is not the input's marks the lease failed, and the replica breaks the group."""
+        import torch
+
         self.lane.check(lease_id)
         failed = failure_in(parts)
         if failed is not None:  # a cohort worker failed this step: nothing runs, the graph goes on
@@ -169,10 +186,11 @@ class TPWorker:
         try:
             layer, x, logits = self._lease_batch(layer, parts, router_logits_TE)
             if x is None:  # every part empty: nothing to run, every rank agrees
-                empty = torch.empty(0, self.cfg.hidden_size, dtype=self.dtype)
+                empty = torch.empty(0, self.cfg.hidden_size, dtype=getattr(torch, self.resolved.spec.dtype))
                 result = (WireTensor.from_torch(empty), "none")
             else:
-                result = self._run(layer, x, logits)
+                result = self._run(layer, x.to_torch(writable=False),
+                                   None if logits is None else torch.from_numpy(logits))
                 self.lane.forwards += 1
                 self.lane.requests += sum(1 for n in sizes if n)
                 self.lane.tails[result[1]] += 1
@@ -197,24 +215,25 @@ class TPWorker:
         return out, tail, sizes
 
     def _lease_batch(self, layer: Any, parts: tuple, router_logits_TE: Any
-                     ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
-        """The checked layer and the parts' rows as one batch (None when no part has rows)."""
+                     ) -> tuple[int, WireTensor | None, Any]:
+        """The checked layer, the parts' rows as one batch (None when no part has rows) and the
+        fp32 router logits (numpy) or None."""
         if not parts:
             raise ServeInputError("a lease forward needs at least one part")
+        dtype = self.resolved.spec.dtype
         rows = []
         for i, part in enumerate(parts):
             what = "hidden_states" if len(parts) == 1 else f"hidden_states of part {i}"
-            x = to_tensor(part, what, self.dtype)
-            if x.dim() == 2 and x.shape[0] == 0 and x.shape[1] == self.cfg.hidden_size:
-                continue  # a worker with nothing to send this step
-            rows.append(x)
+            x = as_rows(part, what, dtype)
+            check_rows(x, self.cfg.hidden_size, dtype, allow_empty=True, what=what)
+            if x.shape[0]:  # else a worker with nothing to send this step
+                rows.append(x)
         if not rows:
             return check_layer(layer, self.cfg, self.runners, self.resolved.spec.name), None, None
         if router_logits_TE is not None and len(parts) > 1:
             raise ServeInputError("router_logits go with a single part (a lane call), not a cohort's")
-        batch = rows[0] if len(rows) == 1 else torch.cat(rows)
         return validate_forward(
-            batch, layer, router_logits_TE, cfg=self.cfg, dtype=self.dtype, served=self.runners,
+            concat_rows(rows), layer, router_logits_TE, cfg=self.cfg, dtype=dtype, served=self.runners,
             deployment=self.resolved.spec.name, max_tokens=self.max_tokens,
         )
 
@@ -252,10 +271,14 @@ class TPWorker:
 
     def measure_tails(self, settings: Any, tails: list[str]) -> dict[str, dict[int, float]]:
         """Warm-up: time ``tails`` on this rank (every rank at once: the tails run collectives)."""
+        from moe_runtime.tp.tuning import measure_runners
+
         return measure_runners(self.runners, settings.token_counts, settings.reps, settings.clock, tails)
 
     def set_plan(self, plan: Any) -> None:
         """Adopt the controller's (measured) plan on every served layer."""
+        from moe_runtime.tp.tuning import apply_plan
+
         apply_plan(self.runners, plan)
 
     def barrier(self) -> int:
@@ -264,6 +287,8 @@ class TPWorker:
         return self.rank
 
     def info(self) -> dict[str, Any]:
+        import torch
+
         resident = sum(r.resident_bytes() for r in self.runners.values())
         first = next(iter(self.runners.values()), None)
         by_part: dict[str, int] = {}

@@ -17,11 +17,10 @@ from typing import Protocol
 import torch
 
 from ..activation import GatedActivation
+from ..units import DEFAULT_SCRATCH_BYTES, REFERENCE_BACKEND
 from ..weights import ExpertWeights
 
 ActQuant = Callable[[torch.Tensor], torch.Tensor]
-DEFAULT_SCRATCH_BYTES = 256 * 2**20
-REFERENCE_BACKEND = "torch"
 
 
 class ExpertsBackend(Protocol):

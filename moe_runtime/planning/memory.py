@@ -45,20 +45,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import resolve_expert_formats
 from ..config import LatentMoEConfig
-
-# DEFAULT_SCRATCH_BYTES: the torch backend's decode budget per rank
-from ..experts import DEFAULT_SCRATCH_BYTES, REFERENCE_BACKEND, planned_extra_bytes
 from ..tp.sharding import check_tp_size
-from ..units import EXPERT_FORMATS, MXFP4, dtype_bytes, format_layers, gb
-from ..weights import PARTS, expert_shapes
+from ..units import (
+    DEFAULT_SCRATCH_BYTES,
+    EXPERT_FORMATS,
+    MXFP4,
+    PARTS,
+    REFERENCE_BACKEND,
+    dtype_bytes,
+    format_layers,
+    gb,
+)
 from .budget import Budget
 
 MXFP4_BLOCK = 32
 
 
 # -- bytes per rank per layer ----------------------------------------------------------------
+
+
+def backend_copies(backend: str, compute: str, E: int, I_l: int, D: int, packed: bool) -> tuple[str, int]:
+    """``experts.planned_extra_bytes`` for experts of these shapes. The backends' registry loads
+    torch, so it is imported here, where a plan is made: a process that only reads a plan (a
+    group replica, from its decision) never loads torch."""
+    from ..experts import planned_extra_bytes
+    from ..weights import expert_shapes
+
+    return planned_extra_bytes(backend, compute, expert_shapes(E, I_l, D, packed))
 
 
 def layer_bytes(
@@ -91,8 +105,7 @@ def layer_bytes(
         parts["experts_packed"] = E * (w13 + w2)
     else:
         parts["experts_dense"] = E * 3 * I_l * D * b
-    shapes = expert_shapes(E, I_l, D, experts_format == MXFP4)
-    parts["experts_backend"] = planned_extra_bytes(backend, compute, shapes)[1]
+    parts["experts_backend"] = backend_copies(backend, compute, E, I_l, D, experts_format == MXFP4)[1]
     parts["shared_experts"] = 3 * S_l * H * b
     parts["latent_projections"] = D * H * b + (D * 4 if cfg.latent_moe_use_norm else 0)
     parts["up_projection"] = (H // tp_size if preshard_up_proj else H) * D * b
@@ -292,8 +305,7 @@ def plan_memory(
     if experts_path == "fused":
         scratch_bytes, per_token = 0, per_token + fused_bytes_per_token(cfg, tp_size)
     E, I_l, D = cfg.num_experts, cfg.moe_intermediate_size // tp_size, cfg.routed_expert_hidden_size
-    per_format = {f: planned_extra_bytes(backend, compute, expert_shapes(E, I_l, D, f == MXFP4))
-                  for f in set(formats.values())}
+    per_format = {f: backend_copies(backend, compute, E, I_l, D, f == MXFP4) for f in set(formats.values())}
     planned = max(per_format.values(), key=lambda named: named[1])[0]
     workspace = Workspace(scratch_bytes, max_tokens, per_token)
     return MemoryPlan(tp_size, dtype, preshard_up_proj, per_layer, dict(formats), workspace, budget, planned)
@@ -311,6 +323,8 @@ def plan_checkpoint(
 ) -> MemoryPlan:
     """:func:`plan_memory` for a checkpoint folder (experts format read from its tensor names;
     a config-only folder needs ``experts_format``). ``kwargs``: those of :func:`plan_memory`."""
+    from ..checkpoint import resolve_expert_formats  # torch: see backend_copies
+
     layers = list(cfg.moe_layers if layers is None else layers)
     formats = resolve_expert_formats(cfg, layers, checkpoint, experts_format)
     if formats is None:

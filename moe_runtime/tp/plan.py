@@ -6,6 +6,7 @@ Everything here is pure (no process group), so every decision is unit-testable.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..config import LatentMoEConfig
@@ -13,6 +14,8 @@ from .sharding import check_tp_size
 
 TAILS = ("replicated", "overlap", "sharded", "single_allreduce", "sequence_parallel")
 REQUESTABLE_TAILS = ("auto", "replicated", "overlap", "sharded", "single_allreduce")
+Clock = Callable[[], float]  # a warm-up's clock (seconds)
+Timings = dict[str, dict[int, float]]  # tail -> token count -> median ms
 
 
 @dataclass(frozen=True)
@@ -229,3 +232,29 @@ def resolve_tail(
             return TailPlan.single("sharded", f"auto: {rule.reason}")
         return TailPlan.single("replicated", f"auto: falling back to replicated because {rule.reason}")
     return TailPlan.single(requested, f"{requested} requested")
+
+
+def plan_from_timings(timings: Timings, reason: str = "measured") -> TailPlan:
+    """Keep the fastest tail per measured token count; neighbouring winners merge.
+
+    A tier ends at the largest measured token count its tail won; batches between two
+    measured counts take the tier of the smaller one's upper neighbour.
+    """
+    if not timings or not any(timings.values()):
+        raise ValueError("no timings to build a tail plan from")
+    counts = sorted({T for per_tail in timings.values() for T in per_tail})
+    missing = [(tail, T) for tail, per_tail in timings.items() for T in counts if T not in per_tail]
+    if missing:
+        raise ValueError(f"every tail needs a timing at every token count; missing {missing}")
+    winners = [min(timings, key=lambda tail, T=T: (timings[tail][T], tail)) for T in counts]
+    tiers: list[TailTier] = []
+    for T, tail in zip(counts, winners, strict=True):
+        if tiers and tiers[-1].tail == tail:
+            tiers[-1] = TailTier(T, tail)
+        else:
+            tiers.append(TailTier(T, tail))
+    tiers[-1] = TailTier(None, tiers[-1].tail)
+    summary = ", ".join(
+        f"T={T}: {tail} {timings[tail][T]:.2f} ms" for T, tail in zip(counts, winners, strict=True)
+    )
+    return TailPlan(tuple(tiers), f"{reason}: fastest per token count ({summary})", timings)

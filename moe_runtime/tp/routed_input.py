@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import mxfp4
+from ..units import ACTIVATION_SCALE_RULE
 
 QUANT_MODES = ("none", "mxfp4", "fp8-approx", "mxfp4-approx")
 REQUESTABLE_QUANT_MODES = ("auto", *QUANT_MODES)
@@ -100,10 +101,10 @@ def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype)
 
 
 def quantize(
-    h_TD: torch.Tensor, mode: str, scale_rule: str = mxfp4.ACTIVATION_SCALE_RULE
+    h_TD: torch.Tensor, mode: str, scale_rule: str = ACTIVATION_SCALE_RULE
 ) -> list[torch.Tensor]:
     """The tensors to all-gather for ``mode``: values, then scales (uint8/fp32 rows). MXFP4
-    modes pick each block's exponent by ``scale_rule`` (``mxfp4.SCALE_RULES``)."""
+    modes pick each block's exponent by ``scale_rule`` (``units.SCALE_RULES``)."""
     if mode == "fp8-approx":
         return list(fp8_quantize(h_TD))
     if mode in ("mxfp4", "mxfp4-approx"):

@@ -33,7 +33,7 @@ from ..experts.check import BackendCheck, verify_backend
 from ..experts.mxfp4_cpu import dense_linear
 from ..layer import down_project, latent_norm, routed_experts, shared_experts
 from ..logs import log_once
-from ..units import MXFP4
+from ..units import ACTIVATION_SCALE_RULE, MXFP4, check_mxfp4_scale_rule, check_scale_rule
 from ..weights import LayerWeights
 from .collectives import Collectives
 from .plan import TailPlan, check_preshard, legal_tails, shardability_for
@@ -68,7 +68,7 @@ class StageTimer:
 
 
 def activation_quantizer(
-    mode: str, cfg: LatentMoEConfig, world: int, scale_rule: str = mxfp4.ACTIVATION_SCALE_RULE
+    mode: str, cfg: LatentMoEConfig, world: int, scale_rule: str = ACTIVATION_SCALE_RULE
 ) -> ActQuant | None:
     """The experts' activation fake-quant for ``experts_activation_quant`` (None: W4A16).
 
@@ -78,7 +78,7 @@ def activation_quantizer(
     """
     if mode not in ACTIVATION_QUANT_MODES:
         raise ValueError(f"experts activation quantisation {mode!r} is not one of {ACTIVATION_QUANT_MODES}")
-    mxfp4.check_scale_rule(scale_rule)
+    check_scale_rule(scale_rule)
     if mode == "none":
         return None
     widths = {
@@ -94,21 +94,6 @@ def activation_quantizer(
                 f"{width} % {mxfp4.BLOCK} = {width % mxfp4.BLOCK}"
             )
     return functools.partial(mxfp4.quantize_dequantize, scale_rule=scale_rule)
-
-
-def check_mxfp4_scale_rule(
-    rule: str, experts_activation_quant: str, routed_input_quant: str = "none"
-) -> None:
-    """``rule`` names a scale rule and, unless it is the default, something quantises MXFP4
-    activations with it (the W4A4 experts or an MXFP4 routed input): ValueError otherwise."""
-    mxfp4.check_scale_rule(rule)
-    used = experts_activation_quant == "mxfp4" or routed_input_quant in ("mxfp4", "mxfp4-approx")
-    if rule != mxfp4.ACTIVATION_SCALE_RULE and not used:
-        raise ValueError(
-            f"mxfp4_scale_rule {rule!r} would have no effect: nothing quantises MXFP4 activations "
-            f"(experts_activation_quant {experts_activation_quant!r}, routed-input quantisation "
-            f"{routed_input_quant!r})"
-        )
 
 
 def check_activation_quant(
@@ -164,7 +149,7 @@ class LatentMoERunner:
         routed_input: RoutedInputConfig | None = None,
         scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
         experts_activation_quant: str = "none",
-        mxfp4_scale_rule: str = mxfp4.ACTIVATION_SCALE_RULE,
+        mxfp4_scale_rule: str = ACTIVATION_SCALE_RULE,
     ):
         if comm.world != shard.world or comm.rank != shard.rank:
             raise ValueError(
@@ -429,7 +414,7 @@ def build_rank_runners(
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES,
     progress: bool | None = False,
     experts_activation_quant: str = "none",
-    mxfp4_scale_rule: str = mxfp4.ACTIVATION_SCALE_RULE,
+    mxfp4_scale_rule: str = ACTIVATION_SCALE_RULE,
 ) -> dict[int, LatentMoERunner]:
     """Load this rank's shard of every layer in ``layers`` and wrap each in a runner; each
     runner records its ``load_s`` and ``load_bytes_read`` (this rank's slices only).

@@ -1,4 +1,5 @@
-"""Measure each legal tail on a live runner and turn the timings into a per-range plan.
+"""Measure each legal tail on a live runner (``plan.plan_from_timings`` turns the timings into a
+per-range plan).
 
 Every rank of a TP group must call ``time_tails`` with the same arguments (the tails run
 collectives). The plan is built from one rank's timings (rank 0's, by convention) so all
@@ -11,16 +12,13 @@ import contextvars
 import importlib
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from .plan import TailPlan, TailTier
+from .plan import Clock, TailPlan, Timings
 from .runner import LatentMoERunner
-
-Clock = Callable[[], float]
-Timings = dict[str, dict[int, float]]
 
 _measuring: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
     "moe_tail_measurement", default=None
@@ -55,32 +53,6 @@ def time_tails(
                 samples.append((clock() - start) * 1e3)
             timings[tail][T] = statistics.median(samples)
     return timings
-
-
-def plan_from_timings(timings: dict[str, dict[int, float]], reason: str = "measured") -> TailPlan:
-    """Keep the fastest tail per measured token count; neighbouring winners merge.
-
-    A tier ends at the largest measured token count its tail won; batches between two
-    measured counts take the tier of the smaller one's upper neighbour.
-    """
-    if not timings or not any(timings.values()):
-        raise ValueError("no timings to build a tail plan from")
-    counts = sorted({T for per_tail in timings.values() for T in per_tail})
-    missing = [(tail, T) for tail, per_tail in timings.items() for T in counts if T not in per_tail]
-    if missing:
-        raise ValueError(f"every tail needs a timing at every token count; missing {missing}")
-    winners = [min(timings, key=lambda tail, T=T: (timings[tail][T], tail)) for T in counts]
-    tiers: list[TailTier] = []
-    for T, tail in zip(counts, winners, strict=True):
-        if tiers and tiers[-1].tail == tail:
-            tiers[-1] = TailTier(T, tail)
-        else:
-            tiers.append(TailTier(T, tail))
-    tiers[-1] = TailTier(None, tiers[-1].tail)
-    summary = ", ".join(
-        f"T={T}: {tail} {timings[tail][T]:.2f} ms" for T, tail in zip(counts, winners, strict=True)
-    )
-    return TailPlan(tuple(tiers), f"{reason}: fastest per token count ({summary})", timings)
 
 
 # -- what a TP rank runs at warm-up (the Serve workers call these; no Ray here) ----------------
