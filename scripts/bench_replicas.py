@@ -112,7 +112,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for ax, (metric, label) in zip(axes, labels.items(), strict=True):
         for i, role in enumerate(ROLES):
             values = list(medians(results, role, metric).values())
-            ax.bar([j + (i - 0.5) * width for j in range(len(APPS))], values, width, label=role)
+            ax.bar([j + (i - 0.5) * width for j in range(len(APPS))], values, width, label=ROLES[role])
         ax.set_xticks(range(len(APPS)), list(APPS))
         ax.set_ylabel(label)
     axes[0].legend(fontsize=8)
