@@ -172,7 +172,7 @@ class LayerWeights:
         return {name: tuple(t.shape) for name, t in self.tensors().items()}
 
     def nbytes_by_part(self) -> dict[str, int]:
-        """Resident bytes by part (``PARTS``; every key present, 0 when absent). The loaded
+        """Resident bytes by part (``units.PARTS``; every key present, 0 when absent). The loaded
         weights hold no backend copies (``experts_backend`` 0): the runner adds its backend's."""
         experts = self.experts.nbytes()
         shared = (self.shared_gate_SH, self.shared_up_SH, self.shared_down_HS)

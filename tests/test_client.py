@@ -220,3 +220,26 @@ def test_float32_rows_round_to_bfloat16_as_torch_does():
     assert np.array_equal(ours.float32(), theirs.float().numpy(), equal_nan=True)  # widening is exact
     assert not ours.all_finite()
     assert WireTensor.from_float32(np.array([1.0, -2.5e38], np.float32), "bfloat16").all_finite()
+
+
+def test_request_rows_take_every_input_kind_in_one_layout():
+    """What the replica and the ranks accept: numpy float32 in any memory layout comes out in C
+    order (the ranks' kernels see what a tensor's bytes would give); a torch tensor in another
+    dtype, even one numpy cannot hold, is a 400 naming it; router logits of any floating dtype
+    become float32."""
+    from deployments.common.requests import as_logits, as_rows
+
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    for view in (x.T.copy().T, x[::-1], x[:, ::2]):  # Fortran order, negative and gapped strides
+        for dtype in ("float32", "bfloat16"):
+            rows = as_rows(view, "hidden_states", dtype)
+            assert rows.array.flags.c_contiguous and np.array_equal(rows.float32(), view)
+    for bad in (torch.zeros(2, 6), torch.zeros(2, 6, dtype=torch.float8_e4m3fn)):
+        with pytest.raises(ServeInputError, match=rf"dtype is {bad.dtype}, this layer runs in torch.bfloat16"):
+            as_rows(bad, "hidden_states", "bfloat16")
+    logits = torch.tensor([[1.0, -2.0]])
+    for kind in (logits.to(torch.float8_e5m2), logits.bfloat16(), logits.double().numpy()):
+        out = as_logits(kind)
+        assert out.dtype == np.float32 and out.flags.c_contiguous and np.array_equal(out, [[1.0, -2.0]])
+    with pytest.raises(ServeInputError, match="router_logits must be floating point"):
+        as_logits(torch.ones(1, 2, dtype=torch.int64))

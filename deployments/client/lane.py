@@ -141,7 +141,10 @@ class LaneCore(LeaseHolder):
                     self.counts[deployment]["serve_calls"] += 1
                 return self.client.forward(hidden_states, layer, router_logits)
             lease = self.leases[deployment]
-            x, logits = self._wire(lease, hidden_states, router_logits)
+            try:
+                x, logits = self._wire(lease, hidden_states, router_logits)
+            except ServeInputError as e:  # refused here, as the Serve path's replica would
+                raise_for(e)
             try:
                 results = ray.get(self.dags[deployment].execute(layer, x, logits),
                                   timeout=lease.grant["call_timeout_s"])

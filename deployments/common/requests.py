@@ -26,11 +26,14 @@ def is_torch_tensor(value: Any) -> bool:
 
 
 def as_rows(value: Any, what: str, dtype: str) -> WireTensor:
-    """``value`` as a :class:`WireTensor`: a numpy float32 array rounded to ``dtype``, a torch
-    tensor or a WireTensor as it is (:func:`check_rows` then checks its dtype)."""
+    """``value`` as a :class:`WireTensor`: a numpy float32 array rounded to ``dtype``; a torch
+    tensor in ``dtype`` over its bits (copied to the CPU); a WireTensor as it is
+    (:func:`check_rows` then checks its dtype)."""
     if isinstance(value, WireTensor):
         return value
     if is_torch_tensor(value):
+        if value.dtype is not getattr(sys.modules["torch"], dtype):  # numpy may not hold it either
+            raise ServeInputError(f"{what} dtype is {value.dtype}, this layer runs in torch.{dtype}")
         return WireTensor.from_torch(value)
     if isinstance(value, np.ndarray):
         if value.dtype != np.float32:
@@ -47,23 +50,32 @@ def as_logits(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         if value.dtype.kind != "f":
             raise ServeInputError(f"router_logits must be floating point, got numpy {value.dtype}")
-        return value.astype(np.float32)
+        return value.astype(np.float32, order="C")
+    if is_torch_tensor(value):
+        if not value.is_floating_point():
+            raise ServeInputError(f"router_logits must be floating point, got {value.dtype}")
+        return WireTensor.from_torch(value.float()).array
     wire = as_rows(value, "router_logits", "float32")
     if wire.dtype not in FLOAT_DTYPES:
         raise ServeInputError(f"router_logits must be floating point, got torch.{wire.dtype}")
     return wire.float32()
 
 
-def check_rows(x: WireTensor, hidden_size: int, dtype: str, max_tokens: int | None = None,
-               allow_empty: bool = False, what: str = "hidden_states") -> None:
-    """ServeInputError naming what is wrong with ``[T, H]`` rows in ``dtype`` (``T == 0`` only
-    with ``allow_empty``); the same rules and words as ``moe_runtime.layer.check_hidden``."""
+def check_layout(x: WireTensor, hidden_size: int, dtype: str, what: str = "hidden_states") -> None:
+    """ServeInputError unless ``x`` is ``[T, hidden_size]`` in ``dtype``."""
     H, shape = hidden_size, list(x.shape)
     if len(shape) != 2 or shape[1] != H:
         raise ServeInputError(f"{what} must have shape [T, {H}], got {shape}")
     if x.dtype != dtype:
         raise ServeInputError(f"{what} dtype is torch.{x.dtype}, this layer runs in torch.{dtype}")
-    T = shape[0]
+
+
+def check_rows(x: WireTensor, hidden_size: int, dtype: str, max_tokens: int | None = None,
+               allow_empty: bool = False, what: str = "hidden_states") -> None:
+    """ServeInputError naming what is wrong with ``[T, H]`` rows in ``dtype`` (``T == 0`` only
+    with ``allow_empty``); the same rules and words as ``moe_runtime.layer.check_hidden``."""
+    check_layout(x, hidden_size, dtype, what)
+    T = x.shape[0]
     if T == 0 and not allow_empty:
         raise ServeInputError(f"{what} has no tokens (T == 0)")
     if max_tokens is not None and T > max_tokens:

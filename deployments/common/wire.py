@@ -65,21 +65,22 @@ class WireTensor:
     @classmethod
     def from_float32(cls, array: np.ndarray, dtype: str) -> WireTensor:
         """float32 ``array`` in ``dtype``: bfloat16 rounds to nearest, ties to even, as torch's
-        ``Tensor.to`` does (a NaN stays a NaN); float16 rounds the same way in numpy."""
+        ``Tensor.to`` does (a NaN stays a NaN); float16 rounds the same way in numpy. Always in
+        C order, as a tensor's bytes travel (the ranks' kernels then see the same layout)."""
         if dtype == "float32":
-            return cls(array, dtype)
+            return cls(np.ascontiguousarray(array), dtype)
         if dtype != "bfloat16":
-            return cls(array.astype(np.dtype(dtype)), dtype)
+            return cls(array.astype(np.dtype(dtype), order="C"), dtype)
         u = np.ascontiguousarray(array).view(np.uint32)
         bits = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype(np.uint16)  # wraps only for NaNs:
         bits[np.isnan(array)] = _BF16_NAN  # set right here
         return cls(bits.view(np.int16), dtype)
 
     def float32(self) -> np.ndarray:
-        """The values as a float32 array (bfloat16 widened exactly)."""
+        """The values as a float32 array in C order (bfloat16 widened exactly)."""
         if self.dtype == "bfloat16":
-            return (self.array.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return self.array.astype(np.float32)
+            return (self.array.view(np.uint16).astype(np.uint32, order="C") << 16).view(np.float32)
+        return self.array.astype(np.float32, order="C")
 
     def all_finite(self) -> bool:
         if self.dtype == "bfloat16":

@@ -24,7 +24,7 @@ from moe_runtime.config import LatentMoEConfig
 
 from .. import logger
 from ..common.errors import ServeInputError, error_message
-from ..common.requests import as_rows, check_layer, check_rows, validate_forward
+from ..common.requests import as_rows, check_layer, check_layout, validate_forward
 from ..common.wire import WireTensor, concat_rows, failure_in, part_tokens
 from ..config.resolve import ResolvedDeployment
 from .lanes import LaneSeat
@@ -220,21 +220,23 @@ class TPWorker:
         fp32 router logits (numpy) or None."""
         if not parts:
             raise ServeInputError("a lease forward needs at least one part")
-        dtype = self.resolved.spec.dtype
+        dtype, H = self.resolved.spec.dtype, self.cfg.hidden_size
         rows = []
         for i, part in enumerate(parts):
             what = "hidden_states" if len(parts) == 1 else f"hidden_states of part {i}"
             x = as_rows(part, what, dtype)
-            check_rows(x, self.cfg.hidden_size, dtype, allow_empty=True, what=what)
-            if x.shape[0]:  # else a worker with nothing to send this step
-                rows.append(x)
+            if x.shape != (0, H):  # else a worker with nothing to send this step
+                rows.append((x, what))
         if not rows:
             return check_layer(layer, self.cfg, self.runners, self.resolved.spec.name), None, None
         if router_logits_TE is not None and len(parts) > 1:
             raise ServeInputError("router_logits go with a single part (a lane call), not a cohort's")
+        if len(rows) > 1:  # parts join only in one layout; the batch's check below does the rest
+            for x, what in rows:
+                check_layout(x, H, dtype, what)
         return validate_forward(
-            concat_rows(rows), layer, router_logits_TE, cfg=self.cfg, dtype=dtype, served=self.runners,
-            deployment=self.resolved.spec.name, max_tokens=self.max_tokens,
+            concat_rows([x for x, _ in rows]), layer, router_logits_TE, cfg=self.cfg, dtype=dtype,
+            served=self.runners, deployment=self.resolved.spec.name, max_tokens=self.max_tokens,
         )
 
     def lane_open(self, lease_id: str, client: str) -> None:
