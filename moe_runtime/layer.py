@@ -13,8 +13,13 @@ from .activation import GatedActivation
 from .config import LatentMoEConfig
 from .experts import ActQuant, ExpertsBackend, get_backend
 from .experts.mxfp4_cpu import dense_linear  # x @ W^T; bf16 on CPU: the fp32-accumulating kernel
+from .inputs import logits_shape_problem, not_finite, rows_problem
 from .router import route
 from .weights import LayerWeights
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def check_hidden(x_TH: object, hidden_size: int, dtype: torch.dtype, max_tokens: int | None = None,
@@ -23,18 +28,12 @@ def check_hidden(x_TH: object, hidden_size: int, dtype: torch.dtype, max_tokens:
     only with ``allow_empty``: a cohort worker with nothing to send)."""
     if not isinstance(x_TH, torch.Tensor):
         raise ValueError(f"{what} must be a tensor, got {type(x_TH).__name__}")
-    H = hidden_size
-    if x_TH.dim() != 2 or x_TH.shape[1] != H:
-        raise ValueError(f"{what} must have shape [T, {H}], got {list(x_TH.shape)}")
-    if x_TH.dtype != dtype:
-        raise ValueError(f"{what} dtype is {x_TH.dtype}, this layer runs in {dtype}")
-    T = x_TH.shape[0]
-    if T == 0 and not allow_empty:
-        raise ValueError(f"{what} has no tokens (T == 0)")
-    if max_tokens is not None and T > max_tokens:
-        raise ValueError(f"{what} has {T} tokens, more than the limit of {max_tokens}")
+    problem = rows_problem(x_TH.shape, dtype_name(x_TH.dtype), dtype_name(dtype), hidden_size, max_tokens,
+                           allow_empty, what)
+    if problem is not None:
+        raise ValueError(problem)
     if not torch.isfinite(x_TH).all():
-        raise ValueError(f"{what} contains NaN or Inf")
+        raise ValueError(not_finite(what))
 
 
 def check_input(
@@ -50,15 +49,13 @@ def check_input(
     if router_logits_TE is not None:
         if not isinstance(router_logits_TE, torch.Tensor):
             raise ValueError(f"router_logits must be a tensor, got {type(router_logits_TE).__name__}")
-        if tuple(router_logits_TE.shape) != (T, E):
-            raise ValueError(
-                f"router_logits must have shape [{T}, {E}] (T of hidden_states, num_experts), "
-                f"got {list(router_logits_TE.shape)}"
-            )
+        problem = logits_shape_problem(router_logits_TE.shape, T, E)
+        if problem is not None:
+            raise ValueError(problem)
         if not router_logits_TE.is_floating_point():
             raise ValueError(f"router_logits must be floating point, got {router_logits_TE.dtype}")
         if not torch.isfinite(router_logits_TE).all():
-            raise ValueError("router_logits contains NaN or Inf")
+            raise ValueError(not_finite("router_logits"))
 
 
 def down_project(x_TH: torch.Tensor, w: LayerWeights) -> torch.Tensor:

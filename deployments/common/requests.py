@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.config import LatentMoEConfig
+from moe_runtime.inputs import logits_shape_problem, not_finite, rows_problem, wrong_dtype
 
 from .errors import ServeInputError, TooLargeError, UnknownLayerError
 from .wire import FLOAT_DTYPES, WireTensor
@@ -33,7 +34,7 @@ def as_rows(value: Any, what: str, dtype: str) -> WireTensor:
         return value
     if is_torch_tensor(value):
         if value.dtype is not getattr(sys.modules["torch"], dtype):  # numpy may not hold it either
-            raise ServeInputError(f"{what} dtype is {value.dtype}, this layer runs in torch.{dtype}")
+            raise ServeInputError(wrong_dtype(what, str(value.dtype).removeprefix("torch."), dtype))
         return WireTensor.from_torch(value)
     if isinstance(value, np.ndarray):
         if value.dtype != np.float32:
@@ -62,26 +63,21 @@ def as_logits(value: Any) -> np.ndarray:
 
 
 def check_layout(x: WireTensor, hidden_size: int, dtype: str, what: str = "hidden_states") -> None:
-    """ServeInputError unless ``x`` is ``[T, hidden_size]`` in ``dtype``."""
-    H, shape = hidden_size, list(x.shape)
-    if len(shape) != 2 or shape[1] != H:
-        raise ServeInputError(f"{what} must have shape [T, {H}], got {shape}")
-    if x.dtype != dtype:
-        raise ServeInputError(f"{what} dtype is torch.{x.dtype}, this layer runs in torch.{dtype}")
+    """ServeInputError unless ``x`` is ``[T, hidden_size]`` in ``dtype`` (any T)."""
+    problem = rows_problem(x.shape, x.dtype, dtype, hidden_size, allow_empty=True, what=what)
+    if problem is not None:
+        raise ServeInputError(problem)
 
 
 def check_rows(x: WireTensor, hidden_size: int, dtype: str, max_tokens: int | None = None,
-               allow_empty: bool = False, what: str = "hidden_states") -> None:
-    """ServeInputError naming what is wrong with ``[T, H]`` rows in ``dtype`` (``T == 0`` only
-    with ``allow_empty``); the same rules and words as ``moe_runtime.layer.check_hidden``."""
-    check_layout(x, hidden_size, dtype, what)
-    T = x.shape[0]
-    if T == 0 and not allow_empty:
-        raise ServeInputError(f"{what} has no tokens (T == 0)")
-    if max_tokens is not None and T > max_tokens:
-        raise ServeInputError(f"{what} has {T} tokens, more than the limit of {max_tokens}")
+               what: str = "hidden_states") -> None:
+    """ServeInputError naming what is wrong with ``[T, H]`` rows in ``dtype``: the rules of
+    ``moe_runtime.inputs``, as ``moe_runtime.layer.check_hidden`` applies them to tensors."""
+    problem = rows_problem(x.shape, x.dtype, dtype, hidden_size, max_tokens, what=what)
+    if problem is not None:
+        raise ServeInputError(problem)
     if not x.all_finite():
-        raise ServeInputError(f"{what} contains NaN or Inf")
+        raise ServeInputError(not_finite(what))
 
 
 def check_layer(layer: Any, cfg: LatentMoEConfig, served: Collection[int], deployment: str) -> int:
@@ -116,12 +112,9 @@ def validate_forward(
         )
     check_rows(x, cfg.hidden_size, dtype, max_tokens)
     if logits is not None:
-        T, E = x.shape[0], cfg.num_experts
-        if logits.shape != (T, E):
-            raise ServeInputError(
-                f"router_logits must have shape [{T}, {E}] (T of hidden_states, num_experts), "
-                f"got {list(logits.shape)}"
-            )
+        problem = logits_shape_problem(logits.shape, x.shape[0], cfg.num_experts)
+        if problem is not None:
+            raise ServeInputError(problem)
         if not np.isfinite(logits).all():
-            raise ServeInputError("router_logits contains NaN or Inf")
+            raise ServeInputError(not_finite("router_logits"))
     return layer, x, logits
