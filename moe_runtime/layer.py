@@ -15,11 +15,8 @@ from .experts import ActQuant, ExpertsBackend, get_backend
 from .experts.mxfp4_cpu import dense_linear  # x @ W^T; bf16 on CPU: the fp32-accumulating kernel
 from .inputs import logits_shape_problem, not_finite, rows_problem
 from .router import route
+from .units import dtype_name
 from .weights import LayerWeights
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def check_hidden(x_TH: object, hidden_size: int, dtype: torch.dtype, max_tokens: int | None = None,

@@ -70,6 +70,11 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, check_dtype(name))
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype's name, as configs and the wire spell it (``torch.bfloat16`` -> "bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
 def dtype_bytes(name: str) -> int:
     return DTYPES[check_dtype(name)]
 

@@ -42,6 +42,7 @@ from moe_runtime.config import LatentMoEConfig
 from moe_runtime.experts import get_backend
 from moe_runtime.layer import down_project
 from moe_runtime.router import route
+from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
 
 TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
@@ -126,7 +127,7 @@ def bench_one(cfg: LatentMoEConfig, w, ex: ExpertWeights, fmt: str, T: int, dtyp
     naive_s = t_naive["median_s"] * T / n_naive
     active = int(torch.bincount(ids_TK.reshape(-1), minlength=E).gt(0).sum())
     return {
-        "T": T, "dtype": str(dtype).removeprefix("torch."), "format": fmt, "slots": T * K,
+        "T": T, "dtype": dtype_name(dtype), "format": fmt, "slots": T * K,
         "active_experts": active,
         "flops": flops,
         "torch_ms": 1e3 * backend_s, "grouped_ms": 1e3 * grouped_s, "dense_ms": 1e3 * dense_s,

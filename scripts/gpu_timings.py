@@ -43,6 +43,7 @@ from moe_runtime.config import LatentMoEConfig
 from moe_runtime.experts import get_backend
 from moe_runtime.experts.check import TOLERANCE
 from moe_runtime.tp.collectives import Collectives, free_port, init_group
+from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
 
 K3 = {"D": 3584, "E": 896, "K": 16, "I": 3072}
@@ -159,7 +160,7 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
                 nbytes = x.numel() * x.element_size()
                 bus = 2 * (world - 1) / world * nbytes / ar["median_ms"] / 1e6  # ring: 2 (P-1)/P per rank
                 if writer:
-                    writer.row({"dtype": str(dtype).removeprefix("torch."), "T": T, "bytes": nbytes,
+                    writer.row({"dtype": dtype_name(dtype), "T": T, "bytes": nbytes,
                                 "all_reduce": ar, "reduce_scatter": rs, "all_reduce_bus_GBps": bus})
     finally:
         dist.destroy_process_group()

@@ -16,6 +16,7 @@ import numpy as np
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.inputs import logits_shape_problem, not_finite, rows_problem, wrong_dtype
+from moe_runtime.units import dtype_name
 
 from .errors import ServeInputError, TooLargeError, UnknownLayerError
 from .wire import FLOAT_DTYPES, WireTensor
@@ -34,7 +35,7 @@ def as_rows(value: Any, what: str, dtype: str) -> WireTensor:
         return value
     if is_torch_tensor(value):
         if value.dtype is not getattr(sys.modules["torch"], dtype):  # numpy may not hold it either
-            raise ServeInputError(wrong_dtype(what, str(value.dtype).removeprefix("torch."), dtype))
+            raise ServeInputError(wrong_dtype(what, dtype_name(value.dtype), dtype))
         return WireTensor.from_torch(value)
     if isinstance(value, np.ndarray):
         if value.dtype != np.float32:

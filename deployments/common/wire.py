@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moe_runtime.units import dtype_name
+
 if TYPE_CHECKING:
     import torch
 
@@ -37,7 +39,7 @@ class WireTensor:
         import torch
 
         t = t.detach().cpu().contiguous()
-        name = str(t.dtype).removeprefix("torch.")
+        name = dtype_name(t.dtype)
         view = VIEW_AS.get(name)
         array = (t.view(getattr(torch, view)) if view is not None else t).numpy()
         return cls(array, name)

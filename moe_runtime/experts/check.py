@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..activation import GatedActivation
+from ..units import dtype_name
 from ..weights import ExpertWeights
 from .base import REFERENCE_BACKEND, ActQuant, ExpertsBackend, get_backend
 
@@ -108,7 +109,7 @@ def probe_backend(
         ref = reference(h, ids, weights, experts, act, act_quant).float()
         ref_max = ref.abs().max().item()
         common = dict(backend=name, layer=layer, ref_max_abs=ref_max, tolerance=tolerance,
-                      tokens=tokens, dtype=str(experts.dtype).removeprefix("torch."))
+                      tokens=tokens, dtype=dtype_name(experts.dtype))
         try:
             got = make_candidate()(h, ids, weights, experts, act, act_quant)
         except Exception as exc:  # a kernel that cannot load or run here is refused, not fatal
