@@ -43,15 +43,18 @@ def test_pip_install_without_extras_gives_every_readme_import(tmp_path: Path) ->
     # The documented entry points, so that a rewrite of the docs cannot make this test vacuous.
     assert {"deployments.client", "deployments.app"} <= imported and "moe_runtime" in run
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=True, system_site_packages=False)
+    # No pip of its own (installing one and its first run cost ~12 s here): this environment's pip
+    # installs into it (--python).
+    venv.create(env_dir, with_pip=False, system_site_packages=False)
     python = env_dir / "bin" / "python"
     torch_spec = os.environ.get("LMS_TORCH", "torch==2.13.0")
     index = os.environ.get("LMS_TORCH_INDEX")
     # One resolution: torch as env.sh picks it, the project without extras and not editable
     # (only what its wheel ships). --no-compile: byte-compiling torch and Ray is most of the time.
     args = [torch_spec, str(ROOT), *(["--extra-index-url", index] if index else [])]
-    proc = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-compile", *args],
-                          capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S)
+    pip = [sys.executable, "-m", "pip", "--python", str(python)]
+    proc = subprocess.run([*pip, "install", "-q", "--no-compile", *args], capture_output=True, text=True,
+                          timeout=INSTALL_TIMEOUT_S)
     assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stderr[-3000:]}"
     outside = tmp_path / "elsewhere"
     outside.mkdir()

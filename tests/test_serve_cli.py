@@ -55,7 +55,7 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path) -> HTTPMoEClient:
         assert proc.poll() is None, f"serve run exited early:\n{log.read_text()[-4000:]}"  # fails at once
         return http.healthz()["ok"]
 
-    wait_until(ready, timeout_s=READY_TIMEOUT_S, every_s=2, ignoring=(MoEServeError,),
+    wait_until(ready, timeout_s=READY_TIMEOUT_S, every_s=0.5, ignoring=(MoEServeError,),
                what=lambda: f"serve run ready:\n{log.read_text()[-4000:]}")
     return http
 

@@ -25,8 +25,9 @@ must see one call order, so a group serves one lease at a time and nothing else 
 * :class:`LaneSeat` (each rank) records the lease: the lane's calls carry its id and are
   refused on any other; rank 0 counts calls, tokens and renewals.
 
-A client that dies without tearing its graph down leaves that graph's loop blocked on every
-rank (Ray cannot cancel it from another process); the workers therefore host up to
+A client that dies without tearing its graph down leaves that graph's loop waiting on every
+rank until the replica ends (Ray cannot cancel it from another process), and an idle loop polls
+its channel, using CPU; the workers therefore host up to
 ``LANE_GRAPH_SLOTS`` graph loops, and a replica refuses leases once the abandoned ones leave
 fewer than two free (its own graph and one lane), saying so.
 """
@@ -189,7 +190,7 @@ class LaneLeases:
         self.active: Lease | None = None
         self.waiting = 0  # lease requests waiting for the group
         self.waiting_tokens = 0
-        self.abandoned = 0  # graph loops left blocked on the ranks by clients that died
+        self.abandoned = 0  # graph loops left waiting on the ranks by clients that died
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.granted = 0
         self._ids = itertools.count(1)
