@@ -306,7 +306,7 @@ def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
         # the first client then calls on the Serve path too.
         wait_until(lambda: errors or first.status()["deployments"]["solo"]["serve_calls"] > 0, timeout_s=60,
                    what="the first client on the Serve path once its lease ended", every_s=0.25)
-        time.sleep(1.0)  # both clients on the Serve path together, the scenario, not a wait
+        time.sleep(1.0)  # both clients call on for a second more: the scenario, not a wait
         stop.set()
         for t in threads:
             t.join(timeout=120)
@@ -454,7 +454,7 @@ def test_a_stalled_rank_fails_the_call_within_its_bound(fault_app):
 
 
 # Last of the module: the dead client's graph loop stays on the "solo" rank, polling its input channel
-# (about a core) until the app is deleted; any test after it would run beside that loop.
+# until the app is deleted; any test after it would run beside that loop (15.7 CPU-s once measured).
 def test_a_dead_clients_lease_expires_and_the_group_leases_again(fault_app):
     import ray
     from waiting import wait_until  # here: the workers import this module for its clock
