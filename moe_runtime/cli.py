@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from .checkpoint import CheckpointReader, resolve_expert_formats
 from .config import LatentMoEConfig
 from .experts import DEFAULT_SCRATCH_BYTES, mxfp4_cpu, select_backend
+from .inputs import not_floating
 from .layer import check_input
 from .planning import memory
 from .planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_GB, cpu_budget, gpu_budget
@@ -191,7 +192,7 @@ def _read_input(path: Path, cfg: LatentMoEConfig, dtype: torch.dtype):
         raise ValueError(f"{path} has no tensor 'hidden_states' (found: {sorted(tensors)})")
     x = tensors["hidden_states"]
     if not x.is_floating_point():
-        raise ValueError(f"hidden_states must be floating point, got {x.dtype}")
+        raise ValueError(not_floating("hidden_states", str(x.dtype)))
     x = x.to(dtype)
     logits = tensors.get("router_logits")
     check_input(x, cfg, dtype, logits)

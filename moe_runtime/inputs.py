@@ -18,6 +18,11 @@ def not_finite(what: str) -> str:
     return f"{what} contains NaN or Inf"
 
 
+def not_floating(what: str, got: str) -> str:
+    """``got``: the dtype as the caller holds it (``torch.int64``, ``numpy int64``)."""
+    return f"{what} must be floating point, got {got}"
+
+
 def rows_problem(shape: Sequence[int], dtype: str, want: str, hidden_size: int, max_tokens: int | None = None,
                  allow_empty: bool = False, what: str = "hidden_states") -> str | None:
     """What is wrong with ``[T, H]`` rows of ``shape`` in ``dtype`` for a layer of ``hidden_size``

@@ -13,7 +13,7 @@ from .activation import GatedActivation
 from .config import LatentMoEConfig
 from .experts import ActQuant, ExpertsBackend, get_backend
 from .experts.mxfp4_cpu import dense_linear  # x @ W^T; bf16 on CPU: the fp32-accumulating kernel
-from .inputs import logits_shape_problem, not_finite, rows_problem
+from .inputs import logits_shape_problem, not_finite, not_floating, rows_problem
 from .router import route
 from .units import dtype_name
 from .weights import LayerWeights
@@ -50,7 +50,7 @@ def check_input(
         if problem is not None:
             raise ValueError(problem)
         if not router_logits_TE.is_floating_point():
-            raise ValueError(f"router_logits must be floating point, got {router_logits_TE.dtype}")
+            raise ValueError(not_floating("router_logits", str(router_logits_TE.dtype)))
         if not torch.isfinite(router_logits_TE).all():
             raise ValueError(not_finite("router_logits"))
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.inputs import logits_shape_problem, not_finite, rows_problem, wrong_dtype
+from moe_runtime.inputs import logits_shape_problem, not_finite, not_floating, rows_problem, wrong_dtype
 from moe_runtime.units import dtype_name
 
 from .errors import ServeInputError, TooLargeError, UnknownLayerError
@@ -51,15 +51,15 @@ def as_logits(value: Any) -> np.ndarray:
     """Router logits of any floating dtype as float32 (the router works in fp32)."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind != "f":
-            raise ServeInputError(f"router_logits must be floating point, got numpy {value.dtype}")
+            raise ServeInputError(not_floating("router_logits", f"numpy {value.dtype}"))
         return value.astype(np.float32, order="C")
     if is_torch_tensor(value):
         if not value.is_floating_point():
-            raise ServeInputError(f"router_logits must be floating point, got {value.dtype}")
+            raise ServeInputError(not_floating("router_logits", str(value.dtype)))
         return WireTensor.from_torch(value.float()).array
     wire = as_rows(value, "router_logits", "float32")
     if wire.dtype not in FLOAT_DTYPES:
-        raise ServeInputError(f"router_logits must be floating point, got torch.{wire.dtype}")
+        raise ServeInputError(not_floating("router_logits", f"torch.{wire.dtype}"))
     return wire.float32()
 
 
