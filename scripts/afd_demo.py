@@ -85,7 +85,7 @@ def cohort_demo(checkpoint: Path, app: str, workers: list[int], batch: int, toke
         for a in actors:
             ray.kill(a)
         print(f"cohort of {M} decoder(s) x {batch} prompts, {tokens} steps in {seconds:.1f} s "
-              f"({status['graph_steps']} on the graph, {status['serve_steps']} on the Serve path, "
+              f"({status['session_steps']} on the data plane, {status['serve_steps']} on the Serve path, "
               f"{status['reruns']} re-run); tokens identical to the in-process model: {all(same)}")
         ok &= all(same)
     return ok

@@ -189,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("ray.dag").setLevel(logging.WARNING)  # a graph's teardown, step by step
     logging.getLogger("deployments.client").setLevel(logging.WARNING)  # each lease taken and released
 
     import ray

@@ -57,16 +57,14 @@ def port_8000() -> Iterator[None]:
 SHARED_RESOURCES = {"num_cpus": 16, "num_gpus": 16}  # logical: enough for every module that shares it
 # What test apps run with, beside their own settings. One ingress replica: no test needs the
 # second (production keeps two for failover), and each replica is a process to start (~2.5 CPU-s
-# of imports). Compiled graphs torn down after 0.5 s idle (the default: 5 s): an idle graph keeps
-# its ranks and its replica polling, about a core each, and a test app idles after most calls
-# (a graph compiled again costs ~0.3 s; scripts/bench_idle.py measures both).
-TEST_APP = {"ingress_replicas": 1, "graph_idle_s": 0.5}
+# of imports).
+TEST_APP = {"ingress_replicas": 1}
 # Modules that start a Ray of their own (their own resources or environment, a simulated cluster,
 # `serve run` in a subprocess): in one process they run before the shared instance starts (so it
 # starts once per run); with pytest-xdist, in a worker of their own beside it (each Ray instance
 # is a fresh local one: RAY_ADDRESS=local, never one found on the machine).
-OWN_RAY_MODULES = ("test_http_auth.py", "test_multinode.py", "test_placement.py", "test_readme_commands.py",
-                   "test_serve_cli.py")
+OWN_RAY_MODULES = ("test_http_auth.py", "test_multinode.py", "test_placement.py", "test_plain_deployment.py",
+                   "test_readme_commands.py", "test_serve_cli.py")
 # With pytest-xdist, the modules using Ray run in two sets, one worker each: these shared-instance
 # modules join the modules above, and every other module that shares an instance runs in the
 # second set, so that the two take about as long (each worker starts its own shared instance).

@@ -157,7 +157,6 @@ def test_make_checkpoint_decoder_flag(tmp_path):
 def afd_app(ckpt, serve_ports) -> str:
     """Layers split over two deployments (layer 1 on a TP-2 group, layer 2 on TP 1), so the
     decoder must route by layer; float32 so the comparison is tight."""
-    # lane_lease_s 30: a lease outlives a graph compile on a loaded 2-core machine
     common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5,
               "lane_lease_s": 30.0}
     serve.run(build_app({"checkpoint": str(ckpt), **TEST_APP, "deployments": [
@@ -204,8 +203,8 @@ def test_generation_through_the_tier_is_exact_for_every_m(ckpt, local, tier):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_decoders_as_one_cohort_are_token_identical(ckpt, local, afd_app):
-    """M decoders (Ray actors, prompts of their own) decode as one cohort, every step one graph
-    execution; each one's tokens equal the in-process model's on its prompts (M = 1 and 4)."""
+    """M decoders (Ray actors, prompts of their own) decode as one cohort, every step one step of
+    their session; each one's tokens equal the in-process model's on its prompts (M = 1 and 4)."""
     import ray
 
     from deployments.client import MoEClient
@@ -228,7 +227,7 @@ def test_decoders_as_one_cohort_are_token_identical(ckpt, local, afd_app):
         finally:
             for a in actors:
                 ray.kill(a)
-        assert (status["graph_steps"], status["serve_steps"]) == (NEW_TOKENS, 0), status["deployments"]
+        assert (status["session_steps"], status["serve_steps"]) == (NEW_TOKENS, 0), status["deployments"]
         for i, (got, p) in enumerate(zip(made, prompts, strict=True)):
             ref = model.generate(p, NEW_TOKENS)
             assert torch.equal(got.tokens, ref.tokens), (M, i)

@@ -29,11 +29,10 @@ def test_the_defaults_keep_the_order():
 
 
 def test_bounds_follow_the_spec():
-    spec = DeploymentSpec(collective_timeout_s=12, call_margin_s=3, warmup_limit_s=40, lane_lease_s=2,
-                          graph_idle_s=7)
+    spec = DeploymentSpec(collective_timeout_s=12, call_margin_s=3, warmup_limit_s=40, lane_lease_s=2)
     assert Bounds.of(spec) == Bounds(collective_s=12, call_s=15, health_s=12 + HEALTH_MARGIN_S,
                                      serve_health_s=12 + 2 * HEALTH_MARGIN_S, close_s=12, warmup_s=55,
-                                     startup_s=spec.bounds.startup_s, lease_s=2, graph_idle_s=7)
+                                     startup_s=spec.bounds.startup_s, lease_s=2)
     # Serve gets the health bound the spec derives (what the replica's probe waits for, plus margin)
     assert deployment_options(spec, "cpu")["health_check_timeout_s"] == spec.bounds.serve_health_s
 

@@ -132,21 +132,6 @@ def test_dashboard_covers_every_metric():
         assert f"ray_{name}" in text, name
 
 
-@pytest.mark.parametrize(("compiled_graph", "tp", "expected"), [
-    (False, 2, "actor calls (compiled_graph is off)"),
-    (None, 1, "actor calls (auto: TP 1"),
-])
-def test_forward_transport_decision_without_a_graph(tiny_ckpt, compiled_graph, tp, expected):
-    from deployments.app import decide_app
-    from deployments.serve.group import TPGroup
-
-    _, (resolved,), _ = decide_app({"checkpoint": str(tiny_ckpt), "tp_size": tp, "compiled_graph": compiled_graph,
-                                    "auto_tune_tokens": "none"})
-    group = TPGroup(resolved, workers=[], names=[], infos=[], replica="r0")
-    group._compile_forward()
-    assert group.transport.startswith(expected) and group._dag is None
-
-
 def test_live_batching_changes_stay_within_the_planned_forward(tiny_ckpt):
     from deployments.app import decide_app
     from deployments.serve.deployment import check_planned_tokens

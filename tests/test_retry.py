@@ -23,6 +23,8 @@ from deployments.common.errors import (
     ServeInputError,
 )
 from deployments.common.layer_routing import LayerRoutes
+from deployments.dataplane.errors import Failure as PlaneFailure
+from deployments.dataplane.errors import SessionError
 from deployments.serve.http import MoEIngress
 
 BROKEN = GroupUnavailableError("rank 1 died", "r1")
@@ -103,7 +105,7 @@ def test_ingress_path():
 
 
 class LeaseClient:
-    """What a lane asks of its client when a call on its graph failed."""
+    """What a lane asks of its client when a call on the data plane failed."""
 
     def __init__(self):
         self.calls = []
@@ -130,17 +132,18 @@ def failed_lane_call(exc: BaseException) -> tuple[object, list]:
 
 
 def test_lane_path():
-    # a rank died under the call: once more on the Serve path, not on the broken replica
-    assert failed_lane_call(RuntimeError("actor died")) == ("elsewhere", [("once", "r1")])
+    # a rank died or failed under the call: once more on the Serve path, not on the broken replica
+    failed = SessionError(PlaneFailure.GROUP_FAILED, "rank 1 is gone", None, "r1")
+    assert failed_lane_call(failed) == ("elsewhere", [("once", "r1")])
     # the call outlived its bound: reported (the replica breaks the group), then once more elsewhere
-    out, calls = failed_lane_call(TimeoutError())
+    out, calls = failed_lane_call(SessionError(PlaneFailure.GROUP_TIMEOUT, "no answer", None, "r1"))
     assert out == "elsewhere" and calls[0][0] == "reported" and calls[1:] == [("once", "r1")]
-    # refused for an ended lease: it never ran, so the Serve path is its first attempt
-    lease_error = type("LaneLeaseError", (RuntimeError,), {})("lease ended")
-    assert failed_lane_call(lease_error) == ("serve", [("forward", None)])
+    # an ended lease or session: it never ran, so the Serve path is its first attempt
+    for never_ran in (PlaneFailure.SESSION_ENDED, PlaneFailure.PEER_STALLED):
+        assert failed_lane_call(SessionError(never_ran, "ended")) == ("serve", [("forward", None)])
     # bad input: the caller's error, never re-sent
-    out, calls = failed_lane_call(ServeInputError("NaN"))
-    assert isinstance(out, MoERequestError) and calls == []
+    out, calls = failed_lane_call(SessionError(PlaneFailure.INPUT, "hidden_states has NaN"))
+    assert isinstance(out, MoERequestError) and "NaN" in str(out) and calls == []
 
 
 def stepping(*outcomes) -> tuple[CohortCore, list]:
@@ -179,7 +182,7 @@ def lease_asks(*outcomes) -> tuple[GroupLease, list]:
     ``avoid_replica``."""
     asks = []
 
-    def lease_lane(*args, avoid_replica=None):
+    def lease_lane(*args, avoid_replica=None, peers=1):
         asks.append(avoid_replica)
         outcome = outcomes[len(asks) - 1]
         if isinstance(outcome, BaseException):

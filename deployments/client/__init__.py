@@ -1,19 +1,23 @@
 """Python clients of the MoE app: Serve handles (``MoEClient``, ``moe_client``), their per-layer
-lanes (``MoEClient.lane``, ``lane``) and cohorts of attention workers (``MoEClient.cohort``,
-``cohort``; workers subclass ``AttentionWorker``), HTTP (``HTTPMoEClient``,
+lanes (``MoEClient.lane``, ``lane``), cohorts of attention workers (``MoEClient.cohort``,
+``cohort``; workers subclass ``AttentionWorker``), sessions of independent peer processes
+(``MoEClient.session``, ``join``, ``session``; ``SessionTicket``, ``SessionError``), HTTP (``HTTPMoEClient``,
 ``AsyncHTTPMoEClient``, ``http_client``), the errors they raise (``errors``), and ``afd`` (a
 decoder whose MoE layers run on the tier)."""
 
 from ..config.timeouts import CLIENT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from ..dataplane.errors import SessionError
+from ..dataplane.peer import SessionTicket
 from .attention import AttentionWorker
 from .cohort import Cohort
 from .errors import MoEOverloadedError, MoERequestError, MoEServeError, MoEServerError, WorkerError
 from .http_client import AsyncHTTPMoEClient, HTTPMoEClient
 from .lane import Lane
 from .moe_client import MoEClient
+from .session import Peer, Session, join
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "AsyncHTTPMoEClient", "AttentionWorker", "Cohort", "HTTPMoEClient", "Lane",
-    "MoEClient",
-    "MoEOverloadedError", "MoERequestError", "MoEServeError", "MoEServerError", "WorkerError",
+    "MoEClient", "MoEOverloadedError", "MoERequestError", "MoEServeError", "MoEServerError", "Peer",
+    "Session", "SessionError", "SessionTicket", "WorkerError", "join",
 ]

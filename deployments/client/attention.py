@@ -16,8 +16,9 @@ nothing to send returns ``[0, H]``: it adds nothing to the expert batch), as a n
 dtype; ``absorb`` gets the layer's output for exactly those rows in the same kind. Rows of the
 wrong shape, dtype, count or with NaN/Inf fail the step loudly, naming the worker
 (:class:`~deployments.client.errors.WorkerError`); so does an exception in any of the five
-methods. Methods are plain (not ``async``) and called one at a time, by the cohort's graph (on
-the actor's graph thread) or by its driver (on the Serve path, as actor calls).
+methods. Methods are plain (not ``async``) and called one at a time on the actor's thread: a
+step on the data plane is one actor call (``cohort_step``) in which the worker is a peer of the
+cohort's session and drives its own layers; on the Serve path the driver calls them one by one.
 
 The ``cohort_*`` methods are the cohort's side of the protocol; a subclass leaves them alone.
 """
@@ -37,7 +38,9 @@ from moe_runtime.layer import check_hidden
 from moe_runtime.units import torch_dtype
 
 from ..common.requests import as_rows, is_torch_tensor
-from ..common.wire import PartFailed, WireTensor, failure_in, part_rows
+from ..common.wire import WireTensor
+from ..dataplane.errors import Failure, SessionError
+from ..dataplane.peer import SessionPeer, SessionTicket
 from .errors import WorkerError
 
 
@@ -45,13 +48,12 @@ class WorkerSeat:
     """A worker's place in a cohort: who it is, what rows it may send, where its step is."""
 
     def __init__(self, index: int, name: str, hidden_size: int, dtypes: dict[int, str], max_tokens: int,
-                 epoch: int, device: str, undo: Callable[[], None]):
+                 epoch: int, undo: Callable[[], None]):
         self.index, self.name, self.hidden_size, self.max_tokens = index, name, hidden_size, max_tokens
         self.undo = undo  # the worker's abort()
         self.dtypes = {int(layer): d for layer, d in dtypes.items()}  # names
         self.epoch = epoch  # an abort moves it on: calls of the aborted attempt are refused
-        self.step_epoch = -1  # the epoch the running step began with (graph nodes carry no epoch)
-        self.device = torch.device(device)  # where rows travel from: cpu, or the GPU (accelerator path)
+        self.peer: SessionPeer | None = None  # this worker's place in the cohort's session
         self.started = False  # start() ran (or began) for the current step
         self.abort_due = False  # an abort arrived while a call ran: undo before anything else
         self.tokens: int | None = None  # rows per layer this step, from its first attend
@@ -104,9 +106,8 @@ class WorkerSeat:
             except Exception as e:
                 raise self.fail(f"abort raised {type(e).__name__}: {e}") from e
 
-    def rows(self, x: Any, layer: int) -> Any:
-        """``attend``'s rows, checked and ready for the ranks (a WireTensor, or on the
-        accelerator path a tensor on this worker's GPU)."""
+    def rows(self, x: Any, layer: int) -> WireTensor:
+        """``attend``'s rows, checked and ready for the ranks."""
         dtype = self.dtypes[layer]
         try:
             t = x if is_torch_tensor(x) else as_rows(x, "attend's rows", dtype).to_torch()
@@ -121,8 +122,6 @@ class WorkerSeat:
         elif t.shape[0] != self.tokens:
             raise self.fail(f"attend({layer}) returned {t.shape[0]} rows, but {self.tokens} earlier in this "
                             "step (every layer of a step takes the same rows)")
-        if self.device.type != "cpu":
-            return t.to(self.device)
         return WireTensor.from_torch(t)
 
     def give(self, rows: torch.Tensor, layer: int) -> Any:
@@ -151,18 +150,50 @@ class AttentionWorker:
     # -- the cohort's side ----------------------------------------------------------------
 
     def cohort_join(self, index: int, hidden_size: int, dtypes: dict[int, str], max_tokens: int,
-                    epoch: int, rank_device: str) -> dict[str, Any]:
-        """Take seat ``index`` of a cohort; returns this worker's name and the device its rows
-        travel from (its GPU when it has one and the ranks compute on GPUs, else cpu)."""
+                    epoch: int) -> dict[str, Any]:
+        """Take seat ``index`` of a cohort; returns this worker's name."""
         import ray
 
         ctx = ray.get_runtime_context()
         name = ctx.get_actor_name() or f"{type(self).__name__}:{ctx.get_actor_id()[:8]}"
-        device = "cpu"
-        if rank_device.startswith("cuda") and torch.cuda.is_available() and ray.get_gpu_ids():
-            device = f"cuda:{torch.cuda.current_device()}"
-        self.__seat = WorkerSeat(index, name, hidden_size, dtypes, max_tokens, epoch, device, self.abort)
-        return {"name": name, "device": device}
+        self.__seat = WorkerSeat(index, name, hidden_size, dtypes, max_tokens, epoch, self.abort)
+        return {"name": name}
+
+    def cohort_session(self, ticket: SessionTicket | None) -> None:
+        """Join the cohort's session as peer ``index`` (None: leave the one joined)."""
+        seat = self._cohort_seat()
+        if seat.peer is not None:
+            seat.peer.close("the cohort left its session")
+            seat.peer = None
+        if ticket is not None:
+            seat.peer = ticket.join(seat.index)
+
+    def cohort_step(self, epoch: int, step_input: Any, layers: list[int]) -> Any:
+        """One decode step on the data plane: start, then per layer attend -> the session's one
+        forward -> absorb, then finish. A failure of this worker's own code still takes part in
+        the next layer the others wait on (``SessionPeer.fail``), so they are released at once
+        with an error naming this worker."""
+        seat = self._cohort_seat()
+        if seat.peer is None:
+            raise RuntimeError("the cohort has not joined this worker to its session")
+        owed = 0  # the next layer this worker must send (the other peers wait for it)
+        try:
+            self.cohort_start(epoch, step_input)
+            for layer in layers:
+                x = self.cohort_attend(epoch, layer)
+                owed += 1  # sent below, whatever the answer
+                try:
+                    out, _ = seat.peer.forward(x, layer)
+                except SessionError as e:
+                    if e.failure is not Failure.INPUT:
+                        raise  # every peer's layer (or the session) ended: nobody waits for this one
+                    raise seat.fail(f"rank 0 refused its rows for layer {layer}: {e}") from None
+                self.cohort_absorb(epoch, layer, out.to_torch())
+            return self.cohort_finish(epoch)
+        except WorkerError as e:
+            if owed < len(layers) and seat.peer.closed is None:  # the others go on to that layer
+                seat.peer.fail(layers[owed], e.message)
+            raise
 
     def _cohort_seat(self) -> WorkerSeat:
         seat = getattr(self, "_AttentionWorker__seat", None)
@@ -203,41 +234,3 @@ class AttentionWorker:
         """What this worker is doing (for a stalled step's diagnosis; answers on the main thread)."""
         seat = self._cohort_seat()
         return {"phase": seat.phase, "for_s": round(time.monotonic() - seat.since, 3), "epoch": seat.epoch}
-
-    # graph nodes: a step is begin -> next per later layer -> end, each worker's own rows only
-
-    # graph nodes: a step is begin -> next per later layer -> end. The step's epoch comes with
-    # its input (``(epoch, inputs)``); later nodes run under it, so an abort refuses them.
-
-    # A failure travels as a value (``common.wire.PartFailed``), never as an exception: every
-    # node after it passes it on, and the driver raises it as a WorkerError.
-
-    def cohort_begin(self, step: tuple[int, list[Any]], layer: int) -> Any:
-        epoch, inputs = step
-        seat = self._cohort_seat()
-        return self._graph_node(lambda: (self.cohort_start(epoch, inputs[seat.index]),
-                                         self.cohort_attend(epoch, layer))[1])
-
-    def cohort_next(self, layer: int, next_layer: int, *rank_outputs: Any) -> Any:
-        seat = self._cohort_seat()
-
-        def run() -> Any:
-            self.cohort_absorb(seat.step_epoch, layer, part_rows(list(rank_outputs), seat.index))
-            return self.cohort_attend(seat.step_epoch, next_layer)
-
-        return failure_in(out for out, _, _ in rank_outputs) or self._graph_node(run)
-
-    def cohort_end(self, layer: int, *rank_outputs: Any) -> Any:
-        seat = self._cohort_seat()
-
-        def run() -> Any:
-            self.cohort_absorb(seat.step_epoch, layer, part_rows(list(rank_outputs), seat.index))
-            return self.cohort_finish(seat.step_epoch)
-
-        return failure_in(out for out, _, _ in rank_outputs) or self._graph_node(run)
-
-    def _graph_node(self, run: Callable[[], Any]) -> Any:
-        try:
-            return run()
-        except WorkerError as e:
-            return PartFailed(e.index, e.name, e.message)

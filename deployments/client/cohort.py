@@ -1,4 +1,4 @@
-"""Cohorts: many attention workers share the tier's TP groups on the fast path, one expert batch
+"""Cohorts: many attention workers share the tier's TP groups on the data plane, one expert batch
 per MoE layer.
 
     workers = [ray.remote(MyWorker).remote(...) for _ in range(M)]   # AttentionWorker actors
@@ -8,57 +8,30 @@ per MoE layer.
 
 The reason a separate MoE tier exists is aggregation: every expert GEMM should see the summed
 batch of many attention instances. A cohort is the process that owns M attention workers
-(``client.attention.AttentionWorker`` actors) driving them through decode steps: per step, **one
-execution of one Ray Compiled Graph** over the M workers and the ranks of every TP group that
-serves the cohort's layers (the app's routing table, across deployments):
-
-    driver -> each worker: begin (start, attend(first layer))
-           -> per MoE layer, in order: the serving group's ranks gather the M workers' rows
-              into one batch and run one forward (``TPWorker.lane_forward``: collectives once)
-           -> each worker: next (absorb its own rows, attend(next layer)) ... end (absorb, finish)
-           -> driver (one result per worker)
-
-A lane (``client.lane``) is the one-caller case: the same leases (``client.leases``), the same
-graph builder and rank method, with the caller as its own worker.
-
-**One execution per step, not per layer.** Per-layer executions would put a driver round trip
-(driver -> workers -> ... -> driver) on every layer; one execution per step keeps the driver out
-of the layer loop, and the per-layer exchange runs between the workers and the ranks only.
-``scripts/bench_cohort.py`` measures both shapes on Ray's own echo actors (the floor) beside the
-cohort, and docs/benchmarks.md records the numbers behind this choice.
-
-**Ray's limits, designed for** (Ray 2.60): only the compiling process executes a graph (the
-cohort's owner does both); an actor runs one graph loop at a time per concurrency group (a
-worker is in one cohort at a time; the ranks host several loops, ``serve.lanes``); every graph
-loop polls its channels and keeps a core busy while the graph exists (an idle cohort drops its
-graph and leases after half a lease term, and leases again at its next step); an actor's death
-tears the whole graph down (the cohort recompiles, see faults); Ray's default channel buffer is
-1 MB, so the cohort sizes its channels to its own messages (they grow on first use if larger).
-
-**Size** (L MoE layers, M workers, TP groups g of P_g ranks serving L_g of the layers):
-nodes = M·(L + 1) + Σ_g P_g·L_g; channels between processes = L·(M + 1) + 1 + M + Σ_g (P_g − 1)
-(per layer M worker→ranks channels, each read by the group's P ranks from one buffer, and one
-rank 0→workers channel; under sequence parallelism P of those); shared memory = (channels +
-L·(M − 1))·b with b = T·H·s + envelope (one worker's rows, T = ``max_tokens``, s = dtype bytes):
-every channel starts at b and rank 0's per-layer channel grows to M·b. For Kimi-K3 (L = 92,
-M = 8, TP 8, H = 7168, bf16, T = 4): 1,480 nodes, 844 channels, ~91 MB. ``status()["graph"]``
-reports the live graph's counts and its compile time.
+(``client.attention.AttentionWorker`` actors) and leases every TP group serving its layers (the
+app's routing table, across deployments) for **one data-plane session of M peers**
+(``deployments.dataplane``): each worker joins it as peer ``i``. A step is one actor call per
+worker (``cohort_step``), in which the worker drives its own layers: start -> per MoE layer,
+attend, send its rows to the group serving the layer, wait for its slice, absorb -> finish.
+Per layer the group's rank 0 waits for all M workers' rows, runs **one** forward over them on
+every rank and answers each worker; the driver is not on the per-layer path at all.
 
 **Leases and membership.** The cohort leases every deployment serving its layers as a lane does
 (``lane_lease_s`` term, renewals, expiry, ``status()["lanes"]`` of the replica lists the lease
-with its workers). Membership is fixed: new workers need a new cohort. The graph runs only when
-the cohort holds a lease of every group it needs; otherwise (a group held by others, ``lanes:
-false``, a lease lost) it releases what it holds and runs the step on the **Serve path, still
-aggregated**: the driver gathers every worker's rows per layer and sends them as one request,
-asking for the leases again every ``retry_s``.
+with its workers). Membership is fixed: new workers need a new cohort. Steps run on the data
+plane only when the cohort holds a lease of every group it needs; otherwise (a group held by
+others, ``lanes: false``, a lease lost) it releases what it holds and runs the step on the
+**Serve path, still aggregated**: the driver gathers every worker's rows per layer and sends them
+as one request, asking for the leases again every ``retry_s``.
 
-**Faults.** The retry rule is the tier's one (``common.retry``). A step the graph cannot finish
-because a group broke -- a rank died, a rank's forward failed, or the step outlived
-``step_timeout_s`` (default twice the groups' call bound) and a rank of the group is stalled or
-stuck in its forward -- is aborted on every worker (``abort()``; calls of the aborted attempt
-are refused) and run once more, on another replica of that deployment (a new lease and graph)
-or else on the Serve path, never on the failed replica: the caller sees no error and the same
-tokens while a healthy replica exists. A worker whose own code raised, sent bad rows, stalled or
+**Faults.** The data plane names what ended a layer (``dataplane.errors``: one table from
+failure kind to action) and the retry rule is the tier's one (``common.retry``). A step that
+met a broken group -- a rank died or failed, or a rank stalled past the call bound -- is aborted
+on every worker (``abort()``; calls of the aborted attempt are refused by an epoch) and run once
+more, on another replica of that deployment (a new lease and session) or else on the Serve path,
+never on the failed replica: the caller sees no error and the same tokens while a healthy
+replica exists. A step that met an ended lease never ran: it starts over once. A worker whose
+own code raised, sent bad rows, stalled (the session ends within the call bound, naming it) or
 died raises :class:`~deployments.client.errors.WorkerError` naming it, after the step was aborted
 on every other worker; a dead worker also closes the cohort. A bad input never reaches a rank
 (each worker checks its rows) and the cohort stays usable. Nothing waits without a bound.
@@ -74,16 +47,12 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import ray
 import torch
 from ray.actor import ActorHandle
-from ray.dag import InputNode, MultiOutputNode
-
-from moe_runtime.units import torch_dtype
 
 from ..cluster.liveness import dead_actors
 from ..common.errors import (
@@ -94,40 +63,25 @@ from ..common.errors import (
     error_message,
     root_cause,
 )
-from ..common.wire import WireTensor, failure_in
-from ..config.timeouts import LEASE_ATTEMPT_S, PROBE_S, TEARDOWN_S
+from ..common.wire import WireTensor
+from ..config.timeouts import LEASE_ATTEMPT_S, PROBE_S
+from ..dataplane.errors import Action, SessionError
+from ..dataplane.errors import Failure as PlaneFailure
+from ..dataplane.peer import ANSWER_MARGIN_S, SessionTicket
 from .errors import MoEServerError, WorkerError, raise_for
 from .leases import (
     DEFAULT_RETRY_S,
     DEFAULT_WAIT_S,
     GroupLease,
     LeaseHolder,
-    bind_group_forward,
     check_seconds,
     default_client_name,
+    endpoint,
     kept_renewed,
-    lease_ended,
     served_layers,
-    teardown_then,
 )
 
 DEFAULT_MAX_TOKENS = 1  # rows per worker and step (decode: one token per sequence)
-MESSAGE_OVERHEAD_BYTES = 4096  # a message's pickled envelope around its rows
-
-
-def row_bytes(max_tokens: int, hidden: int, itemsize: int) -> int:
-    """One worker's rows per layer with their envelope: every channel of the graph starts there."""
-    return max_tokens * hidden * itemsize + MESSAGE_OVERHEAD_BYTES
-
-
-def graph_size_formula(layers: int, workers: int, groups: Sequence[tuple[int, int]],
-                       row: int) -> dict[str, int]:
-    """The size formula of the module docstring, without sequence parallelism (what
-    :func:`graph_size` measures on a live graph): ``groups`` holds (ranks, layers served) per TP
-    group, ``row`` is :func:`row_bytes`."""
-    channels = layers * (workers + 1) + 1 + workers + sum(ranks - 1 for ranks, _ in groups)
-    return {"nodes": workers * (layers + 1) + sum(ranks * served for ranks, served in groups),
-            "channels": channels, "shm_bytes_in_use": (channels + layers * (workers - 1)) * row}
 
 
 @dataclass
@@ -137,7 +91,8 @@ class Failure:
     kind: str  # "worker" | "input" | "lease" | "group" | "unknown"
     error: BaseException
     deployments: tuple[str, ...] = ()  # the leased groups at fault ("group", "lease")
-    stuck: bool = False  # the graph did not finish: it cannot be used again
+    stuck: bool = False  # the step did not finish on every worker
+    ended: bool = False  # the session is over (a peer went, stalled or fell out of step)
 
 
 class StepAgain(Exception):
@@ -149,23 +104,21 @@ class StepAgain(Exception):
 
 
 class CohortCore(LeaseHolder):
-    """A cohort's workers, leases, graph and counters (what :class:`Cohort` delegates to)."""
+    """A cohort's workers, leases, session and counters (what :class:`Cohort` delegates to)."""
 
     def __init__(self, client: Any, name: str, workers: list[ActorHandle], layers: tuple[int, ...],
                  by_layer: dict[int, str], max_tokens: int, retry_s: float):
         deployments = sorted(set(by_layer.values()))
         self.client, self.workers, self.layers, self.by_layer = client, workers, layers, by_layer
         self.max_tokens, self.names = max_tokens, [f"worker-{i}" for i in range(len(workers))]
-        super().__init__(name, {d: GroupLease(client, d, name, max_tokens * len(workers), retry_s, self.names)
+        super().__init__(name, {d: GroupLease(client, d, name, max_tokens, retry_s, self.names, len(workers))
                                 for d in deployments})
-        self.dag: Any = None
+        self.ticket: SessionTicket | None = None  # the session every worker has joined
         self.epoch = 0  # moves on at every abort: the aborted attempt's calls are refused
         self.closed: str | None = None  # why the cohort can no longer step (a worker died)
         self.info: dict[str, dict[str, Any]] = {}  # deployment -> hidden size, dtype, call bound
-        self.devices = ["cpu"] * len(workers)  # where each worker's rows travel from
         self.step_timeout_s = 0.0
-        self.graph: dict[str, Any] = {}
-        self.counts = {"steps": 0, "graph_steps": 0, "serve_steps": 0, "reruns": 0, "compiles": 0,
+        self.counts = {"steps": 0, "session_steps": 0, "serve_steps": 0, "reruns": 0, "sessions": 0,
                        "aborts": 0}
         self.recent_ms: list[float] = []
 
@@ -176,45 +129,45 @@ class CohortCore(LeaseHolder):
         for d in self.leases:
             st = self.client.group_handle(d).status.remote().result(timeout_s=self.client.timeout_s)
             self.info[d] = {"hidden_size": st["workers"][0]["hidden_size"], "dtype": st["dtype"],
-                            "call_s": st["bounds"]["call_s"], "device": st["device"]}
+                            "call_s": st["bounds"]["call_s"]}
         if len({i["hidden_size"] for i in self.info.values()}) > 1:
             raise ValueError(f"the cohort's deployments disagree on the hidden size: {self.info}")
-        self.step_timeout_s = step_timeout_s or 2 * max(i["call_s"] for i in self.info.values())
+        # A worker's wait for a layer: its peers (up to a call bound), then the forward (another).
+        call_s = max(i["call_s"] for i in self.info.values())
+        self.step_timeout_s = step_timeout_s or 2 * call_s + ANSWER_MARGIN_S + PROBE_S
 
     def join(self) -> None:
         """Seat every worker (an actor that is not an ``AttentionWorker`` fails here)."""
         hidden = next(iter(self.info.values()))["hidden_size"]
         dtypes = {layer: self.info[d]["dtype"] for layer, d in self.by_layer.items()}
-        device = next(iter(self.info.values()))["device"]
         seats = []
         for i, w in enumerate(self.workers):
             try:
-                joined = w.cohort_join.remote(i, hidden, dtypes, self.max_tokens, self.epoch, device)
+                joined = w.cohort_join.remote(i, hidden, dtypes, self.max_tokens, self.epoch)
                 seats.append(ray.get(joined, timeout=self.client.timeout_s))
             except Exception as e:
                 raise WorkerError(i, repr(w), f"cannot join the cohort (is it an AttentionWorker actor?): "
                                   f"{error_message(e)}") from None
         self.names = [seat["name"] for seat in seats]
-        self.devices = [seat["device"] for seat in seats]
         for lease in self.leases.values():
             lease.workers = list(self.names)
 
-    # -- leases and graph -----------------------------------------------------------------
+    # -- leases and session ---------------------------------------------------------------
 
     def lease_all(self, wait_s: float, avoid: dict[str, str | None] | None = None) -> bool:
-        """Hold a lease of every group and a graph over them, or hold nothing (the Serve path
-        must not wait behind this cohort's own idle leases)."""
+        """Hold a lease of every group and the session over them, or hold nothing (the Serve
+        path must not wait behind this cohort's own idle leases)."""
         avoid = avoid or {}
-        if self.dag is not None:  # every group held (a graph is built over all of them or none)
+        if self.ticket is not None:  # every group held (a session spans all of them or none)
             if all(lease.renew() for lease in self.leases.values() if lease.renew_due()):
                 return True
         elif any(lease.held or lease.due() or d in avoid for d, lease in self.leases.items()):
-            # Leasing each group (each may wait for it) and compiling make no call: the leases
-            # already held are renewed meanwhile. (Nothing held and nothing to ask for yet: the
-            # Serve path until retry_s, without starting that thread at every step.)
+            # Leasing each group (each may wait for it) makes no call: the leases already held
+            # are renewed meanwhile. (Nothing held and nothing to ask for yet: the Serve path
+            # until retry_s, without starting that thread at every step.)
             with kept_renewed(self.leases.values()):
                 if self.lease_each(wait_s, avoid):
-                    return self.compile()
+                    return self.join_session()
         self.drop_all(next((lease.why_not for lease in self.leases.values() if lease.why_not),
                            "a group could not be leased"))
         return False
@@ -234,85 +187,32 @@ class CohortCore(LeaseHolder):
                 return False
         return True
 
-    def compile(self) -> bool:
+    def join_session(self) -> bool:
+        """Every worker joins the session the leases opened, as its peer."""
+        groups = tuple(endpoint(lease.grant, [x for x in self.layers if self.by_layer[x] == d])
+                       for d, lease in self.leases.items())
+        ticket = SessionTicket(self.name, len(self.workers), groups)
         try:
-            started = time.perf_counter()
-            dag = self.bind()
-            # One execution at a time: one buffer per channel (Ray keeps max_inflight of them).
-            ranks = [rank for lease in self.leases.values() for rank in lease.grant["ranks"]]
-            with channel_buffers(self.workers + ranks, self.buffer_bytes(), self.client.timeout_s):
-                self.dag = dag.experimental_compile(_max_inflight_executions=1)
-            compile_s = time.perf_counter() - started
-            rank0 = {lease.grant["ranks"][0]._actor_id.hex() for lease in self.leases.values()}
-            batch = len(self.workers) * self.buffer_bytes()
-            self.graph = {**graph_size(self.dag, dict.fromkeys(rank0, batch)),
-                          "compile_s": round(compile_s, 3)}
+            self.gather([w.cohort_session.remote(ticket) for w in self.workers], self.client.timeout_s)
         except Exception as e:
-            self.drop_all(f"compiled graph unavailable: {error_message(e)}")
-            for lease in self.leases.values():
-                lease.next_try = float("inf")  # a graph that cannot be built will not be built later
+            self.drop_all(f"the workers could not join the session: {error_message(e)}")
+            if isinstance(root_cause(e), WorkerError) and root_cause(e).died:
+                raise root_cause(e) from None
             return False
-        self.counts["compiles"] += 1
-        self.last_call = time.monotonic()  # idle time counts from the graph, not from before the compile
+        self.ticket = ticket
+        self.counts["sessions"] += 1
+        self.last_call = time.monotonic()
         return True
 
-    def bind(self) -> Any:
-        """The step's graph (module doc): begin -> per layer, the group's ranks -> next ... end."""
-        grants = {d: lease.grant for d, lease in self.leases.items()}
-        accelerator = self.transport() == "accelerator"
-        after: dict[str, list[Any] | None] = dict.fromkeys(grants)
-        with InputNode() as step:  # (epoch, one input per worker)
-            xs = [w.cohort_begin.bind(step, self.layers[0]) for w in self.workers]
-            for i, layer in enumerate(self.layers):
-                d = self.by_layer[layer]
-                if accelerator:
-                    xs = [x.with_tensor_transport("accelerator") for x in xs]
-                ranks = after[d] = bind_group_forward(grants[d], layer, None, xs, after[d])
-                outs = ranks if grants[d]["sequence_parallel"] else ranks[:1]
-                if accelerator:
-                    outs = [out.with_tensor_transport("accelerator") for out in outs]
-                if i + 1 < len(self.layers):
-                    xs = [w.cohort_next.bind(layer, self.layers[i + 1], *outs) for w in self.workers]
-                else:
-                    ends = [w.cohort_end.bind(layer, *outs) for w in self.workers]
-            # every rank's last node that no worker reads (rank r > 0 outside sequence parallel)
-            rest = [n for d, nodes in after.items() if nodes and not grants[d]["sequence_parallel"]
-                    for n in nodes[1:]]
-            return MultiOutputNode(ends + rest)
-
-    def transport(self) -> str:
-        """``accelerator`` (NCCL/RCCL between workers and ranks) where every worker and every
-        leased group's ranks are on GPUs; else ``shm`` (the driver only sends step inputs)."""
-        ranks = [lease.grant["device"] if lease.grant is not None else "" for lease in self.leases.values()]
-        gpus = all(d.startswith("cuda") for d in self.devices + ranks)
-        return "accelerator" if gpus else "shm"
-
-    def buffer_bytes(self) -> int:
-        """One worker's rows per layer (+ envelope): channels start there; rank 0's batch grows
-        its channel to M times that on first use."""
-        itemsize = max(torch_dtype(i["dtype"]).itemsize for i in self.info.values())
-        return row_bytes(self.max_tokens, next(iter(self.info.values()))["hidden_size"], itemsize)
-
-    def drop_all(self, why: str, wait_s: float = 0.5) -> None:
-        """Tear the graph down and release every lease (aside; the Serve path until asked again)."""
+    def drop_all(self, why: str) -> None:
+        """Leave the session and release every lease (the Serve path until asked again)."""
         grants = [lease.take(why) for lease in self.leases.values() if lease.held]
-        dag, self.dag = self.dag, None
-
-        def release() -> None:
-            for grant in grants:
-                GroupLease.release(grant)
-
-        if dag is not None:
-            teardown_then(dag, release, TEARDOWN_S if self.closing else wait_s, self.name)
-        else:
-            release()
-
-    def drop_graph(self) -> None:
-        """Tear the graph down, keeping the leases (waits: a new graph over the same actors must
-        not be compiled while the old one's loops still run)."""
-        dag, self.dag = self.dag, None
-        if dag is not None:
-            teardown_then(dag, lambda: None, TEARDOWN_S, self.name)
+        if self.ticket is not None:
+            self.ticket = None
+            with contextlib.suppress(Exception):  # a worker gone: its connections went with it
+                ray.get([w.cohort_session.remote(None) for w in self.workers], timeout=PROBE_S)
+        for grant in grants:
+            GroupLease.release(grant)
 
     def drop_idle(self, why: str) -> None:
         self.drop_all(why)
@@ -366,20 +266,77 @@ class CohortCore(LeaseHolder):
     def attempt(self, inputs: list[Any], first: bool,
                 avoid: dict[str, str | None] | None = None) -> list[Any]:
         if self.lease_all(0.0 if first else LEASE_ATTEMPT_S, avoid):
-            return self.graph_step(inputs)
+            return self.session_step(inputs)
         return self.serve_step(inputs, avoid if not first else None)
 
-    def graph_step(self, inputs: list[Any]) -> list[Any]:
-        try:
-            results = ray.get(self.dag.execute((self.epoch, inputs)), timeout=self.step_timeout_s)
-        except Exception as e:
-            self.handle(self.classify(e))
-        failed = failure_in(results)
-        if failed is not None:  # the graph finished the step around a worker's failure: it stays
-            error = WorkerError(failed.index, failed.name, failed.message)
-            self.handle(Failure("worker", error), graph_ok=True)
-        self.counts["graph_steps"] += 1
-        return list(results[: len(self.workers)])
+    def session_step(self, inputs: list[Any]) -> list[Any]:
+        """One ``cohort_step`` call per worker: each drives its layers on the session."""
+        epoch = self.epoch
+        layers = list(self.layers)
+        refs = [w.cohort_step.remote(epoch, x, layers) for w, x in zip(self.workers, inputs, strict=True)]
+        outcomes = self.outcomes(refs)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            self.handle(self.classify_session(failures, outcomes))
+        self.counts["session_steps"] += 1
+        return outcomes
+
+    def outcomes(self, refs: list[Any]) -> list[Any]:
+        """Each worker's result or exception. Waiting ends at the step bound (a worker still
+        running then is a ``TimeoutError``), or as soon as the data plane has ended the session
+        (its verdict names the peer at fault; a stuck worker's call may run on for long)."""
+        deadline = time.monotonic() + self.step_timeout_s
+        index = {ref: i for i, ref in enumerate(refs)}
+        late = TimeoutError(f"no answer within step_timeout_s = {self.step_timeout_s:g} s")
+        out: list[Any] = [late] * len(refs)
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                out[index[ready[0]]] = ray.get(ready[0])
+            except Exception as e:
+                out[index[ready[0]]] = e
+                cause = root_cause(e)
+                if isinstance(cause, SessionError) and cause.action is Action.SESSION_OVER:
+                    break
+        return out
+
+    def classify_session(self, failures: list[BaseException], outcomes: list[Any]) -> Failure:
+        """Why a session step failed, from every worker's answer (``dataplane.errors.ACTIONS``):
+        a worker's own failure names it; otherwise the data plane's verdict decides."""
+        causes = [root_cause(e) for e in failures]
+        own = next((c for c in causes if isinstance(c, WorkerError)), None)
+        if own is not None:
+            return Failure("worker", own)
+        dead = self.dead_workers()
+        if dead:
+            return Failure("worker", WorkerError(dead[0], self.names[dead[0]], "its actor died", died=True))
+        plane = [c for c in causes if isinstance(c, SessionError)]
+        if not plane:  # the step bound passed with no verdict from the data plane
+            return self.classify(failures[0])
+        # The most telling verdict first: a broken group, then an ended lease, then a peer's.
+        order = (Action.RETRY_ELSEWHERE, Action.START_OVER, Action.SESSION_OVER, Action.PEER_ERROR,
+                 Action.CALLER_ERROR)
+        e = min(plane, key=lambda c: order.index(c.action))
+        at_fault = tuple(d for d, lease in self.leases.items() if lease.replica == e.replica)
+        if e.action is Action.RETRY_ELSEWHERE:
+            at_fault = at_fault or tuple(self.leases)
+            timeout = e.failure is PlaneFailure.GROUP_TIMEOUT
+            if timeout:
+                for d in at_fault:
+                    self.leases[d].report_timeout(str(e))
+            error = (GroupTimeoutError if timeout else GroupUnavailableError)(str(e), e.replica)
+            return Failure("group", error, at_fault)
+        if e.action is Action.START_OVER:
+            return Failure("lease", e, at_fault)
+        if e.peer is not None and 0 <= e.peer < len(self.workers):
+            index = e.peer
+        else:  # out of step as a whole, or rows refused: the first worker that got it
+            index = next(i for i, o in enumerate(outcomes) if isinstance(root_cause(o), SessionError))
+        return Failure("worker", WorkerError(index, self.names[index], str(e)),
+                       ended=e.action is Action.SESSION_OVER)
 
     def serve_step(self, inputs: list[Any], avoid: dict[str, str | None] | None) -> list[Any]:
         """The step on the Serve path, still aggregated: per layer one request with every
@@ -424,14 +381,12 @@ class CohortCore(LeaseHolder):
     # -- failures -------------------------------------------------------------------------
 
     def classify(self, exc: BaseException) -> Failure:
+        """Why a Serve-path step, or a session step without the data plane's verdict, failed."""
         cause = root_cause(exc)
         if isinstance(cause, WorkerError):
             return Failure("worker", cause)
         if isinstance(cause, ServeInputError):
             return Failure("input", cause)
-        if lease_ended(cause):
-            return Failure("lease", cause, tuple(d for d, lease in self.leases.items()
-                                                 if lease.held and lease.grant["lease_id"] in str(cause)))
         dead = self.dead_workers()
         if dead:
             return Failure("worker", WorkerError(dead[0], self.names[dead[0]], "its actor died", died=True))
@@ -454,25 +409,19 @@ class CohortCore(LeaseHolder):
             return Failure("group", cause, tuple(self.leases))
         return Failure("unknown", cause)
 
-    def handle(self, failure: Failure, serve: bool = False, graph_ok: bool = False) -> NoReturn:
-        """Abort the step everywhere, then raise what the caller (or the retry rule) gets.
-
-        A worker's failure reaches the driver as a value the graph carried to the end
-        (``graph_ok``): the graph stays. Any other failed graph step tears it down: a group's
-        failure or a stuck step leaves it broken (its leases go too), and after an exception
-        inside a graph Ray 2.60 leaves the channel buffer a skipped node had read held for good,
-        so that the graph hangs once its writer comes back to it (measured: the next step with
-        one buffer per channel). The next step compiles a new graph on the leases it still holds."""
+    def handle(self, failure: Failure, serve: bool = False) -> NoReturn:
+        """Abort the step everywhere, then raise what the caller (or the retry rule) gets. A
+        worker's own failure leaves the session as it is (every peer got that layer's error and
+        is in step); anything else on the data plane -- a broken group, an ended lease or
+        session, a stuck step -- leaves the session and its leases (the next step leases again)."""
         error = failure.error
         died = isinstance(error, WorkerError) and error.died
         avoid = {d: self.leases[d].replica for d in failure.deployments}
-        if died or failure.stuck or (not serve and failure.kind not in ("worker", "input")):
+        if died or failure.stuck or failure.ended or (not serve and failure.kind not in ("worker", "input")):
             self.drop_all(f"step failed: {error_message(error)}")
             for d, lease in self.leases.items():
                 if d not in failure.deployments:
                     lease.next_try = 0.0  # nothing wrong there: the re-run leases it again at once
-        elif not serve and not graph_ok:
-            self.drop_graph()
         pending = self.abort(skip=error.index if died else None)
         if died:
             self.closed = f"worker {error.index} ({error.name}) died"
@@ -511,20 +460,16 @@ class CohortCore(LeaseHolder):
         for d, lease in self.leases.items():
             if not lease.held:
                 continue
-            refs = [rank.lane_state.remote() for rank in lease.grant["ranks"]]
-            for r, ref in enumerate(refs):
-                try:
-                    state = ray.get(ref, timeout=PROBE_S)
-                except Exception as e:
-                    how = "died" if actor_died(e) else "does not answer"
-                    broken[d] = f"rank {r} of {d!r} (replica {lease.replica}) {how}"
-                    break
-                if state["failed"]:
-                    broken[d] = f"{d!r} (replica {lease.replica}): {state['failed']}"
-                    break
-                if state["in_flight_tokens"]:
-                    broken[d] = f"rank {r} of {d!r} (replica {lease.replica}) is stuck in its forward"
-                    break
+            try:  # rank 0 runs every forward of the group and hears of every rank's failure
+                state = ray.get(lease.grant["ranks"][0].lane_state.remote(), timeout=PROBE_S)
+            except Exception as e:
+                how = "died" if actor_died(e) else "does not answer"
+                broken[d] = f"rank 0 of {d!r} (replica {lease.replica}) {how}"
+                continue
+            if state["failed"]:
+                broken[d] = f"{d!r} (replica {lease.replica}): {state['failed']}"
+            elif state["in_flight_tokens"]:
+                broken[d] = f"rank 0 of {d!r} (replica {lease.replica}) is stuck in its forward"
         return broken
 
     def stuck_worker(self) -> WorkerError | None:
@@ -542,72 +487,18 @@ class CohortCore(LeaseHolder):
 
     def close(self) -> None:
         self.closing = True
+        self.stop_watching()
         with self.lock:
             self.drop_all("cohort closed")
 
     def status(self) -> dict[str, Any]:
-        held = all(lease.held for lease in self.leases.values()) and self.dag is not None
+        held = all(lease.held for lease in self.leases.values()) and self.ticket is not None
         recent = sorted(self.recent_ms)
         return {"cohort": self.name, "workers": list(self.names), "layers": list(self.layers),
-                "max_tokens": self.max_tokens, "path": "graph" if held else "serve",
-                "transport": self.transport() if held else None, "closed": self.closed,
-                "step_timeout_s": self.step_timeout_s, "graph": dict(self.graph), **self.counts,
+                "max_tokens": self.max_tokens, "path": "session" if held else "serve", "closed": self.closed,
+                "step_timeout_s": self.step_timeout_s, **self.counts,
                 "step_ms_p50": recent[len(recent) // 2] if recent else None,
                 "deployments": {d: lease.status() for d, lease in self.leases.items()}}
-
-
-def set_channel_buffer(_actor: Any, size: int) -> int:
-    """Runs in an actor (``__ray_call__``): its graph channels start at ``size`` bytes; returns
-    the size before."""
-    from ray.dag import DAGContext
-
-    ctx = DAGContext.get_current()
-    before, ctx.buffer_size_bytes = ctx.buffer_size_bytes, size
-    return before
-
-
-@contextmanager
-def channel_buffers(actors: Sequence[ActorHandle], size: int, timeout_s: float):
-    """Channels compiled meanwhile start with ``size``-byte buffers. Ray 2.60 allocates a node's
-    output channel in its actor's process at the size of that process's ``DAGContext``
-    (``experimental_compile``'s ``_buffer_size_bytes`` reaches only the driver's input channel),
-    so the context is set on every actor of the graph around the compile, then restored."""
-    before = ray.get([a.__ray_call__.remote(set_channel_buffer, size) for a in actors], timeout=timeout_s)
-    driver = set_channel_buffer(None, size)
-    try:
-        yield
-    finally:
-        set_channel_buffer(None, driver)
-        with contextlib.suppress(Exception):  # an actor gone: its channels went with it
-            restore = zip(actors, before, strict=True)
-            ray.get([a.__ray_call__.remote(set_channel_buffer, b) for a, b in restore], timeout=timeout_s)
-
-
-def graph_size(dag: Any, message_bytes: dict[str, int]) -> dict[str, int]:
-    """Nodes, channels between processes (their shared-memory buffers) and bytes of a compiled
-    graph: ``shm_bytes`` as compiled, ``shm_bytes_in_use`` once each channel has grown to the
-    largest message its writer sends (``message_bytes``: writer actor id -> bytes)."""
-    from ray.experimental.channel.shared_memory_channel import (
-        BufferedSharedMemoryChannel,
-        Channel,
-        CompositeChannel,
-    )
-
-    channels: dict[int, tuple[list[Any], str]] = {}  # a channel's buffers and its writer
-    outputs = [ch for task in dag.idx_to_task.values() for ch in getattr(task, "output_channels", None) or []]
-    for ch in outputs + list(dag.dag_input_channels):
-        for c in ch._channels if isinstance(ch, CompositeChannel) else [ch]:
-            buffers = c._buffers if isinstance(c, BufferedSharedMemoryChannel) else [c]
-            if isinstance(buffers[0], Channel):  # not an in-process channel
-                writer = buffers[0]._writer
-                channels[id(c)] = (buffers, "driver" if writer is None else writer._actor_id.hex())
-    nodes = sum(1 for t in dag.idx_to_task.values() if getattr(t, "dag_node", None) is not None
-                and type(t.dag_node).__name__ == "ClassMethodNode")
-    size = sum(b._typ.buffer_size_bytes for bs, _ in channels.values() for b in bs)
-    in_use = sum(max(b._typ.buffer_size_bytes, message_bytes.get(w, 0))
-                 for bs, w in channels.values() for b in bs)
-    return {"nodes": nodes, "channels": len(channels), "buffers": sum(len(bs) for bs, _ in channels.values()),
-            "shm_bytes": size, "shm_bytes_in_use": in_use}
 
 
 class Cohort:
@@ -680,7 +571,7 @@ class Cohort:
         return self._core.status()
 
     def close(self) -> None:
-        """Tear the graph down and release every lease (idempotent)."""
+        """Leave the session and release every lease (idempotent)."""
         self._close()
 
     def __enter__(self) -> Cohort:

@@ -1,4 +1,4 @@
-"""Lanes: per-layer calls straight to a leased TP group on a Ray Compiled Graph.
+"""Lanes: per-layer calls straight to a leased TP group over the data plane.
 
     with MoEClient("default").lane(max_tokens=16) as lane:
         out = lane.forward(x_TH, layer)               # numpy or torch in, the same kind out
@@ -7,30 +7,32 @@
 A decode step calls the tier once per MoE layer; through Serve each call pays the handle's
 router, the replica's event loop and a hop to the ranks. A lane leases one replica's TP group
 per deployment it needs (the app's routing table, as :class:`MoEClient` routes) through the
-Serve path -- the control plane -- and then compiles its own graph over that group's ranks:
-input -> every rank's ``lane_forward`` -> output, on shared-memory channels. Each call is one
-execution of that graph. A lane is the one-caller case of a cohort (``client.cohort``): the same
-leases (``client.leases``) and the same rank-side forward, with the caller itself as the worker.
+Serve path -- the control plane -- and is then the one peer of a data-plane session on that
+group (``deployments.dataplane``): each call sends its rows to the group's rank 0 and waits, a
+blocking read, for the output. A lane is the one-peer case of a session; cohorts and sessions of
+independent processes (``client.session``) use the same leases (``client.leases``) and the same
+ranks' side.
 
 Rules a caller can rely on:
 
-* Same answer as the Serve path, bit for bit (same ranks, same runners, same tail plan), and
-  the same input checks (made on the ranks, ``common.requests``); a bad input raises
-  :class:`MoERequestError` and the lane stays usable.
+* Same answer as the Serve path, bit for bit (same ranks, runners and tail plan: the Serve path
+  is itself the replica's own session), and the same input checks (``common.requests``, on the
+  client and again on rank 0); a bad input raises :class:`MoERequestError` and the lane stays
+  usable.
 * A lease is requested with ``wait_s`` (the router steers it to a replica that is not leased);
   a deployment whose groups all stay held runs this lane's calls on the Serve path, and the lane
   asks again every ``retry_s`` (a non-waiting request). ``status()`` says which path each
   deployment takes and why.
 * The lane renews its lease every half term while it calls; a replica with others waiting
-  stops renewing after one term, and the lane then tears its graph down and takes the Serve
-  path (asking again after ``retry_s``). A lane not called for half a term drops its leases
-  (an idle graph keeps a core per rank busy) and leases again at its next call. Closing the
-  lane (or its context, or dropping the last reference to it) releases every lease.
-* The retry rule is the tier's one (``common.retry``): a call that fails because the leased
-  group broke (a rank died or failed, or the call outlived the group's call bound, which the
-  lane reports so the replica breaks the group) is sent once more, on the Serve path, to
-  another replica; with a healthy replica left the caller sees no error. A call the ranks
-  refused because the lease had ended never ran: it goes to the Serve path as a first attempt.
+  stops renewing after one term, and the lane then takes the Serve path (asking again after
+  ``retry_s``). A lane not called for half a term releases its leases (a held lease keeps the
+  group from everyone else) and leases again at its next call. Closing the lane (or its
+  context, or dropping the last reference to it) releases every lease.
+* Failures follow the data plane's one table (``dataplane.errors.ACTIONS``) and the tier's one
+  retry rule (``common.retry``): a call whose group broke (a rank died or failed, or the call
+  outlived its bound, which the lane reports so the replica breaks the group) is sent once more,
+  on the Serve path, to another replica; with a healthy replica left the caller sees no error. A
+  call that met an ended lease never ran: it goes to the Serve path as a first attempt.
 * One call at a time per lane (a lock); use one lane per concurrent caller.
 """
 
@@ -43,38 +45,31 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import ray
 import torch
-from ray.dag import InputNode, MultiOutputNode
 
-from ..common.errors import (
-    ServeInputError,
-    error_message,
-    root_cause,
-)
+from ..common.errors import ServeInputError, error_message
 from ..common.requests import as_logits, as_rows
 from ..common.retry import resend_after
-from ..common.wire import WireTensor, part_rows
-from ..config.timeouts import TEARDOWN_S
+from ..common.wire import WireTensor
+from ..dataplane.errors import Action, SessionError
+from ..dataplane.peer import SessionPeer, SessionTicket
 from .errors import raise_for
 from .leases import (
     DEFAULT_RETRY_S,
     DEFAULT_WAIT_S,
     GroupLease,
     LeaseHolder,
-    bind_group_forward,
     check_seconds,
     default_client_name,
+    endpoint,
     group_failure,
-    kept_renewed,
-    lease_ended,
     served_layers,
-    teardown_then,
 )
 
 
 class LaneCore(LeaseHolder):
-    """A lane's leases, graphs and counters (what :class:`Lane` delegates to)."""
+    """A lane's leases, its peer on each leased group and its counters (what :class:`Lane`
+    delegates to)."""
 
     def __init__(self, client: Any, name: str, layers: tuple[int, ...], by_layer: dict[int, str],
                  only: str | None, max_tokens: int, retry_s: float):
@@ -82,33 +77,33 @@ class LaneCore(LeaseHolder):
         super().__init__(name, {d: GroupLease(client, d, name, max_tokens, retry_s) for d in deployments})
         self.client, self.layers, self.by_layer, self.only = client, layers, by_layer, only
         self.max_tokens = max_tokens
-        self.dags: dict[str, Any] = {}
+        self.peers: dict[str, SessionPeer] = {}
         self.counts = {d: {"lane_calls": 0, "serve_calls": 0, "fallbacks": 0} for d in deployments}
 
-    # -- leases and graphs ----------------------------------------------------------------
+    # -- leases and peers -----------------------------------------------------------------
 
     def acquire(self, deployment: str, wait_s: float, avoid_replica: str | None = None) -> bool:
         lease = self.leases[deployment]
         if not lease.acquire(wait_s, avoid_replica):
             return False
+        grant = lease.grant
         try:
-            with kept_renewed([lease]), InputNode() as inp:  # (layer, x, router_logits)
-                dag = MultiOutputNode(bind_group_forward(lease.grant, inp[0], inp[2], [inp[1]]))
-                self.dags[deployment] = dag.experimental_compile()
-        except Exception as e:
-            GroupLease.release(lease.take(f"compiled graph unavailable: {error_message(e)}"))
-            lease.next_try = float("inf")  # a graph that cannot be built will not be built later
+            ticket = SessionTicket(self.name, 1, (endpoint(grant, grant["layers"]),))
+            self.peers[deployment] = ticket.join(0)
+        except (OSError, PermissionError) as e:
+            GroupLease.release(lease.take(f"could not join the leased group's session: {error_message(e)}"))
             return False
-        self.last_call = time.monotonic()  # idle time counts from the lease, not from before the compile
+        self.last_call = time.monotonic()
         return True
 
     def drop(self, deployment: str, why: str) -> None:
-        """Tear the graph down and release the lease; the Serve path until asked again."""
+        """Leave the session and release the lease; the Serve path until asked again."""
         grant = self.leases[deployment].take(why)
-        dag = self.dags.pop(deployment, None)
-        if dag is not None:
-            teardown_then(dag, lambda: GroupLease.release(grant), TEARDOWN_S if self.closing else 0.5,
-                          self.name)
+        peer = self.peers.pop(deployment, None)
+        if peer is not None:
+            peer.close(why)
+        if grant is not None:
+            GroupLease.release(grant)
 
     def drop_idle(self, why: str) -> None:
         for deployment, lease in self.leases.items():
@@ -146,23 +141,23 @@ class LaneCore(LeaseHolder):
             except ServeInputError as e:  # refused here, as the Serve path's replica would
                 raise_for(e)
             try:
-                results = ray.get(self.dags[deployment].execute(layer, x, logits),
-                                  timeout=lease.grant["call_timeout_s"])
-            except Exception as e:
+                out, _ = self.peers[deployment].forward(x, layer, logits)
+            except SessionError as e:
                 return self._after_failure(deployment, e, hidden_states, layer, router_logits)
             self.counts[deployment]["lane_calls"] += 1
-        out = part_rows(results, 0)
-        return out.float().numpy() if isinstance(hidden_states, np.ndarray) else out
+        return out.float32() if isinstance(hidden_states, np.ndarray) else out.to_torch()
 
-    def _after_failure(self, deployment: str, exc: BaseException, hidden_states: Any, layer: Any,
+    def _after_failure(self, deployment: str, exc: SessionError, hidden_states: Any, layer: Any,
                        router_logits: Any) -> Any:
-        if isinstance(root_cause(exc), ServeInputError):
-            raise_for(exc)
+        """What the data plane's table says: the caller's error, a first attempt on the Serve
+        path (nothing ran), or once more elsewhere (the group broke)."""
+        if exc.action is Action.CALLER_ERROR:
+            raise_for(exc.input_error())
         lease, counts = self.leases[deployment], self.counts[deployment]
         counts["fallbacks"] += 1
         counts["serve_calls"] += 1
-        if lease_ended(exc):  # refused before it ran: a first attempt on the Serve path
-            self.drop(deployment, f"lane call refused: {error_message(exc)}")
+        if exc.action is not Action.RETRY_ELSEWHERE:  # never ran (an ended lease or session)
+            self.drop(deployment, f"lane call not run: {exc}")
             return self.client.forward(hidden_states, layer, router_logits)
         failure = group_failure(exc, lease, f"lane call to layer {layer}")
         self.drop(deployment, f"lane call failed: {error_message(failure)}")
@@ -171,15 +166,16 @@ class LaneCore(LeaseHolder):
                                         avoid_replica=again.avoid_replica)
 
     def _wire(self, lease: GroupLease, hidden_states: Any, router_logits: Any) -> tuple[WireTensor, Any]:
-        # The Serve path's conversions (numpy float32 rounded to the deployment dtype); the ranks
-        # check the rest exactly as the replica would.
+        # The Serve path's conversions (numpy float32 rounded to the deployment dtype); rank 0
+        # checks the rest exactly as the replica would.
         x = as_rows(hidden_states, "hidden_states", lease.grant["dtype"])
-        logits = None if router_logits is None else WireTensor(as_logits(router_logits), "float32")
+        logits = None if router_logits is None else as_logits(router_logits)
         return x, logits
 
     def close(self) -> None:
-        """Tear every graph down and release every lease (idempotent)."""
+        """Leave every session and release every lease (idempotent)."""
         self.closing = True
+        self.stop_watching()
         with self.lock:
             self.drop_idle("lane closed")
 
@@ -189,7 +185,7 @@ class LaneCore(LeaseHolder):
 
 
 class Lane:
-    """Per-layer calls to the app's TP groups on leased compiled graphs; see the module doc.
+    """Per-layer calls to the app's TP groups over the data plane; see the module doc.
 
     Built by :meth:`MoEClient.lane`; a context manager (sync or async) that releases its
     leases on exit (:meth:`close`).
@@ -242,7 +238,7 @@ class Lane:
         return self._core.status()
 
     def close(self) -> None:
-        """Tear every graph down and release every lease (idempotent)."""
+        """Leave every session and release every lease (idempotent)."""
         self._close()
 
     def __enter__(self) -> Lane:

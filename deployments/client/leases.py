@@ -1,19 +1,12 @@
-"""Leases of TP groups, the client side: the one lease mechanism and graph builder of lanes and
-cohorts.
+"""Leases of TP groups, the client side: the one lease mechanism of lanes, cohorts and sessions.
 
 A :class:`GroupLease` asks one deployment for a lease of one of its replicas' TP groups through
 the Serve path (the control plane: ``lease_lane`` on the deployment, ``deployments.serve.lanes``
-on the replica), renews it every half term while its owner calls (and, through
-:func:`kept_renewed`, while the owner leases its other groups or compiles), reports a call that outlived
-its bound, and releases it. Its owner -- a lane (one graph per leased group) or a cohort (one
-graph over its attention workers and every leased group) -- binds each group forward of its
-graph with :func:`bind_group_forward` (every rank's ``lane_forward``: the parts' rows as one
-batch), and tears its graph down before the release (:func:`teardown_then`).
-
-Ray's limits that shape this (Ray 2.60): only the process that compiles a graph executes it; an
-actor runs one graph loop at a time per concurrency group (the ranks host several, see
-``serve.lanes``); every graph loop polls its channels and keeps a core busy while the graph
-exists (hence idle owners drop their leases); an actor's death tears the whole graph down.
+on the replica) for a session of some number of peers, renews it every half term while its owner
+calls (and, through :func:`kept_renewed`, while the owner leases its other groups), reports a
+call that outlived its bound, and releases it. The grant carries that group's part of the
+session's ticket (:func:`endpoint`): the peers then talk to the group's rank 0 over the data
+plane (``deployments.dataplane``), never through Ray.
 """
 
 from __future__ import annotations
@@ -24,14 +17,16 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import ray
 
-from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message, root_cause
+from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_message
 from ..common.retry import resend_after
-from ..config.timeouts import LEASE_ATTEMPT_S, RELEASE_S
+from ..config.timeouts import LEASE_ATTEMPT_S, PROBE_S, RELEASE_S
+from ..dataplane.errors import Failure, SessionError
+from ..dataplane.peer import GroupEndpoint
 from .errors import raise_for
 
 logger = logging.getLogger(__name__)
@@ -44,21 +39,21 @@ def default_client_name() -> str:
     return f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def lease_ended(exc: BaseException) -> bool:
-    """The rank's ``LaneLeaseError`` (``serve.lanes``), by name: clients import no servers."""
-    return type(root_cause(exc)).__name__ == "LaneLeaseError"
-
-
-def group_failure(exc: BaseException, lease: GroupLease, what: str) -> GroupUnavailableError:
+def group_failure(exc: SessionError, lease: GroupLease, what: str) -> GroupUnavailableError:
     """A leased group's failure as the retry rule sees it: the group is broken (the replica
     breaks it: a rank died or failed, or, reported here, the call outlived its bound)."""
-    cause = root_cause(exc)
-    if isinstance(cause, ray.exceptions.GetTimeoutError | TimeoutError):
-        reason = f"{what} outlived the group's call bound {lease.grant['call_timeout_s']:.0f} s"
+    reason = f"{what} failed: {exc}"
+    if exc.failure is Failure.GROUP_TIMEOUT:
         lease.report_timeout(reason)
         return GroupTimeoutError(reason, lease.replica)
-    reason = f"{what} failed: {type(cause).__name__}: {error_message(cause)}"
     return GroupUnavailableError(reason, lease.replica)
+
+
+def endpoint(grant: dict[str, Any], layers: Iterable[int]) -> GroupEndpoint:
+    """A grant's group as a session ticket names it (``layers``: the session's layers it serves)."""
+    return GroupEndpoint(grant["deployment"], grant["replica"], grant["lease_id"], grant["host"],
+                         grant["port"], grant["secret"], grant["session"], tuple(layers),
+                         grant["hidden_size"], grant["dtype"], grant["call_timeout_s"], grant["max_tokens"])
 
 
 def check_seconds(**values: Any) -> None:
@@ -82,14 +77,14 @@ class GroupLease:
     """One deployment's lease for an owner (a lane or a cohort): the grant, or why not.
 
     ``client``: the owner's ``MoEClient`` (its Serve handles); ``owner``: the owner's name
-    (shown by the replica); ``max_tokens``: the largest forward the owner sends;
-    ``workers``: a cohort's worker names (for the replica's ``status()``).
+    (shown by the replica); ``max_tokens``: the most rows a peer sends per layer; ``peers``:
+    the session's number of peers; ``workers``: a cohort's worker names (for ``status()``).
     """
 
     def __init__(self, client: Any, deployment: str, owner: str, max_tokens: int, retry_s: float,
-                 workers: Sequence[str] = ()):
+                 workers: Sequence[str] = (), peers: int = 1):
         self.client, self.deployment, self.owner = client, deployment, owner
-        self.max_tokens, self.retry_s, self.workers = max_tokens, retry_s, list(workers)
+        self.max_tokens, self.retry_s, self.workers, self.peers = max_tokens, retry_s, list(workers), peers
         self.grant: dict[str, Any] | None = None
         self.renewed_at = 0.0  # time.monotonic() when the last granted renewal was *sent*
         self.next_try = 0.0  # when a lease may be asked for again
@@ -120,7 +115,7 @@ class GroupLease:
             sent = time.monotonic()
             try:
                 grant = handle.lease_lane.remote(self.owner, self.max_tokens, attempt_s, self.workers,
-                                                 avoid_replica=avoid_replica).result(
+                                                 avoid_replica=avoid_replica, peers=self.peers).result(
                     timeout_s=attempt_s + self.client.timeout_s)
             except Exception as e:
                 # The replica asked has a known-broken group, or died, and the router has not
@@ -163,8 +158,8 @@ class GroupLease:
         if grant is None:
             return False
         try:
-            ok = ray.get(grant["ranks"][0].lane_renew.remote(grant["lease_id"]),
-                         timeout=self.client.timeout_s)
+            # Bounded well under a step: a renewal runs between an owner's calls.
+            ok = ray.get(grant["ranks"][0].lane_renew.remote(grant["lease_id"]), timeout=PROBE_S)
             why = f"lease {grant['lease_id']} not renewed (others wait for the group, or it ended)"
         except Exception as e:
             ok, why = False, f"lease renewal failed: {error_message(e)}"
@@ -175,16 +170,15 @@ class GroupLease:
         return ok
 
     def report_timeout(self, reason: str) -> None:
-        """Tell the replica (rank 0's main thread answers while its graph loop is stuck) that a call
-        outlived its bound: it breaks the group. A rank that cannot even answer this is stalled,
-        which the replica finds out by itself."""
+        """Tell the replica (rank 0's main thread answers while its data plane is stuck) that a
+        call outlived its bound: it breaks the group. A rank that cannot even answer this is
+        stalled, which the replica finds out by itself."""
         with contextlib.suppress(Exception):
             rank0 = self.grant["ranks"][0]
             ray.get(rank0.lane_fail.remote(self.grant["lease_id"], reason), timeout=RELEASE_S)
 
     def take(self, why: str) -> dict[str, Any] | None:
-        """Forget the grant (to release once the graph is down) and say why; the Serve path until
-        asked again."""
+        """Forget the grant (to release) and say why; the Serve path until asked again."""
         grant, self.grant = self.grant, None
         self.refused(why)
         return grant
@@ -205,10 +199,10 @@ class GroupLease:
 @contextlib.contextmanager
 def kept_renewed(leases: Iterable[GroupLease]) -> Iterator[None]:
     """Renew every held lease of ``leases`` when due while the block runs, from a thread of its
-    own: an owner leasing its other groups (each may wait for its group) or compiling its graph
-    (which starts a Ray process: seconds on a loaded node) makes no call, and a lease is
-    ended one term after its last renewal. A renewal refused here leaves the lease due, so the
-    owner's next renewal finds it ended and drops it."""
+    own: an owner leasing its other groups (each may wait for its group) makes no call, and a
+    lease is ended one term after its last renewal. A renewal refused here leaves the lease due,
+    so the owner's next renewal finds it ended and drops it. The thread stops with the block
+    and is joined."""
     leases = list(leases)
     done = threading.Event()
     refused: set[str] = set()
@@ -223,16 +217,19 @@ def kept_renewed(leases: Iterable[GroupLease]) -> Iterator[None]:
                         and not lease.renew():
                     refused.add(grant["lease_id"])
 
-    threading.Thread(target=keep, name="renew-leases", daemon=True).start()
+    thread = threading.Thread(target=keep, name="renew-leases", daemon=True)
+    thread.start()
     try:
         yield
     finally:
-        done.set()  # not joined: a renewal under way ends within its own timeout
+        done.set()
+        thread.join()  # a renewal under way ends within its own timeout
 
 
 class LeaseHolder:
     """What a lane or a cohort holds while it lives: its leases by deployment, one lock for its
-    calls, the time of its last call, and a thread that drops its leases once idle.
+    calls, the time of its last call, and a thread that drops its leases once idle (a held
+    lease keeps the group from every other caller).
 
     The public object (``Lane``, ``Cohort``) keeps this and a ``weakref.finalize`` that closes
     it; the idle thread holds only this, never the public object, so an unclosed lane or cohort
@@ -245,22 +242,33 @@ class LeaseHolder:
         self.lock = threading.Lock()
         self.last_call = time.monotonic()
         self.closing = False
+        self.stopped = threading.Event()  # ends the idle thread
+        self.idle_thread: threading.Thread | None = None
 
     def watch_idle(self) -> None:
-        threading.Thread(target=self._drop_when_idle, name=f"idle-{self.name}", daemon=True).start()
+        self.idle_thread = threading.Thread(target=self._drop_when_idle, name=f"idle-{self.name}",
+                                            daemon=True)
+        self.idle_thread.start()
+
+    def stop_watching(self) -> None:
+        """End the idle thread and join it (closing)."""
+        self.stopped.set()
+        thread = self.idle_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def _drop_when_idle(self) -> None:
-        """An idle compiled graph's loops poll their channels, a core per actor: an owner not
-        called for half a lease term tears its graphs down and releases its groups (the next
-        call leases again, waiting up to ``LEASE_ATTEMPT_S``) rather than burn those cores
-        until its leases expire."""
-        while not self.closing:
+        """An owner not called for half a lease term releases its groups (the next call leases
+        again, waiting up to ``LEASE_ATTEMPT_S``) rather than keep them from the Serve path
+        and other clients until its leases expire."""
+        while not self.stopped.is_set():
             held = [lease for lease in self.leases.values() if lease.held]
             if not held:  # nothing to drop: look again a lease attempt later
-                time.sleep(LEASE_ATTEMPT_S)
+                self.stopped.wait(LEASE_ATTEMPT_S)
                 continue
             term = min(lease.grant["term_s"] for lease in held)  # the replicas' lane_lease_s
-            time.sleep(term / 4)
+            if self.stopped.wait(term / 4):
+                return
             if time.monotonic() - self.last_call < term / 2:
                 continue
             with self.lock:
@@ -277,27 +285,3 @@ class LeaseHolder:
 
     def close(self) -> None:
         raise NotImplementedError
-
-
-def bind_group_forward(grant: dict[str, Any], layer: Any, router_logits: Any, parts: Sequence[Any],
-                       after: Sequence[Any] | None = None) -> list[Any]:
-    """Every rank's node of one group forward of ``parts`` (graph nodes giving each part's rows;
-    ``layer``, ``router_logits``: constants or input nodes), in rank order. ``after``: each
-    rank's previous node in the same graph (a cohort's earlier layer), which this one follows."""
-    after = list(after) if after is not None else [None] * len(grant["ranks"])
-    return [rank.lane_forward.bind(grant["lease_id"], layer, router_logits, prev, *parts)
-            for rank, prev in zip(grant["ranks"], after, strict=True)]
-
-
-def teardown_then(dag: Any, then: Callable[[], None], wait_s: float, what: str) -> None:
-    """Tear ``dag`` down, then run ``then`` (a release), aside: teardown waits for every actor's
-    graph loop, and a stalled rank must not block the caller longer than ``wait_s``."""
-
-    def run() -> None:
-        with contextlib.suppress(Exception):  # actors gone: their loops ended with them
-            dag.teardown()
-        then()
-
-    thread = threading.Thread(target=run, name=f"teardown-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout=wait_s)

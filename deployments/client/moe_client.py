@@ -6,7 +6,7 @@ it opens.
     client = MoEClient(via_ingress=True)       # through the app's ingress (one hop more)
     out = client.forward(x_TH, layer=1)        # numpy or torch in, the same kind out
     out = await client.forward_async(x_TH, 1)
-    with client.lane(max_tokens=16) as lane:  # per-layer calls on compiled graphs (decode)
+    with client.lane(max_tokens=16) as lane:  # per-layer calls on the data plane (decode)
         out = lane.forward(x_TH, layer=1)
     with client.cohort(workers, max_tokens=4) as cohort:   # many attention workers, one batch per layer
         results = cohort.step(inputs)
@@ -31,6 +31,7 @@ from .cohort import DEFAULT_MAX_TOKENS, Cohort
 from .errors import raise_for
 from .lane import Lane
 from .leases import DEFAULT_RETRY_S, DEFAULT_WAIT_S
+from .session import Session
 
 
 class MoEClient:
@@ -100,7 +101,7 @@ class MoEClient:
              wait_s: float = DEFAULT_WAIT_S, retry_s: float = DEFAULT_RETRY_S,
              name: str | None = None) -> Lane:
         """A per-layer lane (``client.lane``): one leased TP group per deployment serving
-        ``layers`` (None: every layer of the app), called through compiled graphs; calls of up to
+        ``layers`` (None: every layer of the app), called over the data plane; calls of up to
         ``max_tokens`` tokens. A context manager; ``close()`` releases the leases."""
         return Lane(self, layers=layers, max_tokens=max_tokens, wait_s=wait_s, retry_s=retry_s, name=name)
 
@@ -115,6 +116,14 @@ class MoEClient:
         manager; ``close()`` releases the leases."""
         return Cohort(self, workers, layers=layers, max_tokens=max_tokens, wait_s=wait_s, retry_s=retry_s,
                       step_timeout_s=step_timeout_s, name=name)
+
+    def session(self, peers: int, layers: Iterable[int] | None = None, *, max_tokens: int = 1,
+                wait_s: float = DEFAULT_WAIT_S, name: str | None = None) -> Session:
+        """A session for ``peers`` independent peer processes (``client.session``): one leased TP
+        group per deployment serving ``layers`` (None: every layer of the app), at most
+        ``max_tokens`` rows per peer and layer. Hand ``session.ticket`` to the peers; each joins
+        with ``deployments.client.join(ticket, index)``. A context manager; ``close()`` ends it."""
+        return Session(self, peers, layers=layers, max_tokens=max_tokens, wait_s=wait_s, name=name)
 
     def _forward_call(self, hidden_states: Any, layer: int, router_logits: Any, avoid_replica: str | None):
         # torch travels as WireTensor (zero-copy numpy for Ray); numpy and the rest as given.

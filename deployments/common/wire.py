@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -112,45 +112,3 @@ def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[Wir
     if tail == "sequence_parallel":
         return concat_rows([out for out, _ in results]), tail
     return results[0][0], tail
-
-
-@dataclass(frozen=True)
-class PartFailed:
-    """A cohort worker's failure as a value in its graph: passed on by every node after it, instead
-    of an exception (Ray 2.60 leaves a channel buffer held by a node an exception made it skip,
-    and the graph then hangs), so the graph finishes the step and stays usable."""
-
-    index: int
-    name: str
-    message: str
-
-
-def failure_in(values: Any) -> PartFailed | None:
-    """The first :class:`PartFailed` among ``values`` (or None)."""
-    return next((v for v in values if isinstance(v, PartFailed)), None)
-
-
-def part_tokens(part: Any) -> int:
-    """Rows of one part of a lease forward (0 unless it is a ``[T, H]`` array)."""
-    shape = getattr(part, "shape", ())
-    return int(shape[0]) if len(shape) == 2 else 0
-
-
-def part_rows(results: list[tuple[Any, str, list[int]]], index: int) -> torch.Tensor:
-    """Part ``index``'s rows of a lease forward, from its ranks' ``(out, tail, sizes)`` (rank
-    0's ``out``, or under sequence parallel every rank's rows in order), copied out of the
-    channels. ``out`` is a :class:`WireTensor`, or a device tensor on the accelerator path."""
-    import torch
-
-    sizes, tail = results[0][2], results[0][1]
-    outs = [out for out, _, _ in results] if tail == "sequence_parallel" else [results[0][0]]
-    views = [out.to_torch(writable=False) if isinstance(out, WireTensor) else out for out in outs]
-    batch = views[0] if len(views) == 1 else torch.cat(views)
-    start = sum(sizes[:index])
-    return batch[start:start + sizes[index]].clone()
-
-
-def copy_graph_outputs(results: list[tuple[WireTensor | None, str]]) -> list[tuple[WireTensor | None, str]]:
-    """Every rank's ``(out, tail)`` read from a compiled graph, with ``out`` copied: outputs may
-    be views of the channels' buffers, which the next execution reuses."""
-    return [(None if out is None else WireTensor(out.array.copy(), out.dtype), tail) for out, tail in results]

@@ -168,20 +168,12 @@ class DeploymentSpec(BaseModel):
     # nicer than the replica, so the replica's event loop keeps receiving requests (and
     # forming the next batch) while the ranks compute. Ignored on GPUs.
     worker_nice_increment: int = Field(0, ge=0, le=19)
-    # The replica -> ranks forward hop as a Ray Compiled Graph (falls back to actor calls, and
-    # says why, when it cannot be built); False: plain actor calls; None (auto): on at TP > 1.
-    # On this project's CPU benchmark the graph cut the TP-2 hop but made the TP-1 hop slower
-    # (docs/benchmarks.md, "Data-plane overhead").
-    compiled_graph: bool | None = None
-    # An idle compiled graph still costs CPU: with Ray 2.60 every rank's loop and the replica's
-    # reader poll their channels, about a core each. The replica tears its graph down after this
-    # long without a forward and compiles it again at the next one (about 0.3 s on 2 CPUs).
-    graph_idle_s: float = Field(5.0, gt=0, le=3600)
-    # Lanes (deployments.client.lane): a client may lease a replica's TP group and call its
-    # ranks through its own compiled graph. A lease lasts this long past the client's last
-    # renewal (the client renews every half term while it calls); a replica whose Serve path or
-    # another lane waits for it stops renewing a lease held this long, so nobody waits longer
-    # than about one term. lanes: false refuses every lease (the Serve path only).
+    # Leases (lanes, cohorts, sessions: deployments.client): a client may lease a replica's TP
+    # group and send its rows to the ranks over the data plane (deployments.dataplane). A lease
+    # lasts this long past the client's last renewal (the client renews every half term while
+    # it calls); a replica whose Serve path or another lease waits for it stops renewing a lease
+    # held this long, so nobody waits longer than about one term. lanes: false refuses every
+    # lease (the Serve path only).
     lanes: bool = True
     lane_lease_s: float = Field(5.0, gt=0, le=600)
     # Bounded queue: past this many requests waiting for a replica, a call is refused at once

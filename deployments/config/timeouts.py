@@ -2,8 +2,7 @@
 order the bounds must keep.
 
 Per deployment (:class:`Bounds`, from the spec's ``collective_timeout_s``, ``call_margin_s``,
-``health_check_timeout_s``, ``warmup_limit_s``, ``startup_timeout_s``, ``lane_lease_s``,
-``graph_idle_s``):
+``health_check_timeout_s``, ``warmup_limit_s``, ``startup_timeout_s``, ``lane_lease_s``):
 
 ==================  =======================================  ===========================================
 bound               value                                    what it bounds
@@ -21,8 +20,6 @@ bound               value                                    what it bounds
                     floor
 ``lease_s``         ``lane_lease_s``                         a lease past its last renewal; clients
                                                              renew and drop idle leases every half
-``graph_idle_s``    ``graph_idle_s``                         a replica's compiled graph without a
-                                                             forward; then it is torn down
 ==================  =======================================  ===========================================
 
 Per app: ``request_s`` = ``request_timeout_s`` or the largest ``call_s`` + ``REQUEST_MARGIN_S``:
@@ -56,12 +53,10 @@ REQUEST_MARGIN_S = 30.0  # the ingress's wait over the slowest group call
 ROUTING_STATS_PERIOD_S = 0.5  # replicas report health / lease to the request router this often
 RANK_POLL_S = 5.0  # a rank slower than this to answer a state poll counts as not answering
 LANE_POLL_S = 0.25  # a replica reads its leased ranks' counters this often
-LIVENESS_POLL_S = 1.0  # a compiled-graph forward running longer checks that its ranks are alive
 PROBE_S = 5.0  # one liveness probe of a rank or a worker
 INGRESS_HEALTH_S = 5.0  # the ingress's wait for a deployment's cheap health view (/healthz)
 LEASE_ATTEMPT_S = 1.0  # one lease request's wait on the replica it reached
 RELEASE_S = 10.0  # a client's release of a lease on rank 0
-TEARDOWN_S = 30.0  # a closing client waits this long for its graph's teardown
 CLIENT_TIMEOUT_S = 120.0  # a client's default wait for one answer (handle or HTTP)
 DRAIN_POLL_S = 0.2  # a stopping replica looks this often whether its requests are done (Serve: 2 s)
 
@@ -78,7 +73,6 @@ class Bounds:
     warmup_s: float
     startup_s: float
     lease_s: float
-    graph_idle_s: float
 
     @classmethod
     def of(cls, spec: Any) -> Bounds:
@@ -91,7 +85,6 @@ class Bounds:
             serve_health_s=spec.health_check_timeout_s or health + HEALTH_MARGIN_S,
             close_s=max(RANK_POLL_S, collective), warmup_s=call + spec.warmup_limit_s,
             startup_s=spec.startup_timeout_s or STARTUP_FLOOR_S, lease_s=spec.lane_lease_s,
-            graph_idle_s=spec.graph_idle_s,
         )
 
 

@@ -244,15 +244,16 @@ class MoEGroupDeployment:
 
     async def lease_lane(self, client: str, max_tokens: int, wait_s: float = 0.0,
                          workers: list[str] | None = None,
-                         avoid_replica: str | None = None) -> dict[str, Any]:
-        """Lease this replica's TP group to a lane or cohort client (``serve.lanes``; the client
-        side is ``deployments.client.leases``): ``{"granted": True, ...}`` with the ranks'
-        handles, or ``{"granted": False, "reason": ...}`` when it stayed held for ``wait_s``
-        seconds. ``avoid_replica``: as :meth:`forward`'s (a re-lease after this replica failed)."""
+                         avoid_replica: str | None = None, peers: int = 1) -> dict[str, Any]:
+        """Lease this replica's TP group to a lane, cohort or session of ``peers`` peers
+        (``serve.lanes``; the client side is ``deployments.client.leases``): ``{"granted": True,
+        ...}`` with the session's ticket for this group, or ``{"granted": False, "reason": ...}``
+        when it stayed held for ``wait_s`` seconds. ``avoid_replica``: as :meth:`forward`'s (a
+        re-lease after this replica failed)."""
         if avoid_replica == self.replica:
             return {"granted": False, "replica": self.replica,
                     "reason": "this replica failed the client's last call (no other replica was free)"}
-        return await self.lanes.grant(client, max_tokens, wait_s, workers)
+        return await self.lanes.grant(client, max_tokens, wait_s, workers, peers)
 
     async def _run_batch(self, layer: int, requests: list[LayerRequest]) -> list[WireTensor]:
         """One forward per router-logits kind (given or computed), split back per request."""
@@ -299,7 +300,6 @@ class MoEGroupDeployment:
             "device": self.group.infos[0]["device"],
             "backend": self.group.infos[0]["backend"],
             "group_transport": self.group.transport,
-            "group_graph_drops": self.group.graph_drops,
             "experts_backend": self.group.infos[0]["experts_backend"],
             "experts_backend_warning": self.group.infos[0]["experts_backend_warning"],
             "experts_path": self.group.infos[0]["experts_path"],

@@ -1,9 +1,11 @@
 """The replica's side of its TP group: start the workers, forward batches, health, warm-up.
 
-:class:`TPGroup` sends the same batch to every rank, returns rank 0's output (sequence parallel:
-every rank's rows, in order), bounds every call by the collective timeout plus a margin, and
-marks the group broken on the first failure so the replica turns unhealthy and Serve replaces
-it. :func:`tune_group` measures a pending ``auto`` tail on the group at warm-up: every rank
+:class:`TPGroup` starts the ranks and their data plane (``deployments.dataplane``: rank 0 hosts
+sessions, the other ranks follow its batches) and sends its own batches as the one peer of a
+session of its own: rank 0 runs each on every rank and answers the group's output (sequence
+parallel: every rank's rows, in order). Every call is bounded (the group's call bound) and the
+first failure marks the group broken, so the replica turns unhealthy and Serve replaces it.
+:func:`tune_group` measures a pending ``auto`` tail on the group at warm-up: every rank
 times each legal tail at ``auto_tune_tokens`` (the tails run collectives), rank 0's timings
 decide the plan (fastest tail per token range), and every rank adopts it on every served layer.
 The measurement's clock is injectable (``tune_clock: "module:callable"``, resolved on the
@@ -30,19 +32,26 @@ from moe_runtime.tp.plan import Clock, TailPlan, Timings
 
 from .. import logger
 from ..cluster import kv
-from ..cluster.liveness import dead_actors_async
-from ..common.errors import GroupTimeoutError, GroupUnavailableError, actor_died, error_message
-from ..common.wire import WireTensor, copy_graph_outputs, join_rank_outputs
+from ..cluster.liveness import dead_actors
+from ..common.errors import (
+    GroupTimeoutError,
+    GroupUnavailableError,
+    actor_died,
+    error_message,
+)
+from ..common.wire import WireTensor
 from ..config.resolve import ResolvedDeployment
-from ..config.timeouts import LIVENESS_POLL_S
 from ..control.accelerator import Accelerator
 from ..control.decide import MEASURED, REUSED, Decision, TailDecision, measured_plan
 from ..control.serve_options import worker_resources
 from ..control.warmup import plan_key, plan_key_fields
-from .lanes import LANE_GRAPH_SLOTS
+from ..dataplane.errors import Action, Failure, SessionError
+from ..dataplane.frames import new_secret
+from ..dataplane.peer import GroupEndpoint, SessionPeer, SessionTicket
 from .worker import WORKER_NAMESPACE, TPWorker
 
-INLINE_BYTES = 64 * 1024  # below Ray's inline-argument limit (100 KiB by default)
+# The replica's own session takes any batch it sends (it checked the batch against its live spec).
+OWN_SESSION_TOKENS = 2**31 - 1
 
 
 class _RankFailure(Exception):
@@ -55,7 +64,7 @@ class TPGroup:
     """The replica's handle on its workers: start, forward, health collective, shutdown."""
 
     def __init__(self, resolved: ResolvedDeployment, workers: list, names: list[str], infos: list[dict],
-                 replica: str):
+                 replica: str, peer: SessionPeer):
         self.resolved, self.replica = resolved, replica
         self.workers, self.names, self.infos = workers, names, infos
         self.world = resolved.spec.tp_size
@@ -65,12 +74,9 @@ class TPGroup:
         self._submit_lock = threading.Lock()
         # Called with True when a forward starts running on the ranks, False when it ends.
         self.busy_listeners: list[Callable[[bool], None]] = []
-        self._dag: Any = None  # the forward hop as a compiled graph (compiled at the first forward)
-        self.transport: str | None = None  # how forwards reach the ranks, once decided
-        self._logged_transport: str | None = None
-        self.last_forward = time.monotonic()
-        self.graph_drops = 0  # compiled graphs torn down for idleness
-        self._idle_watch: asyncio.Task | None = None
+        self.peer = peer  # this replica as the one peer of its own data-plane session
+        g = peer.ticket.groups[0]
+        self.transport = f"data plane (session {g.session} on rank 0 at {g.host}:{g.port})"
 
     @classmethod
     def start(cls, resolved: ResolvedDeployment, accelerator: Accelerator, replica: str) -> TPGroup:
@@ -84,9 +90,7 @@ class TPGroup:
                 f"deployment {spec.name!r} must run in a placement group of 1 + {spec.tp_size} bundles "
                 "(placement_group_bundles in its options, see deployments.control.serve_options)"
             )
-        # Graph loops run on the actor's _ray_system threads: its replica's graph, a lane's, and
-        # those abandoned by lane clients that died (serve.lanes).
-        actor_cls = ray.remote(concurrency_groups={"_ray_system": LANE_GRAPH_SLOTS})(TPWorker)
+        actor_cls = ray.remote(TPWorker)
         resources = worker_resources(spec, accelerator.layout)
         workers, names = [], []
         for rank in range(spec.tp_size):
@@ -110,11 +114,12 @@ class TPGroup:
         try:
             addr, port = ray.get(workers[0].rendezvous_address.remote(), timeout=startup_timeout_s)
             infos = ray.get([w.setup.remote(addr, port) for w in workers], timeout=startup_timeout_s)
+            peer = start_dataplane(workers, resolved, tag, infos[0]["hidden_size"], startup_timeout_s)
         except BaseException:
             for w in workers:
                 ray.kill(w, no_restart=True)
             raise
-        group = cls(resolved, workers, names, infos, replica)
+        group = cls(resolved, workers, names, infos, replica, peer)
         logger.info(
             "TP group %s up: %d rank(s) on %s (%s), rendezvous %s:%d, shards loaded in %.1f s",
             tag, spec.tp_size, ", ".join(i["device"] for i in infos), infos[0]["backend"], addr, port,
@@ -159,29 +164,6 @@ class TPGroup:
     def unhold(self) -> None:
         self._lock.release()
 
-    async def drop_graph(self) -> None:
-        """Tear the replica's own compiled graph down (held: nothing runs on it); the next
-        forward compiles it again. An idle graph's loops poll their channels and burn a core per
-        rank, so a leased group must not keep it beside the lane's."""
-        dag, self._dag, self.transport = self._dag, None, None
-        if dag is not None:
-            with contextlib.suppress(Exception):  # ranks gone: the group is broken anyway
-                await asyncio.to_thread(dag.teardown)
-
-    async def _drop_graph_when_idle(self, dag: Any) -> None:
-        """Tear ``dag`` down once no forward has started for ``graph_idle_s`` (under the call
-        lock, so never under a running forward); ends when the graph goes another way."""
-        idle_s = self.bounds.graph_idle_s
-        while self._dag is dag:
-            wait_s = self.last_forward + idle_s - time.monotonic()
-            if wait_s > 0 or self._lock.locked():  # recent, or a forward or a lease holds the group
-                await asyncio.sleep(max(wait_s, idle_s / 4))
-                continue
-            async with self._lock:
-                if self._dag is dag and time.monotonic() - self.last_forward >= idle_s:
-                    await self.drop_graph()
-                    self.graph_drops += 1
-
     def check_usable(self) -> None:
         if self.broken is not None:
             raise GroupUnavailableError(
@@ -213,105 +195,32 @@ class TPGroup:
             )
             raise GroupUnavailableError(f"TP group failed: {reason}", self.replica) from None
 
-    def _compile_forward(self) -> None:
-        """The replica -> ranks forward hop as a Ray Compiled Graph (shared-memory channels
-        instead of a task submission per rank and call); actor calls when it cannot be built.
-        Other calls (health all-reduce, warm-up timing) stay plain actor calls: the lock keeps
-        them from overlapping a forward on the ranks."""
-        wanted = self.resolved.spec.compiled_graph
-        if wanted is False:
-            self.transport = "actor calls (compiled_graph is off)"
-        elif wanted is None and self.world == 1:
-            self.transport = "actor calls (auto: TP 1, where the compiled graph measured slower)"
-        else:
-            try:
-                from ray.dag import InputNode, MultiOutputNode
-
-                with InputNode() as inp:
-                    dag = MultiOutputNode([w.forward.bind(inp[0], inp[1], inp[2]) for w in self.workers])
-                self._dag = dag.experimental_compile(enable_asyncio=True)
-                self.transport = "compiled graph"
-                # held here: the event loop keeps only a weak reference to a task
-                self._idle_watch = asyncio.ensure_future(self._drop_graph_when_idle(self._dag))
-            except Exception as e:  # e.g. an older Ray, or channels not available here
-                self.transport = f"actor calls (compiled graph unavailable: {error_message(e)})"
-        if self.transport != self._logged_transport:  # once, not at every recompile after idleness
-            self._logged_transport = self.transport
-            idle = f" (torn down after {self.bounds.graph_idle_s:g} s idle)" if self._dag is not None else ""
-            logger.info("TP group %s: forwards reach the ranks by %s%s", self.resolved.spec.name,
-                        self.transport, idle)
-
-    async def _gather_compiled(self, args: tuple, what: str, timeout_s: float) -> list:
-        async def run() -> list:
-            futures = await self._dag.execute_async(*args)
-            if isinstance(futures, list):
-                return list(await asyncio.gather(*futures))
-            return list(await futures)
-
-        # A dead rank does not fail the graph's read (the others wait in their collective), so
-        # a forward that outlives LIVENESS_POLL_S checks on the ranks while it waits.
-        task = asyncio.ensure_future(run())
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                wait_s = min(LIVENESS_POLL_S, deadline - time.monotonic())
-                done, _ = await asyncio.wait({task}, timeout=wait_s)
-                if done:
-                    results = task.result()
-                    break
-                dead = await self._dead_ranks()
-                if dead:
-                    reason = self._break(f"rank {dead[0]} died during {what} (compiled graph)")
-                    raise GroupUnavailableError(f"TP group failed: {reason}", self.replica)
-                if time.monotonic() >= deadline:
-                    reason = self._break(f"{what} did not finish within {timeout_s:.0f} s (compiled graph)")
-                    raise GroupTimeoutError(f"TP group timed out: {reason}", self.replica)
-        except GroupUnavailableError:
-            task.cancel()
-            raise
-        except Exception as e:
-            dead = await self._dead_ranks()
-            if dead:  # the cause; the graph's own error then says little (Ray 2.60 may even fail
-                # reading the broken channel with "'RayChannelError' object is not iterable")
-                reason = self._break(f"rank {dead[0]} died during {what} (compiled graph)")
-            else:
-                reason = self._break(f"a rank failed during {what} (compiled graph): {error_message(e)}")
-            raise GroupUnavailableError(f"TP group failed: {reason}", self.replica) from None
-        return copy_graph_outputs(results)
-
-    async def _dead_ranks(self) -> list[int]:
-        """Ranks whose actor died (the graph's error does not say which)."""
-        return await dead_actors_async(self.workers)
-
     async def _locked_call(self, method: str, args: tuple, what: str, timeout_s: float) -> list:
         async with self._lock:
             self.check_usable()
-            notify = method == "forward"
-            if notify:
-                for listener in self.busy_listeners:
-                    listener(True)
-            try:
-                if notify:
-                    # Under the lock: a compile never overlaps a graph's teardown (idle drop,
-                    # lease) or a lease's own graph on these ranks.
-                    if self.transport is None:
-                        self._compile_forward()
-                    if self._dag is not None:
-                        return await self._gather_compiled(args, what, timeout_s)
-                    args = self._put_large(args)
+            if method != "forward":
                 return await self._gather(self._submit(method, *args), what, timeout_s)
+            for listener in self.busy_listeners:
+                listener(True)
+            try:
+                return [await asyncio.to_thread(self._forward, *args, what)]
             finally:
-                if notify:
-                    for listener in self.busy_listeners:
-                        listener(False)
+                for listener in self.busy_listeners:
+                    listener(False)
 
-    def _put_large(self, args: tuple) -> tuple:
-        """A forward's tensors for actor calls: into the object store once rather than serialised
-        for every rank; small batches (decode) travel inline, cheaper than a put and a fetch."""
-        layer, x_w, logits_w = args
-        if self.world == 1 or x_w.array.nbytes <= INLINE_BYTES:
-            return args
-        return layer, ray.put(x_w), None if logits_w is None else ray.put(logits_w)
+    def _forward(self, layer: int, x_TH: WireTensor, logits: np.ndarray | None, what: str
+                 ) -> tuple[WireTensor, str]:
+        """One batch through this replica's own session (its thread: the peer's wait blocks)."""
+        try:
+            return self.peer.forward(x_TH, layer, logits)
+        except SessionError as e:
+            if e.action is Action.CALLER_ERROR:  # the replica checked it first: not expected
+                raise e.input_error() from None
+            dead = dead_actors(self.workers)  # the cause, where a rank died: rank 0 saw only its effect
+            cause = f"rank {dead[0]} died during {what}" if dead else f"{what} failed"
+            reason = self._break(f"{cause} ({e.failure.value}: {e})")
+            error = GroupTimeoutError if e.failure is Failure.GROUP_TIMEOUT else GroupUnavailableError
+            raise error(f"TP group failed: {reason}", self.replica) from None
 
     async def _shielded(self, method: str, args: tuple, what: str, timeout_s: float) -> list:
         # A cancelled caller must not release the lock while its call still runs on the ranks.
@@ -323,12 +232,11 @@ class TPGroup:
     ) -> tuple[WireTensor, str]:
         """``out [T, H]`` of ``layer`` (fp32 ``router_logits_TE`` or None) and the tail that ran."""
         T = x_TH.shape[0]
-        self.last_forward = time.monotonic()
-        logits_w = None if router_logits_TE is None else WireTensor(router_logits_TE, "float32")
-        results = await self._shielded(
-            "forward", (layer, x_TH, logits_w), f"the layer {layer} forward of {T} tokens", self.bounds.call_s
+        (out,) = await self._shielded(
+            "forward", (layer, x_TH, router_logits_TE), f"the layer {layer} forward of {T} tokens",
+            self.bounds.call_s,
         )
-        return join_rank_outputs(results)
+        return out
 
     async def health_check(self) -> None:
         """Every worker alive and the group able to run a collective; raises otherwise.
@@ -344,14 +252,27 @@ class TPGroup:
         )
 
     def shutdown(self) -> None:
-        if self._dag is not None:
-            with contextlib.suppress(Exception):  # ranks already gone
-                self._dag.teardown(kill_actors=True)
-            self._dag = None
+        self.peer.close("the replica is shutting down")
         for w in self.workers:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(w, no_restart=True)
         self.workers = []
+
+
+def start_dataplane(workers: Sequence[Any], resolved: ResolvedDeployment, tag: str, hidden_size: int,
+                    timeout_s: float) -> SessionPeer:
+    """Rank 0 listens, the other ranks link to it (a fresh group secret), and the replica joins a
+    session of its own as its one peer (rows per layer: any the replica sends; it checked them)."""
+    secret = new_secret()
+    address = ray.get(workers[0].dataplane_listen.remote(secret), timeout=timeout_s)
+    ray.get([w.dataplane_link.remote(address, secret) for w in workers[1:]], timeout=timeout_s)
+    ray.get(workers[0].dataplane_ready.remote(timeout_s), timeout=timeout_s + 1)
+    spec = resolved.spec
+    own = ray.get(workers[0].session_open.remote(1, OWN_SESSION_TOKENS, f"{tag}:serve"), timeout=timeout_s)
+    group = GroupEndpoint(spec.name, tag, "", own["host"], own["port"], own["secret"], own["session"],
+                          tuple(resolved.layers), hidden_size, spec.dtype, spec.bounds.call_s,
+                          OWN_SESSION_TOKENS)
+    return SessionTicket(f"{tag}:serve", 1, (group,)).join(0)
 
 
 def tune_group(

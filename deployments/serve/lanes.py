@@ -1,35 +1,24 @@
-"""Leases, the group side: a replica leases its TP group to one client at a time, a lane or a
-cohort.
+"""Leases, the group side: a replica leases its TP group to one client at a time, a lane, a
+cohort or the owner of a session, and opens the lease's data-plane session on its rank 0.
 
-A lane (``deployments.client.lane``) is a client's own Ray Compiled Graph over the ranks of a
-leased group: client -> every rank -> client through shared-memory channels, no Serve router,
-proxy or replica event loop per call. A cohort (``deployments.client.cohort``) is one graph over
-many attention workers and the ranks of every group serving its layers: per layer the ranks
-gather every worker's rows into one forward. Both call the same rank method
-(``TPWorker.lane_forward``: the parts' rows concatenated, one forward, each part's token count
-back). Ray lets only the compiling process execute a graph, and the ranks run collectives that
-must see one call order, so a group serves one lease at a time and nothing else meanwhile:
+The per-layer path is the data plane (``deployments.dataplane``): the lease's peers connect to
+rank 0 with the session's secret, send their rows per layer, and rank 0 runs one forward over
+all of them on every rank (design section 9.2). The ranks run collectives that must see one call
+order, so a group serves one lease at a time and nothing else meanwhile:
 
 * :class:`LaneLeases` (the replica) grants a lease by taking the group's call lock: Serve
-  forwards, the health collective and warm-up wait while it is held, and the replica's own
-  compiled graph is torn down (an idle graph's loops poll their channels, a core per rank; it is
-  compiled again at the next Serve forward). It polls the ranks every
-  ``LANE_POLL_S``: the lease's forwards, callers' parts and tokens feed the replica's counters
-  (``status()``, the autoscaler's tokens/s; waiting lease requests count as queued tokens), a
-  dead rank, a rank whose forward failed, or a client's report that a call outlived its bound
-  breaks the group (Serve replaces the replica), and the lease ends when the client releases
-  it, or one term (``lane_lease_s``) after its last renewal -- a dead client holds nothing for
-  longer.
-  While a Serve request or another lease waits, a lease held a whole term is no longer renewed:
-  the client then tears its graph down and takes the Serve path, so waits stay bounded.
-* :class:`LaneSeat` (each rank) records the lease: the lane's calls carry its id and are
-  refused on any other; rank 0 counts calls, tokens and renewals.
-
-A client that dies without tearing its graph down leaves that graph's loop waiting on every
-rank until the replica ends (Ray cannot cancel it from another process), and an idle loop polls
-its channel, using CPU; the workers therefore host up to
-``LANE_GRAPH_SLOTS`` graph loops, and a replica refuses leases once the abandoned ones leave
-fewer than two free (its own graph and one lane), saying so.
+  forwards, the health collective and warm-up wait while it is held. It opens a session of the
+  lease's number of peers on rank 0 and hands its ticket (address, secret, session number) out
+  with the grant. It polls the ranks every ``LANE_POLL_S``: the lease's forwards, parts and
+  tokens feed the replica's counters (``status()``, the autoscaler's tokens/s; waiting lease
+  requests count as queued tokens); a dead rank, a failed forward, or a client's report that a
+  call outlived its bound breaks the group (Serve replaces the replica); the lease ends when the
+  client releases it, when its session ends (a peer died or stalled: every peer was told), or
+  one term (``lane_lease_s``) after its last renewal. While a Serve request or another lease
+  waits, a lease held a whole term is no longer renewed: its owner then takes the Serve path, so
+  waits stay bounded.
+* :class:`LaneSeat` (each rank) records the lease; rank 0 counts its forwards, tokens and
+  renewals.
 """
 
 from __future__ import annotations
@@ -47,13 +36,9 @@ from .. import logger
 from ..common.errors import ServeInputError, TooLargeError, actor_died, error_message
 from ..config.timeouts import LANE_POLL_S, RANK_POLL_S
 
-LANE_GRAPH_SLOTS = 16  # compiled-graph loops a worker can run at once (its _ray_system threads)
 MAX_LEASE_WAIT_S = 600.0
+MAX_PEERS = 256  # peers of one session (each is a connection to rank 0)
 HISTORY = 16  # ended leases kept for status()
-
-
-class LaneLeaseError(RuntimeError):
-    """A lane call carried a lease this rank does not hold (ended, or never granted)."""
 
 
 @dataclass
@@ -62,12 +47,12 @@ class LaneSeat:
 
     lease_id: str | None = None
     client: str = ""
+    session: int | None = None  # the lease's data-plane session on rank 0
     revoked: bool = False
     released: bool = False
     renewed_at: float = 0.0  # time.monotonic() of the grant or the last renewal
-    calls: int = 0  # graph executions that reached this rank (every rank counts the same)
-    forwards: int = 0  # of them: forwards run (a call whose parts all had 0 rows runs none)
-    requests: int = 0  # callers' parts with rows in those forwards (a cohort: one per worker)
+    forwards: int = 0  # the session's forwards (rank 0; a layer whose peers all sent 0 rows runs none)
+    requests: int = 0  # peers' parts with rows in those forwards (a cohort: one per worker)
     tokens: int = 0
     busy_s: float = 0.0
     in_flight_tokens: int = 0
@@ -77,15 +62,11 @@ class LaneSeat:
     layer_requests: Counter[int] = field(default_factory=Counter)
     layer_tokens: Counter[int] = field(default_factory=Counter)
     batch_tokens: Counter[str] = field(default_factory=Counter)  # "layer:tokens" of a forward -> forwards
-    # Leases that expired without a release: their client died or stalled without tearing its
-    # graph down, whose loop may then block one graph slot (a late release clears it).
-    expired: set[str] = field(default_factory=set)
-
-    def open(self, lease_id: str, client: str) -> None:
-        self.lease_id, self.client = lease_id, client
+    def open(self, lease_id: str, client: str, session: int | None) -> None:
+        self.lease_id, self.client, self.session = lease_id, client, session
         self.revoked = self.released = False
         self.renewed_at = time.monotonic()
-        self.calls = self.forwards = self.requests = self.tokens = self.in_flight_tokens = 0
+        self.forwards = self.requests = self.tokens = self.in_flight_tokens = 0
         self.busy_s = 0.0
         self.failed = None
         self.tails, self.layer_forwards, self.layer_tokens = Counter(), Counter(), Counter()
@@ -94,14 +75,22 @@ class LaneSeat:
 
     def close(self, lease_id: str) -> None:
         if self.lease_id == lease_id:
-            self.lease_id = None
+            self.lease_id = self.session = None
 
-    def check(self, lease_id: str) -> None:
-        if lease_id != self.lease_id:
-            raise LaneLeaseError(
-                f"lane call with lease {lease_id!r} on a rank whose lease is {self.lease_id!r}: "
-                "the lease ended; lease the group again"
-            )
+    def count(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float) -> None:
+        """Rank 0: a forward of ``session`` ran (counted when it is the lease's)."""
+        if session != self.session:
+            return
+        tokens = sum(sizes)
+        self.forwards += 1
+        self.requests += len(sizes)
+        self.tokens += tokens
+        self.busy_s += seconds
+        self.tails[tail] += 1
+        self.layer_forwards[layer] += 1
+        self.layer_requests[layer] += len(sizes)
+        self.layer_tokens[layer] += tokens
+        self.batch_tokens[f"{layer}:{tokens}"] += 1
 
     def renew(self, lease_id: str) -> bool:
         """True when ``lease_id`` is held and not revoked (its term starts again)."""
@@ -116,15 +105,13 @@ class LaneSeat:
         arrives later is refused and its client never calls again."""
         if lease_id != self.lease_id or self.in_flight_tokens or time.monotonic() - self.renewed_at <= term_s:
             return False
-        self.expired.add(lease_id)
-        self.lease_id = None
+        self.lease_id = self.session = None
         return True
 
     def release(self, lease_id: str) -> None:
-        """The client tore its graph down (also after its lease expired)."""
+        """The client is done with the lease."""
         if lease_id == self.lease_id:
             self.released = True
-        self.expired.discard(lease_id)
 
     def revoke(self, lease_id: str) -> None:
         if lease_id == self.lease_id:
@@ -138,9 +125,9 @@ class LaneSeat:
     def state(self) -> dict[str, Any]:
         return {"lease_id": self.lease_id, "client": self.client, "revoked": self.revoked,
                 "released": self.released, "renew_age_s": time.monotonic() - self.renewed_at,
-                "calls": self.calls, "forwards": self.forwards, "requests": self.requests,
+                "forwards": self.forwards, "requests": self.requests,
                 "tokens": self.tokens, "busy_s": self.busy_s, "failed": self.failed,
-                "in_flight_tokens": self.in_flight_tokens, "abandoned": len(self.expired),
+                "in_flight_tokens": self.in_flight_tokens,
                 "tails": dict(self.tails), "layer_forwards": dict(self.layer_forwards),
                 "layer_requests": dict(self.layer_requests),
                 "layer_tokens": dict(self.layer_tokens), "batch_tokens": dict(self.batch_tokens)}
@@ -156,8 +143,9 @@ class Lease:
     since: float  # time.time() of the grant
     granted_at: float  # time.monotonic() of the grant
     workers: list[str] = field(default_factory=list)  # a cohort's attention workers (a lane: none)
+    peers: int = 1
+    session: int | None = None  # its data-plane session on rank 0
     revoked: bool = False
-    calls: int = 0
     forwards: int = 0
     requests: int = 0
     tokens: int = 0
@@ -168,10 +156,11 @@ class Lease:
     watcher: asyncio.Task | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"client": self.client, "kind": "cohort" if self.workers else "lane",
+        kind = "cohort" if self.workers else "lane" if self.peers == 1 else "session"
+        return {"client": self.client, "kind": kind, "peers": self.peers,
                 "workers": list(self.workers), "lease_id": self.lease_id, "max_tokens": self.max_tokens,
                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
-                "calls": self.calls, "forwards": self.forwards, "requests": self.requests,
+                "session": self.session, "forwards": self.forwards, "requests": self.requests,
                 "tokens": self.tokens, "busy_s": round(self.busy_s, 3),
                 "revoked": self.revoked, "renew_age_s": round(self.renew_age_s, 2)}
 
@@ -190,7 +179,6 @@ class LaneLeases:
         self.active: Lease | None = None
         self.waiting = 0  # lease requests waiting for the group
         self.waiting_tokens = 0
-        self.abandoned = 0  # graph loops left waiting on the ranks by clients that died
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.granted = 0
         self._ids = itertools.count(1)
@@ -198,10 +186,11 @@ class LaneLeases:
     # -- grant ----------------------------------------------------------------------------
 
     async def grant(self, client: str, max_tokens: Any, wait_s: Any,
-                    workers: list[str] | None = None) -> dict[str, Any]:
-        """Lease the group to ``client`` (waiting up to ``wait_s`` for it; ``workers``: a cohort's
-        attention workers, for ``status()``); a dict saying ``granted`` and, if so, what the
-        client needs to build its graph; else the reason."""
+                    workers: list[str] | None = None, peers: Any = 1) -> dict[str, Any]:
+        """Lease the group to ``client`` for a session of ``peers`` peers sending up to
+        ``max_tokens`` rows each per layer (waiting up to ``wait_s`` for it; ``workers``: a
+        cohort's attention workers, for ``status()``); a dict saying ``granted`` and, if so, the
+        session's ticket for this group; else the reason."""
         spec = self.spec()
         if not isinstance(client, str) or not client.strip():
             raise ServeInputError(f"client must be a non-empty string, got {client!r}")
@@ -210,11 +199,15 @@ class LaneLeases:
             raise ServeInputError(f"workers must be a list of names, got {workers!r}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ServeInputError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if max_tokens > spec.max_tokens_per_request:
-            what = f"a cohort of {len(workers)} workers" if workers else "a lane"
+        if isinstance(peers, bool) or not isinstance(peers, int) or not 1 <= peers <= MAX_PEERS:
+            raise ServeInputError(f"peers must be an integer in [1, {MAX_PEERS}], got {peers!r}")
+        if peers * max_tokens > spec.max_tokens_per_request:
+            what = (f"a cohort of {len(workers)} workers" if workers else
+                    "a lane" if peers == 1 else "a session")
             raise TooLargeError(
-                f"{what} of max_tokens {max_tokens} per forward exceeds max_tokens_per_request = "
-                f"{spec.max_tokens_per_request} of deployment {spec.name!r}"
+                f"{what} of {peers} peer(s) x max_tokens {max_tokens} = {peers * max_tokens} rows per "
+                f"forward exceeds max_tokens_per_request = {spec.max_tokens_per_request} of deployment "
+                f"{spec.name!r}"
             )
         number = isinstance(wait_s, int | float) and not isinstance(wait_s, bool)
         if not number or not 0 <= wait_s <= MAX_LEASE_WAIT_S:
@@ -224,14 +217,6 @@ class LaneLeases:
         if not spec.lanes:
             return self._refused(f"deployment {spec.name!r} has lanes: false")
         self.group.check_usable()
-        rank0 = await asyncio.wait_for(self.group.workers[0].lane_state.remote(), RANK_POLL_S)
-        self.abandoned = rank0["abandoned"]
-        if self.abandoned > LANE_GRAPH_SLOTS - 2:
-            return self._refused(
-                f"{self.abandoned} lane graph(s) abandoned by clients that died hold the ranks' "
-                f"graph slots ({LANE_GRAPH_SLOTS}); this replica serves the Serve path only until "
-                "it is replaced"
-            )
         self.waiting += 1
         self.waiting_tokens += max_tokens
         try:
@@ -243,11 +228,17 @@ class LaneLeases:
             who = self.active.client if self.active is not None else "a Serve forward"
             return self._refused(f"the group is held by {who} (waited {float(wait_s):.1f} s)")
         lease = Lease(f"{self.replica}:{next(self._ids)}:{uuid.uuid4().hex[:8]}", client, max_tokens,
-                      time.time(), time.monotonic(), workers)
+                      time.time(), time.monotonic(), workers, peers)
+        rank0 = self.group.workers[0]
         try:
-            await self.group.drop_graph()
+            # Each part is held to the deployment's live max_tokens_per_request, as a Serve
+            # request is (max_tokens above only reserved the group for this many rows).
+            opened = rank0.session_open.remote(peers, None, lease.lease_id)
+            ticket = await asyncio.wait_for(opened, RANK_POLL_S)
+            lease.session = ticket["session"]
             await asyncio.wait_for(
-                asyncio.gather(*(w.lane_open.remote(lease.lease_id, client) for w in self.group.workers)),
+                asyncio.gather(*(w.lane_open.remote(lease.lease_id, client, lease.session)
+                                 for w in self.group.workers)),
                 RANK_POLL_S,
             )
         except BaseException:
@@ -261,11 +252,11 @@ class LaneLeases:
                     spec.lane_lease_s)
         return {
             "granted": True, "lease_id": lease.lease_id, "replica": self.replica, "deployment": spec.name,
-            "ranks": list(self.group.workers), "world": self.group.world,
-            "sequence_parallel": spec.sequence_parallel, "hidden_size": self.group.infos[0]["hidden_size"],
+            "ranks": list(self.group.workers), "world": self.group.world, "peers": peers,
+            "hidden_size": self.group.infos[0]["hidden_size"],
             "layers": list(self.group.resolved.layers), "dtype": spec.dtype, "max_tokens": max_tokens,
             "term_s": spec.lane_lease_s, "call_timeout_s": spec.bounds.call_s,
-            "device": self.group.infos[0]["device"],
+            "device": self.group.infos[0]["device"], **ticket,
         }
 
     def _refused(self, reason: str) -> dict[str, Any]:
@@ -300,8 +291,12 @@ class LaneLeases:
                     return
                 if isinstance(states[0], dict):
                     self._account(lease, states[0])
-                    if states[0]["released"]:  # the client tore its graph down
+                    if states[0]["released"]:  # the client is done with it
                         how = "released"
+                        return
+                    session = states[0]["session"]
+                    if session is not None and session["ended"]:  # every peer was told why
+                        how = f"its session ended ({session['failure']}: {session['ended']})"
                         return
                 silent = [r for r, st in enumerate(states) if not isinstance(st, dict)]
                 if silent:
@@ -316,12 +311,10 @@ class LaneLeases:
                         return
                     continue
                 silent_since = None
-                # Nothing half-way: every rank finished the same calls and none is running one.
-                idle = len({st["calls"] for st in states}) == 1 and not any(
-                    st["in_flight_tokens"] for st in states)
+                # Nothing half-way: no rank is running a forward.
+                idle = not any(st["in_flight_tokens"] for st in states)
                 if states[0]["renew_age_s"] > term and idle and await self._expire(lease, term):
                     # The client renews every half term while it calls: it is gone or stuck.
-                    # Its graph may still block one loop on every rank.
                     how = "expired"
                     return
                 held_s = time.monotonic() - lease.granted_at
@@ -353,15 +346,14 @@ class LaneLeases:
     def _account(self, lease: Lease, rank0: dict[str, Any]) -> None:
         new = {key: _increase(lease.counts.get(key, {}), rank0[key])
                for key in ("tails", "layer_forwards", "layer_requests", "layer_tokens", "batch_tokens")}
-        if rank0["calls"] > lease.calls:
+        if rank0["forwards"] > lease.forwards:
             self.stats.lease_forwards(
                 forwards=rank0["forwards"] - lease.forwards, requests=rank0["requests"] - lease.requests,
                 tokens=rank0["tokens"] - lease.tokens, seconds=rank0["busy_s"] - lease.busy_s, **new)
         lease.counts = {key: dict(rank0[key]) for key in new}
-        lease.calls, lease.forwards, lease.requests = rank0["calls"], rank0["forwards"], rank0["requests"]
+        lease.forwards, lease.requests = rank0["forwards"], rank0["requests"]
         lease.tokens, lease.busy_s = rank0["tokens"], rank0["busy_s"]
         lease.in_flight_tokens, lease.renew_age_s = rank0["in_flight_tokens"], rank0["renew_age_s"]
-        self.abandoned = rank0["abandoned"]
 
     async def _end(self, lease: Lease, how: str) -> None:
         # Every rank must close the lease before the group serves anyone else: a rank that
@@ -370,7 +362,8 @@ class LaneLeases:
         bound_s = self.spec().bounds.close_s
         try:
             states = await asyncio.gather(
-                *(asyncio.wait_for(w.lane_close.remote(lease.lease_id), bound_s) for w in self.group.workers),
+                *(asyncio.wait_for(w.lane_close.remote(lease.lease_id, f"the lease ended: {how}"), bound_s)
+                  for w in self.group.workers),
                 return_exceptions=True)
             if isinstance(states[0], dict):
                 self._account(lease, states[0])
@@ -383,8 +376,8 @@ class LaneLeases:
             self.history.append({**lease.to_dict(), "ended": how,
                                  "ended_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
             self.group.unhold()
-            logger.info("lane lease %s of %s ended (%s): %d call(s), %d token(s)",
-                        lease.lease_id, lease.client, how, lease.calls, lease.tokens)
+            logger.info("lease %s of %s ended (%s): %d forward(s), %d token(s)",
+                        lease.lease_id, lease.client, how, lease.forwards, lease.tokens)
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -400,7 +393,6 @@ class LaneLeases:
             "waiting": self.waiting,
             "granted": self.granted,
             "term_s": self.spec().lane_lease_s,
-            "abandoned_graphs": self.abandoned,
             "history": list(self.history),
         }
 

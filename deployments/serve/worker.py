@@ -23,9 +23,8 @@ import ray
 from moe_runtime.config import LatentMoEConfig
 
 from .. import logger
-from ..common.errors import ServeInputError, error_message
-from ..common.requests import as_rows, check_layer, check_layout, validate_forward
-from ..common.wire import WireTensor, concat_rows, failure_in, part_tokens
+from ..common.requests import check_layer, check_layout, validate_forward
+from ..common.wire import WireTensor
 from ..config.resolve import ResolvedDeployment
 from .lanes import LaneSeat
 
@@ -33,6 +32,8 @@ if TYPE_CHECKING:
     import torch
 
     from moe_runtime.tp.collectives import Collectives
+
+    from ..dataplane.host import GroupHost, RankLink
 
 WORKER_NAMESPACE = "latent_moe_serve"
 # Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
@@ -100,6 +101,8 @@ class TPWorker:
         self.load_s = 0.0
         self.max_tokens = spec.max_tokens_per_request  # the lane's limit, kept live by the replica
         self.lane = LaneSeat()
+        self.host: GroupHost | None = None  # rank 0's data plane
+        self.link: RankLink | None = None  # a rank > 0's link to rank 0
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0: this node's IP and a free port on it for the process-group store."""
@@ -134,15 +137,10 @@ class TPWorker:
         self.comm.loaded(r.spec.collective_timeout_s)  # then every collective gets its own bound
         return self.info()
 
-    def forward(
-        self, layer: int, x_TH: WireTensor, router_logits_TE: WireTensor | None
-    ) -> tuple[WireTensor | None, str]:
-        """Run ``layer`` on the batch (the replica validated it); rank 0 returns ``out [T, H]``
-        (sequence parallel: every rank returns its own rows), the others None; plus the tail."""
-        logits = None if router_logits_TE is None else router_logits_TE.to_torch(writable=False)
-        return self._run(layer, x_TH.to_torch(writable=False), logits)
-
-    def _run(self, layer: int, x: torch.Tensor, logits: torch.Tensor | None) -> tuple[WireTensor | None, str]:
+    def run_layer(self, layer: int, x: torch.Tensor, logits: torch.Tensor | None
+                  ) -> tuple[WireTensor | None, str]:
+        """Run ``layer`` on a checked batch: rank 0's ``out [T, H]`` (sequence parallel: every rank
+        its own rows), the others None; plus the tail."""
         import torch
 
         runner = self.runners[layer]
@@ -156,94 +154,51 @@ class TPWorker:
             return None, tail
         return WireTensor.from_torch(out), tail
 
-    # -- leases (deployments.serve.lanes): a lane's or a cohort's compiled graph calls this --
+    # -- the data plane (deployments.dataplane): rank 0 hosts sessions, the others follow --------
 
-    def lane_forward(
-        self, lease_id: str, layer: Any, router_logits_TE: Any, after: Any, *parts: Any
-    ) -> tuple[WireTensor | None, str, list[int]]:
-        """One forward of every part's rows, concatenated in order, for the client holding
-        ``lease_id``: a lane sends one part, a cohort one per attention worker (0 rows allowed:
-        it adds nothing). ``after``: this rank's previous node in a cohort's graph (ignored:
-        it only orders the graph). Returns :meth:`forward`'s ``(out, tail)`` for the whole batch plus
-        each part's token count (``common.wire.part_rows`` splits it back). Every rank checks the
-        input the same way, so a bad one fails on every rank before any collective; a failure
-        that is not the input's marks the lease failed, and the replica breaks the group."""
-        import torch
+    def dataplane_listen(self, group_secret: str) -> tuple[str, int]:
+        """Rank 0: start the group's data-plane host on this node's address; where it listens."""
+        from ..dataplane.host import GroupHost
 
-        self.lane.check(lease_id)
-        failed = failure_in(parts)
-        if failed is not None:  # a cohort worker failed this step: nothing runs, the graph goes on
-            self.lane.calls += 1
-            return failed, "none", [0] * len(parts)
-        if torch.get_num_threads() != self.threads:
-            # Graph loops run on their own thread, where OpenMP starts from its default count;
-            # the same count as the Serve path's forward keeps the two bit-identical.
-            torch.set_num_threads(self.threads)
-        start = time.perf_counter()
-        sizes = [part_tokens(p) for p in parts]
-        tokens = sum(sizes)
-        self.lane.in_flight_tokens = tokens
-        try:
-            layer, x, logits = self._lease_batch(layer, parts, router_logits_TE)
-            if x is None:  # every part empty: nothing to run, every rank agrees
-                empty = torch.empty(0, self.cfg.hidden_size, dtype=getattr(torch, self.resolved.spec.dtype))
-                result = (WireTensor.from_torch(empty), "none")
-            else:
-                result = self._run(layer, x.to_torch(writable=False),
-                                   None if logits is None else torch.from_numpy(logits))
-                self.lane.forwards += 1
-                self.lane.requests += sum(1 for n in sizes if n)
-                self.lane.tails[result[1]] += 1
-                self.lane.layer_forwards[layer] += 1
-                self.lane.layer_requests[layer] += sum(1 for n in sizes if n)
-                self.lane.layer_tokens[layer] += tokens
-                self.lane.batch_tokens[f"{layer}:{tokens}"] += 1
-        except ServeInputError:
-            raise
-        except Exception as e:
-            self.lane.failed = (f"lease forward of layer {layer} failed on rank {self.rank}: "
-                                f"{error_message(e)}")
-            raise
-        finally:
-            self.lane.in_flight_tokens = 0
-            self.lane.calls += 1  # attempted: every rank counts the same calls (serve.lanes)
-        self.lane.tokens += tokens
-        self.lane.busy_s += time.perf_counter() - start
-        out, tail = result
-        if self.rank != 0 and tail != "sequence_parallel":
-            return None, tail, sizes
-        return out, tail, sizes
+        spec = self.resolved.spec
+        self.host = GroupHost(ray.util.get_node_ip_address(), group_secret, self.world, SessionCompute(self),
+                              spec.bounds.call_s, self.cfg.hidden_size, spec.dtype, f"{spec.name}-rank0")
+        return self.host.address
 
-    def _lease_batch(self, layer: Any, parts: tuple, router_logits_TE: Any
-                     ) -> tuple[int, WireTensor | None, Any]:
-        """The checked layer, the parts' rows as one batch (None when no part has rows) and the
-        fp32 router logits (numpy) or None."""
-        if not parts:
-            raise ServeInputError("a lease forward needs at least one part")
-        dtype, H = self.resolved.spec.dtype, self.cfg.hidden_size
-        rows = []
-        for i, part in enumerate(parts):
-            what = "hidden_states" if len(parts) == 1 else f"hidden_states of part {i}"
-            x = as_rows(part, what, dtype)
-            if x.shape != (0, H):  # else a worker with nothing to send this step
-                rows.append((x, what))
-        if not rows:
-            return check_layer(layer, self.cfg, self.runners, self.resolved.spec.name), None, None
-        if router_logits_TE is not None and len(parts) > 1:
-            raise ServeInputError("router_logits go with a single part (a lane call), not a cohort's")
-        if len(rows) > 1:  # parts join only in one layout; the batch's check below does the rest
-            for x, what in rows:
-                check_layout(x, H, dtype, what)
-        return validate_forward(
-            concat_rows([x for x, _ in rows]), layer, router_logits_TE, cfg=self.cfg, dtype=dtype,
-            served=self.runners, deployment=self.resolved.spec.name, max_tokens=self.max_tokens,
-        )
+    def dataplane_link(self, address: tuple[str, int], group_secret: str) -> None:
+        """Ranks > 0: follow rank 0's batches (they run in the order rank 0 sends them)."""
+        from ..dataplane.host import RankLink
 
-    def lane_open(self, lease_id: str, client: str) -> None:
-        self.lane.open(lease_id, client)
+        self.link = RankLink(tuple(address), group_secret, self.rank, SessionCompute(self),
+                             self.resolved.spec.bounds.startup_s)
 
-    def lane_close(self, lease_id: str) -> dict[str, Any]:
-        state = self.lane.state()
+    def dataplane_ready(self, timeout_s: float) -> None:
+        """Rank 0: every other rank has linked."""
+        self.host.wait_ranks(timeout_s)
+
+    def session_open(self, peers: int, max_tokens: int | None, name: str) -> dict[str, Any]:
+        """Rank 0: a new session (its number, secret and where to connect); ``max_tokens``: rows
+        per part, None: the deployment's live ``max_tokens_per_request`` (``set_max_tokens``)."""
+        number, secret = self.host.open(peers, max_tokens, name)
+        host, port = self.host.address
+        return {"session": number, "secret": secret, "host": host, "port": port}
+
+    def session_state(self, number: int) -> dict[str, Any] | None:
+        return self.host.state(number)
+
+    def dataplane_failed(self) -> str | None:
+        """Why this rank's data plane broke (a forward failed, rank 0's link closed), if it did."""
+        parts = (self.host, self.link)
+        return next((part.failed for part in parts if part is not None and part.failed), None)
+
+    def lane_open(self, lease_id: str, client: str, session: int | None) -> None:
+        self.lane.open(lease_id, client, session)
+
+    def lane_close(self, lease_id: str, reason: str = "the lease ended") -> dict[str, Any]:
+        """End the lease (rank 0: and its session, whose peers are told ``reason``)."""
+        if self.lane.lease_id == lease_id and self.lane.session is not None and self.host is not None:
+            self.host.close(self.lane.session, reason, self.resolved.spec.bounds.close_s)
+        state = self.lane_state()
         self.lane.close(lease_id)
         return state
 
@@ -251,21 +206,40 @@ class TPWorker:
         return self.lane.renew(lease_id)
 
     def lane_expire(self, lease_id: str, term_s: float) -> bool:
-        return self.lane.expire(lease_id, term_s)
+        """Rank 0: end ``lease_id`` if its term passed without a renewal (and its session with it)."""
+        number = self.lane.session
+        state = self.host.state(number) if self.host is not None and number is not None else None
+        if state is not None and state["waiting_for"]:
+            return False  # a layer in progress: the session's own bound (a stalled peer) ends it
+        expired = self.lane.expire(lease_id, term_s)
+        if expired and number is not None and self.host is not None:
+            self.host.close(number, f"lease {lease_id} expired: not renewed for {term_s:g} s",
+                            self.resolved.spec.bounds.close_s)
+        return expired
 
     def lane_release(self, lease_id: str) -> None:
+        """The owner is done: rank 0 ends the lease's session now (its peers are told), and the
+        replica ends the lease at its next poll."""
+        number = self.lane.session if self.lane.lease_id == lease_id else None
         self.lane.release(lease_id)
+        if number is not None and self.host is not None:
+            self.host.close(number, f"lease {lease_id} released by its owner",
+                            self.resolved.spec.bounds.close_s)
 
     def lane_revoke(self, lease_id: str) -> None:
         self.lane.revoke(lease_id)
 
     def lane_fail(self, lease_id: str, reason: str) -> None:
         """The client's report that a call of ``lease_id`` outlived its bound (main thread: it
-        answers while the graph's loop is stuck)."""
+        answers while the data plane's thread is stuck)."""
         self.lane.fail(lease_id, reason)
 
     def lane_state(self) -> dict[str, Any]:
-        return self.lane.state()
+        """The lease's counters and its session's state (rank 0), and whether the data plane broke."""
+        state = self.lane.state()
+        number = self.lane.session
+        session = self.host.state(number) if self.host is not None and number is not None else None
+        return {**state, "session": session, "failed": state["failed"] or self.dataplane_failed()}
 
     def set_max_tokens(self, max_tokens: int) -> None:
         """A live ``max_tokens_per_request`` (the replica's ``reconfigure``) for lane calls."""
@@ -284,9 +258,18 @@ class TPWorker:
         apply_plan(self.runners, plan)
 
     def barrier(self) -> int:
-        """The health collective: a tiny all-reduce that every rank must join."""
+        """The health collective: a tiny all-reduce that every rank must join; a rank whose data
+        plane broke fails it too (the replica is then replaced)."""
+        failed = self.dataplane_failed()
+        if failed:
+            raise RuntimeError(f"rank {self.rank}'s data plane is broken: {failed}")
         self.comm.barrier_check()
         return self.rank
+
+    def stop_dataplane(self) -> None:
+        for part in (self.host, self.link):
+            if part is not None:
+                part.stop()
 
     def info(self) -> dict[str, Any]:
         import torch
@@ -321,3 +304,40 @@ class TPWorker:
             "experts_backend_checks": [c.to_dict() for c in first.backend_checks] if first else [],
         }
 
+
+
+class SessionCompute:
+    """A rank's checks and forward for its data plane (``dataplane.host.Compute``): the same
+    checks (``common.requests``) and runners as a Serve forward, so the answers are identical."""
+
+    def __init__(self, worker: TPWorker):
+        self.worker = worker
+
+    def check(self, layer: int, x: WireTensor, logits: Any, max_tokens: int | None, what: str
+              ) -> tuple[int, WireTensor, Any]:
+        w = self.worker
+        dtype = w.resolved.spec.dtype
+        check_layout(x, w.cfg.hidden_size, dtype, what)
+        if x.shape[0] == 0:  # a peer with nothing to send this layer still takes part
+            return check_layer(layer, w.cfg, w.runners, w.resolved.spec.name), x, None
+        return validate_forward(x, layer, logits, cfg=w.cfg, dtype=dtype, served=w.runners,
+                                deployment=w.resolved.spec.name,
+                                max_tokens=w.max_tokens if max_tokens is None else max_tokens)
+
+    def run(self, layer: int, x: WireTensor, logits: Any) -> tuple[WireTensor | None, str]:
+        import torch
+
+        w = self.worker
+        if torch.get_num_threads() != w.threads:
+            # The data plane's thread starts with OpenMP's default count; the same count as the
+            # actor's main thread keeps every path bit-identical.
+            torch.set_num_threads(w.threads)
+        w.lane.in_flight_tokens = x.shape[0]
+        try:
+            logits_t = None if logits is None else torch.from_numpy(logits)
+            return w.run_layer(layer, x.to_torch(writable=False), logits_t)
+        finally:
+            w.lane.in_flight_tokens = 0
+
+    def counted(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float) -> None:
+        self.worker.lane.count(session, layer, sizes, tail, seconds)

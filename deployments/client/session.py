@@ -1,0 +1,152 @@
+"""Sessions for independent processes: one process leases, any number of peer processes join.
+
+    # the process that owns the session (a Ray driver or actor of the app's cluster)
+    with MoEClient("default").session(peers=4, max_tokens=8) as session:
+        ticket = session.ticket.to_json()          # hand it to the peers: any channel will do
+        ...
+    # each peer process (reaches the ranks' nodes; needs no Ray)
+    peer = join(SessionTicket.from_json(ticket), index=2)
+    out = peer.forward(x_TH, layer)               # numpy or torch in, the same kind out
+
+A session leases one replica's TP group per deployment serving its layers for ``peers`` peers
+(``client.leases``) and keeps the leases renewed from a thread of its own while it is open. Each
+peer sends its rows per MoE layer (0 rows allowed: a peer with nothing to do still takes part)
+and blocks until its slice of that layer's one forward comes back (``deployments.dataplane``).
+Every peer must call the same layers in the same order; a peer that dies or stalls ends the
+session for all, with an error naming it. Errors: :class:`MoERequestError` for this peer's bad
+input (the session stays usable), else :class:`~deployments.dataplane.errors.SessionError`
+with its ``failure`` and the ``action`` the data plane's table gives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ..common.errors import ServeInputError
+from ..common.requests import as_logits, as_rows, is_torch_tensor
+from ..dataplane.errors import Action, SessionError
+from ..dataplane.peer import SessionPeer, SessionTicket
+from .errors import raise_for
+from .leases import DEFAULT_WAIT_S, GroupLease, default_client_name, endpoint, served_layers
+
+
+class Session:
+    """A leased session of ``peers`` peers (see the module doc); built by :meth:`MoEClient.session`."""
+
+    def __init__(self, client: Any, peers: int, *, layers: Iterable[int] | None = None, max_tokens: int = 1,
+                 wait_s: float = DEFAULT_WAIT_S, name: str | None = None):
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+            raise ValueError(f"peers must be a positive integer, got {peers!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer (rows per peer and layer), "
+                             f"got {max_tokens!r}")
+        self.name = name or f"session-{default_client_name()}"
+        chosen = served_layers(client, layers)
+        routes = client.layer_routes()
+        by_layer = {x: routes.choose(x, None) for x in chosen}
+        self.leases = {d: GroupLease(client, d, self.name, max_tokens, float(wait_s), peers=peers)
+                       for d in sorted(set(by_layer.values()))}
+        self.closed: str | None = None
+        self._stop = threading.Event()
+        try:
+            for d, lease in self.leases.items():
+                if not lease.acquire(float(wait_s)):
+                    raise RuntimeError(f"session {self.name!r}: no group of deployment {d!r} could be leased "
+                                       f"within {float(wait_s):g} s: {lease.why_not}")
+        except BaseException:
+            self.close()
+            raise
+        groups = tuple(endpoint(lease.grant, [x for x in chosen if by_layer[x] == d])
+                       for d, lease in self.leases.items())
+        self.ticket = SessionTicket(self.name, peers, groups)
+        self._renewer = threading.Thread(target=self._renew, name=f"renew-{self.name}", daemon=True)
+        self._renewer.start()
+
+    def _renew(self) -> None:
+        """Renew every lease each half term; one refused ends the session (its peers are told)."""
+        term = min(lease.grant["term_s"] for lease in self.leases.values())
+        while not self._stop.wait(term / 2):
+            for lease in self.leases.values():
+                if lease.held and not lease.renew():
+                    self._end(lease.why_not)
+                    return
+
+    def join(self, index: int) -> Peer:
+        """Peer ``index`` in this process (usually each peer joins in its own: :func:`join`)."""
+        return Peer(self.ticket, index)
+
+    def status(self) -> dict[str, Any]:
+        return {"session": self.name, "peers": self.ticket.peers, "layers": list(self.ticket.layers),
+                "closed": self.closed, "deployments": {d: lease.status() for d, lease in self.leases.items()}}
+
+    def _end(self, why: str) -> None:
+        if self.closed is None:
+            self.closed = why
+        for lease in self.leases.values():
+            if lease.held:
+                GroupLease.release(lease.take(why))
+
+    def close(self) -> None:
+        """Release every lease: the session ends and its peers are told (idempotent)."""
+        self._stop.set()
+        renewer = getattr(self, "_renewer", None)
+        if renewer is not None and renewer is not threading.current_thread():
+            renewer.join()
+        self._end("closed by its owner")
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Peer:
+    """Peer ``index`` of a session: numpy float32 (rounded to the deployment dtype, as the Serve
+    path does) or torch rows in, the same kind out."""
+
+    def __init__(self, ticket: SessionTicket, index: int):
+        self.ticket, self.index = ticket, index
+        self.peer = SessionPeer(ticket, index)
+
+    def forward(self, hidden_states: Any, layer: int, router_logits: Any = None) -> Any:
+        g = self.ticket.group_for(layer) if isinstance(layer, int) else None
+        try:
+            if g is None:
+                raise ServeInputError(f"layer {layer!r} is not one of session {self.ticket.name!r}'s layers "
+                                      f"{list(self.ticket.layers)}")
+            x = as_rows(hidden_states, "hidden_states", g.dtype)
+            logits = None if router_logits is None else as_logits(router_logits)
+        except ServeInputError as e:
+            raise_for(e)
+        try:
+            out, _ = self.peer.forward(x, layer, logits)
+        except SessionError as e:
+            if e.action is Action.CALLER_ERROR:
+                raise_for(e.input_error())
+            raise
+        if is_torch_tensor(hidden_states):
+            return out.to_torch()
+        return out.float32() if isinstance(hidden_states, np.ndarray) else out
+
+    def fail(self, layer: int, message: str) -> SessionError:
+        """Take part in ``layer`` with this peer's own failure: every peer's layer ends naming it."""
+        return self.peer.fail(layer, message)
+
+    def close(self) -> None:
+        self.peer.close()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def join(ticket: SessionTicket, index: int) -> Peer:
+    """Join ``ticket``'s session as peer ``index`` (any process that reaches the ranks' nodes)."""
+    return Peer(ticket, index)

@@ -1,0 +1,189 @@
+"""The data plane's messages on a TCP connection, and the handshake that admits a connection.
+
+A message is a fixed header, an optional UTF-8 text (a tail's name, an error's words, a hello's
+fields) and an optional array's bytes (rows, router logits, a slice of output). Arrays travel as
+their raw bytes with dtype and shape in the header, written with one ``sendmsg`` of the array's own
+buffer and read with ``recv_into`` straight into a fresh array: no pickle, no copy through a
+Python bytes object.
+
+Admission: the listener sends a random nonce; the caller answers with its role, index and
+HMAC-SHA256(secret, nonce + role + index). Only a process holding the session's (or the group's)
+secret can answer, and a connection that does not answer within ``HANDSHAKE_S`` is closed by its
+own short-lived thread, so a stray or hostile connection can neither join nor hold anything up.
+
+Pure: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..common.wire import WireTensor
+
+HANDSHAKE_S = 5.0  # a new connection must prove its secret within this
+NONCE_BYTES = 16
+MAC = "sha256"
+WELCOME = b"\x01"
+_HEADER = struct.Struct("<BBBxhiiiIQ")  # kind, dtype code, flags, index, layer, rows, cols, text, data bytes
+_HELLO = struct.Struct("<Bi32s")  # role, index, mac
+
+
+class Kind(enum.IntEnum):
+    FORWARD = 1  # peer -> rank 0: this peer's rows for a layer (0 rows allowed)
+    FAIL = 2  # peer -> rank 0: this peer cannot take part in this layer (its own failure)
+    RESULT = 3  # rank 0 -> peer: the peer's slice of the layer's output; text: the tail
+    ERROR = 4  # rank 0 -> peer: the layer ended without a result; text: JSON {kind, message, peer}
+    BATCH = 5  # rank 0 -> other ranks: one forward to run; index: the session's number
+    DONE = 6  # other rank -> rank 0: forward done (sequence parallel: with this rank's rows)
+    BYE = 7  # rank 0 -> peer: the session ended; text: JSON {kind, message}
+    LOGITS = 8  # follows a FORWARD or BATCH whose rows carry router logits: fp32 [T, E]
+
+
+WITH_LOGITS = 1  # flags of a FORWARD or BATCH: a LOGITS message follows
+
+
+class Role(enum.IntEnum):
+    PEER = 1
+    RANK = 2
+
+
+# The arrays' dtypes on the wire (a WireTensor's dtype name; bfloat16 travels as int16 bits).
+_DTYPES = ("float32", "bfloat16", "float16", "float64", "int16", "int32", "int64", "uint8")
+_CODE = {name: i for i, name in enumerate(_DTYPES)}
+_NUMPY = {"bfloat16": np.int16}
+
+
+class ConnectionLost(ConnectionError):
+    """The other end closed the connection (or it broke) before a whole message came."""
+
+
+@dataclass
+class Frame:
+    kind: Kind
+    flags: int = 0
+    index: int = 0
+    layer: int = 0
+    text: str = ""
+    data: WireTensor | None = None
+
+    def meta(self) -> dict[str, Any]:
+        return json.loads(self.text) if self.text else {}
+
+
+def send(sock: socket.socket, kind: Kind, *, flags: int = 0, index: int = 0, layer: int = 0, text: str = "",
+         data: WireTensor | None = None) -> None:
+    """One message, written whole (``sendmsg`` of the header, the text and the array's buffer)."""
+    raw = text.encode()
+    if data is None:
+        header = _HEADER.pack(kind, 0, flags, index, layer, -1, 0, len(raw), 0)
+        buffers = [header, raw]
+    else:
+        array = np.ascontiguousarray(data.array)
+        rows, cols = (array.shape[0], array.shape[1]) if array.ndim == 2 else (array.shape[0], -1)
+        code = _CODE[data.dtype]
+        header = _HEADER.pack(kind, code, flags, index, layer, rows, cols, len(raw), array.nbytes)
+        buffers = [header, raw, memoryview(array).cast("B") if array.nbytes else b""]
+    view = [memoryview(b) for b in buffers if len(b)]
+    while view:
+        sent = sock.sendmsg(view)
+        while view and sent >= len(view[0]):
+            sent -= len(view[0])
+            view.pop(0)
+        if view and sent:
+            view[0] = view[0][sent:]
+
+
+def recv(sock: socket.socket) -> Frame:
+    """One whole message; ``ConnectionLost`` when the other end is gone."""
+    kind, code, flags, index, layer, rows, cols, n_text, n_data = _HEADER.unpack(_exact(sock, _HEADER.size))
+    text = bytes(_exact(sock, n_text)).decode() if n_text else ""
+    data = None
+    if rows >= 0:
+        name = _DTYPES[code]
+        shape = (rows, cols) if cols >= 0 else (rows,)
+        array = np.empty(shape, dtype=_NUMPY[name] if name in _NUMPY else np.dtype(name))
+        if array.nbytes != n_data:
+            raise ConnectionLost(f"a message's array of shape {shape} in {name} announced {n_data} bytes")
+        if n_data:
+            _into(sock, memoryview(array).cast("B"))
+        data = WireTensor(array, name)
+    return Frame(Kind(kind), flags, index, layer, text, data)
+
+
+def _exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    if n:
+        _into(sock, memoryview(buf))
+    return buf
+
+
+def _into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionLost("the connection was closed")
+        got += n
+
+
+def new_secret() -> str:
+    return os.urandom(32).hex()
+
+
+def _mac(secret: str, nonce: bytes, role: Role, index: int) -> bytes:
+    return hmac.new(bytes.fromhex(secret), nonce + struct.pack("<Bi", role, index), MAC).digest()
+
+
+def admit(sock: socket.socket, secrets: Any) -> tuple[Role, int, str]:
+    """Listener side: challenge a new connection; ``(role, index, secret)`` of the caller, whose
+    answer matched one of ``secrets`` (a callable returning the secrets now accepted). Raises
+    ``PermissionError`` (wrong secret) or ``OSError`` (no answer within ``HANDSHAKE_S``)."""
+    sock.settimeout(HANDSHAKE_S)
+    nonce = os.urandom(NONCE_BYTES)
+    sock.sendall(nonce)
+    role, index, mac = _HELLO.unpack(_exact(sock, _HELLO.size))
+    for secret in secrets():
+        if hmac.compare_digest(mac, _mac(secret, nonce, Role(role), index)):
+            sock.settimeout(None)
+            return Role(role), index, secret
+    raise PermissionError("a connection answered the challenge without a known secret")
+
+
+def welcome(sock: socket.socket) -> None:
+    """Listener side: the admitted caller may go on (it waits for this byte)."""
+    sock.sendall(WELCOME)
+
+
+def connect(address: tuple[str, int], secret: str, role: Role, index: int, timeout_s: float) -> socket.socket:
+    """Caller side: a connection to ``address`` admitted as ``role`` ``index``; ``PermissionError``
+    when the listener refuses it (an unknown secret, or that index already taken)."""
+    sock = socket.create_connection(address, timeout=timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = bytes(_exact(sock, NONCE_BYTES))
+        sock.sendall(_HELLO.pack(role, index, _mac(secret, nonce, role, index)))
+        try:
+            answer = bytes(_exact(sock, len(WELCOME)))
+        except ConnectionLost:
+            answer = b""
+        if answer != WELCOME:
+            raise PermissionError(f"{address[0]}:{address[1]} refused {role.name.lower()} {index}: an "
+                                  "unknown or ended session, or that index has joined already")
+        sock.settimeout(None)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def error_text(kind: str, message: str, peer: int | None = None, error: str = "") -> str:
+    return json.dumps({"kind": kind, "message": message, "peer": peer, "error": error})

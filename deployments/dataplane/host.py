@@ -1,0 +1,495 @@
+"""The ranks' side of the data plane: rank 0 gathers every session's peers, the group forwards once.
+
+Rank 0 of a TP group runs a :class:`GroupHost`: one listening socket on its node's address, one
+thread that waits in ``select`` (a blocking wait: an idle host costs no CPU) and a short-lived
+thread per new connection for its handshake (``frames.admit``). The other ranks each keep one
+connection to rank 0 (:class:`RankLink`), admitted with the group's own secret when the group
+starts; rank 0 sends them every batch in the order it runs them, so the group's collectives see
+one call order whoever the batches came from.
+
+A *session* is opened on rank 0 by the replica (with a lease, or for its own Serve-path batches):
+a fresh secret and a fixed number of peers ``A``. Each peer connects once, admitted by the
+session's secret and its index. Per MoE layer every peer sends its rows (0 rows allowed) or a
+FAIL; once all ``A`` have, rank 0 checks each part, runs **one** forward over the concatenated
+rows on every rank and answers each peer its slice. A layer that some peer has not sent within
+the call bound after the first one arrived ends the session (``Failure.PEER_STALLED``), as does a
+peer whose connection closes (``PEER_GONE``) or peers sending different layers (``OUT_OF_STEP``).
+A rank that fails breaks the group (``GROUP_FAILED``): every session ends and the host refuses
+new layers; the replica reads :attr:`GroupHost.failed` and Serve replaces it. Several sessions may
+be open at once (the replica's own and a lease's); their layers run one at a time.
+
+Pure: no Ray, no torch (the rank's ``compute`` object brings the forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..common.wire import VIEW_AS, WireTensor, concat_rows, join_rank_outputs
+from . import frames
+from .errors import Failure
+from .frames import Frame, Kind, Role
+
+logger = logging.getLogger(__name__)
+
+ACCEPT_BACKLOG = 64
+DRAIN_S = 2.0  # an ended session's connection is read until its peer closes, at most this long
+ENDED_KEPT = 64  # ended sessions whose last state rank 0 still answers for
+
+
+class Compute(Protocol):
+    """What a rank brings: the checks and the forward (``serve.worker.TPWorker``)."""
+
+    def check(self, layer: int, x: WireTensor, logits: np.ndarray | None, max_tokens: int | None,
+              what: str) -> tuple[int, WireTensor, np.ndarray | None]:
+        """The checked part (ValueError naming what is wrong); ``max_tokens``: the session's limit
+        per part, None: the rank's own (live) limit."""
+
+    def run(self, layer: int, x: WireTensor, logits: np.ndarray | None) -> tuple[WireTensor | None, str]:
+        """One forward on this rank: ``(out, tail)`` (``out`` None on ranks > 0 unless sequence
+        parallel)."""
+
+    def counted(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float) -> None:
+        """Rank 0: a forward of ``session`` ran (its parts' token counts)."""
+
+
+@dataclass
+class Session:
+    number: int
+    secret: str
+    peers: int
+    max_tokens: int | None  # rows per part; None: the rank's own limit
+    name: str
+    sockets: list[socket.socket | None] = field(default_factory=list)
+    pending: dict[int, tuple[Frame, Frame | None]] = field(default_factory=dict)  # peer -> (frame, logits)
+    first_at: float = 0.0
+    layers: int = 0  # layers answered
+    ended: str | None = None
+    failure: Failure | None = None
+    joined: int = 0
+
+    def state(self) -> dict[str, Any]:
+        return {"session": self.number, "name": self.name, "peers": self.peers,
+                "joined": sum(s is not None for s in self.sockets), "layers": self.layers,
+                "waiting_for": sorted(set(range(self.peers)) - set(self.pending)) if self.pending else [],
+                "ended": self.ended, "failure": None if self.failure is None else self.failure.value}
+
+
+class GroupHost:
+    """Rank 0's data plane (see the module doc). ``bind_ip``: the node's address; ``world``: the
+    group's ranks; ``call_s``: the group's call bound (a layer's peers, and a forward)."""
+
+    def __init__(self, bind_ip: str, group_secret: str, world: int, compute: Compute, call_s: float,
+                 hidden_size: int, dtype: str, name: str = "group"):
+        self.group_secret, self.world, self.compute, self.call_s = group_secret, world, compute, call_s
+        self.hidden_size, self.dtype, self.name = hidden_size, dtype, name
+        self.failed: str | None = None
+        self.sessions: dict[int, Session] = {}
+        self.ended: dict[int, dict[str, Any]] = {}  # ended sessions' last states, by number
+        self.by_secret: dict[str, Session] = {}
+        self.links: dict[int, socket.socket] = {}
+        self.linked = threading.Event()
+        if world == 1:
+            self.linked.set()
+        self._numbers = iter(range(1, 1 << 30))
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._closing: dict[socket.socket, float] = {}  # ended sessions' sockets -> drain deadline
+        self._stop = threading.Event()
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self.listener = socket.create_server((bind_ip, 0), backlog=ACCEPT_BACKLOG)
+        self.address: tuple[str, int] = (bind_ip, self.listener.getsockname()[1])
+        self._threads = [threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True),
+                         threading.Thread(target=self._loop, name=f"{name}-dataplane", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- called from other threads --------------------------------------------------------
+
+    def wait_ranks(self, timeout_s: float) -> None:
+        if not self.linked.wait(timeout_s):
+            raise TimeoutError(f"{len(self.links)} of {self.world - 1} other rank(s) linked to rank 0 "
+                               f"within {timeout_s:.0f} s")
+
+    def open(self, peers: int, max_tokens: int | None, name: str) -> tuple[int, str]:
+        """A new session of ``peers`` peers: its number and secret (the peers' ticket)."""
+        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+            raise ValueError(f"a session needs a positive number of peers, got {peers!r}")
+        session = Session(next(self._numbers), frames.new_secret(), peers, max_tokens, name,
+                          [None] * peers)
+        self._call(lambda: self._add(session))
+        return session.number, session.secret
+
+    def close(self, number: int, reason: str, wait_s: float) -> dict[str, Any] | None:
+        """End session ``number`` (its peers get ``reason`` as SESSION_ENDED); its last state."""
+        return self._call(lambda: self._end_number(number, Failure.SESSION_ENDED, reason), wait_s)
+
+    def state(self, number: int) -> dict[str, Any] | None:
+        session = self.sessions.get(number)
+        return session.state() if session is not None else self.ended.get(number)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        self._wake()
+        for t in self._threads:
+            t.join(timeout=DRAIN_S)
+
+    def _call(self, fn: Callable[[], Any], wait_s: float = 10.0) -> Any:
+        """Run ``fn`` on the loop thread (which owns every socket and session) and return its value."""
+        done, out = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # handed back to the caller
+                out["error"] = e
+            finally:
+                done.set()
+
+        self._commands.put(run)
+        self._wake()
+        if not done.wait(wait_s):
+            raise TimeoutError(f"the data plane of {self.name} did not answer within {wait_s:.0f} s")
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    # -- admission ------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._admit, args=(sock,), name=f"{self.name}-admit", daemon=True).start()
+
+    def _admit(self, sock: socket.socket) -> None:
+        try:
+            role, index, secret = frames.admit(sock, self._secrets)
+        except (OSError, PermissionError, ValueError, frames.ConnectionLost):
+            sock.close()  # a stray or wrong connection: it joins nothing
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._commands.put(lambda: self._attach(role, index, secret, sock))
+        self._wake()
+
+    def _secrets(self) -> list[str]:
+        return [self.group_secret, *list(self.by_secret)]
+
+    def _attach(self, role: Role, index: int, secret: str, sock: socket.socket) -> None:
+        rank_ok = secret == self.group_secret and 0 < index < self.world and index not in self.links
+        if role is Role.RANK and rank_ok:
+            frames.welcome(sock)
+            sock.settimeout(self.call_s)  # a batch's send and its DONE: within the call bound
+            self.links[index] = sock
+            if len(self.links) == self.world - 1:
+                self.linked.set()
+            return
+        session = self.by_secret.get(secret)
+        if (role is not Role.PEER or session is None or session.ended or not 0 <= index < session.peers
+                or session.sockets[index] is not None):
+            sock.close()
+            return
+        frames.welcome(sock)
+        sock.settimeout(self.call_s)  # a peer stopped half-way through a message stalls nothing longer
+        session.sockets[index] = sock
+        self._selector.register(sock, selectors.EVENT_READ, (session, index))
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _add(self, session: Session) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"the group's data plane is broken: {self.failed}")
+        self.sessions[session.number] = session
+        self.by_secret[session.secret] = session
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # a bug here must not leave peers waiting: everyone hears of it
+            self.failed = self.failed or f"the data plane's thread on rank 0 failed: {type(e).__name__}: {e}"
+            logger.exception("data plane of %s failed", self.name)
+            for session in list(self.sessions.values()):
+                with contextlib.suppress(Exception):
+                    self._end(session, Failure.GROUP_FAILED, self.failed)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(self._next_deadline()):
+                if key.data is None:
+                    self._drain_wake()
+                elif key.data == "closing":
+                    self._drain_closed(key.fileobj)
+                else:
+                    session, index = key.data
+                    if session.sockets[index] is key.fileobj:
+                        self._read(session, index)
+                    else:  # its session ended earlier in this round
+                        self._drain_closed(key.fileobj)
+            self._check_stalls()
+        for session in list(self.sessions.values()):
+            self._end(session, Failure.SESSION_ENDED, "the rank is shutting down")
+
+    def _next_deadline(self) -> float | None:
+        now = time.monotonic()
+        deadlines = [s.first_at + self.call_s for s in self.sessions.values() if s.pending and not s.ended]
+        deadlines += list(self._closing.values())
+        return None if not deadlines else max(0.0, min(deadlines) - now)
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 4096)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _read(self, session: Session, index: int) -> None:
+        sock = session.sockets[index]
+        try:
+            frame = frames.recv(sock)
+            logits = frames.recv(sock) if frame.flags & frames.WITH_LOGITS else None
+        except TimeoutError:
+            self._end(session, Failure.PEER_STALLED, f"peer {index} of session {session.name!r} stopped "
+                      f"half-way through a message for {self.call_s:.0f} s", peer=index)
+            return
+        except (frames.ConnectionLost, OSError) as e:
+            self._end(session, Failure.PEER_GONE, f"peer {index} of session {session.name!r} closed its "
+                      f"connection ({e})", peer=index)
+            return
+        if frame.kind not in (Kind.FORWARD, Kind.FAIL) or index in session.pending:
+            twice = index in session.pending
+            why = "sent twice for one layer" if twice else f"sent a {frame.kind.name} message"
+            self._end(session, Failure.OUT_OF_STEP, f"peer {index} of session {session.name!r} {why}",
+                      peer=index)
+            return
+        if not session.pending:
+            session.first_at = time.monotonic()
+        session.pending[index] = (frame, logits)
+        if len(session.pending) == session.peers:
+            self._run_layer(session)
+
+    def _check_stalls(self) -> None:
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            if session.pending and not session.ended and now - session.first_at > self.call_s:
+                missing = sorted(set(range(session.peers)) - set(session.pending))
+                layer = next(iter(session.pending.values()))[0].layer
+                what = "have" if len(missing) > 1 else "has"
+                never = [i for i in missing if session.sockets[i] is None]
+                joined = f" ({never} never joined)" if never else ""
+                self._end(session, Failure.PEER_STALLED,
+                          f"peer(s) {missing} of session {session.name!r} {what} not sent layer {layer} "
+                          f"within the call bound {self.call_s:.0f} s{joined}", peer=missing[0])
+        for sock, deadline in list(self._closing.items()):
+            if now >= deadline:
+                self._forget(sock)
+
+    # -- one layer ------------------------------------------------------------------------
+
+    def _run_layer(self, session: Session) -> None:
+        parts = [session.pending[i] for i in range(session.peers)]
+        session.pending = {}
+        layers = {frame.layer for frame, _ in parts}
+        if len(layers) > 1:
+            sent = {i: frame.layer for i, (frame, _) in enumerate(parts)}
+            self._end(session, Failure.OUT_OF_STEP, f"the peers of session {session.name!r} sent different "
+                      f"layers: {sent}", peer=None)
+            return
+        layer = layers.pop()
+        failed = [(i, frame.text) for i, (frame, _) in enumerate(parts) if frame.kind is Kind.FAIL]
+        if failed:
+            i, why = failed[0]
+            text = frames.error_text(Failure.PEER_FAILED.value, f"peer {i} of session {session.name!r} "
+                                     f"failed layer {layer}: {why}", i)
+            self._answer_all(session, lambda _i: (Kind.ERROR, text, None), layer)
+            session.layers += 1
+            return
+        if self.failed is not None:
+            self._end(session, Failure.GROUP_FAILED, self.failed)
+            return
+        checked: list[Any] = []
+        for i, (frame, logits) in enumerate(parts):
+            what = "hidden_states" if session.peers == 1 else f"hidden_states of peer {i}"
+            try:
+                if frame.data is None:
+                    raise ValueError(f"{what}: the message carried no rows")
+                if logits is not None and session.peers > 1:
+                    raise ValueError("router_logits go with a session of one peer (a lane), not a cohort's")
+                checked.append(self.compute.check(layer, frame.data, None if logits is None else
+                                                  logits.data.array, session.max_tokens, what))
+            except ValueError as e:
+                checked.append(e)
+        good = [(i, c) for i, c in enumerate(checked) if not isinstance(c, Exception) and c[1].shape[0]]
+        sizes = [0 if isinstance(c, Exception) else c[1].shape[0] for c in checked]
+        try:
+            out, tail, seconds = self._forward(layer, good)
+        except Exception as e:
+            self.failed = self.failed or f"the layer {layer} forward failed on the group: {e}"
+            for s in list(self.sessions.values()):
+                self._end(s, Failure.GROUP_FAILED, self.failed)
+            return
+        starts = np.cumsum([0, *sizes])
+
+        def answer(i: int) -> tuple[Kind, str, WireTensor | None]:
+            if isinstance(checked[i], Exception):
+                error = checked[i]
+                text = frames.error_text(Failure.INPUT.value, str(error), i, type(error).__name__)
+                return Kind.ERROR, text, None
+            rows = WireTensor(out.array[starts[i]:starts[i + 1]], out.dtype)
+            return Kind.RESULT, tail, rows
+
+        self._answer_all(session, answer, layer)
+        session.layers += 1
+        if good:
+            self.compute.counted(session.number, layer, [sizes[i] for i, _ in good], tail, seconds)
+
+    def _forward(self, layer: int, good: list[tuple[int, Any]]) -> tuple[WireTensor, str, float]:
+        """One forward of the good parts' rows on every rank: the batch's output and tail."""
+        if not good:
+            code = np.dtype(VIEW_AS.get(self.dtype, self.dtype))
+            return WireTensor(np.empty((0, self.hidden_size), code), self.dtype), "none", 0.0
+        start = time.perf_counter()
+        x = concat_rows([c[1] for _, c in good])
+        logits = good[0][1][2] if len(good) == 1 else None
+        flags = frames.WITH_LOGITS if logits is not None else 0
+        for rank in range(1, self.world):
+            link = self.links[rank]
+            frames.send(link, Kind.BATCH, flags=flags, layer=layer, data=x)
+            if logits is not None:
+                frames.send(link, Kind.LOGITS, data=WireTensor(logits, "float32"))
+        results = [self.compute.run(layer, x, logits)]
+        for rank in range(1, self.world):
+            try:
+                done = frames.recv(self.links[rank])
+            except TimeoutError:
+                raise TimeoutError(f"rank {rank} did not finish within the call bound {self.call_s:.0f} s"
+                                   ) from None
+            except (frames.ConnectionLost, OSError) as e:
+                raise RuntimeError(f"rank {rank} is gone ({e})") from None
+            meta = done.meta()
+            if meta.get("error"):
+                raise RuntimeError(f"rank {rank}: {meta['error']}")
+            results.append((done.data, meta["tail"]))
+        out, tail = join_rank_outputs(results)
+        return out, tail, time.perf_counter() - start
+
+    def _answer_all(self, session: Session, answer: Callable[[int], tuple[Kind, str, WireTensor | None]],
+                    layer: int) -> None:
+        for i, sock in enumerate(session.sockets):
+            kind, text, data = answer(i)
+            try:
+                frames.send(sock, kind, layer=layer, text=text, data=data)
+            except OSError as e:
+                self._end(session, Failure.PEER_GONE, f"peer {i} of session {session.name!r} closed its "
+                          f"connection ({e})", peer=i)
+                return
+
+    # -- ending ---------------------------------------------------------------------------
+
+    def _end_number(self, number: int, failure: Failure, reason: str) -> dict[str, Any] | None:
+        session = self.sessions.get(number)
+        if session is None:
+            return None
+        self._end(session, failure, reason)
+        return session.state()
+
+    def _end(self, session: Session, failure: Failure, reason: str, peer: int | None = None) -> None:
+        """Tell every peer why (answering a layer they wait on as the same failure), close."""
+        if session.ended is not None:
+            return
+        session.ended, session.failure = reason, failure
+        text = frames.error_text(failure.value, reason, peer)
+        for i, sock in enumerate(session.sockets):
+            if sock is None:
+                continue
+            with contextlib.suppress(OSError):
+                frames.send(sock, Kind.BYE, text=text)
+                sock.shutdown(socket.SHUT_WR)
+            # Read until the peer closes (a close with unread data would reset the connection
+            # and could lose the BYE on its way), at most DRAIN_S.
+            self._selector.modify(sock, selectors.EVENT_READ, "closing")
+            self._closing[sock] = time.monotonic() + DRAIN_S
+            session.sockets[i] = None
+        session.pending = {}
+        self.by_secret.pop(session.secret, None)
+        self.sessions.pop(session.number, None)
+        self.ended[session.number] = session.state()
+        while len(self.ended) > ENDED_KEPT:  # the oldest first (dicts keep insertion order)
+            del self.ended[next(iter(self.ended))]
+
+    def _drain_closed(self, sock: Any) -> None:
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._forget(sock)
+
+    def _forget(self, sock: socket.socket) -> None:
+        self._closing.pop(sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
+        sock.close()
+
+
+class RankLink:
+    """A rank > 0's link to rank 0: runs every batch rank 0 sends, in order, on its own thread
+    (blocking reads: idle costs nothing). ``failed`` says why it stopped, if it did."""
+
+    def __init__(self, address: tuple[str, int], group_secret: str, rank: int, compute: Compute,
+                 timeout_s: float):
+        self.rank, self.compute = rank, compute
+        self.failed: str | None = None
+        self.sock = frames.connect(address, group_secret, Role.RANK, rank, timeout_s)
+        self._thread = threading.Thread(target=self._serve, name=f"rank{rank}-dataplane", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                batch = frames.recv(self.sock)
+                logits = frames.recv(self.sock).data.array if batch.flags & frames.WITH_LOGITS else None
+            except (frames.ConnectionLost, OSError) as e:
+                if self.failed is None:
+                    self.failed = f"rank 0's data-plane link closed ({e})"
+                return
+            try:
+                out, tail = self.compute.run(batch.layer, batch.data, logits)
+                frames.send(self.sock, Kind.DONE, text=json.dumps({"tail": tail}), data=out)
+            except Exception as e:
+                self.failed = f"the layer {batch.layer} forward failed on rank {self.rank}: {e}"
+                with contextlib.suppress(OSError):
+                    frames.send(self.sock, Kind.DONE, text=json.dumps({"error": self.failed}))
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(timeout=DRAIN_S)

@@ -1,0 +1,65 @@
+"""The topology users run: the app under `serve run` in its own process (its own Ray instance),
+the client in another Ray job (``ray.init(address="auto")``), stepping cohorts and sessions of 1
+and 4 peers 200 times over the data plane (tests/plain_driver.py). With Ray Compiled Graphs a
+one-worker cohort hung within ~15 steps in exactly this topology.
+
+Both processes get a Ray temp dir of their own (RAY_TMPDIR), so "auto" finds `serve run`'s
+instance, never another one on the machine (the test process's own, or a parallel test's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from test_serve_cli import SERVE, SIGINT_RESTORED, STOP_TIMEOUT_S, wait_ready
+
+from moe_runtime.tp.collectives import free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 200
+DRIVER_TIMEOUT_S = 600.0
+
+
+def test_cohorts_and_sessions_step_200_times_from_another_ray_job(tiny_ckpt, tmp_path):
+    config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    config["applications"][0]["args"]["checkpoint"] = str(tiny_ckpt)
+    path = tmp_path / "app.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ray_tmp = tempfile.mkdtemp(prefix="lms-ray-")  # short: Ray's socket paths live under it
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_OVERRIDE_RESOURCES", "RAY_ADDRESS")}
+    env["RAY_TMPDIR"] = ray_tmp
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([*SIGINT_RESTORED, str(SERVE), "run", str(path)], cwd=ROOT,
+                                  env={**env, "RAY_ADDRESS": "local"}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        with wait_ready(server, port, log):
+            pass
+        driver = subprocess.run([sys.executable, str(ROOT / "tests/plain_driver.py"), str(STEPS)], cwd=ROOT,
+                                env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                                timeout=DRIVER_TIMEOUT_S)
+        assert driver.returncode == 0, f"driver failed:\n{driver.stdout[-3000:]}\n{driver.stderr[-6000:]}"
+        report = json.loads(driver.stdout.strip().splitlines()[-1])
+        for m in (1, 4):
+            cohort = report[f"cohort_{m}"]
+            # every step on the data plane, none re-run or sent the Serve way
+            assert cohort == {"steps": STEPS, "session_steps": STEPS, "serve_steps": 0, "reruns": 0}, report
+            assert report[f"session_{m}"] == {"steps": [STEPS] * m, "paths": {"moe": "lane"}}, report
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=STOP_TIMEOUT_S)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)

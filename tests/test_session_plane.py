@@ -1,0 +1,247 @@
+"""The data plane without Ray or torch: a rank-0 host and a linked rank in this process, peers on
+threads, a stand-in forward (``out = 2 x + layer`` in float32: exact, so results compare with
+``==``). What is checked: one forward per layer over every peer's rows, each peer its own slice,
+0-row peers, and every failure kind of ``dataplane.errors`` with the peer it names."""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from deployments.common.wire import WireTensor
+from deployments.dataplane import frames
+from deployments.dataplane.errors import Action, Failure, SessionError
+from deployments.dataplane.host import GroupHost, RankLink
+from deployments.dataplane.peer import GroupEndpoint, SessionTicket
+
+H = 8
+LAYERS = (1, 2)
+CALL_S = 1.0  # short: the stalled-peer and stalled-rank cases wait this long
+
+
+class FakeCompute:
+    def __init__(self, rank: int, fail_on: int | None = None):
+        self.rank, self.fail_on = rank, fail_on
+        self.runs: list[tuple[int, int]] = []
+        self.counts: list[tuple[int, list[int], str]] = []
+
+    def check(self, layer, x, logits, max_tokens, what):
+        if layer not in LAYERS:
+            raise ValueError(f"layer {layer} is not served")
+        if x.shape[1:] != (H,) or x.shape[0] > max_tokens:
+            raise ValueError(f"{what} has shape {x.shape}")
+        if not x.all_finite():
+            raise ValueError(f"{what} has NaN or Inf")
+        return layer, x, logits
+
+    def run(self, layer, x, logits):
+        self.runs.append((layer, x.shape[0]))
+        if layer == self.fail_on:
+            raise RuntimeError("boom")
+        if self.rank:
+            return None, "replicated"
+        return WireTensor(x.array * 2 + layer, "float32"), "replicated"
+
+    def counted(self, session, layer, sizes, tail, seconds):
+        self.counts.append((layer, sizes, tail))
+
+
+@pytest.fixture
+def group(request):
+    world, fail_on = getattr(request, "param", (2, None))
+    computes = [FakeCompute(r, fail_on if r == 1 else None) for r in range(world)]
+    host = GroupHost("127.0.0.1", frames.new_secret(), world, computes[0], CALL_S, H, "float32", "test")
+    links = [RankLink(host.address, host.group_secret, r, computes[r], 5.0) for r in range(1, world)]
+    host.wait_ranks(5.0)
+    yield host, computes
+    for link in links:
+        link.stop()
+    host.stop()
+
+
+def ticket(host: GroupHost, peers: int, max_tokens: int = 4) -> tuple[SessionTicket, int]:
+    number, secret = host.open(peers, max_tokens, "s")
+    g = GroupEndpoint("d", "r1", "lease", *host.address, secret, number, LAYERS, H, "float32", CALL_S, max_tokens)
+    return SessionTicket("s", peers, (g,)), number
+
+
+def rows(n: int, seed: int) -> WireTensor:
+    return WireTensor(np.random.default_rng(seed).standard_normal((n, H), dtype=np.float32), "float32")
+
+
+def run_peers(t: SessionTicket, per_peer, peers=None):
+    """Each peer runs ``per_peer(peer, index)`` on its own thread; results or exceptions."""
+    joined = peers or [t.join(i) for i in range(t.peers)]
+    with ThreadPoolExecutor(len(joined)) as pool:
+        futures = [pool.submit(per_peer, p, i) for i, p in enumerate(joined)]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=30))
+            except Exception as e:
+                out.append(e)
+    return out, joined
+
+
+def test_one_forward_per_layer_over_every_peer(group):
+    host, computes = group
+    t, _ = ticket(host, 3)
+    sizes = [2, 0, 3]  # a peer with nothing to send still takes part
+
+    def step(peer, i):
+        got = []
+        for layer in LAYERS:
+            x = rows(sizes[i], 10 * i + layer)
+            out, tail = peer.forward(x, layer)
+            assert tail == "replicated"
+            assert np.array_equal(out.array, x.array * 2 + layer)
+            got.append(out.shape)
+        return got
+
+    results, _ = run_peers(t, step)
+    assert results == [[(n, H)] * 2 for n in sizes]
+    # every rank ran each layer once, over the 5 rows of the 3 peers
+    assert computes[0].runs == computes[1].runs == [(1, 5), (2, 5)]
+    assert computes[0].counts == [(1, [2, 3], "replicated"), (2, [2, 3], "replicated")]
+
+
+def test_bad_rows_fail_their_peer_only(group):
+    host, computes = group
+    t, _ = ticket(host, 2)
+    bad = WireTensor(np.full((1, H), np.nan, np.float32), "float32")
+
+    def step(peer, i):
+        return peer.forward(bad if i else rows(2, i), 1)
+
+    (ok, err), peers = run_peers(t, step)
+    assert ok[0].shape == (2, H)
+    assert isinstance(err, SessionError) and err.failure is Failure.INPUT and "peer 1" in str(err)
+    assert err.action is Action.CALLER_ERROR
+    # the session goes on: both peers step again
+    again, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 2)[0].shape, peers)
+    assert again == [(1, H), (1, H)]
+    assert computes[1].runs == [(1, 2), (2, 2)]
+
+
+def test_a_peers_own_failure_ends_the_layer_for_all_and_the_session_stays(group):
+    host, _ = group
+    t, _ = ticket(host, 2)
+
+    def step(peer, i):
+        if i == 1:
+            raise peer.fail(1, "attend raised KeyError")
+        return peer.forward(rows(1, 0), 1)
+
+    results, peers = run_peers(t, step)
+    assert all(isinstance(e, SessionError) and e.failure is Failure.PEER_FAILED and e.peer == 1 for e in results)
+    assert "attend raised KeyError" in str(results[0])
+    again, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 1)[0].shape, peers)
+    assert again == [(1, H), (1, H)]
+
+
+def test_a_dead_peer_ends_the_session_naming_it(group):
+    host, _ = group
+    t, number = ticket(host, 3)
+    peers = [t.join(i) for i in range(3)]
+
+    def step(peer, i):
+        if i == 2:  # goes once the others wait in the layer
+            while host.state(number)["waiting_for"] != [2]:
+                time.sleep(0.01)
+            peer.close("killed")
+            return None
+        return peer.forward(rows(1, i), 1)
+
+    results, _ = run_peers(t, step, peers)
+    for e in results[:2]:
+        assert isinstance(e, SessionError) and e.failure is Failure.PEER_GONE and e.peer == 2
+        assert e.action is Action.SESSION_OVER
+    assert host.state(number)["failure"] == "peer_gone"
+    with pytest.raises(SessionError) as closed:
+        peers[0].forward(rows(1, 0), 2)
+    assert closed.value.failure is Failure.SESSION_ENDED
+
+
+def test_a_stalled_peer_ends_the_session_within_the_call_bound(group):
+    host, _ = group
+    t, _ = ticket(host, 2)
+    results, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 1) if i == 0 else None)
+    e = results[0]
+    assert isinstance(e, SessionError) and e.failure is Failure.PEER_STALLED and e.peer == 1
+    assert f"{CALL_S:.0f} s" in str(e)
+
+
+def test_peers_out_of_step(group):
+    host, _ = group
+    t, _ = ticket(host, 2)
+    results, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), LAYERS[i]))
+    assert all(isinstance(e, SessionError) and e.failure is Failure.OUT_OF_STEP for e in results)
+
+
+@pytest.mark.parametrize("group", [(2, 2)], indirect=True)
+def test_a_failed_rank_breaks_the_group(group):
+    host, _ = group
+    t, _ = ticket(host, 2)
+    results, peers = run_peers(t, lambda p, i: p.forward(rows(1, i), 1))
+    assert [r[0].shape for r in results] == [(1, H), (1, H)]
+    results, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 2), peers)
+    for e in results:
+        assert isinstance(e, SessionError) and e.failure is Failure.GROUP_FAILED
+        assert e.action is Action.RETRY_ELSEWHERE
+    assert "rank 1" in host.failed and "boom" in host.failed
+    with pytest.raises(RuntimeError, match="broken"):
+        host.open(1, 1, "after")
+
+
+def test_closing_a_session_ends_it_as_never_run(group):
+    host, _ = group
+    t, number = ticket(host, 1)
+    peer = t.join(0)
+    assert peer.forward(rows(1, 0), 1)[0].shape == (1, H)
+    host.close(number, "lease expired", 5.0)
+    with pytest.raises(SessionError) as e:
+        peer.forward(rows(1, 0), 1)
+    assert e.value.failure is Failure.SESSION_ENDED and e.value.action is Action.START_OVER
+    assert "lease expired" in str(e.value)
+
+
+def test_only_the_sessions_peers_join_and_strays_stall_nothing(group):
+    host, _ = group
+    t, _ = ticket(host, 1)
+    g = t.groups[0]
+    stray = socket.create_connection(host.address)  # connects and says nothing
+    with pytest.raises(PermissionError):
+        frames.connect(host.address, frames.new_secret(), frames.Role.PEER, 0, 5.0)
+    with pytest.raises(ValueError, match="peer index"):
+        t.join(1)
+    peer = t.join(0)
+    with pytest.raises(PermissionError):  # index 0 has joined already
+        frames.connect(host.address, g.secret, frames.Role.PEER, 0, 5.0)
+    assert peer.forward(rows(2, 0), 1)[0].shape == (2, H)
+    stray.close()
+
+
+def test_ticket_round_trips_as_json(group):
+    host, _ = group
+    t, _ = ticket(host, 2)
+    assert SessionTicket.from_json(t.to_json()) == t
+
+
+@pytest.mark.parametrize(("dtype", "shape"), [("float32", (3, H)), ("bfloat16", (2, H)), ("bfloat16", (0, H)),
+                                              ("float32", (5,))])
+def test_arrays_cross_a_connection_as_their_bytes(dtype, shape):
+    a, b = socket.socketpair()
+    bits = np.random.default_rng(0).integers(-2**15, 2**15, size=shape, dtype=np.int16)
+    data = WireTensor(bits if dtype == "bfloat16" else bits.astype(np.float32), dtype)
+    frames.send(a, frames.Kind.RESULT, layer=7, text="replicated", data=data)
+    got = frames.recv(b)
+    assert (got.kind, got.layer, got.text) == (frames.Kind.RESULT, 7, "replicated")
+    assert got.data.dtype == dtype and got.data.array.dtype == data.array.dtype
+    assert np.array_equal(got.data.array, data.array)
+    a.close()
+    with pytest.raises(frames.ConnectionLost):
+        frames.recv(b)
