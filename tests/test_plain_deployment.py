@@ -3,14 +3,18 @@ the client in another Ray job (``ray.init(address="auto")``), stepping cohorts a
 and 4 peers 200 times over the data plane (tests/plain_driver.py). With Ray Compiled Graphs a
 one-worker cohort hung within ~15 steps in exactly this topology.
 
-Both processes get a Ray temp dir of their own (RAY_TMPDIR), so "auto" finds `serve run`'s
-instance, never another one on the machine (the test process's own, or a parallel test's).
+`serve run` gets a Ray temp dir of its own (RAY_TMPDIR); the driver's "auto" is pointed at that
+instance by RAY_ADDRESS (its GCS port is read from that temp dir), never at another one on the
+machine (the test process's own, or a parallel test's): "auto" alone picks any. Both use token
+authentication with a token of their own (RAY_AUTH_TOKEN), as a cluster started where Ray finds a
+token does, without depending on ~/.ray/auth_token.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.util import get_node_ip_address
 from test_serve_cli import SERVE, SIGINT_RESTORED, STOP_TIMEOUT_S, wait_ready
 
 from moe_runtime.tp.collectives import free_port
@@ -39,7 +44,7 @@ def test_cohorts_and_sessions_step_200_times_from_another_ray_job(tiny_ckpt, tmp
     path.write_text(yaml.safe_dump(config))
     ray_tmp = tempfile.mkdtemp(prefix="lms-ray-")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_OVERRIDE_RESOURCES", "RAY_ADDRESS")}
-    env["RAY_TMPDIR"] = ray_tmp
+    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         server = subprocess.Popen([*SIGINT_RESTORED, str(SERVE), "run", str(path)], cwd=ROOT,
@@ -47,9 +52,11 @@ def test_cohorts_and_sessions_step_200_times_from_another_ray_job(tiny_ckpt, tmp
     try:
         with wait_ready(server, port, log):
             pass
+        (port_file,) = Path(ray_tmp, "ray", "session_latest").glob("gcs_server_port_*")
+        gcs = f"{get_node_ip_address()}:{port_file.read_text().strip()}"
         driver = subprocess.run([sys.executable, str(ROOT / "tests/plain_driver.py"), str(STEPS)], cwd=ROOT,
-                                env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                                timeout=DRIVER_TIMEOUT_S)
+                                env={**env, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": gcs}, capture_output=True,
+                                text=True, timeout=DRIVER_TIMEOUT_S)
         assert driver.returncode == 0, f"driver failed:\n{driver.stdout[-3000:]}\n{driver.stderr[-6000:]}"
         report = json.loads(driver.stdout.strip().splitlines()[-1])
         for m in (1, 4):
