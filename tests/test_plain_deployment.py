@@ -22,11 +22,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 from ray.util import get_node_ip_address
-from test_serve_cli import SERVE, SIGINT_RESTORED, STOP_TIMEOUT_S, wait_ready
-
-from moe_runtime.tp.collectives import free_port
+from test_serve_cli import SERVE, SIGINT_RESTORED, STOP_TIMEOUT_S, local_config, wait_ready
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -36,12 +33,7 @@ DRIVER_TIMEOUT_S = 600.0
 
 
 def test_cohorts_and_sessions_step_200_times_from_another_ray_job(tiny_ckpt, tmp_path):
-    config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
-    port = free_port()
-    config["http_options"]["port"] = port
-    config["applications"][0]["args"]["checkpoint"] = str(tiny_ckpt)
-    path = tmp_path / "app.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path, port = local_config(tiny_ckpt, tmp_path)
     ray_tmp = tempfile.mkdtemp(prefix="lms-ray-")  # short: Ray's socket paths live under it
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_OVERRIDE_RESOURCES", "RAY_ADDRESS")}
     env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))

@@ -100,16 +100,22 @@ def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, gpus: int, 
             proc.wait(timeout=10)
 
 
+def local_config(ckpt: Path, folder: Path) -> tuple[Path, int]:
+    """deployments/configs/local.yaml serving ``ckpt`` on a free HTTP port: its path and port."""
+    config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    config["applications"][0]["args"]["checkpoint"] = str(ckpt)
+    path = folder / "local.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path, port
+
+
 def test_serve_run_local_config_on_a_machine_without_gpus(tiny_ckpt, tmp_path):
     """The README's `serve run deployments/configs/local.yaml` with no Ray running and no GPU:
     it starts its own Ray, accelerator auto picks the CPU, and it serves (it once waited
     forever for GPU bundles)."""
-    config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
-    port = free_port()
-    config["http_options"]["port"] = port
-    config["applications"][0]["args"]["checkpoint"] = str(tiny_ckpt)
-    path = tmp_path / "local.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path, port = local_config(tiny_ckpt, tmp_path)
     _run_and_check([str(SERVE), "run", str(path)], port, tiny_ckpt, tmp_path / "serve.log", gpus=0)
 
 

@@ -184,11 +184,14 @@ def test_peers_out_of_step(group):
 
 @pytest.mark.parametrize("group", [(2, 2)], indirect=True)
 def test_a_failed_rank_breaks_the_group(group):
+    """Rank 1 fails layer 2 after rank 0 computed it (rank 0's own output is the group's and
+    answered at once; the other ranks' answers are read before the next batch): the next batch
+    finds it, every peer hears the group failed, and the host opens nothing more."""
     host, _ = group
     t, _ = ticket(host, 2)
-    results, peers = run_peers(t, lambda p, i: p.forward(rows(1, i), 1))
+    results, peers = run_peers(t, lambda p, i: p.forward(rows(1, i), 2))
     assert [r[0].shape for r in results] == [(1, H), (1, H)]
-    results, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 2), peers)
+    results, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 1), peers)
     for e in results:
         assert isinstance(e, SessionError) and e.failure is Failure.GROUP_FAILED
         assert e.action is Action.RETRY_ELSEWHERE

@@ -59,7 +59,7 @@ class WorkerSeat:
         self.tokens: int | None = None  # rows per layer this step, from its first attend
         self.numpy: set[int] = set()  # layers whose attend gave numpy this step: absorb gets numpy
         self.phase, self.since = "idle", time.monotonic()
-        self.lock = threading.Lock()  # one protocol call at a time (graph thread vs abort)
+        self.lock = threading.Lock()  # one protocol call at a time (a step vs an abort)
 
     def fail(self, message: str) -> WorkerError:
         return WorkerError(self.index, self.name, message)

@@ -57,7 +57,7 @@ class WorkerError(RuntimeError):
         super().__init__(f"attention worker {index} ({name}){' died' if died else ''}: {message}")
         self.index, self.name, self.message, self.died = index, name, message, died
 
-    def __reduce__(self):  # raised in the worker's process, carried through the graph
+    def __reduce__(self):  # raised in the worker's process, carried back by Ray
         return type(self), (self.index, self.name, self.message, self.died)
 
 

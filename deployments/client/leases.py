@@ -234,7 +234,7 @@ class LeaseHolder:
     The public object (``Lane``, ``Cohort``) keeps this and a ``weakref.finalize`` that closes
     it; the idle thread holds only this, never the public object, so an unclosed lane or cohort
     that its owner drops is collected, and its leases released, instead of polling for ever.
-    Subclasses say how to drop their graphs (:meth:`drop_idle`) and close (:meth:`close`).
+    Subclasses say how to drop their leases (:meth:`drop_idle`) and close (:meth:`close`).
     """
 
     def __init__(self, name: str, leases: dict[str, GroupLease]):

@@ -101,6 +101,7 @@ class GroupHost:
         self.ended: dict[int, dict[str, Any]] = {}  # ended sessions' last states, by number
         self.by_secret: dict[str, Session] = {}
         self.links: dict[int, socket.socket] = {}
+        self._done_owed = False  # the other ranks' DONEs of the last batch are still to be read
         self.linked = threading.Event()
         if world == 1:
             self.linked.set()
@@ -371,11 +372,16 @@ class GroupHost:
             self.compute.counted(session.number, layer, [sizes[i] for i, _ in good], tail, seconds)
 
     def _forward(self, layer: int, good: list[tuple[int, Any]]) -> tuple[WireTensor, str, float]:
-        """One forward of the good parts' rows on every rank: the batch's output and tail."""
+        """One forward of the good parts' rows on every rank: the batch's output and tail.
+
+        Rank 0 answers as soon as its own output is the group's (every tail but sequence
+        parallel, whose rows come from every rank): the other ranks' DONEs of this batch are read
+        before the next batch is sent, off the peers' wait."""
         if not good:
             code = np.dtype(VIEW_AS.get(self.dtype, self.dtype))
             return WireTensor(np.empty((0, self.hidden_size), code), self.dtype), "none", 0.0
         start = time.perf_counter()
+        self._collect_done()
         x = concat_rows([c[1] for _, c in good])
         logits = good[0][1][2] if len(good) == 1 else None
         flags = frames.WITH_LOGITS if logits is not None else 0
@@ -384,7 +390,19 @@ class GroupHost:
             frames.send(link, Kind.BATCH, flags=flags, layer=layer, data=x)
             if logits is not None:
                 frames.send(link, Kind.LOGITS, data=WireTensor(logits, "float32"))
+        self._done_owed = self.world > 1
         results = [self.compute.run(layer, x, logits)]
+        if results[0][1] == "sequence_parallel":
+            results += self._collect_done()
+        out, tail = join_rank_outputs(results)
+        return out, tail, time.perf_counter() - start
+
+    def _collect_done(self) -> list[tuple[WireTensor | None, str]]:
+        """The other ranks' answers to the last batch (``(out, tail)`` each), if not read yet."""
+        if not self._done_owed:
+            return []
+        self._done_owed = False
+        results = []
         for rank in range(1, self.world):
             try:
                 done = frames.recv(self.links[rank])
@@ -397,8 +415,7 @@ class GroupHost:
             if meta.get("error"):
                 raise RuntimeError(f"rank {rank}: {meta['error']}")
             results.append((done.data, meta["tail"]))
-        out, tail = join_rank_outputs(results)
-        return out, tail, time.perf_counter() - start
+        return results
 
     def _answer_all(self, session: Session, answer: Callable[[int], tuple[Kind, str, WireTensor | None]],
                     layer: int) -> None:

@@ -141,7 +141,8 @@ class MoEGroupDeployment:
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's ``user_config`` hook: apply new batching knobs (``spec.BATCHING_KNOBS``) to the
         running replica -- no restart, no reload; a bad value raises ``ValueError``. Done once
-        the ranks hold the new ``max_tokens_per_request`` too (lane calls check it there)."""
+        the ranks hold the new ``max_tokens_per_request`` too (rank 0 checks leased sessions' rows
+        with it)."""
         spec = with_batching(self.spec, user_config)
         if spec == self.spec:
             return
@@ -153,7 +154,7 @@ class MoEGroupDeployment:
             logger.warning("replica %s of deployment %r: a rank did not take max_tokens_per_request "
                            "%d within %.0f s (%s); its health check decides", self.replica, spec.name,
                            spec.max_tokens_per_request, spec.bounds.call_s, error_message(e))
-        # Only now: status() reporting the new limit means the ranks (which check lane calls) hold it.
+        # Only now: status() reporting the new limit means the ranks (which check leased rows) hold it.
         self.spec = spec
         for queue in self._queues.values():
             queue.set_max_batch_size(spec.max_batch_tokens)
