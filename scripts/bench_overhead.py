@@ -5,25 +5,29 @@ forward decides whether the tier is usable. One run (tiny checkpoint, float32, l
 
 * ``inprocess``: the runner in this process (TP 1) or in ``local_group`` ranks (TP 2), no Ray;
   TP 2 also as ``python -m moe_runtime forward --tp 2 --repeat N`` times it at T = 1 (a
-  subprocess on the same checkpoint, dtype and layer: the lane target's in-process number);
+  subprocess on the same checkpoint, dtype and layer: the lane target's in-process number;
+  ``bench.harness.cli_forward_ms``);
+* the transport's own floor, ``tcp1`` / ``tcp2`` (``bench.floor``: one peer process -> a rank
+  process -> 0 / 1 echo rank(s) -> back over raw TCP, blocking reads, ``[T, H]`` float32 rows;
+  no project code, no Ray: the shape of a lane's call on the data plane);
 * Ray's floors, the same payload (a ``WireTensor`` of ``[T, H]``) round-tripped:
   ``actor`` (a bare actor call), ``serve_echo`` (Serve handle -> a deployment that returns its
   input), ``serve_actor1`` / ``serve_actor2`` (Serve handle -> a deployment that awaits one call
   on each of 1 / 2 actors, the shape of our replica -> TP-group hop), ``cgraph1`` / ``cgraph2``
-  (a Compiled Graph: driver -> 1 / 2 echo actors -> driver, the shape of a lane);
-* ours: ``lane`` (``MoEClient.lane``: the client's compiled graph over a leased TP group),
-  ``direct`` (``MoEClient.direct``: handle -> TP-group deployment), ``app`` (the ingress
-  handle: one more hop), ``http`` (HTTP through the proxy and the ingress).
+  (a Compiled Graph: driver -> 1 / 2 echo actors -> driver, the lanes' transport before the data
+  plane; kept as a reference);
+* ours: ``lane`` (``MoEClient.lane``: the one peer of a data-plane session on a leased TP group,
+  ``deployments.dataplane``), ``direct`` (``MoEClient.direct``: handle -> TP-group deployment),
+  ``app`` (the ingress handle: one more hop), ``http`` (HTTP through the proxy and the ingress).
 
 Every path is called sequentially (one request in flight: the lone-decode-request case) for
 TP 1 and 2 and T in {1, 16, 128}, in rounds so a noisy neighbour hits every path alike. Each
-round times the Serve paths and their floors, then the compiled graphs one at a time: a graph
-is built for its turn and torn down after it (``cgraphP``), a lane opened and closed (it leases
-the group of the deployment the Serve paths use; nothing else calls it meanwhile), because an
-idle compiled graph's loops spin on their CPUs and would slow everything else. The lane's
-timed answers are compared bit for bit with the direct handle's on the same input every
-round, and its ``status()`` must show every call on the lane: a row failing either meets no
-target.
+round times the Serve paths and their floors, the TCP floors, then the compiled graphs one at a
+time, each built for its turn and torn down after it (an idle compiled graph's loops spin on
+their CPUs and would slow everything else), then a lane per TP opened and closed (it leases the
+group of the deployment the Serve paths use; nothing else calls it meanwhile). The lane's timed
+answers are compared bit for bit with the direct handle's on the same input every round, and
+its ``status()`` must show every call on the lane: a row failing either meets no target.
 
 Prints p50/p90/p99 and the overhead over the in-process forward and over the matching floor,
 and writes JSON + PNG under ``--out`` and its section of docs/benchmarks.md (``--docs``; '' to
@@ -35,7 +39,7 @@ side by side).
 
 Targets: direct <= serve_actor floor + 1.5 ms (TP 1: one actor, TP 2: two actors); app <=
 direct + 1 ms; HTTP <= direct + 3 ms (the Serve paths, every row); lane - in-process (the
-CLI's) <= cgraph2 floor + 0.5 ms at TP 2, T = 1; lane <= 0.25 x direct at T = 1 (each TP). The
+CLI's) <= tcp2 floor + 0.5 ms at TP 2, T = 1; lane <= 0.25 x direct at T = 1 (each TP). The
 projected hop cost of a 92-layer Kimi-K3 token, (path - in-process) x 92 at T = 1, is printed
 for the lane and the direct handle.
 """
@@ -48,16 +52,13 @@ import inspect
 import json
 import math
 import os
-import re
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench import ROOT, harness
+from bench import harness
 from bench.docs import publish, repo_relative, section_start, verdict, verdict_word
+from bench.floor import echo_floor
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.tp.collectives import Collectives
@@ -70,7 +71,7 @@ SIZES = (1, 16, 128)  # within max_batch_tokens (2048) and max_tokens_per_reques
 TARGETS_MS = {"direct_over_floor": 1.5, "app_over_direct": 1.0, "http_over_direct": 3.0}
 TARGET_TEXT = {"direct_over_floor": "direct - in-process forward - floor", "app_over_direct": "app - direct",
                "http_over_direct": "HTTP - direct"}
-LANE_OVER_FLOOR_MS = 0.5  # lane - in-process <= cgraph floor + this, at TP 2, T = 1
+LANE_OVER_FLOOR_MS = 0.5  # lane - in-process <= the TCP floor + this, at TP 2, T = 1
 LANE_OVER_DIRECT = 0.25  # lane <= this x direct, at T = 1
 K3_MOE_LAYERS = 92  # one tier call per MoE layer per decode step
 TIMEOUT_S = 120  # per call: a busy shared machine can stall one for longer than Ray's defaults (10 s)
@@ -109,21 +110,6 @@ def inprocess(checkpoint: str, calls: int) -> dict[tuple[int, int], list[float]]
         for T in SIZES:  # a TP forward ends when its slowest rank does
             result[(tp, T)] = [max(ts) for ts in zip(*(r[T] for r in per_rank), strict=True)]
     return result
-
-
-def cli_forward_ms(checkpoint: str, tp: int, T: int, repeat: int) -> dict[str, Any]:
-    """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) on the
-    same checkpoint, dtype, layer and input as this run's in-process path."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", checkpoint, "--layer",
-               str(LAYER), "--tp", str(tp), "--dtype", "float32", "--random-input", str(T), "--seed", str(T),
-               "--repeat", str(repeat), "--output", f"{tmp}/out.safetensors"]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    m = re.search(r"^forward ms: first [\d.]+, median ([\d.]+) over \d+$", out, re.M)
-    if m is None:
-        raise RuntimeError(f"no 'forward ms' line in the output of {' '.join(cmd)}:\n{out}")
-    return {"tp": tp, "T": T, "repeat": repeat, "median_ms": float(m.group(1)),
-            "command": "python -m moe_runtime " + " ".join(cmd[3:-2])}
 
 
 # -- floors -------------------------------------------------------------------------------------
@@ -188,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for (tp, T), ts in inprocess(str(ckpt), args.calls).items():
         samples[f"inprocess/tp{tp}/T{T}"] = ts
     print(f"in process by the CLI (TP 2, T = 1, --repeat {args.calls})", flush=True)
-    results["inprocess_cli"] = cli_forward_ms(str(ckpt), 2, 1, args.calls)
+    results["inprocess_cli"] = harness.cli_forward_ms(ckpt, LAYER, 2, 1, args.calls)
 
     import ray
     from ray import serve
@@ -234,10 +220,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"round {r + 1}/{args.rounds} ({per_round} calls per path), load {os.getloadavg()[0]:.2f}",
                   flush=True)
             last = timed(calls, samples, per_round)
+            for n in TPS:  # the transport's floor: spawned processes, timed by its peer
+                for T in SIZES:
+                    samples.setdefault(f"tcp{n}/T{T}", []).extend(
+                        echo_floor(1, T, H, ranks=n, min_steps=per_round, warmup=5).steps[0][:per_round])
             # Then the compiled graphs, one at a time, each built for its turn and torn down after
             # it: an idle graph's loops spin (about a core per actor, measured here), which would
-            # slow every other path. The lane leases the group the Serve paths just used; nothing
-            # else calls it meanwhile.
+            # slow every other path. Then the lane: it leases the group the Serve paths just used;
+            # nothing else calls it meanwhile.
             for n in TPS:
                 graph = compiled_floor(echoes[n])
                 try:
@@ -292,6 +282,7 @@ def overheads(paths: dict[str, dict[str, float]], lanes: dict[str, Any]) -> list
                 "tp": tp, "T": T, "inprocess_ms": p["inprocess"], "lane_ms": p["lane"],
                 "direct_ms": p["direct"], "app_ms": p["app"], "http_ms": p["http"],
                 "floor_ms": floor, "floor1_ms": floor1, "cgraph_ms": paths[f"cgraph{tp}/T{T}"]["p50_ms"],
+                "tcp_ms": paths[f"tcp{tp}/T{T}"]["p50_ms"],
                 "lane_valid": lane["on_lane"] and lane["exact"][str(T)],
                 "lane_over_inprocess_ms": p["lane"] - p["inprocess"],
                 "lane_over_direct": p["lane"] / p["direct"],
@@ -305,13 +296,15 @@ def overheads(paths: dict[str, dict[str, float]], lanes: dict[str, Any]) -> list
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| TP | T | in-process | lane | CG floor (driver->P actors) | lane - fwd | lane / direct "
-             "| direct | app | HTTP | floor (Serve->P actors) | direct - fwd - floor | app - direct "
-             "| HTTP - direct |",
-             "|---|---|" + "---:|" * 12]
+    lines = ["| TP | T | in-process | lane | TCP floor (peer->P ranks) | CG floor (driver->P actors) "
+             "| lane - fwd | lane / direct | direct | app | HTTP | floor (Serve->P actors) "
+             "| direct - fwd - floor | app - direct | HTTP - direct |",
+             "|---|---|" + "---:|" * 13]
     for r in results["overheads"]:
+        tcp = f"{r['tcp_ms']:.2f}" if "tcp_ms" in r else "-"
         cells = [r["tp"], r["T"], f"{r['inprocess_ms']:.2f}",
-                 f"{r['lane_ms']:.2f}" + ("" if r["lane_valid"] else " (invalid)"), f"{r['cgraph_ms']:.2f}",
+                 f"{r['lane_ms']:.2f}" + ("" if r["lane_valid"] else " (invalid)"), tcp,
+                 f"{r['cgraph_ms']:.2f}",
                  f"{r['lane_over_inprocess_ms']:+.2f}", f"{r['lane_over_direct']:.2f}",
                  *(f"{r[f'{k}_ms']:.2f}" for k in ("direct", "app", "http", "floor")),
                  *(f"{r[f'{k}_over_{base}_ms']:+.2f}"
@@ -338,7 +331,7 @@ def compare_table(runs: list[dict[str, Any]]) -> str:
     lines = ["| TP | T | path | " + " | ".join(labels) + " |", "|---|---|---|" + "---:|" * len(runs)]
     for tp in TPS:
         for T in SIZES:
-            for path in ("inprocess", "lane", "cgraph", "floor", "direct", "app", "http",
+            for path in ("inprocess", "lane", "tcp", "cgraph", "floor", "direct", "app", "http",
                          "lane_over_inprocess", "direct_over_floor", "app_over_direct", "http_over_direct"):
                 vals = [row_of(run, tp, T).get(f"{path}_ms") for run in runs]
                 lines.append(f"| {tp} | {T} | {path} | "
@@ -370,10 +363,10 @@ def lane_targets(results: dict[str, Any]) -> dict[str, Any]:
     """The lane's targets at T = 1 and the projected hops of a Kimi-K3 token (92 MoE layers)."""
     rows = {r["tp"]: r for r in results["overheads"] if r["T"] == 1}
     two, cli = rows[2], results["inprocess_cli"]["median_ms"]
-    over_floor = lane_verdict(two, two["lane_ms"] - cli - two["cgraph_ms"], LANE_OVER_FLOOR_MS)
+    over_floor = lane_verdict(two, two["lane_ms"] - cli - two["tcp_ms"], LANE_OVER_FLOOR_MS)
     return {
-        "lane_over_floor": dict(over_floor, lane_ms=two["lane_ms"], cli_ms=cli, cgraph_ms=two["cgraph_ms"],
-                                inprocess_ms=two["inprocess_ms"]),
+        "lane_over_floor": dict(over_floor, lane_ms=two["lane_ms"], cli_ms=cli, tcp_ms=two["tcp_ms"],
+                                cgraph_ms=two["cgraph_ms"], inprocess_ms=two["inprocess_ms"]),
         "lane_over_direct": [lane_verdict(r, r["lane_over_direct"], LANE_OVER_DIRECT) for r in rows.values()],
         "k3_token_hops_ms": {f"tp{tp}": {"lane": r["lane_over_inprocess_ms"] * K3_MOE_LAYERS,
                                          "direct": r["direct_over_inprocess_ms"] * K3_MOE_LAYERS}
@@ -396,11 +389,13 @@ def lane_lines(results: dict[str, Any]) -> list[str]:
     return [
         f"- Lane answers vs the direct handle's on the same input (`torch.equal` on every round's timed "
         f"answers), and the lane's own `status()`: {checks}. A lane row that fails either meets no target.",
-        f"- lane - in-process <= Compiled Graph floor + {LANE_OVER_FLOOR_MS} ms at TP 2, T = 1: lane "
-        f"{f['lane_ms']:.2f} - in-process {f['cli_ms']:.2f} (`{cli['command']}`, median, printed to 0.1 ms; "
-        f"this run's in-process path: {f['inprocess_ms']:.2f}) = {f['lane_ms'] - f['cli_ms']:+.2f} ms "
-        f"against floor {f['cgraph_ms']:.2f} + {LANE_OVER_FLOOR_MS} = "
-        f"{f['cgraph_ms'] + LANE_OVER_FLOOR_MS:.2f} ms: {verdict_word(f['met'])}.",
+        f"- lane - in-process <= the transport's floor (`tcp2`) + {LANE_OVER_FLOOR_MS} ms at TP 2, T = 1: "
+        f"lane {f['lane_ms']:.2f} - in-process {f['cli_ms']:.2f} (`{cli['command']}`, median, printed to "
+        f"0.1 ms; this run's in-process path: {f['inprocess_ms']:.2f}) = "
+        f"{f['lane_ms'] - f['cli_ms']:+.2f} ms against floor {f['tcp_ms']:.2f} + {LANE_OVER_FLOOR_MS} = "
+        f"{f['tcp_ms'] + LANE_OVER_FLOOR_MS:.2f} ms: "
+        f"{verdict_word(f['met'])} (Ray's Compiled Graph floor `cgraph2`, the lanes' transport before the "
+        f"data plane: {f['cgraph_ms']:.2f} ms).",
         f"- lane <= {LANE_OVER_DIRECT} x direct handle at T = 1: "
         + ", ".join(f"TP {v['tp']}: {v['value']:.2f}x ({verdict_word(v['met'])})"
                     for v in t["lane_over_direct"]) + ".",
@@ -424,19 +419,23 @@ def markdown(runs: list[dict[str, Any]], json_path: str, png_path: str) -> str:
             f"{env['calls_per_path']} calls per path in {env['rounds']} interleaved rounds, one request "
             "in flight", json_path, png_path),
         "",
-        "Paths: `inprocess` = the runner with no Ray (TP 2: `local_group` ranks); Ray's floors on the same "
-        "payload: `actor` (a bare actor call), `serve_echo` (Serve handle -> a deployment returning its "
-        "input), `serve_actorP` (Serve handle -> a deployment awaiting one call on each of P actors: the "
-        "shape of the replica -> TP group hop), `cgraphP` (a Compiled Graph, driver -> P echo actors -> "
-        "driver: the shape of a lane); ours: `lane` (`MoEClient.lane`: this client's compiled graph over "
-        "the leased TP group of the deployment `direct` calls), `direct` (`MoEClient.direct`), `app` (the "
-        "ingress handle), `http` (proxy and ingress). Each round times the Serve paths and their floors, "
-        "then each compiled graph in turn, built for its turn and torn down after it (a lane opened and "
-        "closed): an idle graph's loops spin on their CPUs. p50 / p90 / p99 per call, ms:",
+        "Paths: `inprocess` = the runner with no Ray (TP 2: `local_group` ranks); the transport's floor: "
+        "`tcpP` (`scripts/bench/floor.py`: a peer process -> a rank process -> P - 1 echo ranks -> back over "
+        "raw TCP with blocking reads, no project code: the shape of a lane's call on the data plane); Ray's "
+        "floors on the same payload: `actor` (a bare actor call), `serve_echo` (Serve handle -> a deployment "
+        "returning its input), `serve_actorP` (Serve handle -> a deployment awaiting one call on each of P "
+        "actors: the shape of the replica -> TP group hop), `cgraphP` (a Compiled Graph, driver -> P echo "
+        "actors -> driver: the lanes' transport before the data plane, a reference); ours: `lane` "
+        "(`MoEClient.lane`: the one peer of a data-plane session on the leased TP group of the deployment "
+        "`direct` calls), `direct` (`MoEClient.direct`), `app` (the ingress handle), `http` (proxy and "
+        "ingress). Each round times the Serve paths and their floors, the TCP floors, each compiled graph "
+        "in turn (built for its turn and torn down after it: an idle graph's loops spin on their CPUs), then "
+        "a lane per TP, opened and closed. p50 / p90 / p99 per call, ms:",
         "",
         paths_table(results),
         "",
-        "Overheads (p50, ms; fwd = in-process; CG floor = `cgraphP`, floor = `serve_actorP`, P = TP size):",
+        "Overheads (p50, ms; fwd = in-process; TCP floor = `tcpP`, CG floor = `cgraphP`, floor = "
+        "`serve_actorP`, P = TP size):",
         "",
         table(results),
     ]
@@ -455,7 +454,7 @@ def markdown(runs: list[dict[str, Any]], json_path: str, png_path: str) -> str:
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:
     fig, axes = harness.pyplot().subplots(1, len(SIZES), figsize=(18, 5), sharey=True)
-    keys = ["inprocess", "cgraph", "lane", "floor", "direct", "app", "http"]
+    keys = ["inprocess", "tcp", "cgraph", "lane", "floor", "direct", "app", "http"]
     xs = [k + j * (len(keys) + 1) for j in range(len(TPS)) for k in range(len(keys))]
     width = 0.8 / len(runs)
     for ax, T in zip(axes, SIZES, strict=True):

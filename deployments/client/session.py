@@ -31,7 +31,7 @@ from ..common.requests import as_logits, as_rows, is_torch_tensor
 from ..dataplane.errors import Action, SessionError
 from ..dataplane.peer import SessionPeer, SessionTicket
 from .errors import raise_for
-from .leases import DEFAULT_WAIT_S, GroupLease, default_client_name, endpoint, served_layers
+from .leases import DEFAULT_RETRY_S, DEFAULT_WAIT_S, GroupLease, default_client_name, endpoint, served_layers
 
 
 class Session:
@@ -48,7 +48,7 @@ class Session:
         chosen = served_layers(client, layers)
         routes = client.layer_routes()
         by_layer = {x: routes.choose(x, None) for x in chosen}
-        self.leases = {d: GroupLease(client, d, self.name, max_tokens, float(wait_s), peers=peers)
+        self.leases = {d: GroupLease(client, d, self.name, max_tokens, DEFAULT_RETRY_S, peers=peers)
                        for d in sorted(set(by_layer.values()))}
         self.closed: str | None = None
         self._stop = threading.Event()

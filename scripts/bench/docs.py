@@ -120,13 +120,14 @@ def section_start(heading: str, script: str, argv: list[str] | str, machine: dic
             f"{machine['torch']}{ray}; {details}; {load}. Raw data: `{json_path}`{plot}.")
 
 
-def rounds_table(kind: str, measure: str, values: dict[str, list[float]], what: dict[str, str]) -> list[str]:
+def rounds_table(kind: str, measure: str, values: dict[str, list[float]], what: dict[str, str],
+                 fmt: str = ".2f") -> list[str]:
     """Markdown rows of measurements taken in rounds: each ``kind`` (a name of ``values``), what
-    it is, the median of its rounds (``measure``) and every round."""
+    it is, the median of its rounds (``measure``) and every round, each written with ``fmt``."""
     rows = [f"| {kind} | what it is | {measure} (median of rounds) | rounds |", "|---|---|---:|---|"]
     for name, vs in values.items():
-        rounds = ", ".join(f"{v:.2f}" for v in vs)
-        rows.append(f"| {name} | {what[name]} | {statistics.median(vs):.2f} | {rounds} |")
+        rounds = ", ".join(f"{v:{fmt}}" for v in vs)
+        rows.append(f"| {name} | {what[name]} | {statistics.median(vs):{fmt}} | {rounds} |")
     return rows
 
 

@@ -198,6 +198,32 @@ def seeded_randn(rows: int, cols: int, seed: int, dtype: Any = None) -> Any:
     return x if dtype is None else x.to(dtype)
 
 
+# -- the in-process forward -------------------------------------------------------------------------
+
+
+def cli_forward_ms(checkpoint: str | Path, layer: int, tp: int, T: int, repeat: int,
+                   tail: str | None = None) -> dict[str, Any]:
+    """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) of MoE
+    ``layer`` of ``checkpoint`` at TP ``tp`` on ``T`` seeded float32 rows (seed ``T``, as
+    :func:`seeded_randn` draws them), ``repeat`` times; ``tail`` as the CLI's ``--tail`` (None: its
+    default). The in-process number a served call is set against."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(checkpoint), "--layer",
+               str(layer), "--tp", str(tp), "--dtype", "float32", "--random-input", str(T), "--seed", str(T),
+               "--repeat", str(repeat), *(["--tail", tail] if tail else []),
+               "--output", f"{tmp}/out.safetensors"]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    m = re.search(r"^forward ms: first [\d.]+, median ([\d.]+) over \d+$", out, re.M)
+    if m is None:
+        raise RuntimeError(f"no 'forward ms' line in the output of {' '.join(cmd)}:\n{out}")
+    return {"tp": tp, "T": T, "layer": layer, "repeat": repeat, "median_ms": float(m.group(1)),
+            "command": "python -m moe_runtime " + " ".join(cmd[3:-2])}
+
+
 # -- checkpoints -----------------------------------------------------------------------------------
 
 
