@@ -62,6 +62,7 @@ class LaneSeat:
     layer_requests: Counter[int] = field(default_factory=Counter)
     layer_tokens: Counter[int] = field(default_factory=Counter)
     batch_tokens: Counter[str] = field(default_factory=Counter)  # "layer:tokens" of a forward -> forwards
+
     def open(self, lease_id: str, client: str, session: int | None) -> None:
         self.lease_id, self.client, self.session = lease_id, client, session
         self.revoked = self.released = False
