@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,3 +63,4 @@ def test_cohorts_and_sessions_step_200_times_from_another_ray_job(tiny_ckpt, tmp
         if server.poll() is None:
             server.kill()
             server.wait(timeout=10)
+        shutil.rmtree(ray_tmp, ignore_errors=True)  # its Ray's session files and logs
