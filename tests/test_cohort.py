@@ -26,7 +26,7 @@ from waiting import wait_until
 
 from deployments.client import AttentionWorker, MoERequestError, WorkerError
 from deployments.config.timeouts import PROBE_S
-from deployments.dataplane.peer import ANSWER_MARGIN_S
+from deployments.dataplane.peer import ANSWER_MARGIN_S, answer_bound_s
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # The workers' classes travel by value: Ray's worker processes need not import this module.
@@ -207,7 +207,7 @@ def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app, wo
     # the default step bound: a layer's two bounds (its peers, then its forward: the groups' call
     # bound each), the peers' margin and a probe
     call_s = COMMON["collective_timeout_s"] + COMMON["call_margin_s"]
-    assert status["step_timeout_s"] == 2 * call_s + ANSWER_MARGIN_S + PROBE_S
+    assert status["step_timeout_s"] == 2 * call_s + ANSWER_MARGIN_S + PROBE_S == answer_bound_s(call_s) + PROBE_S
     for name in ("pair", "half"):  # one forward per layer per step, of every worker's rows
         b, a = before[name][leased[name]], after[name][leased[name]]
         assert a["forwards"] - b["forwards"] == 3

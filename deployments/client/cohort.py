@@ -67,7 +67,7 @@ from ..common.wire import WireTensor
 from ..config.timeouts import LEASE_ATTEMPT_S, PROBE_S
 from ..dataplane.errors import Action, SessionError
 from ..dataplane.errors import Failure as PlaneFailure
-from ..dataplane.peer import ANSWER_MARGIN_S, SessionTicket
+from ..dataplane.peer import SessionTicket, answer_bound_s
 from .errors import MoEServerError, WorkerError, raise_for
 from .leases import (
     DEFAULT_RETRY_S,
@@ -132,9 +132,9 @@ class CohortCore(LeaseHolder):
                             "call_s": st["bounds"]["call_s"]}
         if len({i["hidden_size"] for i in self.info.values()}) > 1:
             raise ValueError(f"the cohort's deployments disagree on the hidden size: {self.info}")
-        # A worker's wait for a layer: its peers (up to a call bound), then the forward (another).
+        # A worker's wait for a layer (dataplane.peer), and a probe's for the driver.
         call_s = max(i["call_s"] for i in self.info.values())
-        self.step_timeout_s = step_timeout_s or 2 * call_s + ANSWER_MARGIN_S + PROBE_S
+        self.step_timeout_s = step_timeout_s or answer_bound_s(call_s) + PROBE_S
 
     def join(self) -> None:
         """Seat every worker (an actor that is not an ``AttentionWorker`` fails here)."""

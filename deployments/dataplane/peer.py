@@ -33,6 +33,11 @@ CONNECT_S = 10.0  # joining a group: connect and handshake
 ANSWER_MARGIN_S = 5.0  # a peer's wait for its answer over the layer's bounds (peers, then forward)
 
 
+def answer_bound_s(call_s: float) -> float:
+    """A peer's wait for a layer's answer: its peers (up to a call bound), then the forward (another)."""
+    return 2 * call_s + ANSWER_MARGIN_S
+
+
 @dataclass(frozen=True)
 class GroupEndpoint:
     """One TP group of a session: where its rank 0 listens and what it serves."""
@@ -136,15 +141,14 @@ class SessionPeer:
 
     def _answer(self, g: GroupEndpoint, layer: int) -> tuple[WireTensor, str]:
         sock = self.socks[g.deployment]
-        # The layer waits for every peer (up to the call bound), then runs (up to the call bound).
-        sock.settimeout(2 * g.call_s + ANSWER_MARGIN_S)
+        bound_s = answer_bound_s(g.call_s)
+        sock.settimeout(bound_s)
         try:
             frame = frames.recv(sock)
         except TimeoutError:
-            self.close(f"no answer for layer {layer} within {2 * g.call_s + ANSWER_MARGIN_S:.0f} s")
+            self.close(f"no answer for layer {layer} within {bound_s:.0f} s")
             raise SessionError(Failure.GROUP_TIMEOUT, f"replica {g.replica} did not answer layer {layer} "
-                               f"within {2 * g.call_s + ANSWER_MARGIN_S:.0f} s: a rank is stalled",
-                               None, g.replica) from None
+                               f"within {bound_s:.0f} s: a rank is stalled", None, g.replica) from None
         except (frames.ConnectionLost, OSError) as e:
             self.close(f"connection lost: {e}")
             raise SessionError(Failure.GROUP_FAILED, f"rank 0 of replica {g.replica} closed the connection "
