@@ -1,11 +1,10 @@
-"""Which actors are dead: the one probe the replica (its ranks), the lease watcher and the cohort
+"""Which actors are dead: the one probe the replica (its ranks) and the cohort
 (its workers) use. An actor that answers ``__ray_ready__`` is alive; one whose call fails with
 Ray's actor-death error is dead; one slower than ``PROBE_S`` is slow, not dead (a loaded machine
 or a stopped process: the callers' own bounds deal with those)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,17 +27,3 @@ def dead_actors(actors: Sequence[Any]) -> list[int]:
                 if actor_died(e):
                     dead.append(i)
     return dead
-
-
-async def dead_actors_async(actors: Sequence[Any]) -> list[int]:
-    """:func:`dead_actors` for an event loop."""
-
-    async def died(actor: Any) -> bool:
-        try:
-            await asyncio.wait_for(actor.__ray_ready__.remote(), PROBE_S)
-        except Exception as e:
-            return actor_died(e)
-        return False
-
-    flags = await asyncio.gather(*(died(a) for a in actors))
-    return [i for i, gone in enumerate(flags) if gone]

@@ -183,9 +183,6 @@ class TPWorker:
         host, port = self.host.address
         return {"session": number, "secret": secret, "host": host, "port": port}
 
-    def session_state(self, number: int) -> dict[str, Any] | None:
-        return self.host.state(number)
-
     def dataplane_failed(self) -> str | None:
         """Why this rank's data plane broke (a forward failed, rank 0's link closed), if it did."""
         parts = (self.host, self.link)
@@ -265,11 +262,6 @@ class TPWorker:
             raise RuntimeError(f"rank {self.rank}'s data plane is broken: {failed}")
         self.comm.barrier_check()
         return self.rank
-
-    def stop_dataplane(self) -> None:
-        for part in (self.host, self.link):
-            if part is not None:
-                part.stop()
 
     def info(self) -> dict[str, Any]:
         import torch
