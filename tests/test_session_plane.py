@@ -63,8 +63,9 @@ def group(request):
     host.stop()
 
 
-def ticket(host: GroupHost, peers: int, max_tokens: int = 4) -> tuple[SessionTicket, int]:
-    number, secret = host.open(peers, max_tokens, "s")
+def ticket(host: GroupHost, peers: int, max_tokens: int = 4,
+           idle_after_s: float | None = None) -> tuple[SessionTicket, int]:
+    number, secret = host.open(peers, max_tokens, "s", idle_after_s)
     g = GroupEndpoint("d", "r1", "lease", *host.address, secret, number, LAYERS, H, "float32", CALL_S, max_tokens)
     return SessionTicket("s", peers, (g,)), number
 
@@ -248,3 +249,155 @@ def test_arrays_cross_a_connection_as_their_bytes(dtype, shape):
     a.close()
     with pytest.raises(frames.ConnectionLost):
         frames.recv(b)
+
+
+# -- elastic sessions: peers come, go and idle ------------------------------------------------
+
+IDLE_S = 0.2  # an elastic session's idle_after_s here: short, the idle cases wait it
+
+
+def steps(peer, i, n: int, size: int = 1):
+    """``n`` steps over LAYERS; each output checked against the stand-in forward."""
+    for s in range(n):
+        for layer in LAYERS:
+            x = rows(size, 100 * i + 10 * s + layer)
+            out, _ = peer.forward(x, layer)
+            assert np.array_equal(out.array, x.array * 2 + layer)
+    return n
+
+
+def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def in_step(host: GroupHost, number: int, t: SessionTicket, pool: ThreadPoolExecutor) -> list:
+    """Every peer of ``t`` joined and active in the group's step, at a step's start. Peer 0 steps
+    first, alone; the others' first layers are held for the next step, which they share."""
+    peers = [t.join(i) for i in range(t.peers)]
+    peers[0].forward(rows(1, 0), LAYERS[0])
+    later = [pool.submit(p.forward, rows(1, i), LAYERS[0]) for i, p in enumerate(peers) if i]
+    wait_for(lambda: len(host.sessions[number].held) == t.peers - 1, "the others held")
+    peers[0].forward(rows(1, 0), LAYERS[1])  # its step ends: the held ones start the next
+    later.append(pool.submit(peers[0].forward, rows(1, 0), LAYERS[0]))
+    [f.result(timeout=30) for f in later]
+    ends = [pool.submit(p.forward, rows(1, i), LAYERS[1]) for i, p in enumerate(peers)]
+    [f.result(timeout=30) for f in ends]
+    assert host.state(number)["active"] == list(range(t.peers))
+    return peers
+
+
+def test_elastic_peers_that_never_join_hold_nobody(group):
+    host, computes = group
+    t, number = ticket(host, 4, idle_after_s=IDLE_S)
+    with t.join(2) as peer:
+        assert steps(peer, 2, 3) == 3
+    assert computes[0].runs == [(1, 1), (2, 1)] * 3
+    state = host.state(number)
+    assert state["elastic"] and state["failure"] is None and state["layers"] == 6
+
+
+def test_elastic_peers_in_step_share_one_forward_per_layer(group):
+    host, computes = group
+    t, _ = ticket(host, 2, idle_after_s=CALL_S)  # the longest wait: both always in every step
+    sizes = [3, 0]  # a peer with no tokens still takes part with 0 rows
+    results, _ = run_peers(t, lambda p, i: steps(p, i, 5, sizes[i]))
+    assert results == [5, 5]
+    # after the first step (which may have started before the second peer's first layer)
+    # every step is one forward per layer over both peers' rows
+    assert computes[0].runs[-8:] == [(1, 3), (2, 3)] * 4
+    assert len(computes[0].runs) in (10, 12)  # 5 steps, the first maybe split in two
+
+
+def test_elastic_idle_peer_sits_steps_out_and_rejoins_at_a_step_start(group):
+    host, computes = group
+    t, number = ticket(host, 2, idle_after_s=IDLE_S)
+    a, b = t.join(0), t.join(1)
+    with ThreadPoolExecutor(2) as pool:
+        both = [pool.submit(steps, a, 0, 2, 1), pool.submit(steps, b, 1, 2, 2)]
+        assert [f.result(timeout=30) for f in both] == [2, 2]
+        # b goes idle: a's next step waits IDLE_S for it once, then runs on without it
+        assert steps(a, 0, 2) == 2
+        assert host.state(number)["active"] == [0]
+        # b comes back half-way through a's step: it waits for the group's next step
+        a.forward(rows(1, 0), LAYERS[0])
+        back = pool.submit(steps, b, 1, 1, 2)
+        wait_for(lambda: host.state(number)["waiting_for"] == [] and 1 in host.sessions[number].held,
+                 "b held for the next step")
+        a.forward(rows(1, 1), LAYERS[1])  # a's step ends alone
+        assert steps(a, 0, 1) == 1  # the next step is both: a waits for nobody, b was held
+        assert back.result(timeout=30) == 1
+    sizes = [n for _, n in computes[0].runs]
+    assert sum(sizes) == 12 + 12 and set(sizes) <= {1, 2, 3}  # every row once; a step alone or shared
+    assert sizes[-4:] == [1, 1, 3, 3]  # a's half-step alone, then one shared step
+    assert host.state(number)["failure"] is None
+
+
+def test_elastic_peer_killed_mid_step_leaves_the_others_serving(group):
+    host, computes = group
+    t, number = ticket(host, 2, idle_after_s=CALL_S)
+    a, b = t.join(0), t.join(1)
+
+    def b_dies(peer, i):
+        peer.forward(rows(1, 7), LAYERS[0])
+        peer.close("killed")  # half-way through its step
+        return None
+
+    with ThreadPoolExecutor(2) as pool:
+        dying = pool.submit(b_dies, b, 1)
+        assert steps(a, 0, 3) == 3  # its step's second layer runs without b
+        dying.result(timeout=30)
+    state = host.state(number)
+    assert state["failure"] is None and state["active"] == [0]
+    with t.join(1) as again:  # the slot can be joined again, at a step start
+        results, _ = run_peers(t, lambda p, i: steps(p, i, 2), [a, again])
+        assert results == [2, 2]
+    # whichever sent first ran its first step alone (the other joined at the next step start),
+    # then one shared step, then the other's last step alone
+    assert [n for _, n in computes[0].runs[-6:]] == [1, 1, 2, 2, 1, 1]
+
+
+def test_elastic_stalled_or_out_of_step_peer_is_dropped_alone(group):
+    host, _ = group
+    t, number = ticket(host, 3, idle_after_s=IDLE_S)
+    with ThreadPoolExecutor(3) as pool:
+        a, b, c = in_step(host, number, t, pool)
+        first = [pool.submit(p.forward, rows(1, i), LAYERS[0]) for i, p in enumerate((a, b, c))]
+        [f.result(timeout=30) for f in first]
+        # mid-step: b never sends layer 2 (stalled), c sends a layer out of order
+        later = [pool.submit(a.forward, rows(1, 0), LAYERS[1]), pool.submit(c.forward, rows(1, 2), LAYERS[0])]
+        out, _ = later[0].result(timeout=30)
+        assert out.shape == (1, H)
+        with pytest.raises(SessionError) as wrong:
+            later[1].result(timeout=30)
+    assert wrong.value.failure is Failure.OUT_OF_STEP and wrong.value.peer == 2
+    assert host.state(number)["active"] == [0] and host.state(number)["failure"] is None
+    with pytest.raises(SessionError) as stalled:
+        b.forward(rows(1, 1), LAYERS[1])
+    assert stalled.value.failure is Failure.PEER_STALLED and stalled.value.peer == 1
+    assert f"{CALL_S:.0f} s" in str(stalled.value)
+
+
+def test_elastic_failure_fails_its_own_peer_only(group):
+    host, _ = group
+    t, number = ticket(host, 2, idle_after_s=CALL_S)
+
+    def step(peer, i):
+        got = peer.fail(LAYERS[0], "attention blew up") if i else peer.forward(rows(2, 0), LAYERS[0])[0].shape
+        peer.forward(rows(1, i), LAYERS[1])
+        return got
+
+    with ThreadPoolExecutor(2) as pool:
+        results, _ = run_peers(t, step, in_step(host, number, t, pool))
+    assert results[0] == (2, H)
+    assert results[1].failure is Failure.PEER_FAILED and "attention blew up" in str(results[1])
+    assert host.state(number)["active"] == [0, 1]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, CALL_S * 2, "soon", True])
+def test_elastic_idle_after_is_checked(group, bad):
+    host, _ = group
+    with pytest.raises(ValueError, match=r"idle_after_s must be None or seconds in \(0, call bound"):
+        host.open(2, 4, "s", bad)

@@ -78,13 +78,15 @@ class GroupLease:
 
     ``client``: the owner's ``MoEClient`` (its Serve handles); ``owner``: the owner's name
     (shown by the replica); ``max_tokens``: the most rows a peer sends per layer; ``peers``:
-    the session's number of peers; ``workers``: a cohort's worker names (for ``status()``).
+    the session's number of peers; ``workers``: a cohort's worker names (for ``status()``);
+    ``idle_after_s``: an elastic session (``dataplane.host``).
     """
 
     def __init__(self, client: Any, deployment: str, owner: str, max_tokens: int, retry_s: float,
-                 workers: Sequence[str] = (), peers: int = 1):
+                 workers: Sequence[str] = (), peers: int = 1, idle_after_s: float | None = None):
         self.client, self.deployment, self.owner = client, deployment, owner
         self.max_tokens, self.retry_s, self.workers, self.peers = max_tokens, retry_s, list(workers), peers
+        self.idle_after_s = idle_after_s
         self.grant: dict[str, Any] | None = None
         self.renewed_at = 0.0  # time.monotonic() when the last granted renewal was *sent*
         self.next_try = 0.0  # when a lease may be asked for again
@@ -115,7 +117,8 @@ class GroupLease:
             sent = time.monotonic()
             try:
                 grant = handle.lease_lane.remote(self.owner, self.max_tokens, attempt_s, self.workers,
-                                                 avoid_replica=avoid_replica, peers=self.peers).result(
+                                                 avoid_replica=avoid_replica, peers=self.peers,
+                                                 idle_after_s=self.idle_after_s).result(
                     timeout_s=attempt_s + self.client.timeout_s)
             except Exception as e:
                 # The replica asked has a known-broken group, or died, and the router has not

@@ -118,12 +118,16 @@ class MoEClient:
                       step_timeout_s=step_timeout_s, name=name)
 
     def session(self, peers: int, layers: Iterable[int] | None = None, *, max_tokens: int = 1,
-                wait_s: float = DEFAULT_WAIT_S, name: str | None = None) -> Session:
+                wait_s: float = DEFAULT_WAIT_S, name: str | None = None,
+                idle_after_s: float | None = None) -> Session:
         """A session for ``peers`` independent peer processes (``client.session``): one leased TP
         group per deployment serving ``layers`` (None: every layer of the app), at most
         ``max_tokens`` rows per peer and layer. Hand ``session.ticket`` to the peers; each joins
-        with ``deployments.client.join(ticket, index)``. A context manager; ``close()`` ends it."""
-        return Session(self, peers, layers=layers, max_tokens=max_tokens, wait_s=wait_s, name=name)
+        with ``deployments.client.join(ticket, index)``. ``idle_after_s``: an elastic session,
+        whose peers may join late, idle, leave or die without holding the others (for engines
+        that step on their own, such as vLLM's). A context manager; ``close()`` ends it."""
+        return Session(self, peers, layers=layers, max_tokens=max_tokens, wait_s=wait_s, name=name,
+                       idle_after_s=idle_after_s)
 
     def _forward_call(self, hidden_states: Any, layer: int, router_logits: Any, avoid_replica: str | None):
         # torch travels as WireTensor (zero-copy numpy for Ray); numpy and the rest as given.

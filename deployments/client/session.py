@@ -13,9 +13,12 @@ A session leases one replica's TP group per deployment serving its layers for ``
 peer sends its rows per MoE layer (0 rows allowed: a peer with nothing to do still takes part)
 and blocks until its slice of that layer's one forward comes back (``deployments.dataplane``).
 Every peer must call the same layers in the same order; a peer that dies or stalls ends the
-session for all, with an error naming it. Errors: :class:`MoERequestError` for this peer's bad
-input (the session stays usable), else :class:`~deployments.dataplane.errors.SessionError`
-with its ``failure`` and the ``action`` the data plane's table gives.
+session for all, with an error naming it. An *elastic* session (``idle_after_s``) is for engines
+that step on their own (vLLM's): a peer may join late, idle, leave or die and the others go on;
+at each step's start the group waits up to ``idle_after_s`` for its peers of the last step.
+Errors: :class:`MoERequestError` for this peer's bad input (the session stays usable), else
+:class:`~deployments.dataplane.errors.SessionError` with its ``failure`` and the ``action`` the
+data plane's table gives.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Session:
     """A leased session of ``peers`` peers (see the module doc); built by :meth:`MoEClient.session`."""
 
     def __init__(self, client: Any, peers: int, *, layers: Iterable[int] | None = None, max_tokens: int = 1,
-                 wait_s: float = DEFAULT_WAIT_S, name: str | None = None):
+                 wait_s: float = DEFAULT_WAIT_S, name: str | None = None, idle_after_s: float | None = None):
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
             raise ValueError(f"peers must be a positive integer, got {peers!r}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -48,7 +51,8 @@ class Session:
         chosen = served_layers(client, layers)
         routes = client.layer_routes()
         by_layer = {x: routes.choose(x, None) for x in chosen}
-        self.leases = {d: GroupLease(client, d, self.name, max_tokens, DEFAULT_RETRY_S, peers=peers)
+        self.leases = {d: GroupLease(client, d, self.name, max_tokens, DEFAULT_RETRY_S, peers=peers,
+                                     idle_after_s=idle_after_s)
                        for d in sorted(set(by_layer.values()))}
         self.closed: str | None = None
         self._stop = threading.Event()
@@ -75,9 +79,9 @@ class Session:
                     self._end(lease.why_not)
                     return
 
-    def join(self, index: int) -> Peer:
+    def join(self, index: int, step: Iterable[int] | None = None) -> Peer:
         """Peer ``index`` in this process (usually each peer joins in its own: :func:`join`)."""
-        return Peer(self.ticket, index)
+        return Peer(self.ticket, index, step)
 
     def status(self) -> dict[str, Any]:
         return {"session": self.name, "peers": self.ticket.peers, "layers": list(self.ticket.layers),
@@ -109,9 +113,9 @@ class Peer:
     """Peer ``index`` of a session: numpy float32 (rounded to the deployment dtype, as the Serve
     path does) or torch rows in, the same kind out."""
 
-    def __init__(self, ticket: SessionTicket, index: int):
+    def __init__(self, ticket: SessionTicket, index: int, step: Iterable[int] | None = None):
         self.ticket, self.index = ticket, index
-        self.peer = SessionPeer(ticket, index)
+        self.peer = SessionPeer(ticket, index, None if step is None else tuple(step))
 
     def forward(self, hidden_states: Any, layer: int, router_logits: Any = None) -> Any:
         g = self.ticket.group_for(layer) if isinstance(layer, int) else None
@@ -147,6 +151,7 @@ class Peer:
         self.close()
 
 
-def join(ticket: SessionTicket, index: int) -> Peer:
-    """Join ``ticket``'s session as peer ``index`` (any process that reaches the ranks' nodes)."""
-    return Peer(ticket, index)
+def join(ticket: SessionTicket, index: int, step: Iterable[int] | None = None) -> Peer:
+    """Join ``ticket``'s session as peer ``index`` (any process that reaches the ranks' nodes);
+    ``step``: the layers it calls per step, in order (default: every layer of the ticket)."""
+    return Peer(ticket, index, step)

@@ -49,6 +49,8 @@ class Kind(enum.IntEnum):
 
 
 WITH_LOGITS = 1  # flags of a FORWARD or BATCH: a LOGITS message follows
+NEW_STEP = 2  # flags of a FORWARD: the first layer of the peer's step on this group
+END_STEP = 4  # flags of a FORWARD: the last layer of the peer's step on this group
 
 
 class Role(enum.IntEnum):

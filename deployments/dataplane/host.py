@@ -18,6 +18,16 @@ A rank that fails breaks the group (``GROUP_FAILED``): every session ends and th
 new layers; the replica reads :attr:`GroupHost.failed` and Serve replaces it. Several sessions may
 be open at once (the replica's own and a lease's); their layers run one at a time.
 
+An *elastic* session (``idle_after_s`` set; for independent engines such as vLLM's) lets peers
+come, go and idle without holding the others up. Peers mark the first and last layer of their step
+(``frames.NEW_STEP``, ``END_STEP``). A layer waits only for the *active* peers: those that took
+part in the group's current step. At a step's start, an active peer that has not sent within
+``idle_after_s`` of the first sits the step out (it is *parked*: 0 rows, as a data-parallel engine's
+dummy batch would send); a parked or newly joined peer's first layer waits for the group's next
+step start, so the group never mixes steps. Mid-step, a peer silent for the call bound, a peer
+whose connection closes and a peer out of step are dropped alone (told why); its slot can be
+joined again. A FAIL fails only its own peer's layer.
+
 Pure: no Ray, no torch (the rank's ``compute`` object brings the forward).
 """
 
@@ -50,6 +60,17 @@ DRAIN_S = 2.0  # an ended session's connection is read until its peer closes, at
 ENDED_KEPT = 64  # ended sessions whose last state rank 0 still answers for
 
 
+def check_idle_after(idle_after_s: float | None, call_s: float) -> None:
+    """An elastic session's ``idle_after_s``: None, or seconds in (0, call_s] (an active peer is
+    parked before a stalled one would be dropped)."""
+    if idle_after_s is None:
+        return
+    number = isinstance(idle_after_s, int | float) and not isinstance(idle_after_s, bool)
+    if not number or not 0 < idle_after_s <= call_s:
+        raise ValueError(f"idle_after_s must be None or seconds in (0, call bound {call_s:g}], "
+                         f"got {idle_after_s!r}")
+
+
 class Compute(Protocol):
     """What a rank brings: the checks and the forward (``serve.worker.TPWorker``)."""
 
@@ -75,16 +96,43 @@ class Session:
     name: str
     sockets: list[socket.socket | None] = field(default_factory=list)
     pending: dict[int, tuple[Frame, Frame | None]] = field(default_factory=dict)  # peer -> (frame, logits)
-    first_at: float = 0.0
+    first_at: float = 0.0  # when the pending layer's first part came
+    last_at: float = 0.0  # when the last layer was answered
     layers: int = 0  # layers answered
     ended: str | None = None
     failure: Failure | None = None
-    joined: int = 0
+    call_s: float = 0.0  # the group's call bound
+    idle_after_s: float | None = None  # set: an elastic session (see the module doc)
+    active: set[int] = field(default_factory=set)  # elastic: the peers of the group's current step
+    held: dict[int, tuple[Frame, Frame | None]] = field(default_factory=dict)  # elastic: wait for a step
+    at_boundary: bool = True  # elastic: the group's next layer starts a step
+
+    @property
+    def elastic(self) -> bool:
+        return self.idle_after_s is not None
+
+    def expected(self) -> set[int]:
+        """The peers the pending layer waits for."""
+        return set(self.active) if self.elastic else set(range(self.peers))
+
+    def waiting(self) -> bool:
+        """Some peer waits on the others: a layer's first part came, or (elastic) a peer is held
+        for the step after the current one."""
+        return not self.ended and bool(self.pending or (self.held and not self.at_boundary))
+
+    def deadline(self) -> float:
+        """When a waiting layer stops waiting for its missing peers (a held peer: for the active
+        ones' next layer)."""
+        if not self.pending:
+            return self.last_at + self.call_s
+        wait_s = self.idle_after_s if self.elastic and self.at_boundary else self.call_s
+        return self.first_at + wait_s
 
     def state(self) -> dict[str, Any]:
         return {"session": self.number, "name": self.name, "peers": self.peers,
                 "joined": sum(s is not None for s in self.sockets), "layers": self.layers,
-                "waiting_for": sorted(set(range(self.peers)) - set(self.pending)) if self.pending else [],
+                "waiting_for": sorted(self.expected() - set(self.pending)) if self.pending else [],
+                "elastic": self.elastic, "active": sorted(self.active) if self.elastic else None,
                 "ended": self.ended, "failure": None if self.failure is None else self.failure.value}
 
 
@@ -127,12 +175,16 @@ class GroupHost:
             raise TimeoutError(f"{len(self.links)} of {self.world - 1} other rank(s) linked to rank 0 "
                                f"within {timeout_s:.0f} s")
 
-    def open(self, peers: int, max_tokens: int | None, name: str) -> tuple[int, str]:
-        """A new session of ``peers`` peers: its number and secret (the peers' ticket)."""
+    def open(self, peers: int, max_tokens: int | None, name: str,
+             idle_after_s: float | None = None) -> tuple[int, str]:
+        """A new session of ``peers`` peers: its number and secret (the peers' ticket).
+        ``idle_after_s``: None, every peer takes part in every layer; a number, an elastic
+        session (see the module doc)."""
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
             raise ValueError(f"a session needs a positive number of peers, got {peers!r}")
+        check_idle_after(idle_after_s, self.call_s)
         session = Session(next(self._numbers), frames.new_secret(), peers, max_tokens, name,
-                          [None] * peers)
+                          [None] * peers, call_s=self.call_s, idle_after_s=idle_after_s)
         self._call(lambda: self._add(session))
         return session.number, session.secret
 
@@ -257,7 +309,7 @@ class GroupHost:
 
     def _next_deadline(self) -> float | None:
         now = time.monotonic()
-        deadlines = [s.first_at + self.call_s for s in self.sessions.values() if s.pending and not s.ended]
+        deadlines = [s.deadline() for s in self.sessions.values() if s.waiting()]
         deadlines += list(self._closing.values())
         return None if not deadlines else max(0.0, min(deadlines) - now)
 
@@ -277,31 +329,91 @@ class GroupHost:
             frame = frames.recv(sock)
             logits = frames.recv(sock) if frame.flags & frames.WITH_LOGITS else None
         except TimeoutError:
-            self._end(session, Failure.PEER_STALLED, f"peer {index} of session {session.name!r} stopped "
-                      f"half-way through a message for {self.call_s:.0f} s", peer=index)
+            self._fault(session, index, Failure.PEER_STALLED, f"peer {index} of session {session.name!r} "
+                        f"stopped half-way through a message for {self.call_s:.0f} s")
             return
         except (frames.ConnectionLost, OSError) as e:
-            self._end(session, Failure.PEER_GONE, f"peer {index} of session {session.name!r} closed its "
-                      f"connection ({e})", peer=index)
+            self._fault(session, index, Failure.PEER_GONE, f"peer {index} of session {session.name!r} "
+                        f"closed its connection ({e})")
             return
-        if frame.kind not in (Kind.FORWARD, Kind.FAIL) or index in session.pending:
-            twice = index in session.pending
+        twice = index in session.pending or index in session.held
+        if frame.kind not in (Kind.FORWARD, Kind.FAIL) or twice:
             why = "sent twice for one layer" if twice else f"sent a {frame.kind.name} message"
-            self._end(session, Failure.OUT_OF_STEP, f"peer {index} of session {session.name!r} {why}",
-                      peer=index)
+            self._fault(session, index, Failure.OUT_OF_STEP,
+                        f"peer {index} of session {session.name!r} {why}")
+            return
+        if session.elastic and index not in session.active:
+            if not frame.flags & frames.NEW_STEP:
+                self._fault(session, index, Failure.OUT_OF_STEP, f"peer {index} of session {session.name!r} "
+                            f"is not in the group's step and sent layer {frame.layer}, not its step's first")
+                return
+            session.held[index] = (frame, logits)
+            if session.at_boundary:  # the group is at a step's start: it takes part now
+                self._start_step(session)
+            return
+        if session.elastic and bool(frame.flags & frames.NEW_STEP) != session.at_boundary:
+            where = "starts a step" if session.at_boundary else "is half-way through a step"
+            self._fault(session, index, Failure.OUT_OF_STEP, f"peer {index} of session {session.name!r} sent "
+                        f"layer {frame.layer} while the group {where}")
             return
         if not session.pending:
             session.first_at = time.monotonic()
         session.pending[index] = (frame, logits)
-        if len(session.pending) == session.peers:
+        self._run_if_complete(session)
+
+    def _start_step(self, session: Session) -> None:
+        """Elastic: the held peers join the step the group starts now."""
+        if not session.pending:
+            session.first_at = time.monotonic()
+        session.active |= set(session.held)
+        session.pending.update(session.held)
+        session.held = {}
+        self._run_if_complete(session)
+
+    def _run_if_complete(self, session: Session) -> None:
+        if session.pending and not session.ended and session.expected() <= set(session.pending):
             self._run_layer(session)
+
+    def _fault(self, session: Session, index: int, failure: Failure, reason: str) -> None:
+        """A peer's own fault: a strict session ends for all; an elastic one drops that peer alone."""
+        if not session.elastic:
+            self._end(session, failure, reason, peer=index)
+            return
+        sock = session.sockets[index]
+        if sock is not None:
+            self._close_peer(sock, frames.error_text(failure.value, reason, index))
+            session.sockets[index] = None
+        session.active.discard(index)
+        session.pending.pop(index, None)
+        session.held.pop(index, None)
+        logger.info("data plane of %s: %s", self.name, reason)
+        if not session.active:
+            session.at_boundary = True
+            if session.held:
+                self._start_step(session)
+                return
+        self._run_if_complete(session)
 
     def _check_stalls(self) -> None:
         now = time.monotonic()
         for session in list(self.sessions.values()):
-            if session.pending and not session.ended and now - session.first_at > self.call_s:
-                missing = sorted(set(range(session.peers)) - set(session.pending))
+            if session.waiting() and now >= session.deadline() and not session.pending:
+                for i in sorted(session.active):  # mid-step, and silent since the last layer
+                    self._fault(session, i, Failure.PEER_STALLED, f"peer {i} of session {session.name!r} "
+                                f"did not send its next layer within the call bound {self.call_s:.0f} s")
+                continue
+            if session.waiting() and now >= session.deadline():
+                missing = sorted(session.expected() - set(session.pending))
                 layer = next(iter(session.pending.values()))[0].layer
+                if session.elastic and session.at_boundary:  # idle: they sit this step out
+                    session.active -= set(missing)
+                    self._run_if_complete(session)
+                    continue
+                if session.elastic:
+                    for i in missing:
+                        self._fault(session, i, Failure.PEER_STALLED, f"peer {i} of session {session.name!r} "
+                                    f"did not send layer {layer} within the call bound {self.call_s:.0f} s")
+                    continue
                 what = "have" if len(missing) > 1 else "has"
                 never = [i for i in missing if session.sockets[i] is None]
                 joined = f" ({never} never joined)" if never else ""
@@ -315,40 +427,44 @@ class GroupHost:
     # -- one layer ------------------------------------------------------------------------
 
     def _run_layer(self, session: Session) -> None:
-        parts = [session.pending[i] for i in range(session.peers)]
+        peers = sorted(session.pending)  # every peer, or (elastic) the step's active ones
+        parts = {i: session.pending[i] for i in peers}
         session.pending = {}
-        layers = {frame.layer for frame, _ in parts}
+        layers = {frame.layer for frame, _ in parts.values()}
         if len(layers) > 1:
-            sent = {i: frame.layer for i, (frame, _) in enumerate(parts)}
+            sent = {i: frame.layer for i, (frame, _) in parts.items()}
             self._end(session, Failure.OUT_OF_STEP, f"the peers of session {session.name!r} sent different "
                       f"layers: {sent}", peer=None)
             return
         layer = layers.pop()
-        failed = [(i, frame.text) for i, (frame, _) in enumerate(parts) if frame.kind is Kind.FAIL]
-        if failed:
-            i, why = failed[0]
+        failed = {i: frame.text for i, (frame, _) in parts.items() if frame.kind is Kind.FAIL}
+        if failed and not session.elastic:  # the others' steps depend on it: the layer ends for all
+            i, why = next(iter(failed.items()))
             text = frames.error_text(Failure.PEER_FAILED.value, f"peer {i} of session {session.name!r} "
                                      f"failed layer {layer}: {why}", i)
-            self._answer_all(session, lambda _i: (Kind.ERROR, text, None), layer)
             session.layers += 1
+            self._answer_all(session, peers, lambda _i: (Kind.ERROR, text, None), layer)
             return
         if self.failed is not None:
             self._end(session, Failure.GROUP_FAILED, self.failed)
             return
-        checked: list[Any] = []
-        for i, (frame, logits) in enumerate(parts):
+        checked: dict[int, Any] = {}
+        for i, (frame, logits) in parts.items():
             what = "hidden_states" if session.peers == 1 else f"hidden_states of peer {i}"
             try:
+                if frame.kind is Kind.FAIL:
+                    checked[i] = RuntimeError(f"peer {i} failed layer {layer}: {frame.text}")
+                    continue
                 if frame.data is None:
                     raise ValueError(f"{what}: the message carried no rows")
                 if logits is not None and session.peers > 1:
                     raise ValueError("router_logits go with a session of one peer (a lane), not a cohort's")
-                checked.append(self.compute.check(layer, frame.data, None if logits is None else
-                                                  logits.data.array, session.max_tokens, what))
+                checked[i] = self.compute.check(layer, frame.data, None if logits is None else
+                                                logits.data.array, session.max_tokens, what)
             except ValueError as e:
-                checked.append(e)
-        good = [(i, c) for i, c in enumerate(checked) if not isinstance(c, Exception) and c[1].shape[0]]
-        sizes = [0 if isinstance(c, Exception) else c[1].shape[0] for c in checked]
+                checked[i] = e
+        good = [(i, c) for i, c in checked.items() if not isinstance(c, Exception) and c[1].shape[0]]
+        sizes = [0 if isinstance(c, Exception) else c[1].shape[0] for c in checked.values()]
         try:
             out, tail, seconds = self._forward(layer, good)
         except Exception as e:
@@ -356,20 +472,27 @@ class GroupHost:
             for s in list(self.sessions.values()):
                 self._end(s, Failure.GROUP_FAILED, self.failed)
             return
-        starts = np.cumsum([0, *sizes])
+        starts = dict(zip(peers, np.cumsum([0, *sizes]).tolist(), strict=False))
+        sizes_of = dict(zip(peers, sizes, strict=True))
 
         def answer(i: int) -> tuple[Kind, str, WireTensor | None]:
-            if isinstance(checked[i], Exception):
-                error = checked[i]
-                text = frames.error_text(Failure.INPUT.value, str(error), i, type(error).__name__)
-                return Kind.ERROR, text, None
-            rows = WireTensor(out.array[starts[i]:starts[i + 1]], out.dtype)
+            error = checked[i]
+            if isinstance(error, Exception):
+                failure = Failure.INPUT if isinstance(error, ValueError) else Failure.PEER_FAILED
+                return Kind.ERROR, frames.error_text(failure.value, str(error), i, type(error).__name__), None
+            rows = WireTensor(out.array[starts[i]:starts[i] + sizes_of[i]], out.dtype)
             return Kind.RESULT, tail, rows
 
-        self._answer_all(session, answer, layer)
+        # Counted before the answers go: a peer that reads the counts after its result sees them.
         session.layers += 1
         if good:
-            self.compute.counted(session.number, layer, [sizes[i] for i, _ in good], tail, seconds)
+            self.compute.counted(session.number, layer, [sizes_of[i] for i, _ in good], tail, seconds)
+        self._answer_all(session, peers, answer, layer)
+        session.last_at = time.monotonic()
+        if session.elastic and not session.ended:
+            session.at_boundary = all(frame.flags & frames.END_STEP for frame, _ in parts.values())
+            if session.at_boundary and session.held:
+                self._start_step(session)
 
     def _forward(self, layer: int, good: list[tuple[int, Any]]) -> tuple[WireTensor, str, float]:
         """One forward of the good parts' rows on every rank: the batch's output and tail.
@@ -417,16 +540,20 @@ class GroupHost:
             results.append((done.data, meta["tail"]))
         return results
 
-    def _answer_all(self, session: Session, answer: Callable[[int], tuple[Kind, str, WireTensor | None]],
-                    layer: int) -> None:
-        for i, sock in enumerate(session.sockets):
+    def _answer_all(self, session: Session, peers: list[int],
+                    answer: Callable[[int], tuple[Kind, str, WireTensor | None]], layer: int) -> None:
+        for i in peers:
+            sock = session.sockets[i]
+            if sock is None:  # dropped while answering the ones before it (elastic)
+                continue
             kind, text, data = answer(i)
             try:
                 frames.send(sock, kind, layer=layer, text=text, data=data)
             except OSError as e:
-                self._end(session, Failure.PEER_GONE, f"peer {i} of session {session.name!r} closed its "
-                          f"connection ({e})", peer=i)
-                return
+                self._fault(session, i, Failure.PEER_GONE, f"peer {i} of session {session.name!r} closed its "
+                            f"connection ({e})")
+                if session.ended:
+                    return
 
     # -- ending ---------------------------------------------------------------------------
 
@@ -444,22 +571,24 @@ class GroupHost:
         session.ended, session.failure = reason, failure
         text = frames.error_text(failure.value, reason, peer)
         for i, sock in enumerate(session.sockets):
-            if sock is None:
-                continue
-            with contextlib.suppress(OSError):
-                frames.send(sock, Kind.BYE, text=text)
-                sock.shutdown(socket.SHUT_WR)
-            # Read until the peer closes (a close with unread data would reset the connection
-            # and could lose the BYE on its way), at most DRAIN_S.
-            self._selector.modify(sock, selectors.EVENT_READ, "closing")
-            self._closing[sock] = time.monotonic() + DRAIN_S
-            session.sockets[i] = None
-        session.pending = {}
+            if sock is not None:
+                self._close_peer(sock, text)
+                session.sockets[i] = None
+        session.pending, session.held = {}, {}
         self.by_secret.pop(session.secret, None)
         self.sessions.pop(session.number, None)
         self.ended[session.number] = session.state()
         while len(self.ended) > ENDED_KEPT:  # the oldest first (dicts keep insertion order)
             del self.ended[next(iter(self.ended))]
+
+    def _close_peer(self, sock: socket.socket, text: str) -> None:
+        """Send a peer its BYE (``text``: why) and read until it closes, at most DRAIN_S (a close
+        with unread data would reset the connection and could lose the BYE on its way)."""
+        with contextlib.suppress(OSError):
+            frames.send(sock, Kind.BYE, text=text)
+            sock.shutdown(socket.SHUT_WR)
+        self._selector.modify(sock, selectors.EVENT_READ, "closing")
+        self._closing[sock] = time.monotonic() + DRAIN_S
 
     def _drain_closed(self, sock: Any) -> None:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -64,8 +65,8 @@ class SessionTicket:
     peers: int
     groups: tuple[GroupEndpoint, ...]
 
-    def join(self, index: int) -> SessionPeer:
-        return SessionPeer(self, index)
+    def join(self, index: int, step: Sequence[int] | None = None) -> SessionPeer:
+        return SessionPeer(self, index, step)
 
     def group_for(self, layer: int) -> GroupEndpoint | None:
         return next((g for g in self.groups if layer in g.layers), None)
@@ -85,13 +86,26 @@ class SessionTicket:
 
 
 class SessionPeer:
-    """Peer ``index`` of a session (one call at a time; see the module doc)."""
+    """Peer ``index`` of a session (one call at a time; see the module doc). ``step``: the layers
+    this peer calls per step, in order (default: every layer of the ticket); the first and last
+    on each group mark the step's bounds for an elastic session (``host``)."""
 
-    def __init__(self, ticket: SessionTicket, index: int):
+    def __init__(self, ticket: SessionTicket, index: int, step: Sequence[int] | None = None):
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < ticket.peers:
             raise ValueError(f"peer index must be in [0, {ticket.peers}) for session {ticket.name!r} of "
                              f"{ticket.peers} peers, got {index!r}")
+        step = ticket.layers if step is None else tuple(step)
+        unknown = sorted(set(step) - set(ticket.layers))
+        if not step or unknown:
+            raise ValueError(f"a peer's step must be some of session {ticket.name!r}'s layers "
+                             f"{list(ticket.layers)}, got {list(step)}")
         self.ticket, self.index = ticket, index
+        self.bounds: dict[int, int] = {}  # layer -> its NEW_STEP / END_STEP flags
+        for g in ticket.groups:
+            mine = [x for x in step if x in g.layers]
+            if mine:
+                self.bounds[mine[0]] = self.bounds.get(mine[0], 0) | frames.NEW_STEP
+                self.bounds[mine[-1]] = self.bounds.get(mine[-1], 0) | frames.END_STEP
         self.closed: str | None = None
         self.socks: dict[str, socket.socket] = {}
         try:
@@ -106,7 +120,7 @@ class SessionPeer:
                 ) -> tuple[WireTensor, str]:
         """This peer's rows of ``layer`` (``[T, H]``, T >= 0) -> ``(its output rows, tail)``."""
         g = self._group(layer)
-        flags = frames.WITH_LOGITS if router_logits is not None else 0
+        flags = self.bounds.get(layer, 0) | (frames.WITH_LOGITS if router_logits is not None else 0)
         sock = self.socks[g.deployment]
         try:
             frames.send(sock, Kind.FORWARD, flags=flags, index=self.index, layer=layer, data=x)
@@ -122,7 +136,8 @@ class SessionPeer:
         peer with ``Failure.PEER_FAILED`` naming this one; returns that error."""
         g = self._group(layer)
         with contextlib.suppress(OSError):
-            frames.send(self.socks[g.deployment], Kind.FAIL, index=self.index, layer=layer, text=message)
+            frames.send(self.socks[g.deployment], Kind.FAIL, flags=self.bounds.get(layer, 0),
+                        index=self.index, layer=layer, text=message)
         try:
             self._answer(g, layer)
         except SessionError as e:

@@ -245,7 +245,8 @@ class MoEGroupDeployment:
 
     async def lease_lane(self, client: str, max_tokens: int, wait_s: float = 0.0,
                          workers: list[str] | None = None,
-                         avoid_replica: str | None = None, peers: int = 1) -> dict[str, Any]:
+                         avoid_replica: str | None = None, peers: int = 1,
+                         idle_after_s: float | None = None) -> dict[str, Any]:
         """Lease this replica's TP group to a lane, cohort or session of ``peers`` peers
         (``serve.lanes``; the client side is ``deployments.client.leases``): ``{"granted": True,
         ...}`` with the session's ticket for this group, or ``{"granted": False, "reason": ...}``
@@ -254,7 +255,7 @@ class MoEGroupDeployment:
         if avoid_replica == self.replica:
             return {"granted": False, "replica": self.replica,
                     "reason": "this replica failed the client's last call (no other replica was free)"}
-        return await self.lanes.grant(client, max_tokens, wait_s, workers, peers)
+        return await self.lanes.grant(client, max_tokens, wait_s, workers, peers, idle_after_s)
 
     async def _run_batch(self, layer: int, requests: list[LayerRequest]) -> list[WireTensor]:
         """One forward per router-logits kind (given or computed), split back per request."""

@@ -35,6 +35,7 @@ from typing import Any
 from .. import logger
 from ..common.errors import ServeInputError, TooLargeError, actor_died, error_message
 from ..config.timeouts import LANE_POLL_S, RANK_POLL_S
+from ..dataplane.host import check_idle_after
 
 MAX_LEASE_WAIT_S = 600.0
 MAX_PEERS = 256  # peers of one session (each is a connection to rank 0)
@@ -187,11 +188,13 @@ class LaneLeases:
     # -- grant ----------------------------------------------------------------------------
 
     async def grant(self, client: str, max_tokens: Any, wait_s: Any,
-                    workers: list[str] | None = None, peers: Any = 1) -> dict[str, Any]:
+                    workers: list[str] | None = None, peers: Any = 1,
+                    idle_after_s: Any = None) -> dict[str, Any]:
         """Lease the group to ``client`` for a session of ``peers`` peers sending up to
         ``max_tokens`` rows each per layer (waiting up to ``wait_s`` for it; ``workers``: a
-        cohort's attention workers, for ``status()``); a dict saying ``granted`` and, if so, the
-        session's ticket for this group; else the reason."""
+        cohort's attention workers, for ``status()``; ``idle_after_s``: an elastic session,
+        ``dataplane.host``); a dict saying ``granted`` and, if so, the session's ticket for this
+        group; else the reason."""
         spec = self.spec()
         if not isinstance(client, str) or not client.strip():
             raise ServeInputError(f"client must be a non-empty string, got {client!r}")
@@ -210,6 +213,10 @@ class LaneLeases:
                 f"forward exceeds max_tokens_per_request = {spec.max_tokens_per_request} of deployment "
                 f"{spec.name!r}"
             )
+        try:
+            check_idle_after(idle_after_s, spec.bounds.call_s)
+        except ValueError as e:
+            raise ServeInputError(str(e)) from None
         number = isinstance(wait_s, int | float) and not isinstance(wait_s, bool)
         if not number or not 0 <= wait_s <= MAX_LEASE_WAIT_S:
             raise ServeInputError(
@@ -234,7 +241,7 @@ class LaneLeases:
         try:
             # Each part is held to the deployment's live max_tokens_per_request, as a Serve
             # request is (max_tokens above only reserved the group for this many rows).
-            opened = rank0.session_open.remote(peers, None, lease.lease_id)
+            opened = rank0.session_open.remote(peers, None, lease.lease_id, idle_after_s)
             ticket = await asyncio.wait_for(opened, RANK_POLL_S)
             lease.session = ticket["session"]
             await asyncio.wait_for(

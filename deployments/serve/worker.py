@@ -176,10 +176,12 @@ class TPWorker:
         """Rank 0: every other rank has linked."""
         self.host.wait_ranks(timeout_s)
 
-    def session_open(self, peers: int, max_tokens: int | None, name: str) -> dict[str, Any]:
+    def session_open(self, peers: int, max_tokens: int | None, name: str,
+                     idle_after_s: float | None = None) -> dict[str, Any]:
         """Rank 0: a new session (its number, secret and where to connect); ``max_tokens``: rows
-        per part, None: the deployment's live ``max_tokens_per_request`` (``set_max_tokens``)."""
-        number, secret = self.host.open(peers, max_tokens, name)
+        per part, None: the deployment's live ``max_tokens_per_request`` (``set_max_tokens``);
+        ``idle_after_s``: an elastic session (``dataplane.host``)."""
+        number, secret = self.host.open(peers, max_tokens, name, idle_after_s)
         host, port = self.host.address
         return {"session": number, "secret": secret, "host": host, "port": port}
 
