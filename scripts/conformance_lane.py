@@ -2,7 +2,7 @@
 
     python scripts/conformance_lane.py [pytest args]      # inside the lane's venv (vllm_env.sh)
 
-Runs ``pytest -q -ra tests/conformance [args]``, streams its output, and for a full run (no
+Runs ``pytest -q -ra tests/conformance tests/vllm_lane [args]``, streams its output, and for a full run (no
 extra args) writes docs/conformance-lane.json: the counts of pytest's summary line (passed,
 failed, skipped, errors, ...), the date, the exit status and the vLLM, torch and Python
 versions. A partial run (``-k``, a file) is not recorded. Exits with pytest's status.
@@ -24,7 +24,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "docs" / "conformance-lane.json"
-LANE = ["-q", "-ra", "tests/conformance"]
+LANE = ["-q", "-ra", "tests/conformance", "tests/vllm_lane"]
 # pytest's closing line, e.g. "==== 1 failed, 41 passed, 2 skipped in 20.01s ====" or, with -q,
 # "42 passed in 18.20s"; "no tests ran in 0.01s" when nothing was collected.
 SUMMARY = re.compile(
@@ -67,7 +67,7 @@ def record(summary: dict[str, Any], returncode: int, found: dict[str, str], path
     """Write the lane's record to ``path`` (JSON) and return it."""
     now = now or _dt.datetime.now(_dt.UTC)
     data = {
-        "lane": "scripts/test.sh --vllm (pytest -q -ra tests/conformance)",
+        "lane": "scripts/test.sh --vllm (pytest -q -ra tests/conformance tests/vllm_lane)",
         "written_by": "scripts/conformance_lane.py",
         "date": now.strftime("%Y-%m-%d %H:%M UTC"),
         "returncode": returncode,

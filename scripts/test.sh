@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The whole test suite (CPU only; GPU-marked tests skip themselves without a GPU).
-# `scripts/test.sh --vllm [pytest args]` instead runs the opt-in conformance lane: our code against
-# vLLM's and AMD Quark's own (tests/conformance, docs/conformance.md) in its separate venv. CI never runs it.
+# `scripts/test.sh --vllm [pytest args]` instead runs the opt-in vLLM lane in its separate venv: our code
+# against vLLM's and AMD Quark's own (tests/conformance, docs/conformance.md) and the vLLM plugin end to
+# end (tests/vllm_lane, docs/vllm.md). CI never runs it.
 if [ "${1:-}" = "--vllm" ]; then
   shift
+  # The lane's tier (tests/vllm_lane) runs in the project venv: build it first, then switch to the lane's.
+  source "$(dirname "$0")/env.sh"
   source "$(dirname "$0")/vllm_env.sh"
   python -c "import vllm, torch, quark; print('vllm', vllm.__version__, '| amd-quark', quark.__version__, '| torch', torch.__version__)"
-  exec python scripts/conformance_lane.py "$@"   # pytest -q -ra tests/conformance; records docs/conformance-lane.json
+  exec python scripts/conformance_lane.py "$@"   # pytest -q -ra tests/conformance tests/vllm_lane; records the result
 fi
 source "$(dirname "$0")/env.sh"
 ruff check .

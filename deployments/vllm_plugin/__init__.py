@@ -1,0 +1,33 @@
+"""vLLM as the tier's attention side: a vLLM plugin whose models send every MoE block to the tier.
+
+Loaded by every vLLM process through the ``vllm.general_plugins`` entry point (``pip install
+.[vllm]``); :func:`register` adds the model aliases of :data:`ALIASES`. A model built under an
+alias has no gate, expert or shared-expert weights in its MoE blocks: each block is a
+:class:`~deployments.vllm_plugin.models.TierMoE`, which hands its input ``[T, H]`` to the tier as
+one custom op (``torch.ops.latent_moe.tier_moe``, with a fake for torch.compile) and returns the
+layer's output. Where the tier is and which tier layer serves which block come from vLLM's own
+``additional_config["latent_moe"]`` (:mod:`~deployments.vllm_plugin.settings`): a session ticket
+of the data plane (``deployments.dataplane``; each engine one peer) or, for a reference, a local
+checkpoint run in-process with ``moe_runtime``. docs/vllm.md has the commands.
+
+Needs no Ray: a vLLM process joins a session with the ticket alone.
+"""
+
+from __future__ import annotations
+
+# Alias -> the class that serves it (vLLM imports it lazily, on first use).
+ALIASES: dict[str, str] = {
+    "LatentMoeQwen3MoeForCausalLM": "deployments.vllm_plugin.models:TierQwen3MoeForCausalLM",
+    "LatentMoeKimiK3ForConditionalGeneration":
+        "deployments.vllm_plugin.models:TierKimiK3ForConditionalGeneration",
+}
+
+
+def register() -> None:
+    """vLLM's plugin hook: add the aliases (idempotent; vLLM calls it in every process)."""
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for alias, target in ALIASES.items():
+        if alias not in known:
+            ModelRegistry.register_model(alias, target)

