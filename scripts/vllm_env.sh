@@ -23,7 +23,8 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
   # The project without its Ray dependency: the conformance tests only touch moe_runtime (which never
   # imports Ray), and Ray's pins would fight vLLM's.
   "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
-  "$VLLM_VENV/bin/python" -m pip install -q "pytest>=8" "pytest-timeout>=2.3" "safetensors>=0.4" "pyyaml>=6"
+  "$VLLM_VENV/bin/python" -m pip install -q "pytest>=8" "pytest-timeout>=2.3" "safetensors>=0.4" "pyyaml>=6" \
+    "matplotlib>=3.8"  # scripts/bench/vllm_engines.py plots
   # amd-quark pins no torch; its CPU fake-quant op is a C++ extension it JIT-compiles on first import
   # (needs a C++ compiler; ninja comes with it).
   "$VLLM_VENV/bin/python" -m pip install -q "amd-quark==$QUARK_VERSION"

@@ -1,4 +1,4 @@
-"""Fixtures of the vLLM lane (``scripts/test.sh --vllm``); the helpers are in lane.py."""
+"""Fixtures of the vLLM lane (``scripts/test.sh --vllm``); the helpers are in scripts/bench/vllm_tier.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lane import Tier, make_models
+
+from scripts.bench.vllm_tier import Tier, make_models
 
 
 @pytest.fixture(scope="session")

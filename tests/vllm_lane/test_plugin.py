@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM lane: run scripts/test.sh --vllm")
 
-from lane import (  # noqa: E402
+from scripts.bench.vllm_tier import (  # noqa: E402
     ENGINE_ENV,
     ROOT,
     finish_engine,
@@ -156,3 +156,27 @@ def test_a_killed_engine_leaves_the_others_serving(tier, models, reference, tmp_
         kill_engine(procs[1][1])
         out = finish_engine(*procs[0])
     assert out["tokens"] == [reference[0]]
+
+
+@pytest.mark.parametrize("alias, native", [
+    ("LatentMoeQwen3MoeForCausalLM", ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock")),
+    ("LatentMoeKimiK3ForConditionalGeneration", ("vllm.models.kimi_k3.nvidia.model", "KimiMoE")),
+])
+def test_aliases_register_and_replace_the_native_block(alias, native):
+    """What CPU allows of the Kimi-K3 alias (its model needs a GPU): it registers, and the block
+    class its decoder builds is replaced while the model is built, then restored."""
+    import importlib
+
+    from vllm import ModelRegistry
+
+    from deployments.vllm_plugin import register
+    from deployments.vllm_plugin.models import TierMoE, tier_blocks
+
+    register()
+    assert alias in ModelRegistry.get_supported_archs()
+    module = importlib.import_module(native[0])
+    original = getattr(module, native[1])
+    with tier_blocks([native]) as built:
+        block = getattr(module, native[1])(config=None, vllm_config=None, prefix="model.layers.3.mlp", layer_idx=3)
+    assert getattr(module, native[1]) is original and built == [block]
+    assert isinstance(block, TierMoE) and block.layer == 3 and not list(block.parameters())

