@@ -34,7 +34,7 @@ import torch
 from bench import harness
 from bench.docs import commentary, section_start, verdict, verdict_word, write_results, yes_no
 
-from deployments.client.afd import Decoder, LocalMoE, MoELayers, RemoteMoE, tier_busy
+from examples.afd import Decoder, LocalMoE, MoELayers, RemoteMoE, tier_busy
 
 APP = "afd_bench"
 DEPLOYMENT = "moe"

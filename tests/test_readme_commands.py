@@ -59,9 +59,9 @@ SKIP = {
         _SERVER + " with a token",
     "python scripts/sim_cluster.py": "a simulated multi-node cluster under load (minutes on 2 cores); "
                                      "tests/test_multinode.py covers it",
-    "python scripts/afd_demo.py":
+    "python -m examples.afd_demo":
         "starts local Ray and two TP-2 deployments (minutes on 2 cores); tests/test_afd.py covers it",
-    "python scripts/afd_demo.py --workers 1 2 4":
+    "python -m examples.afd_demo --workers 1 2 4":
         "starts local Ray, two TP-2 deployments and up to 4 decoder actors (minutes on 2 cores); "
         "tests/test_afd.py covers a cohort of decoders",
     "df -h /work && free -g": "a look at this machine's disk and memory before the real-size demo",

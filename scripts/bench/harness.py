@@ -244,11 +244,6 @@ def ensure_checkpoint(path: Path, preset: str, layers: int | None = None, *, mxf
     return path
 
 
-def ensure_decoder_checkpoint(path: Path, preset: str, layers: int | None = None) -> Path:
-    """:func:`ensure_checkpoint` with the decoder's tensors: what scripts/afd_demo.py serves."""
-    return ensure_checkpoint(path, preset, layers, decoder=True)
-
-
 def preset_checkpoint(preset: str, layers: int | None = None, *, mxfp4: bool = False,
                       decoder: bool = False) -> Path:
     """The checkpoint under checkpoints/ named for what it holds (``small``, ``small-mxfp4``,
@@ -274,25 +269,14 @@ def tiny_app(**spec: Any) -> tuple[dict[str, Any], Any]:
 
 @contextlib.contextmanager
 def local_serve(num_cpus: int, num_gpus: int = 0, worker_niceness: int | None = None) -> Iterator[str]:
-    """A private local Ray instance (TP groups on ``num_gpus`` logical GPUs) with Serve's HTTP proxy
-    on a free local port: yields the proxy's URL, and stops everything it started on the way out.
-    ``worker_niceness`` overrides Ray's 15 for its workers (a benchmark's served side then gets the
-    driver's priority)."""
-    import ray
-    from ray import serve
-
-    from moe_runtime.tp.collectives import free_port
+    """``deployments.cluster.local.local_serve`` (TP groups on ``num_gpus`` logical GPUs), yielding
+    the proxy's URL. ``worker_niceness`` overrides Ray's 15 for its workers (a benchmark's served
+    side then gets the driver's priority)."""
+    from deployments.cluster.local import local_serve as private_serve
 
     system = {} if worker_niceness is None else {"_system_config": {"worker_niceness": worker_niceness}}
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-             namespace="serve", log_to_driver=False, **system)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with private_serve(num_cpus, num_gpus, **system) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def deploy(app_args: dict[str, Any], name: str, route_prefix: str | None = "/") -> None:

@@ -35,6 +35,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from deployments.client import DEFAULT_TIMEOUT_S, AttentionWorker, MoEClient
+from deployments.common.layer_routing import LayerRoutes
 from moe_runtime.activation import GatedActivation
 from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
 from moe_runtime.config import LatentMoEConfig
@@ -47,11 +49,6 @@ from moe_runtime.synthetic_decoder import (
     DecoderLayout,
     check_decoder_fields,
 )
-
-from ..common.layer_routing import LayerRoutes
-from ..config.timeouts import CLIENT_TIMEOUT_S as DEFAULT_TIMEOUT_S
-from .attention import AttentionWorker
-from .moe_client import MoEClient
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Attention-FFN disaggregation demo: a small K3-like decoder here, its MoE layers on the tier.
 
-    python scripts/afd_demo.py                        # tiny checkpoint, local Ray, layers split
+    python -m examples.afd_demo                       # tiny checkpoint, local Ray, layers split
                                                       # over two TP-group deployments
-    python scripts/afd_demo.py --connect default      # an app already running (serve run ...),
+    python -m examples.afd_demo --connect default     # an app already running (serve run ...),
                                                       # whose checkpoint has the decoder tensors
-    python scripts/afd_demo.py --workers 1 2 4        # M decoders as the workers of one cohort
+    python -m examples.afd_demo --workers 1 2 4       # M decoders as the workers of one cohort
 
 Greedy-decodes a batch of prompts with ``micro_batches`` groups in flight, then runs the same
 model entirely in this process (``moe_forward`` as its MoE) and says whether the tokens match
@@ -16,19 +16,18 @@ forward of all their rows, and each one's tokens are checked against the in-proc
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
+import torch
+
+from deployments.cluster.local import local_serve
+from examples.afd import Decoder, DecoderWorker, LocalMoE, RemoteMoE
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.synthetic import preset_config, write_checkpoint
+from moe_runtime.synthetic_decoder import DECODER_FILE, write_decoder
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from bench.harness import ensure_decoder_checkpoint as ensure_checkpoint  # noqa: E402
-from bench.harness import local_app  # noqa: E402
-
-from deployments.client.afd import Decoder, DecoderWorker, LocalMoE, RemoteMoE  # noqa: E402
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
 
 
 def demo(checkpoint: Path, app: str, batch: int, tokens: int, micro_batches: int) -> bool:
@@ -111,14 +110,23 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ok = demo(args.checkpoint, args.connect, args.batch, args.tokens, args.micro_batches)
         return 0 if ok else 1
-    ckpt = ensure_checkpoint(args.checkpoint, args.preset)
+    ckpt = args.checkpoint
+    if not (ckpt / DECODER_FILE).is_file():  # what scripts/make_checkpoint.py --decoder writes
+        print(f"writing the {args.preset} checkpoint with the decoder's tensors to {ckpt}", flush=True)
+        write_checkpoint(ckpt, preset_config(args.preset), seed=0, progress=True)
+        write_decoder(ckpt, seed=0)
     layers = LatentMoEConfig.from_pretrained(ckpt).moe_layers
     half = len(layers) // 2 or 1
     common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5}
     deployments = [{"name": "lower", "tp_size": 2, "layers": layers[:half], **common}]
     if layers[half:]:
         deployments.append({"name": "upper", "tp_size": 2, "layers": layers[half:], **common})
-    with local_app(ckpt, "afd", deployments, num_cpus=4, num_gpus=4):
+    with local_serve(num_cpus=4, num_gpus=4):
+        from ray import serve
+
+        from deployments.app import build_app
+
+        serve.run(build_app({"checkpoint": str(ckpt), "deployments": deployments}), name="afd")
         ok = (cohort_demo(ckpt, "afd", args.workers, args.batch, args.tokens) if args.workers
               else demo(ckpt, "afd", args.batch, args.tokens, args.micro_batches))
     return 0 if ok else 1
