@@ -73,7 +73,6 @@ BEFORE_MODES = {"cohort": "cgraph_before", "lanes": "cgraph_before_lanes"}
 CALL_LAYER = 1  # the layer of the per-call measurement
 HIDDEN = 128  # the tiny preset's hidden size
 WARMUP = 2  # untimed steps a worker takes on its own before timing
-SETTLE_S = 0.5  # before an idle window: what the previous turn left running ends
 TARGETS = {"call_over_inprocess_ms": 0.5, "m4_vs_own_sessions": 2.0, "m4_vs_cgraph": 1.5, "idle_cores": 0.05}
 MODES = ("session", "own_sessions", "serve", "floor", "cgraph_before", "cgraph_before_lanes")
 
@@ -331,13 +330,26 @@ def idle_floor_app() -> int:
     return serve_replica_pid(FLOOR_APP, "Idle")
 
 
-def measure_idle(session_client: Any, pids: Roles, floor_pid: int, peers: int, tokens: int,
+def lease_ended(client: Any, timeout_s: float = 60.0) -> None:
+    """Back once the replica holds no lease: a closed session's ends at its next poll of the ranks."""
+    from deployments.config.timeouts import LANE_POLL_S
+
+    deadline = time.monotonic() + timeout_s
+    while client.status()["lanes"]["active"] is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replica still holds a lease {timeout_s:g} s on")
+        time.sleep(LANE_POLL_S)
+
+
+def measure_idle(client: Any, session_client: Any, pids: Roles, floor_pid: int, peers: int, tokens: int,
                  seconds: float, rounds: int) -> dict[str, list[dict[str, Any]]]:
     """The TP group's processes (and this driver) idle, in turns: no lease, an open session of
-    ``peers`` joined peers with no calls; and Serve's floor (its trivial replica, this driver)."""
+    ``peers`` joined peers with no calls; and Serve's floor (its trivial replica, this driver).
+    Each window opens once the previous turn's session has left the replica (``client``: its
+    direct handle)."""
 
     def measure(state: str) -> dict[str, Any]:
-        time.sleep(SETTLE_S)
+        lease_ended(client)
         if state == "serve_floor":
             return idle_cores({"replica": [floor_pid], "driver": [os.getpid()]}, seconds)
         if state == "app":
@@ -716,7 +728,7 @@ def run_served(args: Any, ckpt: Path, rows: list[dict[str, Any]]) -> dict[str, A
         calls = measure_calls(client, ckpt, args.tp, args.tokens, args.calls, args.rounds)
         print("idle", flush=True)
         floor_pid = idle_floor_app()
-        idle = measure_idle(MoEClient(APP, timeout_s=300), pids, floor_pid, max(args.workers),
+        idle = measure_idle(client, MoEClient(APP, timeout_s=300), pids, floor_pid, max(args.workers),
                             max(args.tokens), args.idle_s, args.rounds)
     return {"calls": {str(T): c for T, c in calls.items()}, "idle": idle, "idle_peers": max(args.workers)}
 

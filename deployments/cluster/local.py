@@ -15,9 +15,8 @@ def local_serve(num_cpus: int, num_gpus: int = 0, *, host: str = "127.0.0.1", po
     port when None); yield the port, and stop both on the way out.
 
     ``address="local"``: never a ``ray start`` cluster found on the machine. The GPUs are logical
-    on a CPU machine. ``ray_args`` go to ``ray.init``. Stopping the instance stops Serve with it;
-    ``serve.shutdown()`` first would have the controller's clients retry their calls on actors it
-    kills, and Ray log a "listen_for_change failed" line for each.
+    on a CPU machine. ``ray_args`` go to ``ray.init``. Stopping the instance stops Serve with it
+    (:func:`leave_ray`).
     """
     import ray
     from ray import serve
@@ -31,4 +30,23 @@ def local_serve(num_cpus: int, num_gpus: int = 0, *, host: str = "127.0.0.1", po
         serve.start(http_options={"host": host, "port": port})
         yield port
     finally:
-        ray.shutdown()
+        leave_ray()
+
+
+def leave_ray() -> None:
+    """Disconnect this driver from Ray without stopping Serve first, Serve's handles before Ray.
+
+    ``serve.shutdown()`` would kill the controller while this driver's handles still poll it, and
+    Ray log their retried calls ("listen_for_change failed ... killed by ray.kill"); a private
+    instance stops Serve with it, a cluster's end does too. The handles go first because each
+    one's router pushes autoscaling metrics on a timer, and a push after ``ray.shutdown()`` would
+    connect Ray again (Ray's auto-init).
+    """
+    import ray
+    from ray.serve import context
+
+    client = context._global_client  # Serve's handles of this driver are cached on it
+    if client is not None and ray.is_initialized():
+        client.shutdown_cached_handles()
+    context._disconnect()
+    ray.shutdown()
