@@ -6,7 +6,7 @@ if [ "${1:-}" = "--vllm" ]; then
   shift
   source "$(dirname "$0")/vllm_env.sh"
   python -c "import vllm, torch, quark; print('vllm', vllm.__version__, '| amd-quark', quark.__version__, '| torch', torch.__version__)"
-  exec python scripts/conformance_lane.py "$@"   # pytest -q -ra tests/conformance; records docs/conformance-lane.json
+  exec python scripts/conformance_lane.py "$@"   # pytest -q -ra tests/conformance; records artifacts/conformance-lane.json
 fi
 source "$(dirname "$0")/env.sh"
 ruff check .

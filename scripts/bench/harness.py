@@ -2,7 +2,7 @@
 and percentiles, a private Ray + Serve, checkpoints written once, seeded inputs and plots.
 
 Heavy modules (torch, Ray, matplotlib, the project's own) are imported where they are used, so
-importing the harness costs nothing: ``bench.rows`` and ``bench.rss`` build on it without torch.
+importing the harness costs nothing: ``rows`` and ``rss`` build on it without torch.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench import ROOT
+from . import ROOT
 
-DOCS = ROOT / "docs" / "benchmarks.md"
+PAGES = ROOT / "docs" / "benchmarks"  # each benchmark's page, and their index
 CHECKPOINTS = ROOT / "checkpoints"
 
 # -- options -------------------------------------------------------------------------------------
@@ -37,17 +37,16 @@ class BenchParser(argparse.ArgumentParser):
         return parsed
 
 
-def bench_parser(doc: str, name: str, *, with_docs: bool = True, docs_default: Path | None = DOCS,
+def bench_parser(doc: str, name: str, *, docs_default: Path | None = PAGES,
                  quick: str | None = None) -> BenchParser:
     """A benchmark's parser with the options benchmarks share: ``--out`` (the folder of its results,
-    default artifacts/NAME), ``--docs`` (the benchmarks.md whose section a run rewrites, default
-    ``docs_default``; '' for none) unless ``with_docs`` is off, and ``--quick`` (help: ``quick``)
+    default artifacts/NAME), ``--docs`` (the folder of the benchmark pages whose page NAME.md and
+    index a run rewrites, default ``docs_default``; '' for none) and ``--quick`` (help: ``quick``)
     where the benchmark has a short mode."""
     ap = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / name, help="folder for the results")
-    if with_docs:
-        ap.add_argument("--docs", default=docs_default and str(docs_default),
-                        help="the benchmarks.md whose section this run rewrites ('' for none)")
+    ap.add_argument("--docs", default=docs_default and str(docs_default),
+                    help="the benchmark pages' folder whose page and index this run rewrites ('' for none)")
     if quick:
         ap.add_argument("--quick", action="store_true", help=quick)
     return ap

@@ -18,13 +18,12 @@ FLOPs of the stage: ``2 * T * K * (2I * D + I * D) = 6 * T * K * D * I`` (the ac
 the weighted combine are not counted). ``torch``, ``grouped`` and ``dense`` are called in turn
 (interleaved) so that a shared machine slows them alike; times are medians (the best-of ratio is
 kept too).
-Writes ``results.json``, ``experts.png`` and ``table.md`` to ``--out``.
-Legend: T tokens, D latent, K experts per token, I intermediate.
+Writes ``experts.json`` and ``experts.png`` to ``--out``, and its page (docs/benchmarks/experts.md)
+and rows of the index to ``--docs``. Legend: T tokens, D latent, K experts per token, I intermediate.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import resource
@@ -33,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch
-from bench import harness
 
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
@@ -44,6 +42,11 @@ from moe_runtime.layer import down_project
 from moe_runtime.router import route
 from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
+
+from . import harness
+from .docs import Target, section_start, target, verdict, verdict_text, write_results
+
+SECTION = "# Experts backends: `torch` and `grouped` against a dense GEMM (scripts/bench/experts.py)"
 
 TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -216,11 +219,41 @@ def markdown_table(rows: list[dict]) -> str:
     if any(r["naive_scaled"] for r in rows):
         lines.append("")
         lines.append("\\* naive loop timed on the first tokens only and scaled by T / n "
-                     "(see `naive_tokens_timed` in results.json).")
+                     "(see `naive_tokens_timed` in the results JSON).")
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def shape_text(results: dict) -> str:
+    cfg = results["config"]
+    return (f"preset {results['preset']} (D={cfg['routed_expert_hidden_size']}, E={cfg['num_experts']}, "
+            f"K={cfg['num_experts_per_token']}, I={cfg['moe_intermediate_size']})")
+
+
+def target_verdicts(results: dict) -> list[tuple[str, dict]]:
+    """Each dtype and format at T = 4096: the torch backend's share of the dense GEMM's GFLOP/s."""
+    return [(f"torch backend / dense GEMM GFLOP/s, {r['dtype']} {r['format']}, T = 4096",
+             verdict(r["torch_vs_dense"], ">=", TARGET_FRACTION)) for r in results["rows"] if r["T"] == 4096]
+
+
+def index_rows(results: dict) -> list[Target]:
+    return [target(what, v) for what, v in target_verdicts(results)]
+
+
+def markdown(results: dict, json_path: str, png_path: str) -> str:
+    m = results["machine"]
+    busy = m.get("other_processes_cpu_fraction")
+    details = (f"{m.get('cpu_model', m['processor'])}, torch with {m['torch_threads']} threads on "
+               f"{m['device']}; {shape_text(results)}, layer {results['layer']}; FLOPs = 6·T·K·D·I"
+               + ("" if busy is None else f"; other processes used {100 * busy:.0f} % of the CPU time"))
+    lines = [section_start(SECTION, "experts", results["argv"], m, details, json_path, png_path), "",
+             markdown_table(results["rows"]), ""]
+    lines += [f"- {what}: {verdict_text(v)}" for what, v in target_verdicts(results)]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    rows = results["rows"]
+    title = f"routed experts, {shape_text(results)}, {results['machine']['torch_threads']} threads"
     panels = sorted({(r["dtype"], r["format"]) for r in rows},
                     key=lambda p: (list(DTYPES).index(p[0]), FORMATS.index(p[1])))
     fig, axes = harness.pyplot().subplots(1, len(panels), figsize=(6.8 * len(panels), 4.2), squeeze=False)
@@ -247,7 +280,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_experts", with_docs=False)
+    ap = harness.bench_parser(__doc__, "experts")
     ap.add_argument("--checkpoint", type=Path,
                     help="checkpoint folder (written there from --preset if it does not exist; "
                          "default: the --preset checkpoint under checkpoints/)")
@@ -306,28 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     if busy is not None:
         print(f"other processes used {100 * busy:.0f}% of the machine's CPU time during the run"
               + (" -- the numbers are disturbed, rerun on an idle machine" if busy > 0.1 else ""))
-    verdicts = []
-    for r in rows:
-        if r["T"] == 4096:
-            ok = r["torch_vs_dense"] >= TARGET_FRACTION
-            verdicts.append({"dtype": r["dtype"], "T": 4096, "torch_vs_dense": r["torch_vs_dense"],
-                             "target": TARGET_FRACTION, "met": ok})
-            print(f"target ({r['dtype']}, T=4096): torch backend at {100 * r['torch_vs_dense']:.1f}% "
-                  f"of dense GEMM GFLOP/s, target {100 * TARGET_FRACTION:.0f}%: {'MET' if ok else 'MISSED'}")
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/bench_experts.py " + " ".join(args.argv)
-    result = {"command": command.strip(), "preset": args.preset, "layer": layer, "config": cfg.to_dict(),
-              "machine": info, "rows": rows, "target": verdicts}
-    (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown_table(rows)
-    (args.out / "table.md").write_text(table + "\n")
-    plot(rows, args.out / "experts.png",
-         f"routed experts, preset {args.preset} (D={cfg.routed_expert_hidden_size}, E={cfg.num_experts}, "
-         f"K={cfg.num_experts_per_token}, I={cfg.moe_intermediate_size}), {info['torch_threads']} threads")
-    print()
-    print(table)
-    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'table.md'}, {args.out / 'experts.png'}")
+    results = {"argv": args.argv, "preset": args.preset, "layer": layer, "config": cfg.to_dict(),
+               "machine": info, "rows": rows}
+    write_results(results, args.out, "experts", plot, markdown, index_rows, args.docs)
     return 0
 
 

@@ -25,11 +25,11 @@ Per TP size, side by side in one run:
   group's memory-bound fraction (every rank's bytes over memcpy, over the slowest rank's time).
 
 The TP 2 output is checked against the TP 1 output within bf16 tolerance. Writes JSON + PNG under
-``--out`` and its section of docs/benchmarks.md (``--docs``; '' for none), verdicts computed from
-the data, with the machine's load average.
+``--out``, its page (docs/benchmarks/real.md) and its rows of the index (``--docs``; '' for none),
+verdicts computed from the data, with the machine's load average.
 
     python scripts/make_checkpoint.py --preset kimi-k3 --mxfp4 --moe-layers 1 --out /work/ckpt/k3-1layer
-    python scripts/bench_real.py --checkpoint /work/ckpt/k3-1layer --tp 1 2 --tokens 1 16 512
+    python -m scripts.bench.real --checkpoint /work/ckpt/k3-1layer --tp 1 2 --tokens 1 16 512
 """
 
 from __future__ import annotations
@@ -43,9 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import harness
-from bench.docs import section_start, verdict, verdict_word, write_results
-from bench.rss import TreeSampler, proc_bytes
 
 from moe_runtime.checkpoint import load_threads
 from moe_runtime.cli import process_rss
@@ -57,8 +54,12 @@ from moe_runtime.tp.local_group import run_local_group
 from moe_runtime.tp.plan import resolve_tail
 from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
 
-SECTION = "## Real-size layer with the fused CPU path (`scripts/bench_real.py`)"
-NAME = "bench_real"
+from . import harness
+from .docs import Target, section_start, target, verdict, verdict_word, write_results
+from .rss import TreeSampler, proc_bytes
+
+SECTION = "# Real-size layer with the fused CPU path (`scripts/bench/real.py`)"
+NAME = "real"
 LAYER = 1
 GB = 1e9
 READ_CHUNK = 64 * 2**20
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "tp_vs_tp1": compare_with_tp1(runs, check_tokens),
     }
     forward_verdicts(results)
-    write_results(results, args.out, NAME, plot, markdown, args.docs)
+    write_results(results, args.out, NAME, plot, markdown, index_rows, args.docs)
     return 0
 
 
@@ -381,6 +382,19 @@ def _summary(name: str, verdicts: list[tuple[str, dict]]) -> str:
     if not missed:
         return f"{name} ({target}): met on all {len(measured)} rows"
     return f"{name} ({target}): **missed** on {len(missed)} of {len(measured)} rows ({'; '.join(missed)})"
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    """A row per verdict: each TP size's load, and each TP 1 forward that has a target."""
+    rows = [target(f"load GB/s / kept sequential read, TP {run['P']} group", run["load_verdict"])
+            for run in results["runs"]]
+    for run in results["runs"]:
+        for f in run["ranks"][0]["forward"]:
+            if f.get("verdict") is not None:
+                what = "memory-bound limit / forward" if f["T"] in MEMORY_BOUND_TOKENS else \
+                    "forward GFLOP/s / dense GEMM's"
+                rows.append(target(f"{what}, TP {run['P']}, T = {f['T']}", f["verdict"]))
+    return rows
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:

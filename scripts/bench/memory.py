@@ -10,7 +10,8 @@ generated checkpoint (``--preset``, TP 1) and runs one forward of T tokens, and 
   allowance ``T x activation_bytes_per_token`` and its whole workspace (+ decode scratch):
   ``ratio`` = measured / activation allowance (<= 1: the allowance bounds what was measured).
 
-Writes ``results.json``, ``memory.png`` and ``table.md`` to ``--out``.
+Writes ``memory.json`` and ``memory.png`` to ``--out``, and its page (docs/benchmarks/memory.md) and
+rows of the index to ``--docs``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench import harness
-from bench.rss import proc_bytes
+from . import ROOT, harness
+from .docs import Target, check, section_start, write_results
+from .rss import proc_bytes
+
+SECTION = "# Memory planner vs measured memory (scripts/bench/memory.py)"
 
 
 def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
@@ -59,36 +63,32 @@ def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_memory", with_docs=False)
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--tokens", default="256,2048,8192")
-    ap.add_argument("--child", nargs=3, metavar=("CKPT", "DTYPE", "T"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(measure_one(args.child[0], args.child[1], int(args.child[2]))))
-        return 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for fmt in ("dense", "mxfp4"):
-        ckpt = harness.preset_checkpoint(args.preset, 2, mxfp4=fmt == "mxfp4")
-        for dtype in ("float32", "bfloat16"):
-            for T in (int(t) for t in args.tokens.split(",")):
-                out = subprocess.run([sys.executable, __file__, "--child", str(ckpt), dtype, str(T)],
-                                     capture_output=True, text=True, check=True).stdout
-                row = json.loads(out.strip().splitlines()[-1])
-                rows.append(row)
-                print(f"{fmt:5s} {dtype:8s} T={T:5d}: weights exact {row['weights_exact']}, forward peak "
-                      f"{row['forward_peak_growth_bytes'] / 1e6:7.1f} MB vs allowance "
-                      f"{row['activation_allowance_bytes'] / 1e6:7.1f} MB (ratio {row['ratio']:.2f})")
-    (args.out / "results.json").write_text(json.dumps({"preset": args.preset, "rows": rows}, indent=1))
-    lines = ["| checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB | ratio |",
-             "|---|---|---|---:|---|---:|---:|---:|"]
-    for r in rows:
+def index_rows(results: dict) -> list[Target]:
+    rows = results["rows"]
+    return [check("resident weights = the planner's bytes, part by part, every row",
+                  all(r["weights_exact"] for r in rows)),
+            check("forward peak RSS growth <= the planned workspace, every row",
+                  all(r["forward_peak_growth_bytes"] <= r["workspace_bytes"] for r in rows))]
+
+
+def markdown(results: dict, json_path: str, png_path: str) -> str:
+    lines = [section_start(SECTION, "memory", results["argv"], results["machine"],
+                           f"preset `{results['preset']}`, TP 1, one fresh process per row, 1 torch thread",
+                           json_path, png_path), "",
+             "| checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB "
+             "| workspace MB | ratio |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in results["rows"]:
         lines.append(f"| {r['checkpoint_format']} | {r['experts_held']} | {r['dtype']} | {r['tokens']} | "
                      f"{r['weights_exact']} | {r['forward_peak_growth_bytes'] / 1e6:.1f} | "
-                     f"{r['activation_allowance_bytes'] / 1e6:.1f} | {r['ratio']:.2f} |")
-    (args.out / "table.md").write_text("\n".join(lines) + "\n")
+                     f"{r['activation_allowance_bytes'] / 1e6:.1f} | {r['workspace_bytes'] / 1e6:.1f} "
+                     f"| {r['ratio']:.2f} |")
+    lines.append("")
+    lines += [f"- {t.target}: {t.measured}" for t in index_rows(results)]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    rows = results["rows"]
     fig, ax = harness.pyplot().subplots(figsize=(7, 4))
     for fmt in ("dense", "mxfp4"):
         for dtype in ("float32", "bfloat16"):
@@ -102,10 +102,36 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per forward")
     ax.set_ylabel("MB")
-    ax.set_title(f"forward peak RSS growth vs planner activation allowance ({args.preset}, TP 1)")
+    ax.set_title(f"forward peak RSS growth vs planner activation allowance ({results['preset']}, TP 1)")
     ax.legend(fontsize=7)
-    harness.save_figure(fig, args.out / "memory.png", dpi=120)
-    print(f"wrote {args.out}/results.json, memory.png, table.md")
+    harness.save_figure(fig, path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "memory")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--tokens", default="256,2048,8192")
+    ap.add_argument("--child", nargs=3, metavar=("CKPT", "DTYPE", "T"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure_one(args.child[0], args.child[1], int(args.child[2]))))
+        return 0
+    machine = harness.machine_record()
+    rows = []
+    for fmt in ("dense", "mxfp4"):
+        ckpt = harness.preset_checkpoint(args.preset, 2, mxfp4=fmt == "mxfp4")
+        for dtype in ("float32", "bfloat16"):
+            for T in (int(t) for t in args.tokens.split(",")):
+                child = [sys.executable, "-m", "scripts.bench.memory", "--child", str(ckpt), dtype, str(T)]
+                out = subprocess.run(child, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+                row = json.loads(out.strip().splitlines()[-1])
+                rows.append(row)
+                print(f"{fmt:5s} {dtype:8s} T={T:5d}: weights exact {row['weights_exact']}, forward peak "
+                      f"{row['forward_peak_growth_bytes'] / 1e6:7.1f} MB vs allowance "
+                      f"{row['activation_allowance_bytes'] / 1e6:7.1f} MB (ratio {row['ratio']:.2f})")
+    results = {"argv": args.argv, "preset": args.preset, "rows": rows,
+               "machine": dict(machine, loadavg_after=harness.loadavg())}
+    write_results(results, args.out, "memory", plot, markdown, index_rows, args.docs)
     return 0 if all(r["weights_exact"] for r in rows) else 1
 
 

@@ -12,12 +12,12 @@ client spends waiting on MoE calls, the fraction of the wall time the tier's TP 
 (``status()`` counters: forwards x mean forward_ms, over the whole generate call), and whether
 every generation's tokens equal the in-process model's.
 
-    python scripts/bench_afd.py                 # a few minutes on 2 cores
-    python scripts/bench_afd.py --quick         # tiny preset, fewer tokens (smoke run)
+    python -m scripts.bench.afd                 # a few minutes on 2 cores
+    python -m scripts.bench.afd --quick         # tiny preset, fewer tokens (smoke run)
 
 Targets: through lanes at m = 1, >= 1.0x the in-process tokens/s at every batch size; m = 2
-reaches >= 1.5x the tokens/s of m = 1 at batch 32. Results: JSON + PNG under --out, and the
-"## Attention-FFN disaggregation (scripts/bench_afd.py)" section of docs/benchmarks.md (--docs).
+reaches >= 1.5x the tokens/s of m = 1 at batch 32. Results: JSON + PNG under --out, its page,
+docs/benchmarks/afd.md, and its rows of the index (--docs).
 """
 
 from __future__ import annotations
@@ -31,14 +31,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import harness
-from bench.docs import commentary, section_start, verdict, verdict_word, write_results, yes_no
 
 from examples.afd import Decoder, LocalMoE, MoELayers, RemoteMoE, tier_busy
 
+from . import harness
+from .docs import (
+    Target,
+    check,
+    commentary,
+    section_start,
+    target,
+    verdict,
+    verdict_word,
+    write_results,
+    yes_no,
+)
+
 APP = "afd_bench"
 DEPLOYMENT = "moe"
-SECTION = "## Attention-FFN disaggregation (scripts/bench_afd.py)"
+SECTION = "# Attention-FFN disaggregation (scripts/bench/afd.py)"
 # Prose below that no run recomputes, and the run it was written for.
 COMMENTARY_RUN = "2026-12-03 01:17 UTC (small preset, 2 CPUs, load 10.8-22.3)"
 REMEDY = ("What stopped it in that run was CPU: the client's attention and the ranks shared the same "
@@ -169,12 +180,19 @@ def plot(results: dict[str, Any], path: Path) -> None:
     harness.save_figure(fig, path, dpi=120)
 
 
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    s = results["summary"]
+    return [target("tokens/s at m = 2 / m = 1, batch 32", s["target"]),
+            target("lane / in-process tokens/s at m = 1, slowest batch", s["lane_target"]),
+            check("generated tokens equal the in-process model's", s["tokens_identical"])]
+
+
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env = results["env"]
     local = {r["batch"]: r for r in results["inprocess"]}
     lines = [
         section_start(
-            SECTION, "bench_afd", results["argv"], env,
+            SECTION, "afd", results["argv"], env,
             f"{env['preset']} preset, H = {env['hidden_size']}, {env['moe_layers']} MoE layers on "
             f"one TP-{env['tp_size']} deployment, {env['tail']} tail, float32; prompts of "
             f"{env['prompt_len']} tokens, {env['tokens']} new tokens; median of {env['reps']}; "
@@ -265,7 +283,7 @@ def why_not(results: dict[str, Any], one: dict[str, Any], two: dict[str, Any]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_afd", docs_default=None, quick="tiny preset, 6 tokens, 1 rep")
+    ap = harness.bench_parser(__doc__, "afd", quick="tiny preset, 6 tokens, 1 rep")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--layers", type=int, default=4, help="num_hidden_layers (layer 0 dense, the rest MoE)")
     ap.add_argument("--tp", type=int, default=2)
@@ -360,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         "lane_target": lane_target,  # the slowest batch size decides
         "tokens_identical": all(r["tokens_identical"] for r in results["tier"] + results["tier_serve"]),
     }
-    write_results(results, args.out, "bench_afd", plot, markdown, args.docs)
+    write_results(results, args.out, "afd", plot, markdown, index_rows, args.docs)
     return 0
 
 

@@ -11,11 +11,11 @@ deployments of the same checkpoint -- ``batched`` (max_batch_tokens = --max-batc
 
 It measures tokens/s, requests/s and p50/p99 latency, and runs the same batch sizes on the
 in-process runner (``moe_runtime`` only: ``local_group`` ranks joined by gloo, no Ray) in the
-same run for the served / in-process ratio. Results: JSON + PNG under --out, and the
-"## Serving (scripts/bench_serve.py)" section of docs/benchmarks.md (--docs).
+same run for the served / in-process ratio. Results: JSON + PNG under --out, its page,
+docs/benchmarks/serve.md, and its rows of the index (--docs).
 
-    python scripts/bench_serve.py                    # small preset, a few minutes on 2 cores
-    python scripts/bench_serve.py --quick            # shorter windows, fewer scenarios
+    python -m scripts.bench.serve                    # small preset, a few minutes on 2 cores
+    python -m scripts.bench.serve --quick            # shorter windows, fewer scenarios
 
 Targets: handle path at 2048-token requests >= 0.8 x in-process throughput; 32 concurrent
 16-token clients with batching >= 3 x the throughput of max_batch_tokens = 16.
@@ -30,15 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import harness
-from bench.docs import commentary, section_start, verdict, verdict_text, write_results
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
 
+from . import harness
+from .docs import Target, commentary, section_start, target, verdict, verdict_text, write_results
+
 APP = "bench"
-SECTION = "## Serving (scripts/bench_serve.py)"
+SECTION = "# Serving (scripts/bench/serve.py)"
 LAYER = 1
 # The notes below that no run recomputes, and the run they were written for.
 COMMENTARY_RUN = "2026-12-02 (small preset, TP 2, float32, 2 CPUs, load 2.31 before the run)"
@@ -182,11 +183,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
     harness.save_figure(fig, path)
 
 
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    t = results["targets"]
+    handle = f"handle path / in-process tokens/s, {t['large_tokens']}-token requests"
+    return [target(handle, t["handle_vs_inprocess"]),
+            target("32 x 16-token clients, tokens/s batched / unbatched", t["batching_speedup"], ".1f")]
+
+
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env, t = results["env"], results["targets"]
     lines = [
         section_start(
-            SECTION, "bench_serve", results["argv"], env,
+            SECTION, "serve", results["argv"], env,
             f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on "
             f"logical GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, "
             f"TP ranks +{env['worker_nice_increment']}. Closed loop: each client sends its next request "
@@ -260,7 +268,7 @@ def computed_notes(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_serve", quick="short windows; only the two target scenarios")
+    ap = harness.bench_parser(__doc__, "serve", quick="short windows; only the two target scenarios")
     ap.add_argument("--preset", default="small", choices=["tiny", "small"])
     ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
     ap.add_argument("--tp", type=int, default=2)
@@ -356,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             find("batching-nice0", "handle", "batched")["tokens_per_s"]
             / find("batching-nice0", "handle", "unbatched")["tokens_per_s"]
         )
-    write_results(results, args.out, "bench_serve", plot, markdown, args.docs)
+    write_results(results, args.out, "serve", plot, markdown, index_rows, args.docs)
     return 0
 
 

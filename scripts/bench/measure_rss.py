@@ -1,6 +1,6 @@
 """Run a command and sample the resident memory of its whole process tree; print the peak.
 
-    python scripts/measure_rss.py [--interval 0.2] [--json OUT] -- python -m moe_runtime forward ...
+    python -m scripts.bench.measure_rss [--interval 0.2] [--json OUT] -- python -m moe_runtime forward ...
 
 Every ``--interval`` seconds it sums ``rss`` (RssAnon + RssShmem) and ``pss`` (Pss_Anon + Pss_Shmem)
 over the command's process and all its descendants (see scripts/bench/rss.py). The peak of each sum
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.rss import measure
+from .rss import measure
 
 
 def main(argv: list[str] | None = None) -> int:

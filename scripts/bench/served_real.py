@@ -14,11 +14,11 @@ What the README's real-size served run claims, as a script. For a checkpoint, TP
 4. Ctrl-C (SIGINT) to `serve run`, which tears the app and its Ray instance down.
 
 Peaks are anonymous + shmem RSS summed over the tree, and PSS (shared pages divided among the
-processes that map them); see scripts/bench/rss.py. Writes JSON under --out and its section of
-docs/benchmarks.md (--docs; '' to skip).
+processes that map them); see scripts/bench/rss.py. Writes JSON under --out, its page,
+docs/benchmarks/served_real.md, and the index (--docs; '' to skip).
 
-    python scripts/bench_served_real.py --preset tiny --tp 2            # seconds of compute, ~1-2 min
-    python scripts/bench_served_real.py --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 \\
+    python -m scripts.bench.served_real --preset tiny --tp 2            # seconds of compute, ~1-2 min
+    python -m scripts.bench.served_real --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 \\
         --tokens 4 --seed 11 --ready-timeout 1800                       # the real-size run: ~17 GB RSS
 
 Uses ``deployments`` only through ``serve run deployments.app:build_app`` (a config file) and
@@ -39,15 +39,16 @@ from typing import Any
 
 import torch
 import yaml
-from bench import ROOT, harness
-from bench.docs import model_text, section_start, write_results
-from bench.rss import TreeSampler, measure
 from safetensors.torch import load_file, save_file
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.tp.collectives import free_port
 
-SECTION = "## Served layer: `serve run`, one POST, vs the CLI (scripts/bench_served_real.py)"
+from . import ROOT, harness
+from .docs import model_text, no_targets, section_start, write_results
+from .rss import TreeSampler, measure
+
+SECTION = "# Served layer: `serve run`, one POST, vs the CLI (scripts/bench/served_real.py)"
 APP = "served"
 
 
@@ -164,7 +165,7 @@ def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
     what = f"`{r['preset']}` preset" if r["preset"] else f"checkpoint `{r['checkpoint']}`"
     lines = [
         section_start(
-            SECTION, "bench_served_real", r["argv"], env,
+            SECTION, "served_real", r["argv"], env,
             f"{what} ({model_text(m)}), layer {r['layer']}, TP {r['tp']}, tail {r['tail']}, "
             f"{r['dtype']}, {r['tokens']} tokens (seed {r['seed']})", json_path),
         "",
@@ -184,15 +185,15 @@ def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
     ]
     if r["preset"]:
         lines += ["", f"This run is the `{r['preset']}` preset: it shows the script works end to end. The "
-                  "real-size figures in \"Served at real size\" above were measured by hand before this "
-                  "script existed; this script reproduces that run with `--checkpoint <16 GB K3 one-layer "
-                  "checkpoint> --tp 2 --dtype bfloat16 --tokens 4 --seed 11` (not re-run here: it needs the "
-                  "checkpoint and ~20 GB of free memory)."]
+                  "real-size figures in \"Served at real size\" on [real.md](real.md) were measured by hand "
+                  "before this script existed; this script reproduces that run with `--checkpoint <16 GB K3 "
+                  "one-layer checkpoint> --tp 2 --dtype bfloat16 --tokens 4 --seed 11` (not re-run here: it "
+                  "needs the checkpoint and ~20 GB of free memory)."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_served_real")
+    ap = harness.bench_parser(__doc__, "served_real")
     ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
     ap.add_argument("--preset", default="tiny", choices=("tiny", "medium", "small"))
     ap.add_argument("--tp", type=int, default=2)
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="served_real_") as tmp:
         result = run(args, Path(tmp))
-    write_results(result, args.out, "bench_served_real", None, markdown, args.docs)
+    write_results(result, args.out, "served_real", None, markdown, no_targets, args.docs)
     return 0
 
 

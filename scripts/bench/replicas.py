@@ -19,7 +19,7 @@ One private Ray, in turns (``--reps`` rounds; each app deployed, called once ove
 Measured on each replica process after the call: the CPU time it has used since it started (user
 + system) and its resident memory (anonymous + shared, RSS and PSS).
 
-    python scripts/bench_replicas.py        # ~1 minute on 2 cores
+    python -m scripts.bench.replicas        # ~1 minute on 2 cores
 
 Targets (medians): each of ours uses <= 0.5 CPU-s more than its counterpart in the floor (the
 group replica also starts its rank and reads the checkpoint's config) and holds <= 30 MB more
@@ -30,11 +30,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import harness
-from bench.docs import rounds_table, section_start, verdict, verdict_text, write_results
-from bench.rss import cpu_seconds, process_memory, serve_replica_pid
+from . import harness
+from .docs import Target, rounds_table, section_start, target, verdict, verdict_text, write_results
+from .rss import cpu_seconds, process_memory, serve_replica_pid
 
-SECTION = "## An app's replicas at start: CPU and memory (`scripts/bench_replicas.py`)"
+SECTION = "# An app's replicas at start: CPU and memory (`scripts/bench/replicas.py`)"
 APPS = ("ours", "floor", "floor_torch")
 ROLES = {"ingress": "ingress replica", "backend": "group replica (ours) / backend replica (floors)"}
 SHORT = {"ingress": "ingress replica", "backend": "group replica"}
@@ -132,6 +132,17 @@ def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    v, rows = results["verdicts"], []
+    for role in ROLES:
+        replica = "ingress replica" if role == "ingress" else "group replica"
+        rows += [target(f"{replica}'s CPU-s, ours - Ray's floor", v[f"{role}_cpu_over_floor"]),
+                 target(f"{replica}'s PSS, ours - Ray's floor", v[f"{role}_pss_over_floor"], ".1f", " MB"),
+                 target(f"{replica}'s CPU-s, ours / the floor with torch", v[f"{role}_cpu_vs_floor_torch"]),
+                 target(f"{replica}'s PSS, ours / the floor with torch", v[f"{role}_pss_vs_floor_torch"])]
+    return rows
+
+
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     what = {"ours": "our app (ingress + TP-1 group, tiny, float32)",
             "floor": "Ray's floor: a FastAPI ingress passing the body to a trivial deployment",
@@ -142,7 +153,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         for metric, unit in (("cpu_s", "CPU-s since it started"), ("pss_mb", "PSS, MB")):
             tables += [*rounds_table("app", f"{label}: {unit}", per_round(results, role, metric), what), ""]
     return "\n".join([
-        section_start(SECTION, "bench_replicas", results["argv"], results["machine"],
+        section_start(SECTION, "replicas", results["argv"], results["machine"],
                       "each app deployed, called once over HTTP, its two replicas measured, then "
                       f"deleted, in turns, {results['reps']} rounds", json_path, png_path), "",
         *tables,
@@ -154,7 +165,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_replicas")
+    ap = harness.bench_parser(__doc__, "replicas")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     from deployments.client.http_client import encode_request
@@ -167,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"rounds": rounds, "reps": args.reps, "argv": args.argv,
                "machine": dict(machine, loadavg_after=harness.loadavg())}
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "bench_replicas", plot, markdown, args.docs)
+    write_results(results, args.out, "replicas", plot, markdown, index_rows, args.docs)
     return 0 if all(v["met"] for v in results["verdicts"].values()) else 1
 
 

@@ -12,7 +12,7 @@ deleted and timed):
   shape of app) with Serve's default options;
 * ``floor_fast``: the same two with ``graceful_shutdown_wait_loop_s`` = ``DRAIN_POLL_S``.
 
-    python scripts/bench_shutdown.py        # ~1 minute on 2 cores
+    python -m scripts.bench.shutdown        # ~1 minute on 2 cores
 
 Targets: deleting ours takes <= 0.5 s over ``floor_fast`` (medians), and less than
 ``floor_default`` (a ratio < 1).
@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import harness
-from bench.docs import rounds_table, section_start, verdict, verdict_text, write_results
+from . import harness
+from .docs import Target, rounds_table, section_start, target, verdict, verdict_text, write_results
 
-SECTION = "## Deleting an idle app: how fast replicas stop (`scripts/bench_shutdown.py`)"
+SECTION = "# Deleting an idle app: how fast replicas stop (`scripts/bench/shutdown.py`)"
 APPS = ("ours", "floor_default", "floor_fast")
 
 
@@ -88,6 +88,12 @@ def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "vs_default": verdict(med["ours"] / med["floor_default"], "<", 1.0)}
 
 
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    v = results["verdicts"]
+    return [target("serve.delete of ours - Serve's fast floor", v["over_floor"], ".2f", " s"),
+            target("serve.delete of ours / Serve's default floor", v["vs_default"])]
+
+
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     what = {"ours": "the app: ingress + one TP-2 group (tiny, float32)",
             "floor_default": "Ray's floor: two trivial deployments, Serve's default options",
@@ -95,7 +101,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     rows = rounds_table("app", "serve.delete, s", results["delete_s"], what)
     over, default = results["verdicts"]["over_floor"], results["verdicts"]["vs_default"]
     return "\n".join([
-        section_start(SECTION, "bench_shutdown", results["argv"], results["machine"],
+        section_start(SECTION, "shutdown", results["argv"], results["machine"],
                       f"each app deployed, called once, then deleted, in turns, {results['reps']} rounds",
                       json_path, png_path), "",
         *rows, "",
@@ -105,7 +111,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_shutdown")
+    ap = harness.bench_parser(__doc__, "shutdown")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     from deployments.config.timeouts import DRAIN_POLL_S
@@ -117,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"delete_s": measured, "reps": args.reps, "drain_poll_s": DRAIN_POLL_S, "argv": args.argv,
                "machine": dict(machine, loadavg_after=harness.loadavg())}
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "bench_shutdown", plot, markdown, args.docs)
+    write_results(results, args.out, "shutdown", plot, markdown, index_rows, args.docs)
     return 0 if all(v["met"] for v in results["verdicts"].values()) else 1
 
 

@@ -19,15 +19,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from bench import harness
-from bench.docs import is_contended, section_start, write_results
 
 from moe_runtime import mxfp4
 from moe_runtime.experts import mxfp4_cpu
 
+from . import harness
+from .docs import Target, is_contended, section_start, target, verdict, write_results
+
 D, I = 3584, 3072
 SHAPES = {"w13": (2 * I, D), "w2": (D, I)}
-SECTION = "## Fused MXFP4 CPU kernel: one real-size expert (`scripts/bench_fused_cpu.py`)"
+SECTION = "# Fused MXFP4 CPU kernel: one real-size expert (`scripts/bench/fused_cpu.py`)"
 
 
 def best(fn, reps: int) -> float:
@@ -100,11 +101,17 @@ def describe(r: dict) -> str:
             f"load {r['loadavg_start'][0]:.1f}->{r['loadavg_end'][0]:.1f}")
 
 
+def index_rows(results: dict) -> list[Target]:
+    big = [r["fused_vs_torch_bf16_GFLOPs"] for r in results["rows"] if r["T"] >= 16]
+    return [target("fused GFLOP/s / torch's dense bf16 GEMM's, worst row at T >= 16",
+                   verdict(min(big, default=None), ">=", 0.5), ".1f")]
+
+
 def markdown(results: dict, json_rel: str, png_rel: str) -> str:
     rows = results["rows"]
     lines = [
         section_start(
-            SECTION, "bench_fused_cpu", results["argv"], results["machine"],
+            SECTION, "fused_cpu", results["argv"], results["machine"],
             f"fused kernel {results['kernel']}", json_rel, png_rel),
         "",
         f"One Kimi-K3 expert, gate|up [6144, 3584] + down [3584, 3072]: "
@@ -160,11 +167,10 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_fused_cpu", with_docs=False)
+    ap = harness.bench_parser(__doc__, "fused_cpu")
     ap.add_argument("--tokens", default="1,2,4,8,16,64")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.threads = [int(t) for t in args.threads.split(",")]
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = harness.machine_record()
     results = run(args)
     results.update(argv=args.argv, machine=dict(machine, loadavg_after=harness.loadavg()))
-    write_results(results, args.out, "fused_cpu", plot, markdown, None if args.no_docs else harness.DOCS)
+    write_results(results, args.out, "fused_cpu", plot, markdown, index_rows, args.docs)
     return 0
 
 

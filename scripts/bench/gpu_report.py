@@ -1,12 +1,12 @@
-"""The docs record of one scripts/gpu_check.sh run: its JSON, a plot and its section of benchmarks.md.
+"""The record of one scripts/gpu_check.sh run: its JSON, a plot, its page and its index rows.
 
-    python scripts/gpu_report.py OUT_DIR [--docs docs/benchmarks.md] [--json docs/gpu-check.json]
+    python -m scripts.bench.gpu_report OUT_DIR [--docs docs/benchmarks] [--json PATH]
 
 Reads a gpu_check.sh output folder (environment.json, summary.json, gpu_tests.xml and the timing
-stages' JSON lines) and writes one combined JSON record of the run to ``--json`` (committed: no GPU
-exists in CI, so the section's raw data travels with the repository), a plot of the experts timings
-next to it (same name, ``.png``) and the ``gpu_check`` section of ``--docs`` ('' skips it). Every
-number and verdict of the section is computed from the record; no GPU or torch is needed here.
+stages' JSON lines) and writes one combined JSON record of the run to ``--json``, a plot of the
+experts timings next to it (same name, ``.png``), and the ``gpu_check`` page and its rows of the
+index in ``--docs`` ('' skips them). Every number and verdict of the page is computed from the
+record; no GPU or torch is needed here.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench import ROOT, harness
-from bench.docs import load_label, repo_relative, update_section, verdict, verdict_text, yes_no
-from bench.rows import read_rows
-from gpu_check_summary import TIMING_STAGES, junit_counts
+from . import ROOT, harness
+from .docs import Target, check, load_label, publish, repo_relative, target, verdict, verdict_text, yes_no
+from .gpu_check_summary import TIMING_STAGES, junit_counts
+from .rows import read_rows
 
-HEADING = "## GPU check (scripts/gpu_check.sh)"
-NAME = "gpu_check"  # the section's markers in benchmarks.md
-COMMAND = "`scripts/gpu_check.sh OUT` then `python scripts/gpu_report.py OUT --docs docs/benchmarks.md`"
+HEADING = "# GPU check (scripts/gpu_check.sh)"
+NAME = "gpu_check"  # its page: docs/benchmarks/gpu_check.md
+COMMAND = "`scripts/gpu_check.sh OUT` then `python -m scripts.bench.gpu_report OUT`"
 
 
 def junit_record(path: Path) -> dict[str, Any] | None:
@@ -97,13 +97,33 @@ def extremes(rows: list[dict[str, Any]], key: str) -> tuple[tuple[float, int], t
     return (lo[key], lo["T"]), (hi[key], hi["T"])
 
 
+def machine_of(record: dict[str, Any]) -> dict[str, Any]:
+    """The machine record the experts stage kept (empty when the stage wrote none)."""
+    return (record.get("experts") or {}).get("header", {}).get("machine", {})
+
+
+def gpus_text(record: dict[str, Any]) -> str:
+    gpus = (record.get("environment") or {}).get("gpus") or []
+    return f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU"
+
+
+def index_rows(record: dict[str, Any]) -> list[Target]:
+    rows = [check("gpu_check.sh's verdict: passed", bool((record.get("summary") or {}).get("passed")))]
+    experts = experts_rows(record)
+    if experts:
+        slowest = min(r["grouped_speedup"] for r in experts)
+        outside = sum(not r["within_tolerance"] for r in experts)
+        rows += [target("grouped / torch experts speedup, slowest row", verdict(slowest, ">=", 1.0)),
+                 target("experts rows outside the check tolerance", verdict(outside, "<=", 0), "d")]
+    return rows
+
+
 def opening(record: dict[str, Any], json_path: str, png_path: str) -> str:
     env, summary = record.get("environment") or {}, record.get("summary") or {}
     experts = record.get("experts") or {}
-    machine = experts.get("header", {}).get("machine", {})
+    machine = machine_of(record)
     after = (experts.get("done") or {}).get("loadavg")
-    gpus = env.get("gpus") or []
-    gpu = f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU"
+    gpu = gpus_text(record)
     runtime = next((f"{k.upper()} {env[k]}" for k in ("cuda", "hip") if env.get(k)), "no CUDA/HIP build")
     load = load_label(machine["loadavg_before"], after, machine["cpus"]) if machine else "no machine record"
     smoke = " (**CPU smoke run**: no GPU timings)" if summary.get("cpu_smoke") else ""
@@ -211,7 +231,7 @@ def tail_text(record: dict[str, Any]) -> list[str]:
 
 
 def markdown(record: dict[str, Any], json_path: str, png_path: str) -> str:
-    """The ``gpu_check`` section of benchmarks.md, from :func:`collect`'s record alone."""
+    """The ``gpu_check`` page's part, from :func:`collect`'s record alone."""
     parts = [[opening(record, json_path, png_path)], stages_text(record), experts_text(record),
              collectives_text(record), tail_text(record)]
     return "\n\n".join("\n".join(p) for p in parts) + "\n"
@@ -220,8 +240,10 @@ def markdown(record: dict[str, Any], json_path: str, png_path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", type=Path, help="a scripts/gpu_check.sh output folder")
-    ap.add_argument("--docs", default=str(harness.DOCS), help="benchmarks.md to update ('' for none)")
-    ap.add_argument("--json", type=Path, default=ROOT / "docs" / "gpu-check.json", help="combined record")
+    ap.add_argument("--docs", default=str(harness.PAGES),
+                    help="the benchmark pages' folder whose page and index this run rewrites ('' for none)")
+    ap.add_argument("--json", type=Path, default=ROOT / "artifacts" / NAME / f"{NAME}.json",
+                    help="the combined record (a plot beside it)")
     args = ap.parse_args(argv)
     record = collect(args.out_dir)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -230,9 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(record, png)
     section = markdown(record, repo_relative(args.json.resolve()), repo_relative(png.resolve()))
     print(section)
-    if args.docs:
-        update_section(Path(args.docs), section, NAME)
-        print(f"updated {args.docs}")
+    when = {"date": machine_of(record).get("date", "not recorded")}
+    publish(section, NAME, index_rows(record), when, args.docs, machine=gpus_text(record))
     return 0
 
 

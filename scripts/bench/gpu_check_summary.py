@@ -1,6 +1,6 @@
 """The verdict of scripts/gpu_check.sh: ``summary.json`` from its stages, junit file and row files.
 
-    python scripts/gpu_check_summary.py OUT_DIR [--smoke] NAME:RC:SECONDS:LIMIT ...
+    python -m scripts.bench.gpu_check_summary OUT_DIR [--smoke] NAME:RC:SECONDS:LIMIT ...
 
 Exit 0 only when the run checked something on a GPU: every stage exited 0, and, unless it was a
 ``--cpu-smoke`` dry run, torch saw a GPU and at least one GPU-marked test ran (a run whose GPU tests
@@ -17,7 +17,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from bench.rows import read_rows
+from .rows import read_rows
 
 TIMING_STAGES = ("experts", "collectives", "tail")
 

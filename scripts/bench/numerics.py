@@ -14,7 +14,8 @@ random-normal blocks and on the layer's own activations (the latent ``h`` and ev
 gated activation), with each rule's quantisation error there, and compares W4A4 with W4A16 on
 one device under each rule.
 
-Writes JSON + PNG under ``--out`` and its section of docs/benchmarks.md (``--docs``; '' skips).
+Writes JSON + PNG under ``--out``, its page (docs/benchmarks/numerics.md) and its rows of the index
+(``--docs``; '' skips).
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import harness
-from bench.docs import model_text, section_start, write_results
 
 from moe_runtime import mxfp4
 from moe_runtime.checkpoint import load_layer_weights
@@ -39,8 +38,11 @@ from moe_runtime.tp.routed_input import RoutedInputConfig
 from moe_runtime.tp.runner import build_rank_runners
 from moe_runtime.units import SCALE_RULES
 
-SECTION = ("## Numerics: routed-input modes and W4A4 under both MXFP4 scale rules "
-           "(`scripts/bench_numerics.py`)")
+from . import harness
+from .docs import Target, model_text, section_start, target, verdict, write_results
+
+SECTION = ("# Numerics: routed-input modes and W4A4 under both MXFP4 scale rules "
+           "(`scripts/bench/numerics.py`)")
 LAYER = 1
 REQUEST = 16  # the request whose batch dependence is measured
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -145,7 +147,7 @@ def single_device(ckpts: dict[str, str], cfg: LatentMoEConfig, x: torch.Tensor) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_numerics")
+    ap = harness.bench_parser(__doc__, "numerics")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1024)
@@ -190,8 +192,16 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    write_results(results, args.out, "bench_numerics", plot, markdown, args.docs)
+    write_results(results, args.out, "numerics", plot, markdown, index_rows, args.docs)
     return 0
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    """A request's output never depends on its batch under W4A4 with the exact MXFP4 routed input."""
+    return [target(f"W4A4 batch dependence (routed input off or exact MXFP4), rule {rule}",
+                   verdict(max(r["batch_dependence"] for r in results["rows"]
+                               if r["experts"] == "w4a4" and r["rule"] == rule), "<=", 0.0), ".1e")
+            for rule in RULES]
 
 
 def _fmt(v: float | None) -> str:
@@ -202,7 +212,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env, m, b, sd = results["env"], results["model"], results["blocks"], results["single_device_fp32"]
     lines = [
         section_start(
-            SECTION, "bench_numerics", results["argv"], env,
+            SECTION, "numerics", results["argv"], env,
             f"{env['seconds']} s (the numbers below are exact and deterministic, load changes only the "
             f"time); `{results['preset']}` preset ({model_text(m)}, random weights), layer {LAYER}, "
             f"batch {results['batch']}", json_path, png_path),
@@ -254,11 +264,11 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         dep_s = _fmt(dep) if dep is None or dep < 1e-3 else f"**{dep:.1e}**"
         lines.append(f"| {r['dtype']} | {r['experts']} | {r['rule']} | {mode} | {r['max_rel']:.1e} | "
                      f"{r['rms_rel']:.1e} | {dep_s} |")
-    lines += ["", verdict(results)]
+    lines += ["", reading(results)]
     return "\n".join(lines)
 
 
-def verdict(results: dict[str, Any]) -> str:
+def reading(results: dict[str, Any]) -> str:
     """The reading, computed from the numbers."""
     b, sd, rows = results["blocks"], results["single_device_fp32"], results["rows"]
     even, floor = sd["w4a4 even vs w4a16"], sd["w4a4 floor vs w4a16"]

@@ -34,14 +34,14 @@ which owns the session and its peers): the app alone (no lease), an open session
 peers with no calls, and Ray Serve's floor (an idle trivial deployment); and each cohort idle for
 --cohort-idle-s right after it stepped (within half a lease term: its session is still held).
 
-    python scripts/bench_dataplane.py            # TP 2, 3 layers, A = 1 2 4 8, T = 1 4 32: ~12 min, 2 cores
-    python scripts/bench_dataplane.py --quick    # A = 1 4, T = 4 (a smoke run)
+    python -m scripts.bench.dataplane            # TP 2, 3 layers, A = 1 2 4 8, T = 1 4 32: ~12 min, 2 cores
+    python -m scripts.bench.dataplane --quick    # A = 1 4, T = 4 (a smoke run)
 
 Targets (issue 37, item 9): A = 1, T = 1: lane call p50 - in-process forward <= 0.5 ms; A = 4,
 T = 4: session worker-steps/s >= 2x own_sessions and >= 1.5x cgraph_before; group forwards per
 session step = MoE layers; an open session with no calls costs <= 0.05 cores over the idle app
 (measured in turns; a cohort's idle cores are reported beside it). Results: JSON +
-PNG under --out and the "## Data plane ..." section of docs/benchmarks.md (--docs).
+PNG under --out, its page, docs/benchmarks/dataplane.md, and its rows of the index (--docs).
 """
 
 from __future__ import annotations
@@ -59,15 +59,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import ROOT, harness
-from bench.docs import rounds_table, section_start, verdict, verdict_word, write_results, yes_no
-from bench.floor import echo_floor
-from bench.rss import cpu_seconds, serve_replica_pid
 
 from deployments.client import AttentionWorker
 
+from . import ROOT, harness
+from .docs import (
+    Target,
+    check,
+    rounds_table,
+    section_start,
+    target,
+    verdict,
+    verdict_word,
+    write_results,
+    yes_no,
+)
+from .floor import echo_floor
+from .rss import cpu_seconds, serve_replica_pid
+
 APP, NAME, FLOOR_APP = "dataplanebench", "moe", "idlefloor"
-SECTION = "## Data plane vs the transport's floor and the Compiled-Graph release (scripts/bench_dataplane.py)"
+SECTION = "# Data plane vs the transport's floor and the Compiled-Graph release (scripts/bench/dataplane.py)"
 BEFORE = "575090b"  # the last release on Ray Compiled Graphs
 BEFORE_MODES = {"cohort": "cgraph_before", "lanes": "cgraph_before_lanes"}
 CALL_LAYER = 1  # the layer of the per-call measurement
@@ -465,6 +476,16 @@ def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    v = verdicts(results)
+    return [target("lane - in-process per-layer call, A = 1, T = 1", v["call_over_inprocess"], "+.3f", " ms"),
+            target("worker-steps/s, session / own sessions, A = 4, T = 4", v["m4_vs_own_sessions"]),
+            target("worker-steps/s, session / Compiled-Graph cohort, A = 4, T = 4", v["m4_vs_cgraph"]),
+            target("group forwards per session step - MoE layers, largest", v["forwards_per_step"]),
+            target("cores of an idle open session over the app's", v["idle_session"], ".3f"),
+            check("every session step bit-equal to the Serve path's", v["exact"]["met"])]
+
+
 def value_text(v: dict[str, Any], fmt: str = ".2f", unit: str = "") -> str:
     if v["value"] is None:
         return f"not measured (target {v['target']}{unit})"
@@ -589,7 +610,7 @@ def findings(results: dict[str, Any]) -> list[str]:
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     what = (f"tiny preset, TP {results['tp']}, {results['layers']} MoE layers, one replica, float32, sharded "
             f"tail, {results['seconds']:g} s per configuration")
-    lines = [section_start(SECTION, "bench_dataplane", results["argv"], results["machine"], what, json_path,
+    lines = [section_start(SECTION, "dataplane", results["argv"], results["machine"], what, json_path,
                            png_path), ""]
     lines += ["Modes: `session` = the A workers as the peers of one data-plane session "
               "(`MoEClient.cohort`: one group forward per MoE layer of all A workers' rows); "
@@ -654,7 +675,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_dataplane", quick="A = 1 4, T = 4, 2 s per configuration")
+    ap = harness.bench_parser(__doc__, "dataplane", quick="A = 1 4, T = 4, 2 s per configuration")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=3, help="MoE layers served and stepped through")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8], help="A: workers (peers)")
@@ -691,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
                    cohort_idle_s=args.cohort_idle_s, before=before, argv=args.argv,
                    machine=dict(machine, loadavg_after=harness.loadavg()))
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "bench_dataplane", plot, markdown, args.docs)
+    write_results(results, args.out, "dataplane", plot, markdown, index_rows, args.docs)
     return 0 if results["verdicts"]["exact"]["met"] else 1
 
 

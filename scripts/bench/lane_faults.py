@@ -15,10 +15,10 @@ One local Ray instance (CPU, logical GPUs), one deployment of 2 replicas, each a
   another replica, each within the call timeout (collective_timeout_s + call_margin_s); the bound
   is three call timeouts plus 15 s of slack for the replica-side watcher.
 
-Writes JSON + PNG under --out and the "## Lane faults (scripts/bench_lane_faults.py)" section of
-docs/benchmarks.md (--docs; '' to skip); verdicts are computed from the data.
+Writes JSON + PNG under --out, its page, docs/benchmarks/lane_faults.md, and its rows of the index
+(--docs; '' to skip); verdicts are computed from the data.
 
-    python scripts/bench_lane_faults.py            # tiny checkpoint, ~2-3 minutes on 2 cores
+    python -m scripts.bench.lane_faults            # tiny checkpoint, ~2-3 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import harness
-from bench.docs import section_start, write_results
+
+from . import harness
+from .docs import Target, section_start, target, verdict, write_results
 
 APP, NAME, LAYER = "lanefaults", "pair", 1
-SECTION = "## Lane faults (scripts/bench_lane_faults.py)"
+SECTION = "# Lane faults (scripts/bench/lane_faults.py)"
 
 
 def rank_pid(lane: Any, rank: int) -> int:
@@ -136,6 +137,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
     harness.save_figure(fig, path, dpi=120)
 
 
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    k, s = results["kill"], results["stall"]
+    kill = Target("a leased rank SIGKILLed under load: client errors / wrong answers / hung, all none",
+                  f"{len(k['errors'])} / {k['wrong']} / {'yes' if k['hung'] else 'no'}",
+                  not k["errors"] and not k["wrong"] and not k["hung"])
+    what = "a leased rank SIGSTOPped: seconds until the call ended"
+    if "skipped" in s:
+        return [kill, Target(what, "-", None)]
+    return [kill, target(what, verdict(s["seconds"], "<=", s["bound_s"]), ".1f")]
+
+
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     k, s = results["kill"], results["stall"]
 
@@ -146,7 +158,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     stall_met = "skipped" not in s and s["seconds"] <= s["bound_s"]
     lines = [
         section_start(
-            SECTION, "bench_lane_faults", results["argv"], results["machine"],
+            SECTION, "lane_faults", results["argv"], results["machine"],
             f"tiny checkpoint, 1 deployment of 2 replicas, TP {results['tp']}, float32, "
             f"T = {results['tokens']}", json_path, png_path), "",
         "| fault | calls | client errors | wrong | hung | slowest call | first answer after | "
@@ -170,7 +182,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_lane_faults")
+    ap = harness.bench_parser(__doc__, "lane_faults")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--rank", type=int, default=1, help="the rank to kill / stop")
@@ -199,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         stalled = stall(client, x, args.rank, bound_s=3 * call_timeout + 15)
     results = {"kill": kill, "stall": stalled, "tp": args.tp, "tokens": args.tokens, "rank": args.rank,
                "argv": args.argv, "machine": dict(machine, loadavg_after=harness.loadavg())}
-    write_results(results, args.out, "bench_lane_faults", plot, markdown, args.docs)
+    write_results(results, args.out, "lane_faults", plot, markdown, index_rows, args.docs)
     return 0 if not kill["errors"] and not kill["wrong"] else 1
 
 

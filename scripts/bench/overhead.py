@@ -30,12 +30,12 @@ answers are compared bit for bit with the direct handle's on the same input ever
 its ``status()`` must show every call on the lane: a row failing either meets no target.
 
 Prints p50/p90/p99 and the overhead over the in-process forward and over the matching floor,
-and writes JSON + PNG under ``--out`` and its section of docs/benchmarks.md (``--docs``; '' to
-skip), with each target's verdict computed from the run's rows (and the runs of ``--compare``,
-side by side).
+and writes JSON + PNG under ``--out``, its page (docs/benchmarks/overhead.md) and its rows of the
+index (``--docs``; '' to skip), with each target's verdict computed from the run's rows (and the
+runs of ``--compare``, side by side).
 
-    python scripts/bench_overhead.py --label before      # ~4 minutes on 2 cores
-    python scripts/bench_overhead.py --label after --compare artifacts/bench_overhead/before.json
+    python -m scripts.bench.overhead --label before      # ~4 minutes on 2 cores
+    python -m scripts.bench.overhead --label after --compare artifacts/bench_overhead/before.json
 
 Targets: direct <= serve_actor floor + 1.5 ms (TP 1: one actor, TP 2: two actors); app <=
 direct + 1 ms; HTTP <= direct + 3 ms (the Serve paths, every row); lane - in-process (the
@@ -56,13 +56,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import harness
-from bench.docs import publish, repo_relative, section_start, verdict, verdict_word
-from bench.floor import echo_floor
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
+
+from . import harness
+from .docs import Target, publish, repo_relative, section_start, target, verdict, verdict_word
+from .floor import echo_floor
 
 APP, FLOOR_APP = "overhead", "floors"
 LAYER = 1
@@ -75,7 +76,7 @@ LANE_OVER_FLOOR_MS = 0.5  # lane - in-process <= the TCP floor + this, at TP 2, 
 LANE_OVER_DIRECT = 0.25  # lane <= this x direct, at T = 1
 K3_MOE_LAYERS = 92  # one tier call per MoE layer per decode step
 TIMEOUT_S = 120  # per call: a busy shared machine can stall one for longer than Ray's defaults (10 s)
-SECTION = "## Data-plane overhead (scripts/bench_overhead.py)"
+SECTION = "# Data-plane overhead (scripts/bench/overhead.py)"
 
 
 def make_input(T: int, H: int) -> torch.Tensor:
@@ -404,6 +405,17 @@ def lane_lines(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    """The index's rows: each Serve-path target by its worst row, the lane's at T = 1."""
+    rows = [Target(f"{TARGET_TEXT[key]} {t['target']}, every (TP, T) row",
+                   f"worst {t['worst']['value']:+.2f} ms (TP {t['worst']['tp']}, T = {t['worst']['T']})",
+                   t["met"]) for key, t in targets(results).items()]
+    lane = lane_targets(results)
+    rows.append(target("lane - in-process - TCP floor, TP 2, T = 1", lane["lane_over_floor"], "+.2f", " ms"))
+    rows += [target(f"lane / direct handle, TP {v['tp']}, T = 1", v) for v in lane["lane_over_direct"]]
+    return rows
+
+
 def verdicts(results: dict[str, Any]) -> list[str]:
     return [f"TP {v['tp']} T {v['T']}: {key} {v['value']:+.2f} ms (target {v['target']}: "
             f"{'met' if v['met'] else 'MISSED'})" for key, t in targets(results).items() for v in t["rows"]]
@@ -414,7 +426,7 @@ def markdown(runs: list[dict[str, Any]], json_path: str, png_path: str) -> str:
     results, env = runs[-1], runs[-1]["env"]
     lines = [
         section_start(
-            SECTION, "bench_overhead", results.get("argv", []), env,
+            SECTION, "overhead", results.get("argv", []), env,
             f"label `{results['label']}`, `tiny` preset (H = {env['hidden_size']}), float32, layer 1; "
             f"{env['calls_per_path']} calls per path in {env['rounds']} interleaved rounds, one request "
             "in flight", json_path, png_path),
@@ -471,7 +483,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_overhead")
+    ap = harness.bench_parser(__doc__, "overhead")
     ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/tiny (written once)")
     ap.add_argument("--calls", type=int, default=150, help="timed calls per path (all rounds)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -497,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         print("\n" + compare_table(runs))
     print(f"\nwrote {json_path} and {png_path}")
-    publish(markdown(runs, repo_relative(json_path), repo_relative(png_path)), args.docs, "bench_overhead")
+    section = markdown(runs, repo_relative(json_path), repo_relative(png_path))
+    publish(section, "overhead", index_rows(results), results["env"], args.docs)
     return 0
 
 

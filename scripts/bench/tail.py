@@ -15,12 +15,12 @@ replay's and the stage breakdown is that same replay's, so the stages of a row n
 more than its total (``other`` is the rest: Python between the marks).
 
 The load average before and after the run goes into the JSON (the machine may be shared; a run
-started on a loaded machine is labelled contended). Writes JSON + PNG under --out and its own
-section of docs/benchmarks.md (--docs; '' to skip), targets and their verdicts computed from the
-data.
+started on a loaded machine is labelled contended). Writes JSON + PNG under --out, its page,
+docs/benchmarks/tail.md, and its rows of the index (--docs; '' to skip), targets and their verdicts
+computed from the data.
 
-    python scripts/bench_tail.py --tp 1 2 --tokens 1 16 256 2048       # small preset, minutes
-    python scripts/bench_tail.py --preset tiny --tp 1 2 --tokens 1 16 --docs ''   # seconds
+    python -m scripts.bench.tail --tp 1 2 --tokens 1 16 256 2048       # small preset, minutes
+    python -m scripts.bench.tail --preset tiny --tp 1 2 --tokens 1 16 --docs ''   # seconds
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from bench import harness
-from bench.docs import model_text, render_section, section_start, verdict, verdict_text, write_results
 
 from moe_runtime.activation import GatedActivation
 from moe_runtime.config import LatentMoEConfig
@@ -43,8 +41,20 @@ from moe_runtime.tp.routed_input import RoutedInputConfig
 from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
 from moe_runtime.units import torch_dtype
 
+from . import harness
+from .docs import (
+    Target,
+    model_text,
+    render_section,
+    section_start,
+    target,
+    verdict,
+    verdict_text,
+    write_results,
+)
+
 LAYER = 1
-SECTION = "## Tails (scripts/bench_tail.py)"
+SECTION = "# Tails (scripts/bench/tail.py)"
 ROUTED_INPUT_MODES = ("off", "none", "fp8-approx", "mxfp4-approx")  # dense experts: no exact mxfp4
 
 
@@ -256,6 +266,10 @@ def compute_targets(rows: list[dict], routed: list[dict], tp: list[int], tokens:
     return targets
 
 
+def index_rows(result: dict) -> list[Target]:
+    return [target(name, v) for name, v in result["targets"].items()]
+
+
 def _stage(r: dict, key: str, stage: str) -> str:
     v = r[key].get(stage)
     return "" if v is None else f"{v:.2f}"
@@ -265,7 +279,7 @@ def markdown(result: dict, json_path: str, png_path: str) -> str:
     m, model = result["machine"], result["model"]
     lines = [
         section_start(
-            SECTION, "bench_tail", result["argv"], m,
+            SECTION, "tail", result["argv"], m,
             f"`{result['preset']}` preset ({model_text(model)}), "
             f"{result['dtype']}, gloo on CPU, TP {', '.join(map(str, result['tp']))}",
             json_path, png_path),
@@ -355,17 +369,17 @@ def reading(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_tail")
+    ap = harness.bench_parser(__doc__, "tail")
     ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
     ap.add_argument("--preset", default="small", choices=("tiny", "medium", "small"))
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048, 8192])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--tail-reps", type=int, default=9)
-    ap.add_argument("--render", type=Path, help="measure nothing: rewrite the docs section from this JSON")
+    ap.add_argument("--render", type=Path, help="measure nothing: rewrite the page from this JSON")
     args = ap.parse_args(argv)
     if args.render:
-        render_section(args.render, markdown, Path(args.docs), "bench_tail")
+        render_section(args.render, markdown, index_rows, Path(args.docs), "tail")
         return 0
     ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
@@ -391,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "crossovers": _crossovers(rows),
         "targets": compute_targets(rows, routed, args.tp, args.tokens),
     }
-    write_results(result, args.out, "bench_tail", plot, markdown, args.docs)
+    write_results(result, args.out, "tail", plot, markdown, index_rows, args.docs)
     return 0
 
 

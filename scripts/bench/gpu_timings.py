@@ -34,8 +34,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from bench.harness import machine_record, synchronizer, time_calls
-from bench.rows import RowWriter, read_rows
 
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
@@ -45,6 +43,9 @@ from moe_runtime.experts.check import TOLERANCE
 from moe_runtime.tp.collectives import Collectives, free_port, init_group
 from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
+
+from .harness import machine_record, synchronizer, time_calls
+from .rows import RowWriter, read_rows
 
 K3 = {"D": 3584, "E": 896, "K": 16, "I": 3072}
 SMOKE = {"D": 64, "E": 8, "K": 2, "I": 64}

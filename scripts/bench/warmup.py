@@ -2,14 +2,14 @@
 plan measured by an earlier replica reused), and from a rank's SIGKILL to the next answer (the
 replaced replica reuses the plan). One run, one local Ray instance, CPU ranks.
 
-    python scripts/bench_warmup.py                                   # small preset, ~2 min
-    python scripts/bench_warmup.py --checkpoint /work/ckpt/k3-1layer --dtype bfloat16 --layers 1 \\
+    python -m scripts.bench.warmup                                   # small preset, ~2 min
+    python -m scripts.bench.warmup --checkpoint /work/ckpt/k3-1layer --dtype bfloat16 --layers 1 \\
         --max-tokens 64                                              # real size (heavy demo)
 
 Each phase deploys the same app (TP --tp, tail auto, ``auto_tune_tokens`` 1,16,128,1024, the
 default ``warmup_limit_s``) and sends one --tokens forward; it checks that the answer equals the
-first phase's bit for bit. Writes JSON + PNG under --out and the "## Warm-up
-(scripts/bench_warmup.py)" section of docs/benchmarks.md (--docs); verdicts come from the data.
+first phase's bit for bit. Writes JSON + PNG under --out and its page, docs/benchmarks/warmup.md,
+and its rows of the index (--docs); verdicts come from the data.
 Target: warm start <= cold start - the cold measurement's time (nothing measured again), and a
 replaced replica answers again without measuring (plan_source: reused). After the rank's SIGKILL:
 answered again within 1.5x the warm start (a load without measuring; the cold
@@ -26,11 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench import harness
-from bench.docs import section_start, write_results
+
+from . import harness
+from .docs import Target, check, section_start, target, verdict, write_results
 
 APP = "warmup"
-SECTION = "## Warm-up (scripts/bench_warmup.py)"
+SECTION = "# Warm-up (scripts/bench/warmup.py)"
 
 
 def deploy_and_answer(args: dict[str, Any], x: torch.Tensor, layer: int) -> tuple[float, float, Any, dict]:
@@ -84,6 +85,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     harness.save_figure(fig, path, dpi=120)
 
 
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    warm, rep = results["warm"], results["replaced"]
+    return [check("warm start reuses the stored plan", warm["plan_source"] == "reused"),
+            check("the replaced replica reuses it", rep["plan_source"] == "reused"),
+            check("answers equal across phases", results["answers_equal"]),
+            target("time to answer after a rank's SIGKILL / the warm start's",
+                   verdict(rep["answered_s"] / warm["answered_s"], "<=", 1.5)),
+            check("no call hung", not any(c["hung"] for c in rep["failed"]))]
+
+
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     cold, warm, rep = results["cold"], results["warm"], results["replaced"]
     measure_s = cold["answered_s"] - warm["answered_s"]
@@ -91,7 +102,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     slowest = max((c["s"] for c in rep["failed"]), default=0.0)
     lines = [
         section_start(
-            SECTION, "bench_warmup", results["argv"], results["machine"],
+            SECTION, "warmup", results["argv"], results["machine"],
             f"checkpoint `{results['checkpoint_name']}`, TP {results['tp']}, {results['dtype']}, "
             "CPU ranks", json_path, png_path), "",
         "| phase | plan | ready (s) | first answer (s) |", "|---|---|---|---|",
@@ -120,7 +131,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "bench_warmup")
+    ap = harness.bench_parser(__doc__, "warmup")
     ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/small (written once)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
@@ -168,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": dict(machine, loadavg_after=harness.loadavg()),
         "answers_equal": all(torch.equal(cold_out, out) for out in (warm_out, kill["out"], replaced_out)),
     }
-    write_results(results, args.out, "bench_warmup", plot, markdown, args.docs)
+    write_results(results, args.out, "warmup", plot, markdown, index_rows, args.docs)
     return 0
 
 
