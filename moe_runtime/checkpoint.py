@@ -1,7 +1,7 @@
 """Read Kimi-K3-format safetensors checkpoints one layer, and one TP shard, at a time.
 
 Only the tensors (and, for split tensors, the slices) a rank needs are read; nothing loads a
-whole file. How a slice is read (measured in docs/benchmarks.md, issue 17 item 5):
+whole file. How a slice is read (measured in docs/benchmarks/real.md, issue 17 item 5):
 
 - a slice that is one byte range of its file and already in the compute dtype (replicated
   tensors, row-split ones) is a zero-copy view of a private read-only mapping of the file, its

@@ -1,6 +1,6 @@
 """The non-MoE half of a small K3-like decoder: config fields, tensor names and random weights.
 
-The attention-FFN disaggregation demo (``deployments/client/afd.py``) runs these tensors on the
+The attention-FFN disaggregation demo (``examples/afd.py``) runs these tensors on the
 client and calls the MoE tier for every MoE layer. Names follow the Hugging Face layout of the
 checkpoint's MoE blocks: K3 layout (``language_model.`` prefix, config under ``text_config``)
 or text-only (``model.`` prefix, ``lm_head.weight`` at top level):

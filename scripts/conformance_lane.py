@@ -3,7 +3,7 @@
     python scripts/conformance_lane.py [pytest args]      # inside the lane's venv (vllm_env.sh)
 
 Runs ``pytest -q -ra tests/conformance tests/vllm_lane [args]``, streams its output, and for a full run (no
-extra args) writes docs/conformance-lane.json: the counts of pytest's summary line (passed,
+extra args) writes artifacts/conformance-lane.json: the counts of pytest's summary line (passed,
 failed, skipped, errors, ...), the date, the exit status and the vLLM, torch and Python
 versions. A partial run (``-k``, a file) is not recorded. Exits with pytest's status.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORD = ROOT / "docs" / "conformance-lane.json"
+RECORD = ROOT / "artifacts" / "conformance-lane.json"
 LANE = ["-q", "-ra", "tests/conformance", "tests/vllm_lane"]
 # pytest's closing line, e.g. "==== 1 failed, 41 passed, 2 skipped in 20.01s ====" or, with -q,
 # "42 passed in 18.20s"; "no tests ran in 0.01s" when nothing was collected.

@@ -191,44 +191,38 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("deployments.client").setLevel(logging.WARNING)  # each lease taken and released
 
-    import ray
     from ray import serve
 
     from deployments.app import app_options, build_app
+    from deployments.cluster.local import local_serve
 
     config = load_serve_config(args.config, args.checkpoint, args.port)
     apps = config["applications"]
     resolved_by_app = {a["name"]: app_options(a["args"])[1] for a in apps}  # fail fast, before Ray
     gpus = sum(gpus_needed(r) for r in resolved_by_app.values())
     http_options = dict(config.get("http_options") or {})
-    base_url = f"http://{http_options.get('host', '127.0.0.1')}:{http_options.get('port', 8000)}"
-
-    # A private local instance: logical GPUs on a CPU machine; ray.shutdown() stops all of it.
-    ray.init(address="local", num_cpus=args.num_cpus, num_gpus=gpus, include_dashboard=False,
-             namespace="serve", log_to_driver=False)  # this output is the table; workers log to files
+    host, port = http_options.get("host", "127.0.0.1"), http_options.get("port", 8000)
+    base_url = f"http://{host}:{port}"
     ok = False
-    try:
-        serve.start(http_options=http_options)
-        for a in apps:
-            start = time.perf_counter()
-            serve.run(build_app(a["args"]), name=a["name"], route_prefix=a.get("route_prefix", "/"))
-            print(f"application {a['name']!r} up in {time.perf_counter() - start:.1f} s at {base_url}")
-        ok = True
-        for a in apps:
-            resolved = resolved_by_app[a["name"]]
-            ok &= exercise(a["name"], base_url, resolved, args.repeats)
-            first = resolved[0]
-            asyncio.run(concurrent_burst(a["name"], first.spec.name, first.layers[0], first.hidden_size))
-        if args.serve:
-            print(f"serving at {base_url} (POST /v1/layers/{{layer}}/forward, GET /v1/status); Ctrl-C stops")
-            while True:
-                time.sleep(3600)
+    try:  # a private local instance: logical GPUs on a CPU machine; workers log to files
+        with local_serve(args.num_cpus, gpus, host=host, port=port):
+            for a in apps:
+                start = time.perf_counter()
+                serve.run(build_app(a["args"]), name=a["name"], route_prefix=a.get("route_prefix", "/"))
+                print(f"application {a['name']!r} up in {time.perf_counter() - start:.1f} s at {base_url}")
+            ok = True
+            for a in apps:
+                resolved = resolved_by_app[a["name"]]
+                ok &= exercise(a["name"], base_url, resolved, args.repeats)
+                first = resolved[0]
+                asyncio.run(concurrent_burst(a["name"], first.spec.name, first.layers[0], first.hidden_size))
+            if args.serve:
+                print(f"serving at {base_url} (POST /v1/layers/{{layer}}/forward, GET /v1/status); "
+                      "Ctrl-C stops")
+                while True:
+                    time.sleep(3600)
     except KeyboardInterrupt:
         print("interrupted")
-    finally:
-        # The instance is this process's own: stopping Ray stops Serve with it, without the
-        # controller's retried calls that serve.shutdown() leaves in the log.
-        ray.shutdown()
     print("all outputs match the single-device reference" if ok else "MISMATCH against the reference")
     return 0 if ok else 1
 

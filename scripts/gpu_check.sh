@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issue 11 item 7), bounded to under 8 minutes: the GPU-marked tests
-# (tests/test_gpu.py), then the GPU timings of scripts/gpu_timings.py: torch vs grouped experts
+# (tests/test_gpu.py), then the GPU timings of scripts/bench/gpu_timings.py: torch vs grouped experts
 # backend at Kimi-K3 per-rank shapes for T = 1..8192, all-reduce / reduce-scatter of the latent,
 # and a TP-2 tail comparison when two GPUs exist. Writes under OUT_DIR each stage's log, the
 # timings as JSON lines (experts.jsonl, collectives.jsonl, tail.jsonl: one record per point, written
@@ -10,7 +10,7 @@
 #
 # --cpu-smoke runs every stage on the CPU with tiny shapes: a dry run where no GPU is lent.
 # It uses $PYTHON (default python3) as it finds it: a GPU machine brings its own torch build and
-# nothing is installed here. Exit status (scripts/gpu_check_summary.py): 0 when every stage passed
+# nothing is installed here. Exit status (scripts/bench/gpu_check_summary.py): 0 when every stage passed
 # and, outside --cpu-smoke, torch saw a GPU and at least one GPU-marked test ran rather than
 # skipped; else 1, with the reasons under "problems" in summary.json.
 set -uo pipefail
@@ -57,10 +57,10 @@ json.dump(info, open('$OUT_DIR/environment.json', 'w'), indent=2)
 print(json.dumps(info))
 "
 stage gpu_tests 110 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py --junitxml "$OUT_DIR/gpu_tests.xml"
-stage experts 180 "$PY" scripts/gpu_timings.py experts --out "$OUT_DIR/experts.jsonl" --reps "$REPS" \
+stage experts 180 "$PY" -m scripts.bench.gpu_timings experts --out "$OUT_DIR/experts.jsonl" --reps "$REPS" \
   --point-budget-s 2 "${SMOKE[@]}"
-stage collectives 60 "$PY" scripts/gpu_timings.py collectives --out "$OUT_DIR/collectives.jsonl" \
+stage collectives 60 "$PY" -m scripts.bench.gpu_timings collectives --out "$OUT_DIR/collectives.jsonl" \
   --reps "$REPS" "${SMOKE[@]}"
-stage tail 90 "$PY" scripts/gpu_timings.py tail --out "$OUT_DIR/tail.jsonl" --reps "$REPS" "${SMOKE[@]}"
+stage tail 90 "$PY" -m scripts.bench.gpu_timings tail --out "$OUT_DIR/tail.jsonl" --reps "$REPS" "${SMOKE[@]}"
 
-"$PY" scripts/gpu_check_summary.py "$OUT_DIR" "${SMOKE[@]}" "${STAGES[@]}"
+"$PY" -m scripts.bench.gpu_check_summary "$OUT_DIR" "${SMOKE[@]}" "${STAGES[@]}"

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-only", action="store_true", help="text-only layout (model.layers.*)")
     ap.add_argument("--decoder", action="store_true",
                     help="also write the client-side decoder (embedding, attention, dense layer, LM head) "
-                         "for scripts/afd_demo.py; see moe_runtime/synthetic_decoder.py")
+                         "for examples/afd_demo.py; see moe_runtime/synthetic_decoder.py")
     args = ap.parse_args(argv)
     if args.decoder and args.config_only:
         ap.error("--decoder writes weights; it cannot go with --config-only")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEServeError
+from deployments.cluster.local import leave_ray
 from deployments.cluster.observe import tp_group_placement
 from deployments.control.launcher import MI300X_RESOURCE
 from moe_runtime.synthetic import preset_config
@@ -223,9 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
             results["recovered"] = asyncio.run(watch(labels, recovered, 120.0)) and serve_once(url, hidden)
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
+        leave_ray()  # the cluster's end stops Serve with it
         cluster.shutdown()
     print(f"\ndone in {time.monotonic() - t0:.0f} s: " + ", ".join(f"{k}: {'yes' if v else 'NO'}"
                                                                for k, v in results.items()), flush=True)

@@ -9,7 +9,7 @@ if [ "${1:-}" = "--vllm" ]; then
   source "$(dirname "$0")/env.sh"
   source "$(dirname "$0")/vllm_env.sh"
   python -c "import vllm, torch, quark; print('vllm', vllm.__version__, '| amd-quark', quark.__version__, '| torch', torch.__version__)"
-  exec python scripts/conformance_lane.py "$@"   # pytest -q -ra tests/conformance tests/vllm_lane; records the result
+  exec python scripts/conformance_lane.py "$@"   # pytest -q -ra tests/conformance tests/vllm_lane; records artifacts/conformance-lane.json
 fi
 source "$(dirname "$0")/env.sh"
 ruff check .

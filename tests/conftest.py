@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from deployments.cluster.local import local_serve
 from moe_runtime.synthetic import preset_config, write_checkpoint
 
 
@@ -112,51 +113,23 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items.sort(key=lambda item: (ray_use(item.path), ray_use(item.path) == 2 and item.path not in slow))
 
 
-def start_ray_and_serve(**ray_args) -> int:
-    """A Ray instance of this process (``address="local"``: never a ``ray start`` cluster found on
-    the machine; the GPUs are logical on a CPU machine) with Serve's HTTP proxy on a free port,
-    which is returned."""
-    import ray
-    from ray import serve
-
-    from moe_runtime.tp.collectives import free_port
-
-    ray.init(address="local", include_dashboard=False, namespace="serve", log_to_driver=False, **ray_args)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-    except BaseException:
-        ray.shutdown()
-        raise
-    return port
-
-
-def stop_ray_and_serve() -> None:
-    import ray
-    from ray import serve
-
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-
-
 class SharedServe:
     """The test process's Ray instance with Serve (logical GPUs; CPU machine), started on first
     use and kept across modules: each module deletes its applications when it ends. The modules
-    needing a Ray of their own run before it starts (``OWN_RAY_MODULES``); :func:`local_serve`
+    needing a Ray of their own run before it starts (``OWN_RAY_MODULES``); :func:`own_serve`
     still stops it first, so that any module can also run on its own after a sharing one."""
 
     def __init__(self) -> None:
         self.ports: SimpleNamespace | None = None
+        self.running = ExitStack()
 
     def start(self) -> SimpleNamespace:
         if self.ports is None:
             from moe_runtime.tp.collectives import free_port
 
             metrics = free_port()
-            http = start_ray_and_serve(_metrics_export_port=metrics, **SHARED_RESOURCES)
-            self.ports = SimpleNamespace(http=http, metrics=metrics)
+            serving = local_serve(_metrics_export_port=metrics, **SHARED_RESOURCES)
+            self.ports = SimpleNamespace(http=self.running.enter_context(serving), metrics=metrics)
         return self.ports
 
     def clear(self) -> None:
@@ -168,9 +141,8 @@ class SharedServe:
                 serve.delete(name)
 
     def stop(self) -> None:
-        if self.ports is not None:
-            self.ports = None
-            stop_ray_and_serve()
+        self.ports = None
+        self.running.close()
 
 
 SHARED = SharedServe()
@@ -206,12 +178,9 @@ def serve_deploy(config: dict, wait_for: str | None = None, timeout_s: float = 3
 
 
 @contextmanager
-def local_serve(num_cpus: int, num_gpus: int) -> Iterator[int]:
+def own_serve(num_cpus: int, num_gpus: int) -> Iterator[int]:
     """A Ray instance with Serve of this caller's own resources (the shared one stopped first);
     yields Serve's HTTP port and stops both on exit."""
     SHARED.stop()
-    port = start_ray_and_serve(num_cpus=num_cpus, num_gpus=num_gpus)
-    try:
+    with local_serve(num_cpus=num_cpus, num_gpus=num_gpus) as port:
         yield port
-    finally:
-        stop_ray_and_serve()

@@ -1,4 +1,4 @@
-"""The disaggregated decoder (deployments/client/afd.py): in process against itself, then through a real
+"""The disaggregated decoder (examples/afd.py): in process against itself, then through a real
 local Serve app against the same model with ``moe_forward`` in process.
 
 Tolerances (float32 everywhere; logits are O(1..10)):
@@ -26,8 +26,8 @@ from ray import serve
 from waiting import wait_until
 
 from deployments.app import build_app
-from deployments.client.afd import Decoder, LocalMoE, RemoteMoE, split_rows, tier_busy
 from deployments.config.timeouts import LANE_POLL_S
+from examples.afd import Decoder, LocalMoE, RemoteMoE, split_rows, tier_busy
 from moe_runtime.synthetic import preset_config, write_checkpoint
 from moe_runtime.synthetic_decoder import write_decoder
 
@@ -208,7 +208,7 @@ def test_decoders_as_one_cohort_are_token_identical(ckpt, local, afd_app):
     import ray
 
     from deployments.client import MoEClient
-    from deployments.client.afd import DecoderWorker
+    from examples.afd import DecoderWorker
 
     model, _ = local
     for M in (1, 4):

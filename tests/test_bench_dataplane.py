@@ -1,12 +1,7 @@
-"""scripts/bench_dataplane.py's verdicts come from the data, and scripts/bench/floor.py's echo keeps
+"""scripts/bench/dataplane.py's verdicts come from the data, and scripts/bench/floor.py's echo keeps
 its peers in step."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 
 def results(session_rate: float = 200.0, valid: bool = True, before: bool = True) -> dict:
@@ -29,7 +24,7 @@ def results(session_rate: float = 200.0, valid: bool = True, before: bool = True
 
 
 def test_dataplane_verdicts_come_from_the_rows() -> None:
-    import bench_dataplane
+    from scripts.bench import dataplane as bench_dataplane
 
     v = bench_dataplane.verdicts(results())
     assert abs(v["call_over_inprocess"]["value"] - 0.3) < 1e-9 and v["call_over_inprocess"]["met"]
@@ -43,7 +38,7 @@ def test_dataplane_verdicts_come_from_the_rows() -> None:
 
 
 def test_dataplane_verdicts_say_what_was_not_measured_or_not_valid() -> None:
-    import bench_dataplane
+    from scripts.bench import dataplane as bench_dataplane
 
     v = bench_dataplane.verdicts(results(before=False))
     assert v["m4_vs_cgraph"]["value"] is None and v["m4_vs_cgraph"]["met"] is None
@@ -54,7 +49,7 @@ def test_dataplane_verdicts_say_what_was_not_measured_or_not_valid() -> None:
 
 
 def test_echo_floor_keeps_its_peers_in_step() -> None:
-    from bench.floor import echo_floor
+    from scripts.bench.floor import echo_floor
 
     floor = echo_floor(3, 2, hidden=8, layers=2, ranks=2, min_steps=4, warmup=1)
     assert [len(steps) for steps in floor.steps] == [4, 4, 4]

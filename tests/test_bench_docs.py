@@ -1,15 +1,22 @@
-"""scripts/bench/docs.py: each benchmark rewrites only its own marked section of benchmarks.md."""
+"""scripts/bench/docs.py: each benchmark rewrites only its own marked part of its page, and only its
+rows of the index."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from scripts.bench.docs import (
+    INDEX,
+    Target,
+    check,
+    commentary,
+    is_contended,
+    load_label,
+    publish,
+    target,
+    update_section,
+    verdict,
+)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from bench.docs import commentary, is_contended, load_label, update_section, verdict  # noqa: E402
-
-DOC = """# Benchmarks
+DOC = """# A page
 
 ## A (scripts/a.py)
 
@@ -26,7 +33,7 @@ B stays.
 
 
 def test_first_run_replaces_the_unmarked_section_then_only_its_markers(tmp_path) -> None:
-    docs = tmp_path / "benchmarks.md"
+    docs = tmp_path / "page.md"
     docs.write_text(DOC)
     update_section(docs, "## A (scripts/a.py)\n\nnew A, run 1\n", "bench_a")
     text = docs.read_text()
@@ -43,6 +50,41 @@ def test_first_run_replaces_the_unmarked_section_then_only_its_markers(tmp_path)
     assert docs.read_text().rstrip().endswith("C\n<!-- bench:bench_c end -->")
 
 
+def test_a_page_whose_top_is_its_heading_gets_the_run_there(tmp_path) -> None:
+    """A page written by hand so far starts with the script's heading: the first run replaces the
+    heading's paragraph and leaves the hand-written sections after it."""
+    page = tmp_path / "x.md"
+    page.write_text("# X (scripts/bench/x.py)\n\nNot run yet.\n\n## An earlier run, by hand\n\nKept.\n")
+    update_section(page, "# X (scripts/bench/x.py)\n\nrun 1\n", "x")
+    assert page.read_text() == ("<!-- bench:x begin -->\n# X (scripts/bench/x.py)\n\nrun 1\n<!-- bench:x end -->\n"
+                                "\n## An earlier run, by hand\n\nKept.\n")
+
+
+def index_rows(pages) -> list[str]:
+    return [line for line in (pages / INDEX).read_text().splitlines() if line.startswith("| [")]
+
+
+def test_a_run_replaces_only_its_own_rows_of_the_index(tmp_path) -> None:
+    record = {"date": "2026-12-06 03:38 UTC", "cpus": 2, "machine": "x86_64"}
+    a1 = [target("a / b", verdict(0.5, "<=", 0.75)), check("answers equal | exact", False)]
+    publish("# A\n\nrun 1\n", "a", a1, record, tmp_path)
+    publish("# B\n\nrun 1\n", "b", [Target("b's target", "3 / 4", None)], record, tmp_path)
+    (tmp_path / "c.md").write_text("# C, by hand\n")
+    assert index_rows(tmp_path) == [
+        "| [a](a.md) | a / b <= 0.75 | 0.50 | met | 2026-12-06 | 2 CPUs (x86_64) |",
+        "| [a](a.md) | answers equal \\| exact | no | **missed** | 2026-12-06 | 2 CPUs (x86_64) |",
+        "| [b](b.md) | b's target | 3 / 4 | not measured | 2026-12-06 | 2 CPUs (x86_64) |"]
+    publish("# A\n\nrun 2\n", "a", [target("a / b", verdict(0.8, "<=", 0.75))],
+            dict(record, date="2026-12-07 09:00 UTC"), tmp_path, machine="1 x GPU")
+    rows = index_rows(tmp_path)
+    assert rows[0] == "| [a](a.md) | a / b <= 0.75 | 0.80 | **missed** | 2026-12-07 | 1 x GPU |"
+    assert len(rows) == 2 and rows[1].startswith("| [b](b.md) |")  # b's row untouched, a's second gone
+    assert "run 2" in (tmp_path / "a.md").read_text()
+    assert (tmp_path / INDEX).read_text().rstrip().endswith("Pages without a target: [c](c.md).")
+    publish("# A\n\nrun 3\n", "a", [], record, "")  # no pages folder: nothing written
+    assert "run 2" in (tmp_path / "a.md").read_text()
+
+
 def test_verdicts_and_labels_are_computed() -> None:
     assert verdict(0.7, "<=", 0.75) == {"value": 0.7, "target": "<= 0.75", "met": True}
     assert verdict(0.75, ">=", 0.8)["met"] is False and verdict(None, ">=", 1)["met"] is None
@@ -53,7 +95,7 @@ def test_verdicts_and_labels_are_computed() -> None:
 
 
 def test_rounds_table_gives_each_name_its_median_and_rounds() -> None:
-    from bench.docs import rounds_table
+    from scripts.bench.docs import rounds_table
 
     rows = rounds_table("app", "serve.delete, s", {"a": [3.0, 1.0, 2.0], "b": [0.5]}, {"a": "A", "b": "B"})
     assert rows[0] == "| app | what it is | serve.delete, s (median of rounds) | rounds |"
@@ -61,7 +103,7 @@ def test_rounds_table_gives_each_name_its_median_and_rounds() -> None:
 
 
 def test_bench_shutdown_verdicts_come_from_the_medians() -> None:
-    import bench_shutdown
+    from scripts.bench import shutdown as bench_shutdown
 
     results = {"delete_s": {"ours": [1.0, 1.2, 1.1], "floor_default": [3.0, 3.0, 3.1],
                             "floor_fast": [1.0, 1.0, 1.0]}}
@@ -73,7 +115,7 @@ def test_bench_shutdown_verdicts_come_from_the_medians() -> None:
 
 
 def test_bench_replicas_verdicts_come_from_the_medians() -> None:
-    import bench_replicas
+    from scripts.bench import replicas as bench_replicas
 
     def rounds(ingress: tuple[float, float], backend: tuple[float, float]) -> list[dict[str, dict[str, float]]]:
         return [{role: {"cpu_s": cpu + d, "pss_mb": pss + d, "rss_mb": 0.0}

@@ -1,34 +1,32 @@
-"""scripts/bench_real.py end to end on the tiny MXFP4 preset: the fractions and verdicts in its JSON
-and docs section follow from its own measurements, and its section replaces the hand-written one
-of the same title in docs/benchmarks.md, leaving the others alone. No wall-clock threshold."""
+"""scripts/bench/real.py end to end on the tiny MXFP4 preset: the fractions and verdicts in its JSON
+and on its page follow from its own measurements; its part of docs/benchmarks/real.md is replaced,
+the page's hand-written history kept, and its rows of the index follow. No wall-clock threshold."""
 
 from __future__ import annotations
 
 import json
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 
+from moe_runtime.config import LatentMoEConfig
+from scripts.bench import real as bench_real
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import bench_real  # noqa: E402
-
-from moe_runtime.config import LatentMoEConfig  # noqa: E402
 
 
 @pytest.mark.slow
 def test_bench_real_measures_and_writes_its_section(make_ckpt, tmp_path: Path) -> None:
     ckpt = make_ckpt(mxfp4=True)
-    docs = tmp_path / "benchmarks.md"
-    original = (REPO / "docs/benchmarks.md").read_text()
-    docs.write_text(original)
+    docs = tmp_path / "pages"
+    shutil.copytree(REPO / "docs/benchmarks", docs)
+    original = (docs / "real.md").read_text()
     out = tmp_path / "out"
     assert bench_real.main(["--checkpoint", str(ckpt), "--tp", "1", "2", "--tokens", "1", "16", "512",
                             "--reps", "1", "--out", str(out), "--docs", str(docs)]) == 0
-    res = json.loads((out / "bench_real.json").read_text())
-    assert (out / "bench_real.png").is_file()
+    res = json.loads((out / "real.json").read_text())
+    assert (out / "real.png").is_file()
     assert [run["P"] for run in res["runs"]] == [1, 2] and len(res["runs"][1]["ranks"]) == 2
     for run in res["runs"]:
         seq = run["sequential_read"]
@@ -59,17 +57,20 @@ def test_bench_real_measures_and_writes_its_section(make_ckpt, tmp_path: Path) -
                 want = sum(f["memory_bound_ms"] for f in T_rows) / max(f["ms"] for f in T_rows)
                 assert all(f["group_memory_bound_fraction"] == pytest.approx(want) for f in T_rows)
     assert [c["P"] for c in res["tp_vs_tp1"]] == [2] and res["tp_vs_tp1"][0]["ok"]
-    text = docs.read_text()
-    # the generated section took the hand-written one's place, between its markers; nothing else moved
-    begin, end = "<!-- bench:bench_real begin -->", "<!-- bench:bench_real end -->"
+    text = (docs / "real.md").read_text()
+    # the new run took the old one's place between its markers; the hand-written history after it stayed
+    begin, end = "<!-- bench:real begin -->", "<!-- bench:real end -->"
     assert text.count(bench_real.SECTION) == 1 and text.count(begin) == text.count(end) == 1
     section = text[text.index(begin):text.index(end)]
-    assert bench_real.SECTION in section and "Measured on a heavily loaded machine" not in text
-    assert text.index(begin) < text.index("<!-- bench:bench_warmup begin -->")
-    before, after = original.split(bench_real.SECTION)
-    assert text.startswith(before) and text.endswith(after[after.index("<!-- bench:bench_warmup begin -->"):])
+    assert bench_real.SECTION in section and text.startswith(begin)
+    assert text[text.index(end):] == original[original.index(end):]
     verdicts = "met" if all(run["load_verdict"]["met"] for run in res["runs"]) else "**missed**"
     assert f"load vs kept sequential read (group) (>= 50 %): {verdicts}" in section
+    index = (docs / "README.md").read_text()
+    ours = [line for line in index.splitlines() if line.startswith("| [real](real.md) |")]
+    assert len(ours) == len(bench_real.index_rows(res)) == 2 + 3  # a load row per TP, three TP 1 forwards
+    assert all(f"| {res['machine']['date'][:10]} |" in line for line in ours)
+    assert "| [tail](tail.md) |" in index  # the other benchmarks' rows stay
 
 
 def test_forward_gemms_count_the_layer_flops(make_ckpt) -> None:

@@ -1,4 +1,4 @@
-"""scripts/bench_tail.py on the tiny preset: stage times come from the same replays as the totals.
+"""scripts/bench/tail.py on the tiny preset: stage times come from the same replays as the totals.
 
 Every row's stages add up to at most its total (tail, whole layer and routed input alike), the
 total is the median of the replays, the routed-input modes carry their deployment names, and the
@@ -9,16 +9,11 @@ of one replay.
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_tail  # noqa: E402
-
 from moe_runtime.tp.local_group import run_local_group  # noqa: E402
+from scripts.bench import tail as bench_tail
 
 EPS = 1e-9  # float addition of the stage milliseconds
 

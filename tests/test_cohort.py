@@ -21,6 +21,7 @@ import pytest
 import ray
 import torch
 from conftest import TEST_APP
+from load import CallLoop
 from ray import cloudpickle
 from waiting import wait_until
 
@@ -311,37 +312,22 @@ def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app, workers):
     same rows as before the kill (re-run on the other replica or the Serve path)."""
     ws = workers(1, 2)
     want = serve_reference(app, (1, 2), lambda i: 40 + i)
-    cohort = app.client.cohort(ws, max_tokens=2, retry_s=0.5, name="victim")
-    try:
-        results, errors, stop = [], [], threading.Event()
 
-        def loop() -> None:
-            while not stop.is_set():
-                try:
-                    got = cohort.step([40, 41])
-                    results.append(all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1)
-                                       for layer in (1, 2)))
-                except BaseException as e:  # noqa: BLE001 -- reported below
-                    errors.append(e)
+    def step() -> bool:
+        got = cohort.step([40, 41])
+        return all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
 
-        thread = threading.Thread(target=loop)
-        thread.start()
-        wait_until(lambda: results or errors, timeout_s=30, what="a first step before the kill")
+    def moved_on() -> bool:  # the step re-ran, and the cohort holds a healthy replica's group again
+        status = cohort.status()
+        return status["reruns"] >= 1 and status["deployments"]["pair"]["replica"] not in (None, killed)
+
+    with app.client.cohort(ws, max_tokens=2, retry_s=0.5, name="victim") as cohort, CallLoop(step) as load:
         killed = cohort.status()["deployments"]["pair"]["replica"]
         os.kill(rank_pid(cohort, "pair", 1), signal.SIGKILL)
-
-        def moved_on() -> bool:  # the step re-ran, and the cohort holds a healthy replica's group again
-            status = cohort.status()
-            return status["reruns"] >= 1 and status["deployments"]["pair"]["replica"] not in (None, killed)
-
         wait_until(moved_on, timeout_s=60, what=lambda: f"a re-run on another replica: {cohort.status()}",
                    every_s=0.25)
-        stop.set()
-        thread.join(timeout=120)
-        assert not thread.is_alive() and not errors, errors
-        assert results and all(results)
-    finally:
-        cohort.close()
+    assert not load.errors, load.errors
+    assert all(load.results)
 
 
 def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app, workers):

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from scripts.bench import gpu_timings
+from scripts.bench.rows import RowWriter, read_rows
 
-import gpu_timings  # noqa: E402
-from bench.rows import RowWriter, read_rows  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OK_STAGES = ["environment:0:3:30", "gpu_tests:0:5:110", "experts:0:9:180", "collectives:0:4:60",
              "tail:0:6:90"]
@@ -39,8 +38,8 @@ def fake_run(out: Path, gpu: bool, tests: int | None, skipped: int = 0) -> Path:
 
 
 def verdict(out: Path, *args: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check_summary.py"), str(out), *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_check_summary", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     return proc.returncode, json.loads((out / "summary.json").read_text())
 
 

@@ -1,16 +1,12 @@
-"""scripts/gpu_report.py on a fake gpu_check.sh folder: the combined JSON, the plot, and a docs section
+"""scripts/bench/gpu_report.py on a fake gpu_check.sh folder: the combined JSON, the plot, and a docs section
 whose numbers and verdicts follow from the rows (a row where grouped is slower than torch misses)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import gpu_report  # noqa: E402
+from scripts.bench import gpu_report
 
 MACHINE = {"date": "2026-01-02 03:04 UTC", "cpus": 16, "torch": "2.11.0", "loadavg_before": [0.5, 0.4, 0.3]}
 SKIP = "aiter: aiter needs a ROCm GPU; this process has none"
@@ -57,12 +53,13 @@ def fake_check(out: Path, dense_grouped_ms: float = 1.0) -> Path:
 
 
 def report(tmp_path: Path, out: Path) -> tuple[str, dict]:
-    docs, record = tmp_path / "benchmarks.md", tmp_path / "gpu-check.json"
-    docs.write_text("# Benchmarks\n\nBefore.\n\n<!-- bench:gpu_check begin -->\n<!-- bench:gpu_check end -->\n\n"
-                    "## After\n\nKept.\n")
-    assert gpu_report.main([str(out), "--docs", str(docs), "--json", str(record)]) == 0
+    pages, record = tmp_path / "pages", tmp_path / "gpu_check.json"
+    pages.mkdir()
+    (pages / "gpu_check.md").write_text("<!-- bench:gpu_check begin -->\n<!-- bench:gpu_check end -->\n\n"
+                                        "## An earlier run\n\nKept.\n")
+    assert gpu_report.main([str(out), "--docs", str(pages), "--json", str(record)]) == 0
     assert record.with_suffix(".png").stat().st_size > 0
-    return docs.read_text(), json.loads(record.read_text())
+    return (pages / "gpu_check.md").read_text(), json.loads(record.read_text())
 
 
 def test_section_and_record_follow_from_the_rows(tmp_path: Path) -> None:
@@ -70,11 +67,14 @@ def test_section_and_record_follow_from_the_rows(tmp_path: Path) -> None:
     assert record["gpu_tests"] == {"tests": 2, "failures": 0, "errors": 0, "skipped": 1, "passed": 1,
                                    "skip_reasons": {SKIP: 1}}
     assert [r["T"] for r in record["experts"]["rows"]] == [16, 16] and record["collectives"]["complete"]
-    assert text.startswith("# Benchmarks\n\nBefore.") and text.endswith("## After\n\nKept.\n")
-    assert "## GPU check (scripts/gpu_check.sh)" in text and "1 x NVIDIA H200" in text and "CUDA 13.0" in text
+    assert text.startswith("<!-- bench:gpu_check begin -->\n") and text.endswith("## An earlier run\n\nKept.\n")
+    assert "# GPU check (scripts/gpu_check.sh)" in text and "1 x NVIDIA H200" in text and "CUDA 13.0" in text
     assert f"**1 passed**, 0 failed, 0 errors, 1 skipped (1 x {SKIP})" in text
     assert "| dense | 16 | 256 | 4.000 | 1.000 | 4.00x | 1.0e-03 | yes |" in text
     assert "lowest speedup **4.00** (target >= 1.0: met)" in text  # min(4 / 1, 12 / 3)
+    index = (tmp_path / "pages" / "README.md").read_text()
+    assert ("| [gpu_check](gpu_check.md) | grouped / torch experts speedup, slowest row >= 1.0 | 4.00 | met "
+            "| 2026-01-02 | 1 x NVIDIA H200 |") in index
     assert "rows outside **0** (target <= 0: met)" in text
     assert "grouped mxfp4 / grouped dense ms: 3.0x (T = 16) to 3.0x (T = 16)" in text
     assert "| bfloat16 | 16 | 2.0 KiB | 0.2500 | 0.5000 |" in text and "launch overhead only" in text

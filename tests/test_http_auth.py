@@ -68,7 +68,7 @@ def test_token_is_compared_whole_and_never_shown(monkeypatch):
 
 @pytest.fixture(scope="module")
 def app(tiny_ckpt):
-    from conftest import local_serve
+    from conftest import own_serve
     from ray import serve
 
     from deployments.app import build_app
@@ -76,7 +76,7 @@ def app(tiny_ckpt):
     before = os.environ.get("LMS_HTTP_TOKEN")
     os.environ["LMS_HTTP_TOKEN"] = SECRET  # before Ray starts: its processes inherit it
     try:
-        with local_serve(num_cpus=4, num_gpus=0) as port:
+        with own_serve(num_cpus=4, num_gpus=0) as port:
             args = {"checkpoint": str(tiny_ckpt), "tp_size": 1, "dtype": "float32", "accelerator": "cpu",
                     "ingress_replicas": 1, "max_tokens_per_request": 64, "http_token_required": True,
                     "collective_timeout_s": 10.0, "call_margin_s": 10.0, "auto_tune_tokens": "none"}

@@ -100,6 +100,17 @@ def test_no_import_cycle():
     assert cycles(edges) == []
 
 
+def test_the_shared_floors_never_import_the_serve_or_client_side():
+    """common, config, control, cluster and the data plane sit under serve/ and client/: an arrow
+    up from them (a shared name kept in serve/, say) belongs in common/ instead."""
+    edges, _ = graph()
+    lower = tuple(f"deployments.{p}." for p in ("common", "config", "control", "cluster", "dataplane"))
+    upper = ("deployments.serve.", "deployments.client.")
+    up = sorted(f"{a} -> {b}" for a, deps in edges.items() if a.startswith(lower) for b in deps
+                if b.startswith(upper))
+    assert up == []
+
+
 def test_no_private_name_crosses_a_module():
     _, private = graph()
     assert private == []

@@ -18,8 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -242,51 +240,37 @@ def test_lane_traffic_feeds_the_autoscaling_signals(fault_app):
 def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
     """The documented rule: the second client waits wait_s, then takes the Serve path; the
     Serve path's demand stops the first lease's renewal after one term; nobody deadlocks."""
-    from waiting import wait_until  # here: the workers import this module for its clock
+    from load import CallLoop  # here: the workers import this module for its clock
+    from waiting import wait_until
 
     want = {T: direct("solo").forward(rand(T, T), 1) for T in (1, 2)}
-    errors: list[BaseException] = []
-    stop = threading.Event()
 
-    def loop(lane, T) -> None:
-        try:
-            while not stop.is_set():
-                # Not bit for bit: once both clients run on the Serve path, one batch can hold
-                # both clients' rows, and a 3-row batch moves a 2-row one's fp32 results by a few
-                # ulps (1.2e-6 measured on this layer). Those are the GEMMs' blocking, not a fault.
-                torch.testing.assert_close(lane.forward(rand(T, T), 1), want[T], rtol=1e-5, atol=1e-5)
-        except BaseException as e:  # noqa: BLE001 -- reported below
-            errors.append(e)
+    def call(lane, T: int) -> None:
+        # Not bit for bit: once both clients run on the Serve path, one batch can hold both
+        # clients' rows, and a 3-row batch moves a 2-row one's fp32 results by a few ulps (1.2e-6
+        # measured on this layer). Those are the GEMMs' blocking, not a fault.
+        torch.testing.assert_close(lane.forward(rand(T, T), 1), want[T], rtol=1e-5, atol=1e-5)
 
-    first = direct("solo").lane(max_tokens=2, name="first", retry_s=0.5)
-    second = None
-    try:
+    with direct("solo").lane(max_tokens=2, name="first", retry_s=0.5) as first:
         assert first.status()["deployments"]["solo"]["path"] == "lane"
         # The first client calls before the second asks (an idle lane would let its group go).
-        threads = [threading.Thread(target=loop, args=(first, 1))]
-        threads[0].start()
-        second = direct("solo").lane(max_tokens=2, name="second", wait_s=0.5, retry_s=0.5)
-        assert second.status()["deployments"]["solo"]["path"] == "serve"
-        assert "held by first" in second.status()["deployments"]["solo"]["why_serve"]
-        threads.append(threading.Thread(target=loop, args=(second, 2)))
-        threads[1].start()
-        # The second client's Serve calls end the first lease after one term (lane_lease_s 2 s):
-        # the first client then calls on the Serve path too.
-        wait_until(lambda: errors or first.status()["deployments"]["solo"]["serve_calls"] > 0, timeout_s=60,
-                   what="the first client on the Serve path once its lease ended", every_s=0.25)
-        time.sleep(1.0)  # both clients call on for a second more: the scenario, not a wait
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-        assert not any(t.is_alive() for t in threads), "a client hung"
-        assert not errors, errors
-        s1, s2 = first.status()["deployments"]["solo"], second.status()["deployments"]["solo"]
-        assert s1["lane_calls"] > 0 and s1["serve_calls"] > 0 and s2["serve_calls"] > 0
-    finally:
-        stop.set()
-        first.close()
-        if second is not None:
-            second.close()
+        with CallLoop(lambda: call(first, 1)) as one, \
+                direct("solo").lane(max_tokens=2, name="second", wait_s=0.5, retry_s=0.5) as second:
+            assert second.status()["deployments"]["solo"]["path"] == "serve"
+            assert "held by first" in second.status()["deployments"]["solo"]["why_serve"]
+            with CallLoop(lambda: call(second, 2)) as two:
+                # The second client's Serve calls end the first lease after one term (lane_lease_s
+                # 2 s): the first client then calls on the Serve path too.
+                wait_until(lambda: one.errors or two.errors or first.status()["deployments"]["solo"]["serve_calls"],
+                           timeout_s=60, what="the first client on the Serve path once its lease ended",
+                           every_s=0.25)
+                # both clients call on, a few calls each, with the first on the Serve path
+                marks = one.calls(), two.calls()
+                wait_until(lambda: one.calls() >= marks[0] + 3 and two.calls() >= marks[1] + 3, timeout_s=60,
+                           what="three more calls of each client")
+            s1, s2 = first.status()["deployments"]["solo"], second.status()["deployments"]["solo"]
+    assert not one.errors and not two.errors, (one.errors, two.errors)
+    assert s1["lane_calls"] > 0 and s1["serve_calls"] > 0 and s2["serve_calls"] > 0
 
 
 def test_an_idle_lane_releases_its_group_and_leases_again_on_the_next_call(fault_app):
@@ -354,44 +338,26 @@ def test_a_killed_rank_under_lane_load_costs_the_caller_nothing(fault_app):
     """SIGKILL one rank of the leased replica of 2 while a closed loop calls the lane: every call
     answers (the failed one is retried on the Serve path, which routes to the healthy replica),
     and the lane leases a group again."""
-    from waiting import wait_until  # here: the workers import this module for its clock
+    from load import CallLoop  # here: the workers import this module for its clock
+    from waiting import wait_until
 
     want = direct("pair").forward(rand(1, 11), 1)
-    lane = direct("pair").lane(max_tokens=1, name="victim", retry_s=0.5)
-    try:
-        results: list[bool] = []
-        errors: list[BaseException] = []
-        stop = threading.Event()
 
-        def loop() -> None:
-            while not stop.is_set():
-                try:
-                    results.append(torch.equal(lane.forward(rand(1, 11), 1), want))
-                except BaseException as e:  # noqa: BLE001 -- reported below
-                    errors.append(e)
+    def moved_on() -> bool:  # a call failed over to Serve, then the lane leased the other group
+        st = lane.status()["deployments"]["pair"]
+        return st["fallbacks"] >= 1 and st["path"] == "lane" and st["replica"] != killed_replica
 
-        thread = threading.Thread(target=loop)
-        thread.start()
-        wait_until(lambda: results or errors, timeout_s=30, what="a first lane call before the kill")
+    with direct("pair").lane(max_tokens=1, name="victim", retry_s=0.5) as lane, \
+            CallLoop(lambda: torch.equal(lane.forward(rand(1, 11), 1), want)) as load:
         killed_replica = lane.status()["deployments"]["pair"]["replica"]
         os.kill(_rank_pid(lane, "pair", 1), signal.SIGKILL)
-
-        def moved_on() -> bool:  # a call failed over to Serve, then the lane leased the other group
-            st = lane.status()["deployments"]["pair"]
-            return st["fallbacks"] >= 1 and st["path"] == "lane" and st["replica"] != killed_replica
-
         # the calls go on meanwhile; the failed one may take the call bound (4 + 4 s) to fail
         wait_until(moved_on, timeout_s=60, every_s=0.25,
                    what=lambda: f"a fallback, then a lease elsewhere: {lane.status()['deployments']['pair']}")
-        stop.set()
-        thread.join(timeout=120)
-        assert not thread.is_alive()
-        assert not errors, errors
-        assert results and all(results)
-        status = lane.status()["deployments"]["pair"]
-        assert status["fallbacks"] >= 1 and status["path"] == "lane" and status["replica"] != killed_replica
-    finally:
-        lane.close()
+        load.stop()
+        assert moved_on()  # still on the other group once the calls stopped
+    assert not load.errors, load.errors
+    assert all(load.results)
 
 
 def test_a_stalled_rank_costs_the_caller_nothing_with_two_replicas(fault_app):

@@ -1,4 +1,4 @@
-"""scripts/measure_rss.py counts the whole process tree, grandchildren included.
+"""scripts/bench/measure_rss.py counts the whole process tree, grandchildren included.
 
 The child starts a grandchild that touches 64 MiB of anonymous memory and says so on stdout, then
 both wait for stdin to close: the test samples at that moment (no timing involved).
@@ -11,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from scripts.bench.rss import TreeSampler, process_memory, tree_pids
 
-from bench.rss import TreeSampler, process_memory, tree_pids  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MIB = 2**20
 GRANDCHILD = "import sys; b = bytearray(64 * 2**20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); sys.stdin.read()"
@@ -50,9 +49,9 @@ def test_sampler_sums_the_tree_including_a_grandchild() -> None:
 
 def test_cli_passes_the_exit_status_and_writes_the_measurement(tmp_path) -> None:
     out = tmp_path / "rss.json"
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "measure_rss.py"), "--json", str(out), "--",
-                           sys.executable, "-c", "import sys; sys.exit(3)"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.measure_rss", "--json", str(out), "--",
+                           sys.executable, "-c", "import sys; sys.exit(3)"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 3 and "peak anon+shmem RSS of the process tree" in proc.stderr
     result = json.loads(out.read_text())
     assert result["exit"] == 3 and result["samples"] >= 1 and len(result["loadavg_before"]) == 3

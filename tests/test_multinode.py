@@ -14,7 +14,6 @@ replica comes back on the other node. Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from waiting import wait_until
 
 from deployments.app import build_app
 from deployments.client import MoEClient
+from deployments.cluster.local import leave_ray
 from deployments.cluster.observe import tp_group_placement
 from deployments.control.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
 from deployments.control.launcher import MI300X_RESOURCE
@@ -86,9 +86,7 @@ def sim(tiny_ckpt):
             client=MoEClient.direct(DEPLOYMENT, APP, timeout_s=60),
         )
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
+        leave_ray()  # the cluster's end stops Serve with it
         cluster.shutdown()
 
 

@@ -8,7 +8,7 @@ makes it first, as a reader following it would. A new command is run too; one th
 within ``TIMEOUT_S`` here fails until it is added to ``SKIP`` with its reason, and a ``SKIP`` or
 ``EXPECT`` entry that no document has any more fails as stale.
 
-docs/benchmarks.md is not read: its sections are written by the benchmark scripts.
+The benchmark pages (docs/benchmarks/) are not read: the benchmark scripts write them.
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 60  # "under a minute": anything slower belongs in SKIP (a hang bound, not a benchmark)
-SCRIPT_WRITTEN = {"docs/benchmarks.md"}
-DOCS = ["README.md"] + sorted(
-    p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")
-    if p.relative_to(ROOT).as_posix() not in SCRIPT_WRITTEN
-)
+DOCS = ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
 
 _SERVER = "needs a running server"
 _CLUSTER = "needs the Azure subscription and the MI300X cluster"
@@ -59,9 +55,9 @@ SKIP = {
         _SERVER + " with a token",
     "python scripts/sim_cluster.py": "a simulated multi-node cluster under load (minutes on 2 cores); "
                                      "tests/test_multinode.py covers it",
-    "python scripts/afd_demo.py":
+    "python -m examples.afd_demo":
         "starts local Ray and two TP-2 deployments (minutes on 2 cores); tests/test_afd.py covers it",
-    "python scripts/afd_demo.py --workers 1 2 4":
+    "python -m examples.afd_demo --workers 1 2 4":
         "starts local Ray, two TP-2 deployments and up to 4 decoder actors (minutes on 2 cores); "
         "tests/test_afd.py covers a cohort of decoders",
     "df -h /work && free -g": "a look at this machine's disk and memory before the real-size demo",
@@ -69,13 +65,13 @@ SKIP = {
         "real size: ~16 GB written in ~20 min",
     "python -m moe_runtime forward --checkpoint /work/ckpt/k3-1layer --layer 1 --tp 2 --dtype bfloat16 "
     "--random-input 4 --output out.safetensors": _REAL,
-    "python scripts/bench_real.py --checkpoint /work/ckpt/k3-1layer": _REAL + " (a benchmark of minutes)",
-    "python scripts/bench_real.py --checkpoint /work/ckpt/k3-1layer --tp 2 --lone-rank":
+    "python -m scripts.bench.real --checkpoint /work/ckpt/k3-1layer": _REAL + " (a benchmark of minutes)",
+    "python -m scripts.bench.real --checkpoint /work/ckpt/k3-1layer --tp 2 --lone-rank":
         _REAL + " (a benchmark of minutes)",
     "serve run deployments.app:build_app checkpoint=/work/ckpt/k3-1layer tp_size=2 dtype=bfloat16 layers=1 "
     "tail=sharded auto_tune_tokens=none max_tokens_per_request=64 max_batch_tokens=64":
         _REAL + ", long-running server",
-    "python scripts/bench_served_real.py --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 --tokens 4 "
+    "python -m scripts.bench.served_real --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 --tokens 4 "
     "--seed 11": _REAL + " (a benchmark of minutes)",
 }
 

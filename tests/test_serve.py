@@ -32,7 +32,7 @@ from waiting import wait_until
 
 from deployments.app import build_app
 from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient, MoEClient, MoERequestError, MoEServerError
-from deployments.serve.worker import WORKER_NAMESPACE
+from deployments.common.workers import WORKER_NAMESPACE
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
@@ -391,10 +391,11 @@ def test_a_dead_worker_gets_the_replica_replaced(app):
     assert not any("not iterable" in e.message for e in errors), [e.message for e in errors]
     assert all(e.status in (503, 504) for e in errors), [(e.status, e.message) for e in errors]
     assert recovered_at is not None, f"no successful request within {RECOVERY_BOUND_S} s of the kill"
-    longest = max(end - start for start, end, _ in results)
-    assert longest <= REQUEST_BOUND_S + 5, f"a request waited {longest:.1f} s"
+    # every failed request was ended by the tier (its group's bound or the dead rank), none by the
+    # client giving up on it
+    assert not any(e.kind in ("TimeoutError", "GetTimeoutError") for e in errors), [e.message for e in errors]
     after = direct.status()
     assert after["replica"] != before["replica"] and after["healthy"]
     assert {w["name"] for w in after["workers"]}.isdisjoint({w["name"] for w in before["workers"]})
-    print(f"replica replaced {recovered_at - killed_at:.1f} s after the kill; longest request {longest:.1f} s")
+    print(f"replica replaced {recovered_at - killed_at:.1f} s after the kill")
     torch.testing.assert_close(direct.forward(x, 1), ref, **FP32_TOL)

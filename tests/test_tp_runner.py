@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import re
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -512,10 +511,9 @@ def _die_on_rank_1(comm: Collectives) -> torch.Tensor:
 
 
 def test_dead_rank_does_not_hang() -> None:
-    start = time.monotonic()
+    """Rank 1 fails before its all-reduce: the group reports a rank's failure (rank 1's error, or
+    rank 0's collective giving up on it). A hang would end instead in run_local_group's own
+    TimeoutError, which is not the RuntimeError expected here."""
     with pytest.raises(RuntimeError, match=r"rank \d failed") as info:
         run_local_group(2, _die_on_rank_1, timeout_s=120.0, collective_timeout_s=10.0)
-    elapsed = time.monotonic() - start
-    # Spawn + torch import dominate (a few s); the collective timeout caps the wait.
-    assert elapsed < 60.0, f"took {elapsed:.0f} s"
     assert re.search(r"exploded on purpose|rank 1|Connection|timed out", str(info.value))

@@ -2,8 +2,8 @@
 lanes (``MoEClient.lane``, ``lane``), cohorts of attention workers (``MoEClient.cohort``,
 ``cohort``; workers subclass ``AttentionWorker``), sessions of independent peer processes
 (``MoEClient.session``, ``join``, ``session``; ``SessionTicket``, ``SessionError``), HTTP (``HTTPMoEClient``,
-``AsyncHTTPMoEClient``, ``http_client``), the errors they raise (``errors``), and ``afd`` (a
-decoder whose MoE layers run on the tier)."""
+``AsyncHTTPMoEClient``, ``http_client``) and the errors they raise (``errors``). A decoder whose
+MoE layers run on the tier, built on these, is an example: ``examples/afd.py``."""
 
 from ..config.timeouts import CLIENT_TIMEOUT_S as DEFAULT_TIMEOUT_S
 from ..dataplane.errors import SessionError

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from ..common.workers import WORKER_NAMESPACE, parse_worker_name
+
 
 def tp_group_placement(deployment: str | None = None, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
     """Where every live TP group's ranks run, from the named worker actors (needs ``ray.init``).
@@ -14,19 +16,16 @@ def tp_group_placement(deployment: str | None = None, timeout_s: float = 30.0) -
     """
     import ray
 
-    from ..serve.worker import WORKER_NAMESPACE
-
     ranks: dict[str, dict[int, str]] = {}
     owners: dict[str, str] = {}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] != WORKER_NAMESPACE:
             continue
-        name, _, rank = entry["name"].rpartition(":rank")
-        dep, _, replica = name.partition(":")
-        if not rank.isdigit() or (deployment is not None and dep != deployment):
+        worker = parse_worker_name(entry["name"])
+        if worker is None or (deployment is not None and worker.deployment != deployment):
             continue
-        owners[replica] = dep
-        ranks.setdefault(replica, {})[int(rank)] = entry["name"]
+        owners[worker.replica] = worker.deployment
+        ranks.setdefault(worker.replica, {})[worker.rank] = entry["name"]
 
     def node_of(actor_name: str):
         with contextlib.suppress(Exception):  # gone between the listing and the lookup

@@ -121,7 +121,7 @@ class DeploymentSpec(BaseModel):
     # How long a TP-group call may run beyond the collective timeout (the forward's compute).
     call_margin_s: float = Field(30.0, gt=0)
     # tail "auto" with several legal tails at TP > 1: the controller times each on the group at
-    # warm-up at these token counts and keeps the fastest per range (deployments.serve.group.tune_group);
+    # warm-up at these token counts and keeps the fastest per range (deployments.serve.tuning.tune_group);
     # [] turns the measurement off (auto is then the static rule: sharded when legal).
     auto_tune_tokens: list[int] = Field(default_factory=lambda: [1, 16, 128, 1024])
     auto_tune_reps: int = Field(3, ge=1)

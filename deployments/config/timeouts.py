@@ -33,8 +33,8 @@ build time with the numbers):
    within its own bound (it would kill a slow but healthy replica).
 3. ``RANK_POLL_S <= call_s``: a rank's state poll answers within a call's bound, so a rank that
    stops answering polls for ``call_s`` is stalled, not slow.
-4. ``2 * LANE_POLL_S <= lease_s / 2``: the replica reads a lease's renewals several times per
-   renewal period.
+4. ``4 * LANE_POLL_S <= lease_s / 2``: the replica reads a lease's renewals at least four times
+   per renewal period (so ``lease_s`` is at least ``8 * LANE_POLL_S``, 2 s).
 5. (app) ``call_s < request_s`` for every deployment: the ingress never gives up on a call that
    the group itself still bounds.
 
@@ -103,7 +103,7 @@ def check_order(spec: Any) -> Bounds:
             f"deployment {name!r}: collective_timeout_s {b.collective_s:g} + call_margin_s "
             f"{b.call_s - b.collective_s:g} = {b.call_s:g} s is below the rank poll bound {RANK_POLL_S:g} s"
         )
-    if not 2 * LANE_POLL_S <= b.lease_s / 2:
+    if not 4 * LANE_POLL_S <= b.lease_s / 2:
         raise ValueError(
             f"deployment {name!r}: lane_lease_s {b.lease_s:g} s must be at least {8 * LANE_POLL_S:g} s "
             f"(renewals every half term, read by the replica every {LANE_POLL_S:g} s)"

@@ -9,7 +9,7 @@ launcher configs, and decides per deployment, each concept in one place:
   (``moe_runtime.planning``), refused with the arithmetic when it does not fit;
 * the tail: legality by the shardability rule first (a forced illegal tail is refused), then
   ``auto`` either static (TP 1, a single legal candidate, measurement off, or too little time)
-  or "measured at warm-up" on the replica's group (``deployments.serve.group.tune_group``);
+  or "measured at warm-up" on the replica's group (``deployments.serve.tuning.tune_group``);
 * capacity (``control.capacity``): the app's shared budget of cluster GPUs;
 * the Serve options (``control.serve_options``): bundles, autoscaling, batching knobs.
 

@@ -3,7 +3,7 @@
 A plan measured at warm-up depends on the checkpoint (its config and weight files), the layers
 timed, the TP size, the dtype, where the ranks compute, the experts backend and activation
 quantisation, the tails and token counts measured, the clock, and the code that runs the
-forward. Replicas with the same key reuse one stored measurement (``serve.group.tune_group``).
+forward. Replicas with the same key reuse one stored measurement (``serve.tuning.tune_group``).
 """
 
 from __future__ import annotations

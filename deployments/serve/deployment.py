@@ -43,9 +43,10 @@ from ..common.wire import WireTensor, concat_rows
 from ..config.spec import DeploymentSpec, with_batching
 from ..control.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
 from ..control.decide import Decision
-from .group import TPGroup, tune_group
+from .group import TPGroup
 from .lanes import LaneLeases
 from .metrics import ReplicaStats
+from .tuning import tune_group
 
 
 @dataclass

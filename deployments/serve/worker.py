@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
     from ..dataplane.host import GroupHost, RankLink
 
-WORKER_NAMESPACE = "latent_moe_serve"
 # Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
 _VISIBILITY_VARS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 

@@ -1,4 +1,4 @@
-"""The routed-experts seam (DESIGN §7): the backend protocol and a registry keyed by name.
+"""The routed-experts seam (DESIGN §5.6): the backend protocol and a registry keyed by name.
 
 Each backend module registers a factory and an availability hook; the registry never names a
 backend itself, and no backend imports another. ``auto`` tries ``AUTO_PREFERENCE`` in order,

@@ -10,7 +10,7 @@ one thread pool.
 
 The same library holds ``bf16_linear``: the dense parts (shared experts, latent down- and
 up-projections) in bf16 on a CPU without bf16 arithmetic, where torch's bf16 GEMM reaches ~5
-GFLOP/s at any T (measured, docs/benchmarks.md); ``dense_linear`` picks it for bf16 CPU GEMMs.
+GFLOP/s at any T (measured, docs/benchmarks/fused_cpu.md); ``dense_linear`` picks it for bf16 CPU GEMMs.
 
 When it cannot be used (not x86-64 with AVX2 + FMA, no compiler, a failed build, or
 ``MOE_RUNTIME_MXFP4_CPU=0``), ``unavailable_reason()`` says why; the ``torch`` experts backend

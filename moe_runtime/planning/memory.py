@@ -126,7 +126,7 @@ def fused_bytes_per_token(cfg: LatentMoEConfig, tp_size: int = 1) -> int:
 
 def activation_bytes_per_token(cfg: LatentMoEConfig, dtype: str, tp_size: int = 1) -> int:
     """Estimated bytes alive at once per token of a forward on one rank (the torch path's
-    token-sized tensors, fp32 where the code may widen). scripts/bench_memory.py measures it:
+    token-sized tensors, fp32 where the code may widen). scripts/bench/memory.py measures it:
     with the decode scratch it bounded every measured forward peak; alone it did not with few
     tokens, where decoded expert chunks and weight-sized temporaries (not per token) dominate:
 

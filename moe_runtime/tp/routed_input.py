@@ -15,7 +15,7 @@ experts at ``1/P`` of the down-projection FLOPs. What crosses the wire (``quant`
   quantise their input. **Approximations**: a batch at or above ``min_sharded_tokens`` then
   gets other numbers than a smaller one, so a request's output depends on the batch it
   shares. Opt-in only, never chosen by ``auto``; their measured error is in
-  docs/benchmarks.md (section "Numerics"). Per element ``x`` of the latent:
+  docs/benchmarks/numerics.md. Per element ``x`` of the latent:
 
   * ``fp8-approx`` (e4m3, one fp32 scale per token, ``scale = amax_row / 448``): 3 mantissa
     bits and round-to-nearest give ``|x - q| <= |x| * 2**-4 + scale * 2**-10`` (the second

@@ -1,13 +1,24 @@
-"""The benchmark scripts' shared harness.
+"""The benchmarks, and their harness. Run one from the repository root as
+``python -m scripts.bench.NAME`` (``--help`` says what it measures); each writes its raw results
+under ``artifacts/NAME/`` and its page, ``docs/benchmarks/NAME.md``, with its rows of the index,
+``docs/benchmarks/README.md``.
 
-* :mod:`bench.harness`: command-line options, the machine record, timing loops and percentiles,
-  a private local Ray + Serve, checkpoints written once, seeded inputs, plots;
-* :mod:`bench.docs`: each benchmark's section of docs/benchmarks.md, verdicts from the data;
-* :mod:`bench.rows`: JSON-lines results that keep up with the measurement (no torch import);
-* :mod:`bench.rss`: the resident memory of a process tree, sampled from /proc.
+Benchmarks: ``afd``, ``dataplane``, ``experts``, ``fused_cpu``, ``lane_faults``, ``memory``,
+``numerics``, ``overhead``, ``real``, ``replicas``, ``serve``, ``served_real``, ``shutdown``,
+``tail``, ``warmup``; ``gpu_timings``, ``gpu_check_summary`` and ``gpu_report`` are the stages and
+the report of ``scripts/gpu_check.sh``; ``measure_rss`` samples any command's memory.
 
-Scripts run as ``python scripts/NAME.py``, so ``scripts/`` is on ``sys.path`` and ``import bench``
-works as it is; importing it puts the repository root there too, for runs without the editable
+The harness:
+
+* ``harness``: command-line options, the machine record, timing loops and percentiles, a private
+  local Ray + Serve, checkpoints written once, seeded inputs, plots;
+* ``docs``: each benchmark's page and its rows of the index, verdicts from the data;
+* ``rows``: JSON-lines results that keep up with the measurement (no torch import);
+* ``rss``: the resident memory of a process tree, sampled from /proc;
+* ``floor``: the transport's own floor, raw TCP between processes.
+
+``scripts/sim_cluster.py`` imports the harness as ``bench`` (``scripts/`` is its ``sys.path``
+entry); importing it puts the repository root on ``sys.path`` too, for runs without the editable
 install.
 """
 

@@ -1,15 +1,17 @@
-"""Record a benchmark's results in docs/benchmarks.md: each script owns one section, between markers.
+"""Benchmark pages: each benchmark writes its page, docs/benchmarks/NAME.md, and its rows of the
+index, docs/benchmarks/README.md.
 
-A script's section sits between ``<!-- bench:NAME begin -->`` and ``<!-- bench:NAME end -->`` and is
-rewritten whole from the run's JSON on every run; text outside the markers is never touched. A
-section that predates the markers (found by its ``## `` heading) is replaced up to the next ``## ``
-heading the first time, and carries the markers from then on.
+A script's part of its page sits between ``<!-- bench:NAME begin -->`` and ``<!-- bench:NAME end -->``
+and is rewritten whole from the run's data on every run; text outside the markers (notes on earlier
+runs) is never touched. The index is one table, a row per target of every benchmark: the target, the
+value measured, the verdict, the date and the machine of the run. A run replaces its benchmark's
+rows (:func:`update_index`) and leaves the others'; nothing in the index is written by hand.
 
-Helpers every section uses: :func:`section_start` (its heading, the command, the machine and its
-load), :func:`verdict`
-(met / missed computed from a measured value and its target), :func:`load_label` (the machine's
-load average, and whether the run was contended), and :func:`commentary` (text that is not computed
-from the data, labelled with the run it was written for).
+Helpers every page uses: :func:`section_start` (its heading, the command, the machine and its
+load), :func:`verdict` (met / missed computed from a measured value and its target), :func:`target`
+(a verdict as an index row), :func:`load_label` (the machine's load average, and whether the run was
+contended), and :func:`commentary` (text that is not computed from the data, labelled with the run
+it was written for).
 """
 
 from __future__ import annotations
@@ -19,17 +21,31 @@ import operator
 import re
 import shlex
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from bench import ROOT
+from . import ROOT
+
+PAGES = ROOT / "docs" / "benchmarks"  # a page per benchmark, and the index
+INDEX = "README.md"
 
 # A run is "contended" when other work already kept at least half the machine's CPUs busy when it
 # started (1-minute load average before the run >= CPUs / 2): its timings carry that noise.
 CONTENDED_LOAD_PER_CPU = 0.5
 OPS = {"<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt}
 Markdown = Callable[[dict[str, Any], str, str], str]  # (results, JSON path, PNG path) -> the section
+
+
+class Target(NamedTuple):
+    """One row of the index: a target in words with its threshold, the value measured, the verdict."""
+
+    target: str
+    measured: str
+    met: bool | None
+
+
+Targets = Callable[[dict[str, Any]], list[Target]]  # results -> the run's rows of the index
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -43,15 +59,15 @@ def update_section(docs: Path, section: str, name: str | None = None) -> None:
     heading = section.splitlines()[0]
     begin, end = markers(name or heading.lstrip("# ").strip())
     block = f"{begin}\n{section.rstrip()}\n{end}\n"
-    text = docs.read_text() if docs.exists() else "# Benchmarks\n"
+    text = docs.read_text() if docs.exists() else ""
     marked = re.compile(rf"^{re.escape(begin)}\n.*?^{re.escape(end)}\n?", re.S | re.M)
-    unmarked = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |^<!-- bench:|\Z)", re.S | re.M)
+    unmarked = re.compile(rf"^{re.escape(heading)}\n.*?(?=^#{{1,2}} |^<!-- bench:|\Z)", re.S | re.M)
     if marked.search(text):
         text = marked.sub(lambda _: block, text, count=1)
     elif unmarked.search(text):
         text = unmarked.sub(lambda _: block + "\n", text, count=1)
     else:
-        text = text.rstrip("\n") + "\n\n" + block
+        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + block
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(text.rstrip("\n") + "\n")
 
@@ -102,10 +118,10 @@ def commentary(written_for: str, text: str) -> str:
 
 
 def command(script: str, argv: list[str] | str) -> str:
-    """The run's command line as a markdown code span: `python scripts/SCRIPT.py ARGS` (``argv`` a
-    list, shell-quoted here, or the string older results stored)."""
+    """The run's command line as a markdown code span: `python -m scripts.bench.SCRIPT ARGS`
+    (``argv`` a list, shell-quoted here, or the string older results stored)."""
     args = argv if isinstance(argv, str) else shlex.join(argv)
-    return f"`{' '.join(['python', f'scripts/{script}.py', *([args] if args else [])])}`"
+    return f"`{' '.join(['python', '-m', f'scripts.bench.{script}', *([args] if args else [])])}`"
 
 
 def section_start(heading: str, script: str, argv: list[str] | str, machine: dict[str, Any], details: str,
@@ -142,18 +158,89 @@ def repo_relative(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def publish(section: str, docs: str | Path | None, name: str) -> None:
-    """Rewrite ``name``'s section of ``docs`` (none when ``docs`` is empty)."""
-    if docs:
-        update_section(Path(docs), section, name)
-        print(f"updated {docs}")
+def target(what: str, v: dict[str, Any], fmt: str = ".2f", unit: str = "") -> Target:
+    """A :func:`verdict` as an index row: ``what`` followed by its threshold, the value in ``fmt``."""
+    measured = "-" if v["value"] is None else f"{v['value']:{fmt}}{unit}"
+    return Target(f"{what} {v['target']}{unit}", measured, v["met"])
+
+
+def no_targets(results: dict[str, Any]) -> list[Target]:
+    """The index rows of a benchmark that sets no target: none (the index still lists its page)."""
+    return []
+
+
+def check(what: str, ok: bool | None) -> Target:
+    """A yes/no target (no answer wrong, no call hung, ...) as an index row."""
+    return Target(what, "-" if ok is None else yes_no(ok).strip("*"), ok)
+
+
+def machine_text(record: dict[str, Any]) -> str:
+    """Where a run measured, from its :func:`scripts.bench.harness.machine_record`: '2 CPUs (x86_64)'."""
+    return f"{record['cpus']} CPUs ({record['machine']})"
+
+
+def run_record(results: dict[str, Any]) -> dict[str, Any]:
+    """The machine record a run's results keep (under ``machine``, or ``env`` in some benchmarks)."""
+    return results.get("machine") or results["env"]
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+INDEX_HEAD = """# Benchmarks
+
+Every benchmark writes a page here (`python -m scripts.bench.NAME`: the page names its command, the
+machine and the load), and its rows of this index: a row per target, the value measured, the
+verdict, and when and where. A run replaces its benchmark's rows; this file is never edited by hand.
+Raw results and plots go to `artifacts/`, which is not committed.
+
+| benchmark | target | measured | verdict | date | machine |
+|---|---|---|---|---|---|
+"""
+
+
+def update_index(pages: Path, name: str, targets: Sequence[Target], date: str, machine: str) -> None:
+    """Replace ``name``'s rows of the index in ``pages`` with ``targets`` (measured at ``date`` on
+    ``machine``); the index lists every page, those without a target below its table."""
+    index = pages / INDEX
+    link = f"[{name}]({name}.md)"
+    rows = [_cells(line) for line in (index.read_text().splitlines() if index.exists() else [])
+            if line.startswith("| [")]
+    rows = [r for r in rows if r[0] != link]
+    rows += [[link, t.target, t.measured, verdict_word(t.met), date, machine] for t in targets]
+    rows.sort(key=lambda r: r[0])  # stable: each benchmark's rows keep their order
+    listed = {r[0] for r in rows}
+    others = [f"[{p.stem}]({p.name})" for p in sorted(pages.glob("*.md"))
+              if p.name != INDEX and f"[{p.stem}]({p.name})" not in listed]
+    text = INDEX_HEAD + "\n".join(_row(r) for r in rows) + "\n"
+    if others:
+        text += "\nPages without a target: " + ", ".join(others) + ".\n"
+    index.write_text(text)
+
+
+def publish(section: str, name: str, targets: Sequence[Target], record: dict[str, Any],
+            pages: str | Path | None, machine: str | None = None) -> None:
+    """Rewrite ``name``'s part of its page in ``pages`` and its rows of the index, from a run whose
+    machine record is ``record`` (``machine``: where it ran, in words, when the record does not say;
+    nothing when ``pages`` is empty)."""
+    if not pages:
+        return
+    pages = Path(pages)
+    update_section(pages / f"{name}.md", section, name)
+    update_index(pages, name, targets, record["date"][:10], machine or machine_text(record))
+    print(f"updated {pages / name}.md and {pages / INDEX}")
 
 
 def write_results(results: dict[str, Any], out_dir: Path, name: str,
                   plot: Callable[[dict[str, Any], Path], None] | None, markdown: Markdown,
-                  docs: str | Path | None) -> str:
-    """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``; the markdown section
-    (printed, and recorded as ``name``'s section of ``docs`` when given), which names the files
+                  targets: Targets, pages: str | Path | None) -> str:
+    """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``; the page's part (printed,
+    and published as ``name``'s page and index rows in ``pages`` when given), which names the files
     relative to the repository."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
@@ -162,14 +249,13 @@ def write_results(results: dict[str, Any], out_dir: Path, name: str,
         plot(results, png_path)
     section = markdown(results, repo_relative(json_path), repo_relative(png_path))
     print("\n" + section)
-    publish(section, docs, name)
+    publish(section, name, targets(results), run_record(results), pages)
     return section
 
 
-def render_section(json_path: Path, markdown: Markdown, docs: Path, name: str) -> str:
-    """Rewrite a benchmark's docs section from a JSON it wrote earlier (no measurement)."""
+def render_section(json_path: Path, markdown: Markdown, targets: Targets, pages: Path, name: str) -> str:
+    """Rewrite a benchmark's page and index rows from a JSON it wrote earlier (no measurement)."""
     results = json.loads(json_path.read_text())
     section = markdown(results, repo_relative(json_path), repo_relative(json_path.with_suffix(".png")))
-    update_section(docs, section, name)
-    print(f"updated {docs} from {json_path}")
+    publish(section, name, targets(results), run_record(results), pages)
     return section

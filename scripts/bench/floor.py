@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bench.harness import busy_cpu_s
+from .harness import busy_cpu_s
 
 HEADER = struct.Struct("<iii")  # layer, rows, stop
 HELLO = struct.Struct("<i")  # >= 0: a peer's index; < 0: -rank of an echo rank

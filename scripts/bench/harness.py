@@ -2,7 +2,7 @@
 and percentiles, a private Ray + Serve, checkpoints written once, seeded inputs and plots.
 
 Heavy modules (torch, Ray, matplotlib, the project's own) are imported where they are used, so
-importing the harness costs nothing: ``bench.rows`` and ``bench.rss`` build on it without torch.
+importing the harness costs nothing: ``rows`` and ``rss`` build on it without torch.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from bench import ROOT
+from . import ROOT
 
-DOCS = ROOT / "docs" / "benchmarks.md"
+PAGES = ROOT / "docs" / "benchmarks"  # each benchmark's page, and their index
 CHECKPOINTS = ROOT / "checkpoints"
 
 # -- options -------------------------------------------------------------------------------------
@@ -37,17 +37,16 @@ class BenchParser(argparse.ArgumentParser):
         return parsed
 
 
-def bench_parser(doc: str, name: str, *, with_docs: bool = True, docs_default: Path | None = DOCS,
+def bench_parser(doc: str, name: str, *, docs_default: Path | None = PAGES,
                  quick: str | None = None) -> BenchParser:
     """A benchmark's parser with the options benchmarks share: ``--out`` (the folder of its results,
-    default artifacts/NAME), ``--docs`` (the benchmarks.md whose section a run rewrites, default
-    ``docs_default``; '' for none) unless ``with_docs`` is off, and ``--quick`` (help: ``quick``)
+    default artifacts/NAME), ``--docs`` (the folder of the benchmark pages whose page NAME.md and
+    index a run rewrites, default ``docs_default``; '' for none) and ``--quick`` (help: ``quick``)
     where the benchmark has a short mode."""
     ap = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / name, help="folder for the results")
-    if with_docs:
-        ap.add_argument("--docs", default=docs_default and str(docs_default),
-                        help="the benchmarks.md whose section this run rewrites ('' for none)")
+    ap.add_argument("--docs", default=docs_default and str(docs_default),
+                    help="the benchmark pages' folder whose page and index this run rewrites ('' for none)")
     if quick:
         ap.add_argument("--quick", action="store_true", help=quick)
     return ap
@@ -244,11 +243,6 @@ def ensure_checkpoint(path: Path, preset: str, layers: int | None = None, *, mxf
     return path
 
 
-def ensure_decoder_checkpoint(path: Path, preset: str, layers: int | None = None) -> Path:
-    """:func:`ensure_checkpoint` with the decoder's tensors: what scripts/afd_demo.py serves."""
-    return ensure_checkpoint(path, preset, layers, decoder=True)
-
-
 def preset_checkpoint(preset: str, layers: int | None = None, *, mxfp4: bool = False,
                       decoder: bool = False) -> Path:
     """The checkpoint under checkpoints/ named for what it holds (``small``, ``small-mxfp4``,
@@ -274,25 +268,14 @@ def tiny_app(**spec: Any) -> tuple[dict[str, Any], Any]:
 
 @contextlib.contextmanager
 def local_serve(num_cpus: int, num_gpus: int = 0, worker_niceness: int | None = None) -> Iterator[str]:
-    """A private local Ray instance (TP groups on ``num_gpus`` logical GPUs) with Serve's HTTP proxy
-    on a free local port: yields the proxy's URL, and stops everything it started on the way out.
-    ``worker_niceness`` overrides Ray's 15 for its workers (a benchmark's served side then gets the
-    driver's priority)."""
-    import ray
-    from ray import serve
-
-    from moe_runtime.tp.collectives import free_port
+    """``deployments.cluster.local.local_serve`` (TP groups on ``num_gpus`` logical GPUs), yielding
+    the proxy's URL. ``worker_niceness`` overrides Ray's 15 for its workers (a benchmark's served
+    side then gets the driver's priority)."""
+    from deployments.cluster.local import local_serve as private_serve
 
     system = {} if worker_niceness is None else {"_system_config": {"worker_niceness": worker_niceness}}
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-             namespace="serve", log_to_driver=False, **system)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with private_serve(num_cpus, num_gpus, **system) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def deploy(app_args: dict[str, Any], name: str, route_prefix: str | None = "/") -> None:

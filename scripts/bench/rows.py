@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.harness import loadavg
+from .harness import loadavg
 
 
 class RowWriter:

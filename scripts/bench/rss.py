@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import loadavg
+from .harness import loadavg
 
 KB = 1024
 

@@ -1,0 +1,349 @@
+"""Benchmark the routed-experts stage (DESIGN §2 steps 3-4): the ``torch`` and ``grouped`` backends.
+
+For each token count T and experts format (dense, or MXFP4-packed and decoded per batch) it
+times, in one run and on the same inputs:
+
+* ``torch``: ``moe_runtime.experts.get_backend("torch")`` on the router's ids/weights
+  (``router.route``) and the down-projected latent ``h`` (``layer.down_project``): two GEMMs
+  per active expert;
+* ``grouped``: ``get_backend("grouped")`` on the same inputs: one ``torch._grouped_mm`` per
+  projection over all active experts (per scratch-sized chunk of them when packed);
+* ``naive``: a Python loop over tokens and slots (one GEMV pair per token-slot); for large T
+  only the first ``--naive-max-tokens`` tokens are timed and the time is scaled by T / n;
+* ``dense``: two plain GEMMs with the same FLOPs, ``[T*K, D] x [D, 2I]`` then
+  ``[T*K, I] x [I, D]`` (no gather, no activation, no combine): the roofline the grouped
+  expert loop is measured against.
+
+FLOPs of the stage: ``2 * T * K * (2I * D + I * D) = 6 * T * K * D * I`` (the activation and
+the weighted combine are not counted). ``torch``, ``grouped`` and ``dense`` are called in turn
+(interleaved) so that a shared machine slows them alike; times are medians (the best-of ratio is
+kept too).
+Writes ``experts.json`` and ``experts.png`` to ``--out``, and its page (docs/benchmarks/experts.md)
+and rows of the index to ``--docs``. Legend: T tokens, D latent, K experts per token, I intermediate.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moe_runtime import mxfp4
+from moe_runtime.activation import GatedActivation
+from moe_runtime.checkpoint import load_layer_weights
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.experts import get_backend
+from moe_runtime.layer import down_project
+from moe_runtime.router import route
+from moe_runtime.units import dtype_name
+from moe_runtime.weights import ExpertWeights
+
+from . import harness
+from .docs import Target, section_start, target, verdict, verdict_text, write_results
+
+SECTION = "# Experts backends: `torch` and `grouped` against a dense GEMM (scripts/bench/experts.py)"
+
+TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FORMATS = ("dense", "mxfp4")
+
+
+def in_format(ex: ExpertWeights, fmt: str) -> ExpertWeights:
+    """The layer's experts dense, or MXFP4-packed (encoded here, in memory)."""
+    if fmt == "dense":
+        return ex
+    (p13, s13), (p2, s2) = mxfp4.encode(ex.w13), mxfp4.encode(ex.w2)
+    return ExpertWeights(p13, p2, s13, s2, dtype=ex.dtype)
+
+
+def stats(times: list[float]) -> dict:
+    return {"median_s": statistics.median(times), "min_s": min(times), "reps": len(times)}
+
+
+def naive_experts(h_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, act: GatedActivation) -> torch.Tensor:
+    """One token, one slot at a time: the textbook loop, same math and dtypes as the backend."""
+    T, K = ids_TK.shape
+    I = w2_EDI.shape[2]
+    out = torch.zeros(T, w2_EDI.shape[1], dtype=torch.float32, device=h_TD.device)
+    ids, weights = ids_TK.tolist(), weights_TK.tolist()
+    for t in range(T):
+        for k in range(K):
+            e = ids[t][k]
+            gate_up = w13_EFD[e] @ h_TD[t]
+            a = act(gate_up[:I], gate_up[I:]).to(h_TD.dtype)
+            out[t] += weights[t][k] * (w2_EDI[e] @ a).float()
+    return out
+
+
+def bench_one(cfg: LatentMoEConfig, w, ex: ExpertWeights, fmt: str, T: int, dtype: torch.dtype,
+              device: torch.device, args) -> dict:
+    H, D, E, K, I = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
+                     cfg.num_experts_per_token, cfg.moe_intermediate_size)
+    gen = torch.Generator().manual_seed(T)
+    x_TH = torch.randn(T, H, generator=gen).to(dtype).to(device)
+    h_TD = down_project(x_TH, w)
+    ids_TK, weights_TK = route(x_TH, w.gate_EH, w.bias_E, cfg)
+    act = GatedActivation.from_config(cfg)
+    backend, grouped = get_backend("torch"), get_backend("grouped")
+    flops = 6 * T * K * D * I
+
+    def run_backend():
+        return backend(h_TD, ids_TK, weights_TK, ex, act)
+
+    def run_grouped():
+        return grouped(h_TD, ids_TK, weights_TK, ex, act)
+
+    # dense GEMMs of the same shape-product: M = T*K rows through one [2I, D] and one [D, I]
+    hr_MD = torch.randn(T * K, D, generator=gen).to(dtype).to(device)
+    a_MI = torch.randn(T * K, I, generator=gen).to(dtype).to(device)
+    w13_EFD, w2_EDI = ex.decode(torch.arange(E, device=device))  # dense copies for the baselines
+    w13_FD, w2_DI = w13_EFD[0].contiguous(), w2_EDI[0].contiguous()
+
+    def run_dense():
+        return hr_MD @ w13_FD.t(), a_MI @ w2_DI.t()
+
+    n_naive = min(T, args.naive_max_tokens)
+
+    def run_naive():
+        return naive_experts(h_TD[:n_naive], ids_TK[:n_naive], weights_TK[:n_naive], w13_EFD, w2_EDI, act)
+
+    sync = harness.synchronizer(device)
+    fns = {"torch": run_backend, "grouped": run_grouped, "dense": run_dense}
+    timed = harness.time_interleaved(fns, args.min_reps, min_time_s=args.min_time, sync=sync)
+    t_backend, t_grouped, t_dense = (stats(timed[k]) for k in ("torch", "grouped", "dense"))
+    t_naive = stats(harness.time_calls(run_naive, 1, min_time_s=args.min_time, sync=sync).seconds)
+
+    # sanity: the backend and the naive loop agree on the tokens the loop ran
+    out_b, out_n = run_backend()[:n_naive], run_naive()
+    scale = out_n.abs().max().item() or 1.0
+    max_rel_diff = (out_b - out_n).abs().max().item() / scale
+    out_t, out_g = run_backend(), run_grouped()
+    grouped_diff = (out_g - out_t).abs().max().item() / (out_t.abs().max().item() or 1.0)
+
+    backend_s, grouped_s = t_backend["median_s"], t_grouped["median_s"]
+    dense_s = t_dense["median_s"]
+    naive_s = t_naive["median_s"] * T / n_naive
+    active = int(torch.bincount(ids_TK.reshape(-1), minlength=E).gt(0).sum())
+    return {
+        "T": T, "dtype": dtype_name(dtype), "format": fmt, "slots": T * K,
+        "active_experts": active,
+        "flops": flops,
+        "torch_ms": 1e3 * backend_s, "grouped_ms": 1e3 * grouped_s, "dense_ms": 1e3 * dense_s,
+        "naive_ms": 1e3 * naive_s,
+        "naive_tokens_timed": n_naive, "naive_scaled": n_naive < T,
+        "torch_gflops": flops / backend_s / 1e9, "grouped_gflops": flops / grouped_s / 1e9,
+        "dense_gflops": flops / dense_s / 1e9,
+        "naive_gflops": flops / naive_s / 1e9,
+        "torch_vs_dense": dense_s / backend_s, "torch_vs_dense_best": t_dense["min_s"] / t_backend["min_s"],
+        "torch_vs_naive": naive_s / backend_s,
+        "grouped_speedup": backend_s / grouped_s,
+        "grouped_speedup_best": t_backend["min_s"] / t_grouped["min_s"],
+        "reps": {"torch": t_backend["reps"], "grouped": t_grouped["reps"], "dense": t_dense["reps"],
+                 "naive": t_naive["reps"]},
+        "min_ms": {"torch": 1e3 * t_backend["min_s"], "grouped": 1e3 * t_grouped["min_s"],
+                   "dense": 1e3 * t_dense["min_s"]},
+        "backend_vs_naive_max_rel_diff": max_rel_diff,
+        "grouped_vs_torch_max_rel_diff": grouped_diff,
+    }
+
+
+def describe(r: dict) -> str:
+    note = f" (naive timed on {r['naive_tokens_timed']} tokens, scaled)" if r["naive_scaled"] else ""
+    return (
+        f"{r['dtype']:>8} {r['format']:>5} T={r['T']:5d}: "
+        f"torch {r['torch_ms']:9.2f} ms {r['torch_gflops']:7.1f} GFLOP/s | "
+        f"grouped {r['grouped_ms']:9.2f} ms ({r['grouped_speedup']:.2f}x torch) | "
+        f"dense {r['dense_ms']:8.2f} ms {r['dense_gflops']:7.1f} GFLOP/s | "
+        f"naive {r['naive_ms']:10.1f} ms {r['naive_gflops']:6.2f} GFLOP/s{note} | "
+        f"torch/dense {100 * r['torch_vs_dense']:5.1f}% (best-of {100 * r['torch_vs_dense_best']:5.1f}%)  "
+        f"torch vs naive {r['torch_vs_naive']:6.1f}x  "
+        f"(max rel diff vs naive {r['backend_vs_naive_max_rel_diff']:.1e})"
+    )
+
+
+def cpu_snapshot() -> tuple[float, float, float] | None:
+    """(wall s, busy CPU-s of the whole machine, CPU-s of this process), Linux only."""
+    busy = harness.busy_cpu_s()
+    if busy is None:
+        return None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.time(), busy, usage.ru_utime + usage.ru_stime
+
+
+def other_load(start, end) -> float | None:
+    """Fraction of the machine's CPU time used by *other* processes between two snapshots:
+    the benchmark is only trustworthy when this is near 0."""
+    if start is None or end is None:
+        return None
+    wall = end[0] - start[0]
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    # /proc/stat counts every CPU of the machine, not only the ones this process may use
+    return max(0.0, others / (wall * (os.cpu_count() or 1)))
+
+
+def machine_info(device: torch.device) -> dict:
+    """The machine record with the CPU model, torch's threads and the device."""
+    info = harness.machine_record(processor=platform.processor() or platform.machine(),
+                          torch_threads=torch.get_num_threads(), device=str(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| dtype | experts | T | slots T·K | active experts | torch ms | grouped ms | grouped speedup "
+            "(median; best) | dense ms | naive ms | torch GFLOP/s | grouped GFLOP/s | dense GFLOP/s "
+            "| torch / dense (median; best) | torch vs naive |")
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        naive = f"{r['naive_ms']:.1f}" + ("*" if r["naive_scaled"] else "")
+        lines.append(
+            f"| {r['dtype']} | {r['format']} | {r['T']} | {r['slots']} | {r['active_experts']} "
+            f"| {r['torch_ms']:.2f} | {r['grouped_ms']:.2f} | {r['grouped_speedup']:.2f}x; "
+            f"{r['grouped_speedup_best']:.2f}x | {r['dense_ms']:.2f} | {naive} | {r['torch_gflops']:.1f} "
+            f"| {r['grouped_gflops']:.1f} | {r['dense_gflops']:.1f} | {100 * r['torch_vs_dense']:.0f}%; "
+            f"{100 * r['torch_vs_dense_best']:.0f}% | {r['torch_vs_naive']:.1f}x |"
+        )
+    if any(r["naive_scaled"] for r in rows):
+        lines.append("")
+        lines.append("\\* naive loop timed on the first tokens only and scaled by T / n "
+                     "(see `naive_tokens_timed` in the results JSON).")
+    return "\n".join(lines)
+
+
+def shape_text(results: dict) -> str:
+    cfg = results["config"]
+    return (f"preset {results['preset']} (D={cfg['routed_expert_hidden_size']}, E={cfg['num_experts']}, "
+            f"K={cfg['num_experts_per_token']}, I={cfg['moe_intermediate_size']})")
+
+
+def target_verdicts(results: dict) -> list[tuple[str, dict]]:
+    """Each dtype and format at T = 4096: the torch backend's share of the dense GEMM's GFLOP/s."""
+    return [(f"torch backend / dense GEMM GFLOP/s, {r['dtype']} {r['format']}, T = 4096",
+             verdict(r["torch_vs_dense"], ">=", TARGET_FRACTION)) for r in results["rows"] if r["T"] == 4096]
+
+
+def index_rows(results: dict) -> list[Target]:
+    return [target(what, v) for what, v in target_verdicts(results)]
+
+
+def markdown(results: dict, json_path: str, png_path: str) -> str:
+    m = results["machine"]
+    busy = m.get("other_processes_cpu_fraction")
+    details = (f"{m.get('cpu_model', m['processor'])}, torch with {m['torch_threads']} threads on "
+               f"{m['device']}; {shape_text(results)}, layer {results['layer']}; FLOPs = 6·T·K·D·I"
+               + ("" if busy is None else f"; other processes used {100 * busy:.0f} % of the CPU time"))
+    lines = [section_start(SECTION, "experts", results["argv"], m, details, json_path, png_path), "",
+             markdown_table(results["rows"]), ""]
+    lines += [f"- {what}: {verdict_text(v)}" for what, v in target_verdicts(results)]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    rows = results["rows"]
+    title = f"routed experts, {shape_text(results)}, {results['machine']['torch_threads']} threads"
+    panels = sorted({(r["dtype"], r["format"]) for r in rows},
+                    key=lambda p: (list(DTYPES).index(p[0]), FORMATS.index(p[1])))
+    fig, axes = harness.pyplot().subplots(1, len(panels), figsize=(6.8 * len(panels), 4.2), squeeze=False)
+    for ax, (dt, fmt) in zip(axes[0], panels, strict=True):
+        sub = [r for r in rows if (r["dtype"], r["format"]) == (dt, fmt)]
+        xs = range(len(sub))
+        width = 0.21
+        for i, (key, label) in enumerate((("dense_gflops", "dense GEMM (same FLOPs)"),
+                                          ("torch_gflops", "torch backend"),
+                                          ("grouped_gflops", "grouped backend"),
+                                          ("naive_gflops", "naive per-token loop"))):
+            vals = [r[key] for r in sub]
+            bars = ax.bar([x + (i - 1.5) * width for x in xs], vals, width, label=label)
+            ax.bar_label(bars, labels=[f"{v:.1f}" for v in vals], fontsize=7)
+        ax.set_xticks(list(xs), [f"T={r['T']}" for r in sub])
+        ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high * 30)  # headroom for the legend above the bars
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"{dt}, {fmt} experts")
+        ax.legend(fontsize=7, loc="upper left", ncols=2)
+    fig.suptitle(title, fontsize=10)
+    harness.save_figure(fig, path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "experts")
+    ap.add_argument("--checkpoint", type=Path,
+                    help="checkpoint folder (written there from --preset if it does not exist; "
+                         "default: the --preset checkpoint under checkpoints/)")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--layer", type=int, help="MoE layer to load (default: the first)")
+    ap.add_argument("--tokens", default="16,512,4096", help="comma-separated token counts")
+    ap.add_argument("--dtypes", default="float32", help=f"comma-separated, from {list(DTYPES)}")
+    ap.add_argument("--formats", default="dense", help=f"experts formats, comma-separated, from {FORMATS}")
+    ap.add_argument("--naive-max-tokens", type=int, default=256,
+                    help="time the naive loop on at most this many tokens and scale by T / n")
+    ap.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per measurement")
+    ap.add_argument("--min-reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    try:
+        dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
+    except KeyError as exc:
+        ap.error(f"unknown dtype {exc}; choose from {list(DTYPES)}")
+    formats = args.formats.split(",")
+    if not set(formats) <= set(FORMATS):
+        ap.error(f"unknown experts format in {formats}; choose from {FORMATS}")
+
+    if args.checkpoint:
+        ckpt = harness.ensure_checkpoint(args.checkpoint, args.preset)
+    else:
+        ckpt = harness.preset_checkpoint(args.preset)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    layer = args.layer if args.layer is not None else cfg.moe_layers[0]
+    info = machine_info(device)
+    print(f"machine: {info.get('cpu_model', info['processor'])}, {info['cpus']} CPUs, "
+          f"torch {info['torch']} with {info['torch_threads']} threads, device {device}, "
+          f"load average {info['loadavg_before'][0]:.2f}")
+    print(f"preset {args.preset}: D={cfg.routed_expert_hidden_size} E={cfg.num_experts} "
+          f"K={cfg.num_experts_per_token} I={cfg.moe_intermediate_size}; layer {layer}; "
+          f"FLOPs = 6*T*K*D*I")
+    rows = []
+    snap0 = cpu_snapshot()
+    for dtype in dtypes:
+        w = load_layer_weights(ckpt, cfg, layer, dtype=dtype).to(device)
+        for fmt in formats:
+            ex = in_format(w.experts, fmt)
+            for T in tokens:
+                r = bench_one(cfg, w, ex, fmt, T, dtype, device, args)
+                rows.append(r)
+                print(describe(r), flush=True)
+    info["loadavg_after"] = harness.loadavg()
+    info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
+
+    busy = info["other_processes_cpu_fraction"]
+    if busy is not None:
+        print(f"other processes used {100 * busy:.0f}% of the machine's CPU time during the run"
+              + (" -- the numbers are disturbed, rerun on an idle machine" if busy > 0.1 else ""))
+    results = {"argv": args.argv, "preset": args.preset, "layer": layer, "config": cfg.to_dict(),
+               "machine": info, "rows": rows}
+    write_results(results, args.out, "experts", plot, markdown, index_rows, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

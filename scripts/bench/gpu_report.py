@@ -1,0 +1,261 @@
+"""The record of one scripts/gpu_check.sh run: its JSON, a plot, its page and its index rows.
+
+    python -m scripts.bench.gpu_report OUT_DIR [--docs docs/benchmarks] [--json PATH]
+
+Reads a gpu_check.sh output folder (environment.json, summary.json, gpu_tests.xml and the timing
+stages' JSON lines) and writes one combined JSON record of the run to ``--json``, a plot of the
+experts timings next to it (same name, ``.png``), and the ``gpu_check`` page and its rows of the
+index in ``--docs`` ('' skips them). Every number and verdict of the page is computed from the
+record; no GPU or torch is needed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from . import ROOT, harness
+from .docs import Target, check, load_label, publish, repo_relative, target, verdict, verdict_text, yes_no
+from .gpu_check_summary import TIMING_STAGES, junit_counts
+from .rows import read_rows
+
+HEADING = "# GPU check (scripts/gpu_check.sh)"
+NAME = "gpu_check"  # its page: docs/benchmarks/gpu_check.md
+COMMAND = "`scripts/gpu_check.sh OUT` then `python -m scripts.bench.gpu_report OUT`"
+
+
+def junit_record(path: Path) -> dict[str, Any] | None:
+    """Counts of a pytest junit file, ``passed`` and how many tests skipped for each reason."""
+    counts = junit_counts(path)
+    if counts is None:
+        return None
+    reasons = Counter(s.get("message", "") for s in ET.parse(path).getroot().iter("skipped"))
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {**counts, "passed": passed, "skip_reasons": dict(reasons)}
+
+
+def stage_record(path: Path) -> dict[str, Any] | None:
+    """A timing stage's header, rows and closing record (None when cut off), None without its file."""
+    if not path.exists():
+        return None
+    header, rows, done = read_rows(path)
+    return {"header": header, "rows": rows, "done": done, "complete": done is not None,
+            "skipped": header.get("skipped")}
+
+
+def collect(out: Path) -> dict[str, Any]:
+    """The combined record of the gpu_check.sh run in ``out``."""
+    def load(name: str) -> dict[str, Any] | None:
+        path = out / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+    record: dict[str, Any] = {"source": repo_relative(out.resolve()), "environment": load("environment.json"),
+                              "summary": load("summary.json"),
+                              "gpu_tests": junit_record(out / "gpu_tests.xml")}
+    record.update({name: stage_record(out / f"{name}.jsonl") for name in TIMING_STAGES})
+    return record
+
+
+def experts_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    return (record.get("experts") or {}).get("rows", [])
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Experts median ms against T, log-log: torch and grouped, dense and mxfp4."""
+    rows = experts_rows(record)
+    fig, ax = harness.pyplot().subplots(figsize=(6, 3.6))
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        sub = [r for r in rows if r["format"] == fmt]
+        for backend, style in (("torch", "--"), ("grouped", "-")):
+            ax.plot([r["T"] for r in sub], [r[backend]["median_ms"] for r in sub], style, marker="o",
+                    markersize=3, label=f"{backend}, {fmt}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("median ms")
+    gpus = (record.get("environment") or {}).get("gpus") or ["no GPU"]
+    ax.set_title(f"routed experts, {gpus[0]}", fontsize=10)
+    if rows:
+        ax.legend(fontsize=7)
+    harness.save_figure(fig, path, dpi=80)
+
+
+def size(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    kib = nbytes / 1024
+    return f"{kib:.1f} KiB" if kib < 1024 else f"{kib / 1024:.1f} MiB"
+
+
+def extremes(rows: list[dict[str, Any]], key: str) -> tuple[tuple[float, int], tuple[float, int]]:
+    """((smallest value, its T), (largest value, its T)) of ``row[key]`` over ``rows``."""
+    lo, hi = min(rows, key=lambda r: r[key]), max(rows, key=lambda r: r[key])
+    return (lo[key], lo["T"]), (hi[key], hi["T"])
+
+
+def machine_of(record: dict[str, Any]) -> dict[str, Any]:
+    """The machine record the experts stage kept (empty when the stage wrote none)."""
+    return (record.get("experts") or {}).get("header", {}).get("machine", {})
+
+
+def gpus_text(record: dict[str, Any]) -> str:
+    gpus = (record.get("environment") or {}).get("gpus") or []
+    return f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU"
+
+
+def index_rows(record: dict[str, Any]) -> list[Target]:
+    rows = [check("gpu_check.sh's verdict: passed", bool((record.get("summary") or {}).get("passed")))]
+    experts = experts_rows(record)
+    if experts:
+        slowest = min(r["grouped_speedup"] for r in experts)
+        outside = sum(not r["within_tolerance"] for r in experts)
+        rows += [target("grouped / torch experts speedup, slowest row", verdict(slowest, ">=", 1.0)),
+                 target("experts rows outside the check tolerance", verdict(outside, "<=", 0), "d")]
+    return rows
+
+
+def opening(record: dict[str, Any], json_path: str, png_path: str) -> str:
+    env, summary = record.get("environment") or {}, record.get("summary") or {}
+    experts = record.get("experts") or {}
+    machine = machine_of(record)
+    after = (experts.get("done") or {}).get("loadavg")
+    gpu = gpus_text(record)
+    runtime = next((f"{k.upper()} {env[k]}" for k in ("cuda", "hip") if env.get(k)), "no CUDA/HIP build")
+    load = load_label(machine["loadavg_before"], after, machine["cpus"]) if machine else "no machine record"
+    smoke = " (**CPU smoke run**: no GPU timings)" if summary.get("cpu_smoke") else ""
+    problems = summary.get("problems", ["no summary.json"])
+    outcome = "**passed**" if summary.get("passed") else f"**failed**: {'; '.join(problems)}"
+    return (f"{HEADING}\n\nRun: {COMMAND} -- {machine.get('date', 'date not recorded')}, {gpu}, torch "
+            f"{env.get('torch')}, {runtime}, Python {env.get('python')}{smoke}; {load}. gpu_check.sh's "
+            f"verdict (`summary.json`): {outcome}. Raw data: `{json_path}`, plot: `{png_path}`.")
+
+
+def stages_text(record: dict[str, Any]) -> list[str]:
+    summary = record.get("summary") or {}
+    lines = ["| stage | exit | seconds | limit s | rows | complete |", "|---|---:|---:|---:|---:|---|"]
+    for name, s in summary.get("stages", {}).items():
+        complete = "" if "complete" not in s else ("yes" if s["complete"] else "**no** (cut off)")
+        limit = " (time limit)" if s.get("timed_out") else ""
+        lines.append(f"| {name} | {s.get('exit', '-')}{limit} | {s.get('seconds', '-')} "
+                     f"| {s.get('limit_s', '-')} | {s.get('rows', '')} | {complete} |")
+    lines += ["", f"Total {summary.get('total_seconds', '-')} s."]
+    tests = record.get("gpu_tests")
+    if tests is None:
+        return [*lines, "", "GPU tests (`tests/test_gpu.py`): no junit file."]
+    skips = "; ".join(f"{n} x {reason}" for reason, n in tests["skip_reasons"].items())
+    return [*lines, "", f"GPU tests (`tests/test_gpu.py`): {tests['tests']} collected, **{tests['passed']} "
+            f"passed**, {tests['failures']} failed, {tests['errors']} errors, {tests['skipped']} skipped"
+            + (f" ({skips})" if skips else "") + "."]
+
+
+def experts_text(record: dict[str, Any]) -> list[str]:
+    stage = record.get("experts")
+    rows = experts_rows(record)
+    if not rows:
+        return ["**Experts backends**: no rows measured."]
+    s = stage["header"]["shape"]
+    reps = sorted({r[b]["reps"] for r in rows for b in ("torch", "grouped")})
+    lines = [
+        f"**Experts backends `torch` vs `grouped`** ({stage['header'].get('dtype')}, one rank's shapes at TP "
+        f"{s['P']}: D = {s['D']}, E = {s['E']}, K = {s['K']}, I = {s['I']} / {s['P']} = {s['I_local']}; "
+        f"synthetic random weights and top-K routing; medians of {reps[0]}-{reps[-1]} calls"
+        f"{'' if stage['complete'] else '; **stage cut off**, rows measured so far'}). Speedup = torch ms / "
+        "grouped ms; rel diff = max|grouped - torch| / max|torch|; within tolerance = within the experts "
+        f"backends' check tolerance for {stage['header'].get('dtype')}.",
+        "",
+        "| format | T | active experts | torch ms | grouped ms | speedup | rel diff | within tolerance |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['T']} | {r['active_experts']} | {r['torch']['median_ms']:.3f} "
+                     f"| {r['grouped']['median_ms']:.3f} | {r['grouped_speedup']:.2f}x "
+                     f"| {r['grouped_vs_torch_rel_diff']:.1e} | {yes_no(r['within_tolerance'])} |")
+    slowest = min(r["grouped_speedup"] for r in rows)
+    outside = sum(not r["within_tolerance"] for r in rows)
+    lines += ["", f"- grouped is not slower than torch in every row: lowest speedup "
+                  f"{verdict_text(verdict(slowest, '>=', 1.0))}.",
+              f"- every row within tolerance: rows outside {verdict_text(verdict(outside, '<=', 0), 'd')}; "
+              f"largest rel diff {max(r['grouped_vs_torch_rel_diff'] for r in rows):.1e}."]
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    for fmt in formats:
+        sub = [r for r in rows if r["format"] == fmt]
+        (lo, t_lo), (hi, t_hi) = extremes(sub, "grouped_speedup")
+        lines.append(f"- {fmt}: speedup {lo:.2f}x (T = {t_lo}) to {hi:.2f}x (T = {t_hi}).")
+    grouped = {(r["format"], r["T"]): r["grouped"]["median_ms"] for r in rows}
+    both = [{"T": T, "ratio": grouped["mxfp4", T] / grouped["dense", T]}
+            for f, T in grouped if f == "dense" and ("mxfp4", T) in grouped]
+    if both:
+        (lo, t_lo), (hi, t_hi) = extremes(both, "ratio")
+        lines.append(f"- grouped mxfp4 / grouped dense ms: {lo:.1f}x (T = {t_lo}) to {hi:.1f}x (T = {t_hi}); "
+                     f"mxfp4 is slowest relative to dense at T = {t_hi}.")
+    return lines
+
+
+def collectives_text(record: dict[str, Any]) -> list[str]:
+    stage = record.get("collectives")
+    if not stage or not stage["rows"]:
+        return ["**Latent collectives**: no rows measured."]
+    h, rows = stage["header"], stage["rows"]
+    note = f": {h['note']}" if h.get("note") else ""
+    lines = [f"**Latent collectives** ({h.get('backend')}, world {h.get('world')}, D = {h.get('D')}{note}).",
+             "",
+             "| dtype | T | bytes | all_reduce ms | reduce_scatter ms |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['T']} | {size(r['bytes'])} | {r['all_reduce']['median_ms']:.4f} "
+                     f"| {r['reduce_scatter']['median_ms']:.4f} |")
+    lines.append("")
+    nbytes = [r["bytes"] for r in rows]
+    for op in ("all_reduce", "reduce_scatter"):
+        ms = [r[op]["median_ms"] for r in rows]
+        lines.append(f"- {op}: {min(ms):.4f} to {max(ms):.4f} ms over {size(min(nbytes))} to "
+                     f"{size(max(nbytes))}.")
+    return lines
+
+
+def tail_text(record: dict[str, Any]) -> list[str]:
+    stage = record.get("tail")
+    if not stage:
+        return ["**TP-2 tail**: no tail.jsonl."]
+    if stage["skipped"]:
+        return [f"**TP-2 tail**: skipped ({stage['skipped']})."]
+    lines = ["**TP-2 tail** against the single-GPU layer:", "",
+             "| tail | T | layer ms | rel diff | within tolerance |", "|---|---:|---:|---:|---|"]
+    for r in stage["rows"]:
+        lines.append(f"| {r['tail']} | {r['T']} | {r['layer']['median_ms']:.3f} "
+                     f"| {r['rel_diff_vs_single_gpu']:.1e} | {yes_no(r['within_tolerance'])} |")
+    return lines
+
+
+def markdown(record: dict[str, Any], json_path: str, png_path: str) -> str:
+    """The ``gpu_check`` page's part, from :func:`collect`'s record alone."""
+    parts = [[opening(record, json_path, png_path)], stages_text(record), experts_text(record),
+             collectives_text(record), tail_text(record)]
+    return "\n\n".join("\n".join(p) for p in parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", type=Path, help="a scripts/gpu_check.sh output folder")
+    ap.add_argument("--docs", default=str(harness.PAGES),
+                    help="the benchmark pages' folder whose page and index this run rewrites ('' for none)")
+    ap.add_argument("--json", type=Path, default=ROOT / "artifacts" / NAME / f"{NAME}.json",
+                    help="the combined record (a plot beside it)")
+    args = ap.parse_args(argv)
+    record = collect(args.out_dir)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=1) + "\n")
+    png = args.json.with_suffix(".png")
+    plot(record, png)
+    section = markdown(record, repo_relative(args.json.resolve()), repo_relative(png.resolve()))
+    print(section)
+    when = {"date": machine_of(record).get("date", "not recorded")}
+    publish(section, NAME, index_rows(record), when, args.docs, machine=gpus_text(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,257 @@
+"""GPU timings for scripts/gpu_check.sh: experts backends, latent collectives, a TP-2 tail comparison.
+
+Subcommands, each writing one JSON-lines file (``--out``) as it measures: a header record (shapes,
+machine, load average), then one record per measured point, appended and flushed the moment it is
+measured, then a closing record. A stage cut off by gpu_check.sh's time limit keeps every point it
+measured and lacks only the closing record (``read_rows`` reports it as partial).
+
+* ``experts``: the ``torch`` and ``grouped`` experts backends side by side at Kimi-K3 per-rank
+  shapes (D = 3584, E = 896, K = 16, I_local = 3072 / P; default P = 8, one MI300X node), dense
+  bf16 and MXFP4-packed experts, T = 1 ... 8192 tokens, on synthetic in-memory weights (random
+  values, random top-K routing: no checkpoint needed). Each point also records the two backends'
+  max difference relative to max|L|.
+* ``collectives``: all-reduce and reduce-scatter of the latent ``[T, D]`` (bf16 and fp32) over
+  every GPU of the machine (NCCL; RCCL on ROCm). One GPU gives a world of one: a launch-overhead
+  figure only, and the JSON says so.
+* ``tail``: with two or more GPUs, every legal tail at TP 2 on a generated small checkpoint,
+  against the single-GPU reference layer, timed. Skipped (and said so) on one GPU.
+
+``--smoke`` runs the same code on the CPU with tiny shapes (gloo, two processes for the
+collectives and the tail), to dry-run this script where no GPU is lent.
+Legend: T tokens, D latent, E experts, K slots per token, I intermediate, P TP size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_runtime import mxfp4
+from moe_runtime.activation import GatedActivation
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.experts import get_backend
+from moe_runtime.experts.check import TOLERANCE
+from moe_runtime.tp.collectives import Collectives, free_port, init_group
+from moe_runtime.units import dtype_name
+from moe_runtime.weights import ExpertWeights
+
+from .harness import machine_record, synchronizer, time_calls
+from .rows import RowWriter, read_rows
+
+K3 = {"D": 3584, "E": 896, "K": 16, "I": 3072}
+SMOKE = {"D": 64, "E": 8, "K": 2, "I": 64}
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+SMOKE_TOKENS = (1, 8, 64)
+SITU = GatedActivation(4.0, 25.0)
+# A bf16 TP layer vs the single-device one: a few bf16 ulps of max|out| (tests/test_tp_runner.py).
+TAIL_TOLERANCE = 4 * 2**-8
+
+
+def device_of(smoke: bool, rank: int = 0) -> torch.device:
+    if smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA/ROCm device visible to torch; use --smoke for the CPU dry run")
+    return torch.device("cuda", rank)
+
+
+def median_ms(fn, device: torch.device, reps: int, budget_s: float = float("inf")) -> dict:
+    """Median / min of ``fn`` after a warm-up call: ``reps`` calls, fewer if they overrun ``budget_s``
+    (never with collectives inside: every rank must make the same number of calls)."""
+    ms = [1e3 * s for s in time_calls(fn, reps, budget_s=budget_s, sync=synchronizer(device)).seconds]
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "reps": len(ms)}
+
+
+def machine(device: torch.device) -> dict:
+    info = machine_record(hip=torch.version.hip, cuda=torch.version.cuda, device=str(device))
+    if device.type == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(device), gpus=torch.cuda.device_count())
+    return info
+
+
+# -- experts ------------------------------------------------------------------------------------
+
+
+def synthetic_experts(shape: dict, P: int, dtype: torch.dtype, packed: bool, device) -> ExpertWeights:
+    """Random experts of one rank, generated on the device: dense ~ N(0, 1/D), or random FP4
+    codes with E8M0 scales 2**-7 ... 2**-4 (magnitudes like a trained layer's)."""
+    E, D, I = shape["E"], shape["D"], shape["I"] // P
+    gen = torch.Generator(device=device).manual_seed(0)
+    if not packed:
+        w13 = torch.randn(E, 2 * I, D, generator=gen, device=device, dtype=dtype) * D**-0.5
+        w2 = torch.randn(E, D, I, generator=gen, device=device, dtype=dtype) * I**-0.5
+        return ExpertWeights(w13, w2, dtype=dtype)
+
+    def codes(*s):
+        return torch.randint(0, 256, s, generator=gen, device=device, dtype=torch.uint8)
+
+    def scales(*s):
+        return torch.randint(120, 124, s, generator=gen, device=device, dtype=torch.uint8)
+
+    B = mxfp4.BLOCK
+    return ExpertWeights(codes(E, 2 * I, D // 2), codes(E, D, I // 2), scales(E, 2 * I, D // B),
+                         scales(E, D, I // B), dtype=dtype)
+
+
+def routing(T: int, E: int, K: int, device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.rand(T, E, generator=gen, device=device).topk(K, dim=1).indices
+    weights = torch.rand(T, K, generator=gen, device=device)
+    return ids, weights / weights.sum(1, keepdim=True)
+
+
+def run_experts(args) -> None:
+    device = device_of(args.smoke)
+    shape, tokens = (SMOKE, SMOKE_TOKENS) if args.smoke else (K3, TOKENS)
+    P = 1 if args.smoke else args.tp  # the tiny smoke experts hold one MXFP4 block per row at P = 1
+    backends = {name: get_backend(name) for name in ("torch", "grouped")}
+    out = RowWriter(args.out, what="experts", shape=dict(shape, P=P, I_local=shape["I"] // P),
+                    dtype="bfloat16", machine=machine(device))
+    for fmt in ("dense", "mxfp4"):
+        ex = synthetic_experts(shape, P, torch.bfloat16, fmt == "mxfp4", device)
+        for T in tokens:
+            h = torch.randn(T, shape["D"], device=device, dtype=torch.bfloat16)
+            ids, w = routing(T, shape["E"], shape["K"], device, seed=T)
+            outs, row = {}, {"format": fmt, "T": T, "active_experts": int(torch.unique(ids).numel())}
+            for name, be in backends.items():
+                call = partial(be, h, ids, w, ex, SITU)
+                with torch.inference_mode():
+                    row[name] = median_ms(call, device, args.reps, args.point_budget_s)
+                    outs[name] = call()
+            ref = outs["torch"].abs().max().item() or 1.0
+            row["grouped_vs_torch_rel_diff"] = (outs["grouped"] - outs["torch"]).abs().max().item() / ref
+            row["grouped_speedup"] = row["torch"]["median_ms"] / row["grouped"]["median_ms"]
+            row["within_tolerance"] = row["grouped_vs_torch_rel_diff"] <= TOLERANCE[torch.bfloat16]
+            print(f"experts {fmt:5} T={T:5d}: torch {row['torch']['median_ms']:9.3f} ms, grouped "
+                  f"{row['grouped']['median_ms']:9.3f} ms ({row['grouped_speedup']:.2f}x), rel diff "
+                  f"{row['grouped_vs_torch_rel_diff']:.1e}", flush=True)
+            out.row(row)
+    out.close()
+
+
+# -- collectives --------------------------------------------------------------------------------
+
+
+def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, out: str) -> None:
+    device = device_of(smoke, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_group(rank, world, "127.0.0.1", port, "gloo" if smoke else "nccl", 120.0)
+    comm = Collectives(rank, world, device)
+    D = (SMOKE if smoke else K3)["D"]
+    note = None if world > 1 else "one device: a world of one reduces nothing; launch overhead only"
+    writer = RowWriter(Path(out), what="collectives", world=world, backend="gloo" if smoke else "nccl",
+                       note=note, D=D, machine=machine(device)) if rank == 0 else None
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            for T in SMOKE_TOKENS if smoke else TOKENS:
+                Tp = -(-T // world) * world  # reduce-scatter needs rows divisible by the world
+                x = torch.randn(Tp, D, device=device, dtype=dtype)
+                ar = median_ms(partial(comm.all_reduce, x), device, reps)
+                rs = median_ms(partial(comm.reduce_scatter, x), device, reps)
+                nbytes = x.numel() * x.element_size()
+                bus = 2 * (world - 1) / world * nbytes / ar["median_ms"] / 1e6  # ring: 2 (P-1)/P per rank
+                if writer:
+                    writer.row({"dtype": dtype_name(dtype), "T": T, "bytes": nbytes,
+                                "all_reduce": ar, "reduce_scatter": rs, "all_reduce_bus_GBps": bus})
+    finally:
+        dist.destroy_process_group()
+    if writer:
+        writer.close()
+
+
+# -- TP-2 tail comparison -----------------------------------------------------------------------
+
+
+def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: int, out: str) -> None:
+    from moe_runtime.checkpoint import load_layer_weights
+    from moe_runtime.layer import moe_forward
+    from moe_runtime.tp.plan import TailPlan, legal_tails
+    from moe_runtime.tp.runner import build_rank_runners
+
+    device = device_of(smoke, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_group(rank, world, "127.0.0.1", port, "gloo" if smoke else "nccl", 120.0)
+    comm = Collectives(rank, world, device)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    layer = cfg.moe_layers[0]
+    dtype = torch.bfloat16
+    ref_w = load_layer_weights(ckpt, cfg, layer, dtype).to(device) if rank == 0 else None
+    writer = RowWriter(Path(out), what="tail", world=world, checkpoint=cfg.to_dict(),
+                       machine=machine(device)) if rank == 0 else None
+    try:
+        runner = build_rank_runners(ckpt, cfg, [layer], comm, TailPlan.single("replicated", "gpu check"),
+                                    dtype=dtype, device=device)[layer]
+        for tail in legal_tails(cfg, world):
+            for T in SMOKE_TOKENS if smoke else (1, 64, 1024):
+                gen = torch.Generator().manual_seed(T)
+                x = torch.randn(T, cfg.hidden_size, generator=gen).to(dtype).to(device)
+                with torch.inference_mode():
+                    timing = median_ms(partial(runner.forward, x, tail=tail), device, reps)
+                    got = runner.forward(x, tail=tail)
+                    if writer:
+                        ref = moe_forward(x, ref_w, cfg)
+                        rel = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+                        writer.row({"tail": tail, "T": T, "layer": timing, "rel_diff_vs_single_gpu": rel,
+                                    "within_tolerance": rel <= TAIL_TOLERANCE})
+    finally:
+        dist.destroy_process_group()
+    if writer:
+        writer.close()
+
+
+def spawn(fn, world: int, *args) -> None:
+    mp.spawn(fn, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("experts", "collectives", "tail"))
+    ap.add_argument("--out", type=Path, required=True, help="JSON-lines file to write (one record per point)")
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run with tiny shapes")
+    ap.add_argument("--tp", type=int, default=8, help="TP size whose per-rank expert shapes are timed")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--point-budget-s", type=float, default=3.0, help="stop repeating a point after this")
+    args = ap.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if args.what == "experts":
+        if K3["I"] % args.tp:
+            ap.error(f"--tp {args.tp} does not divide K3's intermediate size {K3['I']}")
+        run_experts(args)
+    elif args.what == "collectives":
+        world = 2 if args.smoke else max(1, torch.cuda.device_count())
+        spawn(_collectives_rank, world, args.smoke, args.reps, str(args.out))
+    else:
+        gpus = 2 if args.smoke else torch.cuda.device_count()
+        if gpus < 2:
+            RowWriter(args.out, what="tail", skipped=f"{gpus} GPU(s): the TP-2 tail needs two").close()
+            print(f"tail: skipped, {gpus} GPU(s)")
+            return 0
+        from moe_runtime.synthetic import preset_config, write_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+            raw = preset_config("tiny" if args.smoke else "small")
+            ckpt = write_checkpoint(Path(tmp) / "ckpt", raw, seed=0)
+            spawn(_tail_rank, 2, args.smoke, str(ckpt), args.reps, str(args.out))
+    print(f"{args.what}: wrote {args.out} in {time.perf_counter() - start:.1f} s")
+    _, rows, _ = read_rows(args.out)
+    bad = [r for r in rows if not r.get("within_tolerance", True)]
+    for r in bad:
+        print(f"OUT OF TOLERANCE: {r}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())

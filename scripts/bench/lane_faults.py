@@ -1,0 +1,219 @@
+"""Lane faults: a killed rank under lane load, and a stalled rank.
+
+One local Ray instance (CPU, logical GPUs), one deployment of 2 replicas, each a TP --tp group.
+
+* kill: a closed loop calls ``lane.forward`` (T = --tokens) and checks every answer against the
+  Serve path's answer for the same input (taken before the lane opens); after --warm-s seconds
+  one rank of the leased replica is SIGKILLed, and the loop runs --after-s seconds more.
+  Recorded: client-visible errors (target 0), wrong answers (target 0), the slowest call, the
+  time from the kill to the first answer on any path and to the first answer on a lane again
+  (a new lease on the healthy replica), and per call its start, duration and path.
+* stall: once Serve has replaced the killed replica (2 healthy replicas again), a fresh lane on
+  one of them; one rank of its replica is SIGSTOPped and one call
+  is made: it must end (answered by the other replica through the Serve path, or an error)
+  within the stated bound, never hang: the retry rule allows the lane's attempt and one more on
+  another replica, each within the call timeout (collective_timeout_s + call_margin_s); the bound
+  is three call timeouts plus 15 s of slack for the replica-side watcher.
+
+Writes JSON + PNG under --out, its page, docs/benchmarks/lane_faults.md, and its rows of the index
+(--docs; '' to skip); verdicts are computed from the data.
+
+    python -m scripts.bench.lane_faults            # tiny checkpoint, ~2-3 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import harness
+from .docs import Target, section_start, target, verdict, write_results
+
+APP, NAME, LAYER = "lanefaults", "pair", 1
+SECTION = "# Lane faults (scripts/bench/lane_faults.py)"
+
+
+def rank_pid(lane: Any, rank: int) -> int:
+    import ray
+
+    return ray.get(lane.leases[NAME].grant["ranks"][rank].info.remote(), timeout=30)["pid"]
+
+
+def kill_under_load(client: Any, x: torch.Tensor, want: torch.Tensor, warm_s: float, after_s: float,
+                    rank: int) -> dict[str, Any]:
+    calls: list[dict[str, Any]] = []
+    errors: list[str] = []
+    stop = threading.Event()
+    with client.lane(max_tokens=x.shape[0], name="bench-kill", retry_s=0.5) as lane:
+        lease = lane.leases[NAME]
+
+        def lane_calls() -> int:
+            return lane.status()["deployments"][NAME]["lane_calls"]
+
+        def loop() -> None:
+            while not stop.is_set():
+                before, start = lane_calls(), time.monotonic()
+                try:
+                    out = lane.forward(x, LAYER)
+                    calls.append({"t": start, "ms": (time.monotonic() - start) * 1e3,
+                                  "path": "lane" if lane_calls() > before else "serve",
+                                  "replica": lease.replica, "ok": bool(torch.equal(out, want))})
+                except Exception as e:  # noqa: BLE001 -- counted: the target is none
+                    errors.append(f"{type(e).__name__}: {e}")
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        time.sleep(warm_s)
+        victim = lease.replica
+        pid = rank_pid(lane, rank)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(after_s)
+        stop.set()
+        thread.join(timeout=600)
+        hung = thread.is_alive()
+        lane_status = lane.status()["deployments"][NAME]
+    after = [c for c in calls if c["t"] + c["ms"] / 1e3 > killed]
+    first_any = min((c["t"] + c["ms"] / 1e3 - killed for c in after), default=None)
+    first_lane = min((c["t"] + c["ms"] / 1e3 - killed for c in after
+                      if c["path"] == "lane" and c["replica"] != victim), default=None)
+    for c in calls:
+        c["t"] -= killed
+    return {"calls": len(calls), "errors": errors, "wrong": sum(not c["ok"] for c in calls), "hung": hung,
+            "max_ms": max(c["ms"] for c in calls), "first_answer_s": first_any,
+            "first_lane_answer_s": first_lane, "lane": lane_status, "timeline": calls,
+            "serve_calls_after_kill": sum(c["path"] == "serve" for c in after)}
+
+
+def wait_for_replicas(client: Any, n: int, timeout_s: float) -> float:
+    """Seconds until ``n`` distinct replicas answer status() with a usable group."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        seen = {st["replica"] for st in (client.status() for _ in range(8 * n)) if st["healthy"]}
+        if len(seen) >= n:
+            return time.monotonic() - start
+        time.sleep(1.0)
+    raise TimeoutError(f"fewer than {n} healthy replicas after {timeout_s:.0f} s")
+
+
+def stall(client: Any, x: torch.Tensor, rank: int, bound_s: float) -> dict[str, Any]:
+    from deployments.client import MoEServeError
+
+    with client.lane(max_tokens=x.shape[0], name="bench-stall", wait_s=30) as lane:
+        if not lane.leases[NAME].held:
+            return {"skipped": lane.status()["deployments"][NAME]["why_serve"]}
+        pid = rank_pid(lane, rank)
+        os.kill(pid, signal.SIGSTOP)
+        start, outcome = time.monotonic(), "answered"
+        try:
+            lane.forward(x, LAYER)
+        except MoEServeError as e:
+            outcome = f"error {e.status}: {e.message[:160]}"
+        finally:
+            seconds = time.monotonic() - start
+            with contextlib.suppress(ProcessLookupError):  # the broken group's replica ended it
+                os.kill(pid, signal.SIGCONT)
+    return {"seconds": seconds, "outcome": outcome, "bound_s": bound_s}
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, ax = harness.pyplot().subplots(figsize=(7, 3.5))
+    for path_kind, color in (("lane", "tab:green"), ("serve", "tab:orange")):
+        pts = [c for c in results["kill"]["timeline"] if c["path"] == path_kind]
+        ax.scatter([c["t"] for c in pts], [c["ms"] for c in pts], s=6, color=color, label=path_kind)
+    ax.axvline(0, color="tab:red", lw=1, label="rank SIGKILL")
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds since the kill")
+    ax.set_ylabel("call ms")
+    ax.legend()
+    ax.set_title(f"lane calls around a rank kill (TP {results['tp']}, T {results['tokens']})")
+    harness.save_figure(fig, path, dpi=120)
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    k, s = results["kill"], results["stall"]
+    kill = Target("a leased rank SIGKILLed under load: client errors / wrong answers / hung, all none",
+                  f"{len(k['errors'])} / {k['wrong']} / {'yes' if k['hung'] else 'no'}",
+                  not k["errors"] and not k["wrong"] and not k["hung"])
+    what = "a leased rank SIGSTOPped: seconds until the call ended"
+    if "skipped" in s:
+        return [kill, Target(what, "-", None)]
+    return [kill, target(what, verdict(s["seconds"], "<=", s["bound_s"]), ".1f")]
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    k, s = results["kill"], results["stall"]
+
+    def sec(v: float | None) -> str:
+        return "never" if v is None else f"{v:.2f} s"
+
+    met = not k["errors"] and not k["wrong"] and not k["hung"]
+    stall_met = "skipped" not in s and s["seconds"] <= s["bound_s"]
+    lines = [
+        section_start(
+            SECTION, "lane_faults", results["argv"], results["machine"],
+            f"tiny checkpoint, 1 deployment of 2 replicas, TP {results['tp']}, float32, "
+            f"T = {results['tokens']}", json_path, png_path), "",
+        "| fault | calls | client errors | wrong | hung | slowest call | first answer after | "
+        "first lane answer after |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| SIGKILL rank {results['rank']} of the leased replica | {k['calls']} | {len(k['errors'])} | "
+        f"{k['wrong']} | {'yes' if k['hung'] else 'no'} | {k['max_ms']:.0f} ms | "
+        f"{sec(k['first_answer_s'])} | {sec(k['first_lane_answer_s'])} |",
+        "",
+        f"After the kill, {k['serve_calls_after_kill']} call(s) ran on the Serve path (the failed lane "
+        f"call retried there, then the calls until the lane leased the healthy replica). Verdict "
+        f"(0 client errors, 0 wrong, none hung): **{'met' if met else 'MISSED'}**.",
+    ]
+    if "skipped" in s:
+        lines += ["", f"Stalled rank: not measured ({s['skipped']})."]
+    else:
+        lines += ["", f"SIGSTOP of rank {results['rank']} of the leased replica: the call ended in "
+                  f"{s['seconds']:.1f} s ({s['outcome']}); bound {s['bound_s']:.0f} s (lane call timeout + "
+                  f"one Serve attempt per replica + 15 s): **{'met' if stall_met else 'MISSED'}**."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "lane_faults")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=1, help="the rank to kill / stop")
+    ap.add_argument("--warm-s", type=float, default=3.0)
+    ap.add_argument("--after-s", type=float, default=10.0)
+    args = ap.parse_args(argv)
+    if not 0 <= args.rank < args.tp:
+        raise ValueError(f"--rank {args.rank} is not a rank of a TP {args.tp} group")
+    from deployments.client import MoEClient
+
+    timeouts = {"collective_timeout_s": 4.0, "call_margin_s": 4.0}
+    app = {"checkpoint": str(harness.preset_checkpoint("tiny")), "ingress_replicas": 1, "deployments": [{
+        "name": NAME, "tp_size": args.tp, "dtype": "float32", "num_replicas": 2, "lane_lease_s": 2.0,
+        "health_check_period_s": 1.0, "graceful_shutdown_timeout_s": 1.0, **timeouts}]}
+    if args.tp > 1:
+        app["deployments"][0]["tail"] = "sharded"
+    x = harness.seeded_randn(args.tokens, 128, seed=0)
+    machine = harness.machine_record(with_ray=True)
+    with harness.local_serve(num_cpus=6, num_gpus=3 * args.tp):
+        harness.deploy(app, APP)
+        client = MoEClient.direct(NAME, APP, timeout_s=120)
+        want = client.forward(x, LAYER)
+        kill = kill_under_load(client, x, want, args.warm_s, args.after_s, args.rank)
+        call_timeout = timeouts["collective_timeout_s"] + timeouts["call_margin_s"]
+        kill["replaced_after_s"] = wait_for_replicas(client, 2, timeout_s=600)  # Serve replaced the victim
+        stalled = stall(client, x, args.rank, bound_s=3 * call_timeout + 15)
+    results = {"kill": kill, "stall": stalled, "tp": args.tp, "tokens": args.tokens, "rank": args.rank,
+               "argv": args.argv, "machine": dict(machine, loadavg_after=harness.loadavg())}
+    write_results(results, args.out, "lane_faults", plot, markdown, index_rows, args.docs)
+    return 0 if not kill["errors"] and not kill["wrong"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

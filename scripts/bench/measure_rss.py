@@ -1,0 +1,46 @@
+"""Run a command and sample the resident memory of its whole process tree; print the peak.
+
+    python -m scripts.bench.measure_rss [--interval 0.2] [--json OUT] -- python -m moe_runtime forward ...
+
+Every ``--interval`` seconds it sums ``rss`` (RssAnon + RssShmem) and ``pss`` (Pss_Anon + Pss_Shmem)
+over the command's process and all its descendants (see scripts/bench/rss.py). The peak of each sum
+over the run, the sample count and the processes seen at the ``rss`` peak go to stdout and, with
+``--json``, to a file (with the load average before and after). The exit status is the command's.
+Linux only (/proc). Page-cache (file) memory is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .rss import measure
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
+    ap.add_argument("--json", type=Path, help="also write the measurement here")
+    args = ap.parse_args(argv[:split])
+    cmd = argv[split + 1:]
+    if not cmd:
+        ap.error("no command after --")
+    rc, result = measure(cmd, args.interval)
+    print(f"peak anon+shmem RSS of the process tree: {result['peak_rss_gb']:.3f} GB "
+          f"(PSS {result['peak_pss_gb']:.3f} GB; {result['samples']} samples every {args.interval} s, "
+          f"up to {result['max_processes']} processes; command exit {rc})", file=sys.stderr)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""Check the memory planner (``moe_runtime.memory``) against measured memory, side by side.
+
+For each (dtype, experts format, T) it runs one fresh process that loads one MoE layer of a
+generated checkpoint (``--preset``, TP 1) and runs one forward of T tokens, and reports:
+
+* resident bytes of the loaded layer (``LayerWeights.nbytes_by_part``) vs the planner's bytes
+  by part for the format the loader holds (must be equal: ``weights_exact``);
+* the forward's peak RSS growth (Linux ``VmHWM`` after resetting it through
+  ``/proc/self/clear_refs``, minus ``VmRSS`` before the forward) vs the planner's activation
+  allowance ``T x activation_bytes_per_token`` and its whole workspace (+ decode scratch):
+  ``ratio`` = measured / activation allowance (<= 1: the allowance bounds what was measured).
+
+Writes ``memory.json`` and ``memory.png`` to ``--out``, and its page (docs/benchmarks/memory.md) and
+rows of the index to ``--docs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from . import ROOT, harness
+from .docs import Target, check, section_start, write_results
+from .rss import proc_bytes
+
+SECTION = "# Memory planner vs measured memory (scripts/bench/memory.py)"
+
+
+def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
+    """Child process: load layer 1, one warm-up and one measured forward of ``tokens``."""
+    import torch
+
+    from moe_runtime.checkpoint import checkpoint_expert_formats, load_layer_weights
+    from moe_runtime.config import LatentMoEConfig
+    from moe_runtime.layer import moe_forward
+    from moe_runtime.planning import memory
+    from moe_runtime.units import torch_dtype
+
+    torch.set_num_threads(1)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    w = load_layer_weights(ckpt, cfg, 1, torch_dtype(dtype))
+    held = "mxfp4" if w.experts.packed else "dense"
+    plan = memory.plan_memory(cfg, {1: held}, dtype, 1, max_tokens=tokens)
+    x = harness.seeded_randn(tokens, cfg.hidden_size, seed=0, dtype=torch_dtype(dtype))
+    with torch.inference_mode():
+        moe_forward(x[:8], w, cfg)  # allocator and thread pools warm
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to now
+        before = proc_bytes("/proc/self/status", "VmRSS")
+        moe_forward(x, w, cfg)
+        growth = proc_bytes("/proc/self/status", "VmHWM") - before
+    return {
+        "dtype": dtype, "tokens": tokens, "experts_held": held,
+        "checkpoint_format": checkpoint_expert_formats(ckpt, cfg, [1])[1],
+        "resident_by_part": w.nbytes_by_part(), "planned_by_part": plan.by_part,
+        "weights_exact": w.nbytes_by_part() == plan.by_part,
+        "forward_peak_growth_bytes": growth,
+        "activation_allowance_bytes": plan.workspace.activation_bytes,
+        "workspace_bytes": plan.workspace.total,
+        "ratio": growth / plan.workspace.activation_bytes,
+    }
+
+
+def index_rows(results: dict) -> list[Target]:
+    rows = results["rows"]
+    return [check("resident weights = the planner's bytes, part by part, every row",
+                  all(r["weights_exact"] for r in rows)),
+            check("forward peak RSS growth <= the planned workspace, every row",
+                  all(r["forward_peak_growth_bytes"] <= r["workspace_bytes"] for r in rows))]
+
+
+def markdown(results: dict, json_path: str, png_path: str) -> str:
+    lines = [section_start(SECTION, "memory", results["argv"], results["machine"],
+                           f"preset `{results['preset']}`, TP 1, one fresh process per row, 1 torch thread",
+                           json_path, png_path), "",
+             "| checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB "
+             "| workspace MB | ratio |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
+    for r in results["rows"]:
+        lines.append(f"| {r['checkpoint_format']} | {r['experts_held']} | {r['dtype']} | {r['tokens']} | "
+                     f"{r['weights_exact']} | {r['forward_peak_growth_bytes'] / 1e6:.1f} | "
+                     f"{r['activation_allowance_bytes'] / 1e6:.1f} | {r['workspace_bytes'] / 1e6:.1f} "
+                     f"| {r['ratio']:.2f} |")
+    lines.append("")
+    lines += [f"- {t.target}: {t.measured}" for t in index_rows(results)]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    rows = results["rows"]
+    fig, ax = harness.pyplot().subplots(figsize=(7, 4))
+    for fmt in ("dense", "mxfp4"):
+        for dtype in ("float32", "bfloat16"):
+            sel = [r for r in rows if r["checkpoint_format"] == fmt and r["dtype"] == dtype]
+            ax.plot([r["tokens"] for r in sel], [r["forward_peak_growth_bytes"] / 1e6 for r in sel], "o-",
+                    label=f"measured {fmt} {dtype}")
+            if fmt == "dense":
+                style = "k--" if dtype == "float32" else "k:"
+                allowance = [r["activation_allowance_bytes"] / 1e6 for r in sel]
+                ax.plot([r["tokens"] for r in sel], allowance, style, label=f"planner allowance {dtype}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per forward")
+    ax.set_ylabel("MB")
+    ax.set_title(f"forward peak RSS growth vs planner activation allowance ({results['preset']}, TP 1)")
+    ax.legend(fontsize=7)
+    harness.save_figure(fig, path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "memory")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--tokens", default="256,2048,8192")
+    ap.add_argument("--child", nargs=3, metavar=("CKPT", "DTYPE", "T"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure_one(args.child[0], args.child[1], int(args.child[2]))))
+        return 0
+    machine = harness.machine_record()
+    rows = []
+    for fmt in ("dense", "mxfp4"):
+        ckpt = harness.preset_checkpoint(args.preset, 2, mxfp4=fmt == "mxfp4")
+        for dtype in ("float32", "bfloat16"):
+            for T in (int(t) for t in args.tokens.split(",")):
+                child = [sys.executable, "-m", "scripts.bench.memory", "--child", str(ckpt), dtype, str(T)]
+                out = subprocess.run(child, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+                row = json.loads(out.strip().splitlines()[-1])
+                rows.append(row)
+                print(f"{fmt:5s} {dtype:8s} T={T:5d}: weights exact {row['weights_exact']}, forward peak "
+                      f"{row['forward_peak_growth_bytes'] / 1e6:7.1f} MB vs allowance "
+                      f"{row['activation_allowance_bytes'] / 1e6:7.1f} MB (ratio {row['ratio']:.2f})")
+    results = {"argv": args.argv, "preset": args.preset, "rows": rows,
+               "machine": dict(machine, loadavg_after=harness.loadavg())}
+    write_results(results, args.out, "memory", plot, markdown, index_rows, args.docs)
+    return 0 if all(r["weights_exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,507 @@
+"""Real-size benchmark: one Kimi-K3 MoE layer (MXFP4 experts held packed) at TP 1 and 2, bf16.
+
+Per TP size, side by side in one run:
+
+- **load**: before each TP size's loads, plain sequential reads of the same
+  checkpoint files in 64 MiB reads: *kept* (into one fresh buffer of the files' size, held to the
+  end, as a load holds what it reads) and *reused* (into one 64 MiB buffer, twice back to back,
+  the faster counted). A reused read of files the page cache holds runs at page-cache speed, but
+  no load can: while it keeps the bytes it read, files larger than what the cache can hold beside
+  them (16 GB of files + 16 GB loaded on a 24 GB machine) come partly from disk. The target
+  (>= 50 %) is judged against the kept read; the reused one is printed too. Then per rank the load
+  seconds, the bytes its slices hold and their GB/s. The ranks of a TP size load at the same time
+  from the same disk, so the target is judged on the group's rate (every rank's bytes over the
+  slowest rank's seconds); each rank's own rate is printed too. Peak RSS per rank
+  (anonymous + shared memory, sampled from /proc; page cache of the mapped checkpoint is
+  reclaimable and not counted) over the packed bytes it read;
+- **forward** at each ``--tokens`` T: ms (best of ``--reps``) and tokens/s; for T = 1 and
+  16 the memory-bound limit (bytes the forward must read: active experts packed + every dense
+  tensor of the rank, over this machine's memcpy bandwidth measured in the same run) and the
+  fraction reached (target >= 25 %); for T >= 512 the forward's GFLOP/s over the dense GEMM
+  GFLOP/s of the same shapes and dtypes (torch matmul of each of the forward's GEMMs with dense
+  weights, measured in the rank right after its forwards; target >= 50 %); the MXFP4 decode cost
+  of the batch's active experts timed alone, for reference. These targets are set at TP 1;
+  TP > 1 rows print the same fractions per rank and, since the ranks share the memory bus, the
+  group's memory-bound fraction (every rank's bytes over memcpy, over the slowest rank's time).
+
+The TP 2 output is checked against the TP 1 output within bf16 tolerance. Writes JSON + PNG under
+``--out``, its page (docs/benchmarks/real.md) and its rows of the index (``--docs``; '' for none),
+verdicts computed from the data, with the machine's load average.
+
+    python scripts/make_checkpoint.py --preset kimi-k3 --mxfp4 --moe-layers 1 --out /work/ckpt/k3-1layer
+    python -m scripts.bench.real --checkpoint /work/ckpt/k3-1layer --tp 1 2 --tokens 1 16 512
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_runtime.checkpoint import load_threads
+from moe_runtime.cli import process_rss
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.experts import DEFAULT_SCRATCH_BYTES
+from moe_runtime.router import route
+from moe_runtime.tp.collectives import Collectives  # the rank's type
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import resolve_tail
+from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
+
+from . import harness
+from .docs import Target, section_start, target, verdict, verdict_word, write_results
+from .rss import TreeSampler, proc_bytes
+
+SECTION = "# Real-size layer with the fused CPU path (`scripts/bench/real.py`)"
+NAME = "real"
+LAYER = 1
+GB = 1e9
+READ_CHUNK = 64 * 2**20
+# the targets, judged at TP 1
+LOAD_TARGET = 0.5  # load GB/s / sequential read GB/s
+MEMORY_BOUND_TOKENS, MEMORY_BOUND_TARGET = (1, 16), 0.25  # memory-bound limit / forward time
+GEMM_FROM_TOKENS, GEMM_TARGET = 512, 0.5  # forward GFLOP/s / dense GEMM GFLOP/s
+
+
+def sequential_read(files: list[Path], keep: bool, chunk: int = READ_CHUNK) -> dict[str, float]:
+    """A plain sequential read of ``files`` in ``chunk``-byte reads: into one fresh buffer of their
+    size, held until the read ends (``keep``: what a load does with what it reads), or into one
+    reused ``chunk`` buffer."""
+    start = time.perf_counter()
+    size = sum(p.stat().st_size for p in files) if keep else chunk
+    buf = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+    nbytes = 0
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf[nbytes : nbytes + chunk] if keep else buf):
+                nbytes += n
+    seconds = time.perf_counter() - start
+    del buf
+    return {"bytes": nbytes, "s": seconds, "gbps": nbytes / seconds / GB}
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM shape of a forward: ``[m, k] @ [k, n]`` in ``dtype``, ``count`` times; ``flops``
+    the forward's own (experts: from the exact token-slot count, not ``m x count``)."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    dtype: str
+    count: int
+    flops: int
+
+
+def forward_gemms(cfg: LatentMoEConfig, runner: LatentMoERunner, T: int, active: int) -> list[Gemm]:
+    """The GEMMs one rank's forward of T tokens runs (router in fp32, the rest in the layer dtype);
+    routed experts at the mean rows per active expert."""
+    H, D, E, K = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts, cfg.num_experts_per_token
+    P, bf16 = runner.shard.world, "bfloat16"
+    I_l, S_l = cfg.moe_intermediate_size // P, cfg.shared_intermediate_size // P
+    slots = T * K
+    m = max(1, round(slots / active))
+    up_rows = H // P if runner.plan.tail_for(T) == "sharded" else H
+    gemms = [
+        Gemm("router", T, E, H, "float32", 1, 2 * T * E * H),
+        Gemm("latent down", T, D, H, bf16, 1, 2 * T * D * H),
+        Gemm("experts gate|up", m, 2 * I_l, D, bf16, active, 2 * slots * 2 * I_l * D),
+        Gemm("experts down", m, D, I_l, bf16, active, 2 * slots * D * I_l),
+        Gemm("up projection", T, up_rows, D, bf16, 1, 2 * T * up_rows * D),
+    ]
+    if cfg.num_shared_experts:
+        gemms += [Gemm("shared gate|up", T, S_l, H, bf16, 2, 2 * 2 * T * S_l * H),
+                  Gemm("shared down", T, H, S_l, bf16, 1, 2 * T * H * S_l)]
+    return gemms
+
+
+def dense_gemm_seconds(gemms: list[Gemm], reps: int) -> tuple[float, list[dict]]:
+    """Seconds the forward's GEMMs take as torch matmuls with dense weights of the same shapes and
+    dtypes: each shape timed alone (best of ``reps`` after one warm-up), scaled to its flops."""
+    total, rows = 0.0, []
+    gen = torch.Generator().manual_seed(0)
+    for g in gemms:
+        dtype = getattr(torch, g.dtype)
+        x = torch.randn(g.m, g.k, generator=gen).to(dtype)
+        w = torch.randn(g.n, g.k, generator=gen).to(dtype)
+        best = min(harness.time_calls(lambda x=x, w=w: x @ w.t(), reps).seconds)
+        gflops = 2 * g.m * g.n * g.k / best / GB
+        total += g.flops / GB / gflops
+        rows.append({**asdict(g), "gflops": gflops})
+        del x, w
+    return total, rows
+
+
+class LoneRank(Collectives):
+    """Rank ``rank`` of a TP group of ``world`` run alone: the other ranks' partials count as
+    zero. Measures one rank's load memory and compute when the machine cannot hold them all."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self.device = rank, world, torch.device("cpu")
+        self.counts = Counter()
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def all_reduce_async(self, t: torch.Tensor):
+        return Collectives().all_reduce_async(t)
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        rows = t.shape[0] // self.world
+        return t[self.rank * rows : (self.rank + 1) * rows]
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t.repeat(self.world, *([1] * (t.dim() - 1)))
+
+
+def _lone_rank(_: Collectives, world: int, *args) -> dict:
+    return _rank(LoneRank(0, world), *args)
+
+
+def _rank(
+    comm: Collectives, ckpt: str, tokens: list[int], reps: int, scratch_bytes: int, decode_sample: int,
+    check_tokens: int,
+) -> dict:
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    plan = resolve_tail("auto", cfg, comm.world)
+    runner = build_rank_runners(
+        ckpt, cfg, [LAYER], comm, plan, dtype=torch.bfloat16, scratch_bytes=scratch_bytes,
+        progress=comm.rank == 0 and sys.stderr.isatty(),
+    )[LAYER]
+    res: dict[str, Any] = {
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "load_threads": load_threads(),
+        "load_s": runner.load_s,
+        "bytes_read": runner.load_bytes_read,
+        "resident_by_part": runner.resident_bytes_by_part(),
+        "rss_after_load": process_rss(),
+        "tail_plan": plan.describe(),
+        "experts_path": f"{runner.experts_path} ({runner.experts_path_reason})",
+        "forward": [],
+    }
+    parts = runner.resident_bytes_by_part()
+    dense_bytes = sum(v for k, v in parts.items() if k != "experts_packed")
+    packed_per_expert = parts["experts_packed"] // runner.w.experts.num_experts
+    ex = runner.w.experts
+    per_chunk = max(1, scratch_bytes // ex.decoded_bytes_per_expert())
+    decoded_bytes_per_expert = 3 * ex.intermediate_size * ex.latent_size * 2  # bf16 w13 + w2
+    with torch.inference_mode():
+        for T in tokens:
+            x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
+            load0 = harness.loadavg()
+            times, out = harness.time_calls(lambda x=x: runner.forward(x), reps, warmup=0)
+            load1 = harness.loadavg()
+            ids, _ = route(x, runner.w.gate_EH, runner.w.bias_E, cfg)
+            active = torch.unique(ids)
+            # Decode cost per forward: the batch's active experts decoded alone, in the backend's
+            # chunks; beyond ``decode_sample`` experts the per-expert time is extrapolated.
+            sample = active[:decode_sample]
+            start = time.perf_counter()
+            for first in range(0, len(sample), per_chunk):
+                ex.decode(sample[first : first + per_chunk])
+            decode_s = (time.perf_counter() - start) * len(active) / len(sample)
+            gemms = forward_gemms(cfg, runner, T, len(active))
+            row = {
+                "T": T,
+                "ms": min(times) * 1e3,
+                "first_ms": times[0] * 1e3,
+                "loadavg": [load0[0], load1[0]],
+                # what this forward must read at least: the active experts' packed bytes and every
+                # dense tensor (shared experts, projections, router) once
+                "must_read_bytes": len(active) * packed_per_expert + dense_bytes,
+                "active_experts": len(active),
+                "decode_sampled_experts": len(sample),
+                "decode_ms": decode_s * 1e3,
+                "decode_gbps": len(active) * decoded_bytes_per_expert / decode_s / GB,
+                "flops": sum(g.flops for g in gemms),
+            }
+            if T >= GEMM_FROM_TOKENS:
+                row["dense_gemm_s"], row["dense_gemms"] = dense_gemm_seconds(gemms, reps)
+            if T == check_tokens:
+                res["check_out"] = out.float()
+            res["forward"].append(row)
+    return res
+
+
+def run_tp(
+    ckpt: str, files: list[Path], P: int, tokens: list[int], reps: int, scratch_bytes: int,
+    decode_sample: int, lone: bool, check_tokens: int,
+) -> dict:
+    # this TP size's loads are compared with them (see the module doc)
+    seq = sequential_read(files, keep=True)
+    cached = max((sequential_read(files, keep=False) for _ in range(2)), key=lambda r: r["gbps"])
+    print(f"TP {P}: sequential read of {seq['bytes'] / GB:.2f} GB kept at {seq['gbps']:.2f} GB/s, "
+          f"into a reused buffer at {cached['gbps']:.2f} GB/s; loading and running ...", flush=True)
+    args = (ckpt, tokens, reps, scratch_bytes, decode_sample, check_tokens)
+    # anon + shmem of every process (PSS is not read: smaps_rollup of a 16 GB rank is slow)
+    with TreeSampler(os.getpid(), 0.1, pss=False) as sampler:
+        start = time.perf_counter()
+        # TP 1 too runs in a spawned rank: this process's sampler thread would otherwise
+        # contend with torch's OpenMP threads (tens of times slower on 2 cores)
+        if lone:
+            results = run_local_group(1, _lone_rank, P, *args, timeout_s=7200.0)
+        else:
+            results = run_local_group(P, _rank, *args, timeout_s=7200.0, collective_timeout_s=1800.0)
+        wall_s = time.perf_counter() - start
+    for r in results:
+        r["peak_rss"] = sampler.peak_by_pid.get(r["pid"], 0)
+        r["peak_rss_over_packed"] = r["peak_rss"] / r["bytes_read"]
+        r["load_gbps"] = r["bytes_read"] / r["load_s"] / GB
+        r["load_vs_sequential"] = r["load_gbps"] / seq["gbps"]
+    group_gbps = sum(r["bytes_read"] for r in results) / max(r["load_s"] for r in results) / GB
+    return {"P": P, "lone_rank": lone, "wall_s": wall_s, "peak_tree_rss": sampler.peak["rss"],
+            "sequential_read": seq, "sequential_read_reused": cached, "ranks": results,
+            "group_load_gbps": group_gbps,
+            "load_verdict": verdict(group_gbps / seq["gbps"], ">=", LOAD_TARGET)}
+
+
+def forward_verdicts(results: dict[str, Any]) -> None:
+    """Per forward row: the memory-bound limit and, at T >= 512, the dense GEMM comparison, each
+    with its target's verdict where one is set (TP 1); at TP > 1 the group's memory-bound
+    fraction next to each rank's."""
+    for run in results["runs"]:
+        for r in run["ranks"]:
+            for f in r["forward"]:
+                f["memory_bound_ms"] = f["must_read_bytes"] / GB / results["memcpy_gbps"] * 1e3
+                f["memory_bound_fraction"] = f["memory_bound_ms"] / f["ms"]
+                f["gflops"] = f["flops"] / GB / (f["ms"] / 1e3)
+                if "dense_gemm_s" in f:
+                    f["dense_gemm_gflops"] = f["flops"] / GB / f["dense_gemm_s"]
+                    f["gemm_fraction"] = f["gflops"] / f["dense_gemm_gflops"]
+                if run["P"] > 1:
+                    continue
+                if f["T"] in MEMORY_BOUND_TOKENS:
+                    f["verdict"] = verdict(f["memory_bound_fraction"], ">=", MEMORY_BOUND_TARGET)
+                elif f["T"] >= GEMM_FROM_TOKENS:
+                    f["verdict"] = verdict(f.get("gemm_fraction"), ">=", GEMM_TARGET)
+        if run["P"] > 1 and not run["lone_rank"]:
+            for rows in zip(*(r["forward"] for r in run["ranks"]), strict=True):
+                fraction = sum(f["memory_bound_ms"] for f in rows) / max(f["ms"] for f in rows)
+                for f in rows:
+                    f["group_memory_bound_fraction"] = fraction
+
+
+def compare_with_tp1(runs: list[dict], check_tokens: int) -> list[dict]:
+    """Each TP size's rank-0 output at ``check_tokens`` tokens against TP 1's (full runs only)."""
+    outs = {run["P"]: run["ranks"][0].pop("check_out") for run in runs
+            if "check_out" in run["ranks"][0]}
+    for run in runs:
+        for r in run["ranks"]:
+            r.pop("check_out", None)
+    if 1 not in outs or len(outs) < 2:
+        return []
+    ref = outs[1]
+    rows = []
+    for P, got in outs.items():
+        if P == 1:
+            continue
+        err = (got - ref).abs().max().item()
+        # bf16 output of sums over the active experts + the shared ones: TP changes the fp32
+        # summation order and where bf16 rounding happens; a few bf16 ulps of the output scale
+        scale = ref.abs().max().item()
+        rows.append({"P": P, "T": check_tokens, "max_abs_err_vs_tp1": err, "ref_abs_max": scale,
+                     "ok": err <= 0.02 * scale + 1e-2})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, NAME)
+    ap.add_argument("--checkpoint", type=Path, required=True)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512])
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument(
+        "--lone-rank", action="store_true",
+        help="run only rank 0 of each TP size (identity collectives): per-rank memory and compute "
+        "when the machine cannot hold every rank",
+    )
+    ap.add_argument("--decode-sample", type=int, default=8, help="experts decoded to time decoding")
+    ap.add_argument("--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20)
+    args = ap.parse_args(argv)
+    ckpt = str(args.checkpoint)
+    files = sorted(args.checkpoint.glob("*.safetensors"))
+    shard_bytes = sum(f.stat().st_size for f in files)
+    need = 1.15 * shard_bytes / (min(args.tp) if args.lone_rank else 1) + 2 * GB
+    available = proc_bytes("/proc/meminfo", "MemAvailable") or 0
+    if available < need:
+        print(f"refusing: MemAvailable {available / GB:.1f} GB < {need / GB:.1f} GB "
+              f"(1.15 x {shard_bytes / GB:.1f} GB of shards + 2 GB)", file=sys.stderr)
+        return 2
+    scratch = int(args.scratch_mb * 2**20)
+    check_tokens = 16 if 16 in args.tokens else args.tokens[0]
+    machine = harness.machine_record()
+    # measured before any run so its buffers stay out of the RSS peaks
+    memcpy = harness.memcpy_gbps()
+    print(f"memcpy: {memcpy:.2f} GB/s", flush=True)
+    runs = []
+    for P in args.tp:
+        run = run_tp(ckpt, files, P, args.tokens, args.reps, scratch, args.decode_sample, args.lone_rank,
+                     check_tokens)
+        runs.append(run)
+        for rank, r in enumerate(run["ranks"]):
+            print(f"  rank {rank}: load {r['load_s']:.2f} s, read {r['bytes_read'] / GB:.2f} GB at "
+                  f"{r['load_gbps']:.2f} GB/s = {r['load_vs_sequential']:.0%} of the kept sequential "
+                  f"read, peak RSS {r['peak_rss'] / GB:.2f} GB = {r['peak_rss_over_packed']:.3f} x packed",
+                  flush=True)
+    results = {
+        "argv": args.argv,
+        "machine": dict(machine, loadavg_after=harness.loadavg()),
+        "checkpoint": ckpt,
+        "checkpoint_name": args.checkpoint.name,
+        "shard_bytes": shard_bytes,
+        "scratch_bytes": scratch,
+        "memcpy_gbps": memcpy,
+        "runs": runs,
+        "tp_vs_tp1": compare_with_tp1(runs, check_tokens),
+    }
+    forward_verdicts(results)
+    write_results(results, args.out, NAME, plot, markdown, index_rows, args.docs)
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{100 * value:.0f} %"
+
+
+def _summary(name: str, verdicts: list[tuple[str, dict]]) -> str:
+    """'name: met on all N' or the rows that missed, with their values."""
+    measured = [(where, v) for where, v in verdicts if v["met"] is not None]
+    if not measured:
+        return f"{name}: not measured"
+    missed = [f"{where} {_pct(v['value'])}" for where, v in measured if not v["met"]]
+    op, value = measured[0][1]["target"].split()
+    target = f"{op} {_pct(float(value))}"
+    if not missed:
+        return f"{name} ({target}): met on all {len(measured)} rows"
+    return f"{name} ({target}): **missed** on {len(missed)} of {len(measured)} rows ({'; '.join(missed)})"
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    """A row per verdict: each TP size's load, and each TP 1 forward that has a target."""
+    rows = [target(f"load GB/s / kept sequential read, TP {run['P']} group", run["load_verdict"])
+            for run in results["runs"]]
+    for run in results["runs"]:
+        for f in run["ranks"][0]["forward"]:
+            if f.get("verdict") is not None:
+                what = "memory-bound limit / forward" if f["T"] in MEMORY_BOUND_TOKENS else \
+                    "forward GFLOP/s / dense GEMM's"
+                rows.append(target(f"{what}, TP {run['P']}, T = {f['T']}", f["verdict"]))
+    return rows
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    first = results["runs"][0]["ranks"][0]
+    lines = [
+        section_start(
+            SECTION, NAME, results["argv"], results["machine"],
+            f"checkpoint `{results['checkpoint_name']}` ({results['shard_bytes'] / GB:.2f} GB of "
+            f"shards), bfloat16, experts path {first['experts_path']}; memcpy "
+            f"{results['memcpy_gbps']:.2f} GB/s in the same run", json_path, png_path), "",
+        "**Load**: right before each TP size's loads, plain sequential reads of the same "
+        "files in 64 MiB reads: *kept* (into one fresh buffer of the files' size, held to the end, as "
+        "a load holds what it reads) and *reused* (into one 64 MiB buffer, twice, the faster "
+        "counted). A reused read of cached files runs at page-cache speed, which no load reaches "
+        "here: files that the page cache cannot hold beside the bytes already loaded come partly from "
+        f"disk. Target: load GB/s >= {_pct(LOAD_TARGET)} of the kept read, judged on the group (the "
+        "ranks load at the same time from the same disk: every rank's bytes over the slowest rank's "
+        "seconds). Peak RSS is anonymous + shared memory (the mapped checkpoint's page cache is not "
+        "counted) over the packed bytes the rank read.", "",
+        "| TP | rank | kept read GB/s | reused read GB/s | load s | GB read | load GB/s | group GB/s "
+        "| group ÷ kept | group ÷ reused | verdict | reader threads | peak RSS GB | ÷ packed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    load_verdicts, fwd_verdicts = [], {"memory": [], "gemm": []}
+    for run in results["runs"]:
+        seq, cached = run["sequential_read"]["gbps"], run["sequential_read_reused"]["gbps"]
+        v = run["load_verdict"]
+        load_verdicts.append((f"TP {run['P']}", v))
+        for rank, r in enumerate(run["ranks"]):
+            lines.append(
+                f"| {run['P']} | {rank} | {seq:.2f} | {cached:.2f} | {r['load_s']:.2f} | "
+                f"{r['bytes_read'] / GB:.3f} | {r['load_gbps']:.2f} | {run['group_load_gbps']:.2f} | "
+                f"{_pct(v['value'])} | {_pct(run['group_load_gbps'] / cached)} | {verdict_word(v['met'])} | "
+                f"{r['load_threads']} | {r['peak_rss'] / GB:.2f} | {r['peak_rss_over_packed']:.3f} |")
+    lines += [
+        "", f"**Forward**: best of the reps. T in {list(MEMORY_BOUND_TOKENS)}: the memory-bound "
+        f"limit (bytes the forward must read: active experts packed + every dense tensor of the rank, over "
+        f"the memcpy above), target >= {_pct(MEMORY_BOUND_TARGET)}; T >= {GEMM_FROM_TOKENS}: the forward's "
+        f"GFLOP/s over torch's dense GEMM GFLOP/s on the same shapes and dtypes (measured in the rank "
+        f"after its forwards), target >= {_pct(GEMM_TARGET)}. These targets are set at TP 1; TP > 1 "
+        "rows show the same fractions and, as the ranks share the memory bus, the group's (every "
+        "rank's bytes over memcpy, over the slowest rank's time). Decode: the active experts' MXFP4 "
+        "decode timed alone (what the fallback path would add).", "",
+        "| TP | rank | T | fwd ms | first ms | tok/s | active | must read GB | memory-bound ms | % of limit "
+        "| group % of limit | GFLOP/s | dense GEMM GFLOP/s | % of GEMM | verdict | decode ms | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in results["runs"]:
+        for rank, r in enumerate(run["ranks"]):
+            for f in r["forward"]:
+                v = f.get("verdict")
+                if v is not None:
+                    kind = "memory" if f["T"] in MEMORY_BOUND_TOKENS else "gemm"
+                    fwd_verdicts[kind].append((f"TP {run['P']} rank {rank} T {f['T']}", v))
+                dense = f.get("dense_gemm_gflops")
+                lines.append(
+                    f"| {run['P']} | {rank} | {f['T']} | {f['ms']:.1f} | {f['first_ms']:.1f} | "
+                    f"{f['T'] / f['ms'] * 1e3:.1f} | {f['active_experts']} | "
+                    f"{f['must_read_bytes'] / GB:.3f} | "
+                    f"{f['memory_bound_ms']:.1f} | {_pct(f['memory_bound_fraction'])} | "
+                    f"{_pct(f.get('group_memory_bound_fraction'))} | {f['gflops']:.1f} | "
+                    f"{'' if dense is None else f'{dense:.1f}'} | {_pct(f.get('gemm_fraction'))} | "
+                    f"{'' if v is None else verdict_word(v['met'])} | {f['decode_ms']:.0f} | "
+                    f"{f['loadavg'][0]:.1f}-{f['loadavg'][1]:.1f} |")
+    lines += ["", "Verdicts: " + "; ".join([
+        _summary("load vs kept sequential read (group)", load_verdicts),
+        _summary(f"TP 1 memory-bound fraction at T in {list(MEMORY_BOUND_TOKENS)}", fwd_verdicts["memory"]),
+        _summary(f"TP 1 dense GEMM fraction at T >= {GEMM_FROM_TOKENS}", fwd_verdicts["gemm"]),
+    ]) + "."]
+    for c in results["tp_vs_tp1"]:
+        lines.append(f"TP {c['P']} vs TP 1 at T = {c['T']}: max abs error {c['max_abs_err_vs_tp1']:.4f} "
+                     f"(output max {c['ref_abs_max']:.2f}): {'within' if c['ok'] else '**outside**'} the "
+                     "bf16 tolerance (2 % of the output scale + 0.01).")
+    if any(run["lone_rank"] for run in results["runs"]):
+        lines.append("Lone-rank runs: only rank 0 ran, its collectives the identity (other ranks' partials "
+                     "count as zero): its timings and memory are a rank's, its output is not the layer's.")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, (a, b, c) = harness.pyplot().subplots(1, 3, figsize=(15, 4))
+    labels, load, seq = [], [], []
+    for run in results["runs"]:
+        fw = run["ranks"][0]["forward"]
+        Ts = [f["T"] for f in fw]
+        a.plot(Ts, [f["ms"] for f in fw], "o-", label=f"TP {run['P']} forward (rank 0)")
+        a.plot(Ts, [f["memory_bound_ms"] for f in fw], "x:", label=f"TP {run['P']} memory-bound limit")
+        labels.append(f"TP {run['P']}")
+        load.append(run["group_load_gbps"])
+        seq.append(run["sequential_read"]["gbps"])
+        c.bar([f"TP {run['P']} r{i}" for i in range(len(run["ranks"]))],
+              [r["peak_rss_over_packed"] for r in run["ranks"]])
+    a.set(xscale="log", yscale="log", xlabel="tokens", ylabel="ms", title="forward, bf16")
+    a.legend(fontsize=7)
+    x = range(len(labels))
+    b.bar([i - 0.2 for i in x], seq, 0.4, label="sequential read of the files, kept")
+    b.bar([i + 0.2 for i in x], load, 0.4, label="load (all ranks together)")
+    b.plot([i + 0.2 for i in x], [LOAD_TARGET * s for s in seq], "r_", ms=20,
+           label=f"target {_pct(LOAD_TARGET)}")
+    b.set_xticks(list(x), labels)
+    b.set(ylabel="GB/s", title="load vs sequential read, same run")
+    b.legend(fontsize=7)
+    c.axhline(1.15, color="r", ls=":", label="target 1.15")
+    c.set(ylabel="peak anon+shmem RSS / packed bytes read", title="load memory")
+    c.legend(fontsize=7)
+    harness.save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

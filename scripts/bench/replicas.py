@@ -1,0 +1,186 @@
+"""What an app's replicas cost to start and to keep: ours against Ray Serve's floor, side by side.
+
+Neither of our replicas imports torch, which costs a process ~1.7 CPU-s to import and holds its
+libraries' pages (~125 MB PSS): the HTTP ingress routes calls and reads and writes safetensors
+bodies with numpy; a TP-group replica checks, rounds, batches and splits rows with numpy (its
+ranks, separate processes, compute). Every app runs at least one ingress replica (two by default)
+and one group replica per deployment, and every start, replacement and scale-up pays them again.
+One private Ray, in turns (``--reps`` rounds; each app deployed, called once over HTTP with a
+3-token F32 body, measured, deleted):
+
+* ``ours``: the app (ingress + one TP-1 group, tiny checkpoint, float32): its ingress replica
+  and its group replica (the group's rank is a process of its own, not measured);
+* ``floor``: Ray's floor: a FastAPI ingress deployment passing the body to a trivial backend
+  deployment and back (the same shape of app), Serve's defaults;
+* ``floor_torch``: the same floor, both replicas importing torch as they start: what replicas
+  that convert with torch pay (ours did: the ingress until it read bodies with numpy, the group
+  replica until it batched with numpy).
+
+Measured on each replica process after the call: the CPU time it has used since it started (user
++ system) and its resident memory (anonymous + shared, RSS and PSS).
+
+    python -m scripts.bench.replicas        # ~1 minute on 2 cores
+
+Targets (medians): each of ours uses <= 0.5 CPU-s more than its counterpart in the floor (the
+group replica also starts its rank and reads the checkpoint's config) and holds <= 30 MB more
+PSS; against ``floor_torch``, each of ours uses less CPU and holds less PSS.
+"""
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from . import harness
+from .docs import Target, rounds_table, section_start, target, verdict, verdict_text, write_results
+from .rss import cpu_seconds, process_memory, serve_replica_pid
+
+SECTION = "# An app's replicas at start: CPU and memory (`scripts/bench/replicas.py`)"
+APPS = ("ours", "floor", "floor_torch")
+ROLES = {"ingress": "ingress replica", "backend": "group replica (ours) / backend replica (floors)"}
+SHORT = {"ingress": "ingress replica", "backend": "group replica"}
+MB = 10**6
+
+
+def floor_app(import_torch: bool) -> Any:
+    """A FastAPI ingress that passes a forward's body to a trivial deployment and answers with it.
+    (This module has no ``from __future__ import annotations``: the routes' annotations must be
+    the classes themselves, which travel with the pickled class to the replica.)"""
+    from fastapi import FastAPI, Request, Response
+    from ray import serve
+
+    api = FastAPI()
+
+    @serve.deployment(name="backend")
+    class Backend:
+        def __init__(self, import_torch: bool):
+            if import_torch:
+                import torch  # noqa: F401  (the cost being measured)
+
+        def __call__(self, body: bytes) -> bytes:
+            return body
+
+    @serve.deployment(name="ingress")
+    @serve.ingress(api)
+    class Front:
+        def __init__(self, backend: Any, import_torch: bool):
+            if import_torch:
+                import torch  # noqa: F401  (the cost being measured)
+            self.backend = backend
+
+        @api.post("/v1/layers/{layer}/forward")
+        async def forward(self, layer: int, request: Request) -> Response:
+            return Response(await self.backend.remote(await request.body()))
+
+    return Front.bind(Backend.bind(import_torch), import_torch)
+
+
+def deploy_call_measure(name: str, app_args: dict[str, Any], url: str, body: bytes
+                        ) -> dict[str, dict[str, float]]:
+    import httpx
+    from ray import serve
+
+    from deployments.config.spec import DEFAULT_DEPLOYMENT
+
+    if name == "ours":
+        harness.deploy(app_args, name)
+    else:
+        serve.run(floor_app(name == "floor_torch"), name=name, route_prefix="/")
+    answer = httpx.post(f"{url}/v1/layers/1/forward", content=body, timeout=120)
+    answer.raise_for_status()
+    measured = {}
+    backend = DEFAULT_DEPLOYMENT if name == "ours" else "backend"
+    for role, deployment in (("ingress", "ingress"), ("backend", backend)):
+        pid = serve_replica_pid(name, deployment)
+        cpu_s, memory = cpu_seconds([pid]), process_memory(pid)
+        measured[role] = {"cpu_s": cpu_s, "rss_mb": memory["rss"] / MB, "pss_mb": memory["pss"] / MB}
+    serve.delete(name)
+    return measured
+
+
+def per_round(results: dict[str, Any], role: str, metric: str) -> dict[str, list[float]]:
+    return {n: [r[role][metric] for r in rounds] for n, rounds in results["rounds"].items()}
+
+
+def medians(results: dict[str, Any], role: str, metric: str) -> dict[str, float]:
+    return {n: statistics.median(values) for n, values in per_round(results, role, metric).items()}
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, axes = harness.pyplot().subplots(1, 2, figsize=(9, 3.2))
+    labels = {"cpu_s": "CPU-s used (median)", "pss_mb": "PSS, MB (median)"}
+    width = 0.4
+    for ax, (metric, label) in zip(axes, labels.items(), strict=True):
+        for i, role in enumerate(ROLES):
+            values = list(medians(results, role, metric).values())
+            ax.bar([j + (i - 0.5) * width for j in range(len(APPS))], values, width, label=ROLES[role])
+        ax.set_xticks(range(len(APPS)), list(APPS))
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"an app's replicas after one call, {results['reps']} rounds", fontsize=10)
+    harness.save_figure(fig, path, dpi=100)
+
+
+def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The targets of the module docstring, from the measured results."""
+    out = {}
+    for role in ROLES:
+        cpu, pss = medians(results, role, "cpu_s"), medians(results, role, "pss_mb")
+        out[f"{role}_cpu_over_floor"] = verdict(cpu["ours"] - cpu["floor"], "<=", 0.5)
+        out[f"{role}_pss_over_floor"] = verdict(pss["ours"] - pss["floor"], "<=", 30.0)
+        out[f"{role}_cpu_vs_floor_torch"] = verdict(cpu["ours"] / cpu["floor_torch"], "<", 1.0)
+        out[f"{role}_pss_vs_floor_torch"] = verdict(pss["ours"] / pss["floor_torch"], "<", 1.0)
+    return out
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    v, rows = results["verdicts"], []
+    for role in ROLES:
+        replica = "ingress replica" if role == "ingress" else "group replica"
+        rows += [target(f"{replica}'s CPU-s, ours - Ray's floor", v[f"{role}_cpu_over_floor"]),
+                 target(f"{replica}'s PSS, ours - Ray's floor", v[f"{role}_pss_over_floor"], ".1f", " MB"),
+                 target(f"{replica}'s CPU-s, ours / the floor with torch", v[f"{role}_cpu_vs_floor_torch"]),
+                 target(f"{replica}'s PSS, ours / the floor with torch", v[f"{role}_pss_vs_floor_torch"])]
+    return rows
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    what = {"ours": "our app (ingress + TP-1 group, tiny, float32)",
+            "floor": "Ray's floor: a FastAPI ingress passing the body to a trivial deployment",
+            "floor_torch": "the same floor, both replicas importing torch as they start"}
+    v = results["verdicts"]
+    tables = []
+    for role, label in ROLES.items():
+        for metric, unit in (("cpu_s", "CPU-s since it started"), ("pss_mb", "PSS, MB")):
+            tables += [*rounds_table("app", f"{label}: {unit}", per_round(results, role, metric), what), ""]
+    return "\n".join([
+        section_start(SECTION, "replicas", results["argv"], results["machine"],
+                      "each app deployed, called once over HTTP, its two replicas measured, then "
+                      f"deleted, in turns, {results['reps']} rounds", json_path, png_path), "",
+        *tables,
+        *(f"- {label.capitalize()}, ours over the floor: {verdict_text(v[f'{role}_cpu_over_floor'])} CPU-s, "
+          f"{verdict_text(v[f'{role}_pss_over_floor'], '.1f')} MB PSS; as a share of the floor that imports "
+          f"torch: {verdict_text(v[f'{role}_cpu_vs_floor_torch'])} of its CPU-s, "
+          f"{verdict_text(v[f'{role}_pss_vs_floor_torch'])} of its PSS." for role, label in SHORT.items()),
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "replicas")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    from deployments.client.http_client import encode_request
+
+    app_args, x = harness.tiny_app(tp_size=1)
+    body = encode_request(x)
+    machine = harness.machine_record(with_ray=True)
+    with harness.local_serve(num_cpus=8, num_gpus=1) as url:
+        rounds = harness.in_turns(APPS, args.reps, lambda app: deploy_call_measure(app, app_args, url, body))
+    results = {"rounds": rounds, "reps": args.reps, "argv": args.argv,
+               "machine": dict(machine, loadavg_after=harness.loadavg())}
+    results["verdicts"] = verdicts(results)
+    write_results(results, args.out, "replicas", plot, markdown, index_rows, args.docs)
+    return 0 if all(v["met"] for v in results["verdicts"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,372 @@
+"""Serving benchmark: closed-loop load on a local Serve app vs the in-process TP runner.
+
+One run starts a local Ray instance (CPU, TP groups on logical GPUs), deploys two TP-2
+deployments of the same checkpoint -- ``batched`` (max_batch_tokens = --max-batch-tokens) and
+``unbatched`` (max_batch_tokens = 16) -- and drives them with N concurrent closed-loop clients
+(each sends its next request when the previous answer arrives) through
+
+* ``handle``: a DeploymentHandle straight to the TP-group deployment (``MoEClient.direct``);
+* ``app``:    the app's ingress handle (one more hop);
+* ``http``:   HTTP with safetensors bodies (``AsyncHTTPMoEClient``).
+
+It measures tokens/s, requests/s and p50/p99 latency, and runs the same batch sizes on the
+in-process runner (``moe_runtime`` only: ``local_group`` ranks joined by gloo, no Ray) in the
+same run for the served / in-process ratio. Results: JSON + PNG under --out, its page,
+docs/benchmarks/serve.md, and its rows of the index (--docs).
+
+    python -m scripts.bench.serve                    # small preset, a few minutes on 2 cores
+    python -m scripts.bench.serve --quick            # shorter windows, fewer scenarios
+
+Targets: handle path at 2048-token requests >= 0.8 x in-process throughput; 32 concurrent
+16-token clients with batching >= 3 x the throughput of max_batch_tokens = 16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
+
+from . import harness
+from .docs import Target, commentary, section_start, target, verdict, verdict_text, write_results
+
+APP = "bench"
+SECTION = "# Serving (scripts/bench/serve.py)"
+LAYER = 1
+# The notes below that no run recomputes, and the run they were written for.
+COMMENTARY_RUN = "2026-12-02 (small preset, TP 2, float32, 2 CPUs, load 2.31 before the run)"
+COMMENTARY = (
+    "the load generator runs in the driver process on the same CPUs as the TP ranks, so on a small "
+    "machine every served number pays for it; the in-process baseline has the CPUs to itself. Ray "
+    "worker niceness is set to the driver's (0), so Ray's default of 15 does not starve the served "
+    "side. With 16-token requests the request path (driver router, replica event loop, raylet) needs "
+    "about as much CPU as the forwards; when the ranks take every core, requests reach the replica "
+    "late and batches stay small -- hence `worker_nice_increment` for CPU-only deployments (no effect "
+    "on GPUs). HTTP moves safetensors bodies through the proxy and the ingress (extra copies of "
+    "T x H x 4 bytes each way). Batches form continuously: requests that arrive during a forward are "
+    "released together when it ends, so with a closed loop the 32 clients settle into cohorts that "
+    "alternate.")
+
+
+# -- in-process baseline ----------------------------------------------------------------------
+
+
+def _inprocess_rank(comm: Collectives, checkpoint: str, tail: str, dtype: str, sizes: list[int],
+                    min_time_s: float) -> dict[int, float]:
+    """Seconds per forward at each T on this rank (identical iteration counts on every rank)."""
+    from moe_runtime.tp.plan import resolve_tail
+    from moe_runtime.tp.runner import build_rank_runners
+    from moe_runtime.units import torch_dtype
+
+    cfg = LatentMoEConfig.from_pretrained(checkpoint)
+    plan = resolve_tail(tail, cfg, comm.world)
+    runner = build_rank_runners(checkpoint, cfg, [LAYER], comm, plan, dtype=torch_dtype(dtype))[LAYER]
+    out = {}
+    with torch.inference_mode():
+        for T in sizes:
+            x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch_dtype(dtype))
+            runner.forward(x)  # warm-up
+            start = time.perf_counter()
+            runner.forward(x)
+            once = comm.all_reduce(torch.tensor([time.perf_counter() - start])).item() / comm.world
+            iters = max(3, math.ceil(min_time_s / max(once, 1e-6)))
+            start = time.perf_counter()
+            for _ in range(iters):
+                runner.forward(x)
+            out[T] = (time.perf_counter() - start) / iters
+    return out
+
+
+def inprocess_baseline(checkpoint: str, tp: int, tail: str, dtype: str, sizes: list[int],
+                       min_time_s: float) -> dict[int, dict[str, float]]:
+    per_rank = run_local_group(tp, _inprocess_rank, checkpoint, tail, dtype, sizes, min_time_s,
+                               timeout_s=1800)
+    result = {}
+    for T in sizes:
+        s = max(r[T] for r in per_rank)
+        result[T] = {"forward_ms": s * 1e3, "tokens_per_s": T / s}
+    return result
+
+
+# -- closed-loop load -------------------------------------------------------------------------
+
+
+async def closed_loop(call, make_input, clients: int, duration_s: float, warmup: int = 1) -> dict[str, Any]:
+    """``clients`` tasks each calling ``await call(x)`` back to back for ``duration_s``."""
+    inputs = [make_input(i) for i in range(clients)]
+    for i in range(min(warmup, clients)):
+        await call(inputs[i])
+    latencies: list[float] = []
+    tokens = 0
+    deadline = time.perf_counter() + duration_s
+
+    async def client(x):
+        nonlocal tokens
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            await call(x)
+            latencies.append(time.perf_counter() - start)
+            tokens += x.shape[0]
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(x) for x in inputs))
+    elapsed = time.perf_counter() - start
+    return {
+        "requests": len(latencies),
+        "duration_s": round(elapsed, 3),
+        "tokens_per_s": tokens / elapsed,
+        "requests_per_s": len(latencies) / elapsed,
+        **harness.latency_ms(latencies),
+    }
+
+
+def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: int, duration_s: float,
+                 hidden: int, base_url: str) -> dict[str, Any]:
+    from deployments.client import AsyncHTTPMoEClient, MoEClient
+
+    def make_input(i: int) -> torch.Tensor:
+        return harness.seeded_randn(tokens, hidden, seed=i)
+
+    direct = MoEClient.direct(deployment, APP, timeout_s=600)
+    before = direct.status()["counters"]
+
+    async def go() -> dict[str, Any]:
+        if path == "http":
+            async with AsyncHTTPMoEClient(base_url, deployment=deployment, timeout_s=600,
+                                          max_connections=clients) as http:
+                return await closed_loop(lambda x: http.forward(x, LAYER), make_input, clients, duration_s)
+        client = direct if path == "handle" else MoEClient(APP, deployment=deployment, via_ingress=True,
+                                                           timeout_s=600)
+        return await closed_loop(lambda x: client.forward_async(x, LAYER), make_input, clients, duration_s)
+
+    result = asyncio.run(go())
+    after = direct.status()["counters"]
+    forwards = after["forwards"] - before["forwards"]
+    batch_tokens = after["forward_tokens"] - before["forward_tokens"]
+    result.update(
+        scenario=name, path=path, deployment=deployment, clients=clients, tokens_per_request=tokens,
+        forwards=forwards, mean_batch_tokens=batch_tokens / forwards if forwards else None,
+    )
+    print(f"  {name:<10} {path:<6} {deployment:<9} clients {clients:>3} x {tokens:>5} tok: "
+          f"{result['tokens_per_s']:9.0f} tok/s {result['requests_per_s']:7.1f} req/s "
+          f"p50 {result['p50_ms']:8.1f} ms p99 {result['p99_ms']:8.1f} ms ({result['requests']} req, "
+          f"{forwards} fwd, mean batch {result['mean_batch_tokens'] or 0:.0f} tok)", flush=True)
+    return result
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, (ax1, ax2) = harness.pyplot().subplots(1, 2, figsize=(11, 4))
+    big = [r for r in results["scenarios"] if r["scenario"] == "large"]
+    T = big[0]["tokens_per_request"] if big else None
+    names = ["in-process"] + [r["path"] for r in big]
+    values = [results["inprocess"][str(T)]["tokens_per_s"] if T else 0] + [r["tokens_per_s"] for r in big]
+    ax1.bar(names, values, color=["gray"] + ["C0"] * len(big))
+    ax1.set_title(f"{T}-token requests, TP {results['env']['tp_size']}")
+    ax1.set_ylabel("tokens/s")
+    small = [r for r in results["scenarios"] if r["scenario"] == "batching"]
+    ax2.bar([f"{r['deployment']}\n{r['path']}" for r in small], [r["tokens_per_s"] for r in small],
+            color=["C1" if r["deployment"] == "batched" else "C3" for r in small])
+    ax2.set_title("32 concurrent 16-token clients")
+    ax2.set_ylabel("tokens/s")
+    fig.suptitle(f"latent-MoE serving, {results['env']['preset']} preset, {results['env']['cpus']} CPUs")
+    harness.save_figure(fig, path)
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    t = results["targets"]
+    handle = f"handle path / in-process tokens/s, {t['large_tokens']}-token requests"
+    return [target(handle, t["handle_vs_inprocess"]),
+            target("32 x 16-token clients, tokens/s batched / unbatched", t["batching_speedup"], ".1f")]
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    env, t = results["env"], results["targets"]
+    lines = [
+        section_start(
+            SECTION, "serve", results["argv"], env,
+            f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on "
+            f"logical GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, "
+            f"TP ranks +{env['worker_nice_increment']}. Closed loop: each client sends its next request "
+            f"when the previous answer arrives; {env['duration_s']} s per row", json_path, png_path),
+        "",
+        "In-process runner (moe_runtime `local_group`, no Ray), same TP size and batch sizes:",
+        "",
+        "| T (tokens/forward) | forward ms | tokens/s |",
+        "|---:|---:|---:|",
+    ]
+    for T, r in results["inprocess"].items():
+        lines.append(f"| {T} | {r['forward_ms']:.1f} | {r['tokens_per_s']:.0f} |")
+    lines += [
+        "",
+        "Served (through Serve):",
+        "",
+        "| scenario | path | deployment (max_batch_tokens) | clients x tokens | tokens/s | req/s | p50 ms "
+        "| p99 ms | forwards | mean batch |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    mbt = results["max_batch_tokens"]
+    for r in results["scenarios"]:
+        lines.append(
+            f"| {r['scenario']} | {r['path']} | {r['deployment']} ({mbt[r['deployment']]}) | "
+            f"{r['clients']} x {r['tokens_per_request']} | {r['tokens_per_s']:.0f} | "
+            f"{r['requests_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['forwards']} | "
+            f"{r['mean_batch_tokens'] or 0:.0f} |"
+        )
+    handle, batching = t["handle_vs_inprocess"], t["batching_speedup"]
+    lines += [
+        "",
+        "Targets (verdicts computed from the rows above):",
+        "",
+        f"- handle path at {t['large_tokens']}-token requests / in-process: {verdict_text(handle)}; "
+        f"app handle {t['app_vs_inprocess']:.2f}, HTTP {t['http_vs_inprocess']:.2f}.",
+        f"- 32 concurrent 16-token clients, batching / max_batch_tokens = 16: "
+        f"{verdict_text(batching, '.1f')} with the ranks at "
+        f"worker_nice_increment {env['worker_nice_increment']}"
+        + (f"; {t['batching_speedup_nice0']:.1f}x with the ranks at the replica's priority "
+           "(rows `batching-nice0`)." if "batching_speedup_nice0" in t else "."),
+        "",
+        "Computed from this run: " + computed_notes(results),
+        "",
+        commentary(COMMENTARY_RUN, COMMENTARY),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def computed_notes(results: dict[str, Any]) -> str:
+    """What the rows say about batching and the paths, every figure from this run."""
+    notes = []
+    for r in results["scenarios"]:
+        key = (r["scenario"], r["path"], r["deployment"])
+        if key == ("batching", "handle", "batched") and r["mean_batch_tokens"]:
+            offered = r["clients"] * r["tokens_per_request"]
+            notes.append(f"with {r['clients']} clients of {r['tokens_per_request']} tokens the batched "
+                         f"deployment ran {r['forwards']} forwards of {r['mean_batch_tokens']:.0f} tokens "
+                         "on average, "
+                         f"{r['mean_batch_tokens'] / offered:.0%} of the {offered} tokens in flight")
+    large = {r["path"]: r for r in results["scenarios"] if r["scenario"] == "large"}
+    if "handle" in large and "http" in large:
+        notes.append(f"at {large['handle']['tokens_per_request']}-token requests HTTP reached "
+                     f"{large['http']['tokens_per_s'] / large['handle']['tokens_per_s']:.2f} of the handle "
+                     "path's "
+                     f"tokens/s (p50 {large['http']['p50_ms']:.0f} vs {large['handle']['p50_ms']:.0f} ms)")
+    return ("; ".join(notes) + ".") if notes else "no scenario to compare."
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "serve", quick="short windows; only the two target scenarios")
+    ap.add_argument("--preset", default="small", choices=["tiny", "small"])
+    ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tail", default="sharded")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--large-tokens", type=int, default=2048)
+    ap.add_argument("--large-clients", type=int, default=2)
+    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--duration", type=float, default=15.0, help="seconds per closed-loop row")
+    ap.add_argument("--worker-niceness", type=int, default=0,
+                    help="niceness of every Ray worker (Ray's default is 15; the driver and the "
+                         "in-process baseline run at 0)")
+    ap.add_argument("--worker-nice-increment", type=int, default=10,
+                    help="DeploymentSpec.worker_nice_increment of the TP ranks (CPU serving); the "
+                         "batching pair is measured again at 0 for comparison")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.duration = min(args.duration, 5.0)
+
+    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
+    H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
+    mbt = {"batched": args.max_batch_tokens, "unbatched": 16}
+    results: dict[str, Any] = {
+        "argv": args.argv,
+        "env": harness.machine_record(
+            with_ray=True, preset=args.preset, hidden_size=H, dtype=args.dtype, tp_size=args.tp,
+            tail=args.tail, duration_s=args.duration, worker_niceness=args.worker_niceness,
+            worker_nice_increment=args.worker_nice_increment),
+        "max_batch_tokens": mbt,
+        "scenarios": [],
+    }
+
+    sizes = sorted({16, 512, args.large_tokens})
+    serving = harness.local_serve(num_cpus=4, num_gpus=4 * args.tp, worker_niceness=args.worker_niceness)
+    with serving as base_url:
+        common = {"tp_size": args.tp, "tail": args.tail, "dtype": args.dtype, "layers": [LAYER],
+                  "max_tokens_per_request": max(args.large_tokens, 4096), "max_ongoing_requests": 128,
+                  "worker_nice_increment": args.worker_nice_increment}
+        app_args = {
+            "checkpoint": str(ckpt), **common,
+            "deployments": [
+                {"name": "batched", "max_batch_tokens": mbt["batched"], "batch_wait_timeout_s": 0.005},
+                {"name": "unbatched", "max_batch_tokens": mbt["unbatched"], "batch_wait_timeout_s": 0.0},
+            ],
+        }
+        start = time.perf_counter()
+        harness.deploy(app_args, APP)
+        print(f"app up in {time.perf_counter() - start:.1f} s; in-process baseline at T = {sizes}",
+              flush=True)
+        results["inprocess"] = {
+            str(T): v for T, v in inprocess_baseline(
+                str(ckpt), args.tp, args.tail, args.dtype, sizes, min(args.duration, 5.0)
+            ).items()
+        }
+        for T, v in results["inprocess"].items():
+            print(f"  in-process T={T:>5}: {v['forward_ms']:8.1f} ms/forward {v['tokens_per_s']:9.0f} tok/s")
+
+        plan = [("large", p, "batched", args.large_clients, args.large_tokens)
+                for p in ("handle", "app", "http")]
+        plan += [("batching", "handle", d, 32, 16) for d in ("batched", "unbatched")]
+        if not args.quick:
+            plan += [("batching", "http", "batched", 32, 16), ("mid", "handle", "batched", 8, 512),
+                     ("latency", "handle", "batched", 1, 16), ("latency", "http", "batched", 1, 16)]
+        for name, path, dep, clients, tokens in plan:
+            results["scenarios"].append(
+                run_scenario(name, path, dep, clients, tokens, args.duration, H, base_url)
+            )
+        if args.worker_nice_increment:
+            print("redeploying with worker_nice_increment 0", flush=True)
+            harness.deploy({**app_args, "worker_nice_increment": 0}, APP)
+            for dep in ("batched", "unbatched"):
+                results["scenarios"].append(
+                    run_scenario("batching-nice0", "handle", dep, 32, 16, args.duration, H, base_url)
+                )
+
+    def find(scenario: str, path: str, dep: str) -> dict[str, Any]:
+        return next(r for r in results["scenarios"]
+                    if (r["scenario"], r["path"], r["deployment"]) == (scenario, path, dep))
+
+    results["env"]["loadavg_after"] = harness.loadavg()
+    inproc = results["inprocess"][str(args.large_tokens)]["tokens_per_s"]
+    results["targets"] = {
+        "large_tokens": args.large_tokens,
+        "handle_vs_inprocess": verdict(find("large", "handle", "batched")["tokens_per_s"] / inproc, ">=",
+                                       0.8),
+        "app_vs_inprocess": find("large", "app", "batched")["tokens_per_s"] / inproc,
+        "http_vs_inprocess": find("large", "http", "batched")["tokens_per_s"] / inproc,
+        "batching_speedup": verdict(find("batching", "handle", "batched")["tokens_per_s"]
+                                    / find("batching", "handle", "unbatched")["tokens_per_s"], ">=", 3),
+    }
+    if args.worker_nice_increment:
+        results["targets"]["batching_speedup_nice0"] = (
+            find("batching-nice0", "handle", "batched")["tokens_per_s"]
+            / find("batching-nice0", "handle", "unbatched")["tokens_per_s"]
+        )
+    write_results(results, args.out, "serve", plot, markdown, index_rows, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

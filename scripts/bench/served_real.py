@@ -1,0 +1,215 @@
+"""One served layer end to end: `serve run`, time to ready, one POST, error vs the CLI, peak memory.
+
+What the README's real-size served run claims, as a script. For a checkpoint, TP size and dtype:
+
+1. the CLI reference: ``python -m moe_runtime forward`` on the same input (seeded ``[T, H]``), at the
+   same TP size and dtype, under scripts/bench/rss.py's sampler (its whole process tree);
+2. ``serve run`` of a generated Serve config (``deployments.app:build_app`` with the checkpoint,
+   ``tp_size``, ``dtype`` and ``layers: [layer]``; HTTP on a free local port), as a child process
+   whose whole tree (the Ray instance it starts: GCS, raylet, replica, TP ranks) is sampled the same
+   way from launch to shutdown;
+3. time to ready (launch until ``GET /healthz`` answers 200), then one
+   ``POST /v1/layers/{layer}/forward`` (``HTTPMoEClient``): its status and wall time, and the answer's
+   relative (Frobenius) and max-abs difference from the CLI's output;
+4. Ctrl-C (SIGINT) to `serve run`, which tears the app and its Ray instance down.
+
+Peaks are anonymous + shmem RSS summed over the tree, and PSS (shared pages divided among the
+processes that map them); see scripts/bench/rss.py. Writes JSON under --out, its page,
+docs/benchmarks/served_real.md, and the index (--docs; '' to skip).
+
+    python -m scripts.bench.served_real --preset tiny --tp 2            # seconds of compute, ~1-2 min
+    python -m scripts.bench.served_real --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 \\
+        --tokens 4 --seed 11 --ready-timeout 1800                       # the real-size run: ~17 GB RSS
+
+Uses ``deployments`` only through ``serve run deployments.app:build_app`` (a config file) and
+``deployments.client.HTTPMoEClient``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.tp.collectives import free_port
+
+from . import ROOT, harness
+from .docs import model_text, no_targets, section_start, write_results
+from .rss import TreeSampler, measure
+
+SECTION = "# Served layer: `serve run`, one POST, vs the CLI (scripts/bench/served_real.py)"
+APP = "served"
+
+
+def serve_config(ckpt: Path, tp: int, dtype: str, layer: int, port: int, tokens: int,
+                 tail: str) -> dict[str, Any]:
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{
+            "name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
+            "args": {"checkpoint": str(ckpt), "tp_size": tp, "dtype": dtype, "layers": [layer], "tail": tail,
+                     "max_tokens_per_request": max(tokens, 16), "max_batch_tokens": max(tokens, 16),
+                     "num_replicas": 1},
+        }],
+    }
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    got, ref = got.double(), ref.double()
+    return {"rel_frobenius": ((got - ref).norm() / ref.norm()).item(),
+            "max_abs": (got - ref).abs().max().item(), "max_abs_ref": ref.abs().max().item()}
+
+
+def wait_ready(client, proc: subprocess.Popen, timeout_s: float) -> float | None:
+    """Seconds from now until /healthz answers 200 (None if `serve run` exited or time ran out)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        if proc.poll() is not None:
+            return None
+        try:
+            client.healthz()
+            return time.perf_counter() - start
+        except Exception:
+            time.sleep(0.5)
+    return None
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from deployments.client import HTTPMoEClient
+
+    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    layer = args.layer or cfg.moe_layers[0]
+    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=args.seed, dtype=getattr(torch, args.dtype))
+    save_file({"hidden_states": x.contiguous()}, str(work / "in.safetensors"))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result: dict[str, Any] = {
+        "argv": args.argv, "env": harness.machine_record(), "model": harness.model_record(cfg),
+        "checkpoint": str(ckpt), "preset": None if args.checkpoint else args.preset,
+        "tp": args.tp, "dtype": args.dtype, "layer": layer, "tokens": args.tokens, "seed": args.seed,
+        "tail": args.tail,
+    }
+
+    print("CLI reference ...", flush=True)
+    cli = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(ckpt), "--layer", str(layer),
+           "--input", str(work / "in.safetensors"), "--output", str(work / "cli.safetensors"),
+           "--tp", str(args.tp), "--dtype", args.dtype, "--tail", args.tail]
+    rc, cli_mem = measure(cli, args.interval, cwd=ROOT, env=env)
+    if rc != 0:
+        raise SystemExit(f"the CLI reference failed (exit {rc}): {' '.join(cli)}")
+    result["cli"] = cli_mem
+    ref = load_file(str(work / "cli.safetensors"))["output"]
+
+    port = free_port()
+    (work / "serve.yaml").write_text(yaml.safe_dump(serve_config(ckpt, args.tp, args.dtype, layer, port,
+                                                                 args.tokens, args.tail)))
+    serve_bin = str(Path(sys.executable).with_name("serve"))
+    print(f"serve run (HTTP on 127.0.0.1:{port}) ...", flush=True)
+    start = time.perf_counter()
+    log = (work / "serve.log").open("w")
+    # Started in the background, this process has SIGINT ignored and `serve run` would inherit
+    # that, ignoring the Ctrl-C that stops it below; a handler is reset to the default at exec.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    proc = subprocess.Popen([serve_bin, "run", str(work / "serve.yaml")], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    sampler = TreeSampler(proc.pid, args.interval).start()
+    client = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=args.ready_timeout)
+    served: dict[str, Any] = {}
+    try:
+        ready = wait_ready(client, proc, args.ready_timeout)
+        if ready is None:
+            raise SystemExit(f"`serve run` was not ready within {args.ready_timeout} s (exit "
+                             f"{proc.poll()}); log: {work / 'serve.log'}")
+        served["ready_s"] = round(time.perf_counter() - start, 2)
+        t0 = time.perf_counter()
+        out = client.forward(x, layer)
+        served["answer_s"] = round(time.perf_counter() - t0, 3)
+        status = client.status()  # after the first forward, which decides the group transport
+        served["status"] = 200  # HTTPMoEClient raises on anything else
+        served.update(rel_error(out.float(), ref.float()))
+        dep = next(iter(status.get("deployments", {}).values()), status)
+        served["experts_backend"] = dep.get("experts_backend") if isinstance(dep, dict) else None
+        served["group_transport"] = dep.get("group_transport") if isinstance(dep, dict) else None
+    finally:
+        client.close()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: Serve tears the app down
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        sampler.stop()
+        log.close()
+    served.update(sampler.to_dict())
+    served["seconds_total"] = round(time.perf_counter() - start, 2)
+    result["served"] = served
+    result["env"]["loadavg_after"] = harness.loadavg()
+    return result
+
+
+def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
+    env, s, c, m = r["env"], r["served"], r["cli"], r["model"]
+    what = f"`{r['preset']}` preset" if r["preset"] else f"checkpoint `{r['checkpoint']}`"
+    lines = [
+        section_start(
+            SECTION, "served_real", r["argv"], env,
+            f"{what} ({model_text(m)}), layer {r['layer']}, TP {r['tp']}, tail {r['tail']}, "
+            f"{r['dtype']}, {r['tokens']} tokens (seed {r['seed']})", json_path),
+        "",
+        "| what | measured |",
+        "|---|---|",
+        f"| `serve run` to ready (launch until `GET /healthz` is 200) | {s['ready_s']:.1f} s |",
+        f"| `POST /v1/layers/{r['layer']}/forward`, {r['tokens']} tokens | {s['status']} in "
+        f"{s['answer_s']:.3f} s |",
+        "| answer vs the CLI (`python -m moe_runtime forward`, same input, TP, dtype) | relative (Frobenius) "
+        f"{s['rel_frobenius']:.2e}, max abs {s['max_abs']:.2e} (max abs output {s['max_abs_ref']:.3g}) |",
+        f"| experts backend, group transport (`GET /v1/status`) | {s.get('experts_backend')}, "
+        f"{s.get('group_transport')} |",
+        f"| peak anon + shmem RSS, `serve run` and all its processes | {s['peak_rss_gb']:.3f} GB "
+        f"(PSS {s['peak_pss_gb']:.3f} GB; {s['samples']} samples, up to {s['max_processes']} processes) |",
+        f"| peak anon + shmem RSS, the CLI's process tree | {c['peak_rss_gb']:.3f} GB "
+        f"(PSS {c['peak_pss_gb']:.3f} GB; {c['seconds']:.1f} s) |",
+    ]
+    if r["preset"]:
+        lines += ["", f"This run is the `{r['preset']}` preset: it shows the script works end to end. The "
+                  "real-size figures in \"Served at real size\" on [real.md](real.md) were measured by hand "
+                  "before this script existed; this script reproduces that run with `--checkpoint <16 GB K3 "
+                  "one-layer checkpoint> --tp 2 --dtype bfloat16 --tokens 4 --seed 11` (not re-run here: it "
+                  "needs the checkpoint and ~20 GB of free memory)."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "served_real")
+    ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
+    ap.add_argument("--preset", default="tiny", choices=("tiny", "medium", "small"))
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--layer", type=int, help="default: the first MoE layer")
+    ap.add_argument("--tail", default="sharded", help="the same tail for the CLI and the deployment")
+    ap.add_argument("--tokens", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--interval", type=float, default=0.2, help="RSS sampling period, seconds")
+    ap.add_argument("--ready-timeout", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="served_real_") as tmp:
+        result = run(args, Path(tmp))
+    write_results(result, args.out, "served_real", None, markdown, no_targets, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""How long deleting an idle app takes: ours against Ray Serve's own floor, side by side.
+
+A stopping Serve replica looks at intervals (``graceful_shutdown_wait_loop_s``) whether its
+requests are done before it exits; Serve's default interval is 2 s, so even an idle replica
+takes that long to stop. Ours look every ``DRAIN_POLL_S`` (``deployments/config/timeouts.py``),
+the TP groups and the ingress alike. Deleting an app, scaling down and replacing a replica all
+wait for it. One private Ray, in turns (``--reps`` rounds, each app deployed, called once, then
+deleted and timed):
+
+* ``ours``: the app (ingress + one TP-2 group, tiny checkpoint, float32);
+* ``floor_default``: Ray's floor: two trivial Serve deployments (one calls the other, the same
+  shape of app) with Serve's default options;
+* ``floor_fast``: the same two with ``graceful_shutdown_wait_loop_s`` = ``DRAIN_POLL_S``.
+
+    python -m scripts.bench.shutdown        # ~1 minute on 2 cores
+
+Targets: deleting ours takes <= 0.5 s over ``floor_fast`` (medians), and less than
+``floor_default`` (a ratio < 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from . import harness
+from .docs import Target, rounds_table, section_start, target, verdict, verdict_text, write_results
+
+SECTION = "# Deleting an idle app: how fast replicas stop (`scripts/bench/shutdown.py`)"
+APPS = ("ours", "floor_default", "floor_fast")
+
+
+def floor_app(wait_loop_s: float | None) -> Any:
+    """Two trivial deployments, the first calling the second (Serve's options, or the interval)."""
+    from ray import serve
+
+    options = {} if wait_loop_s is None else {"graceful_shutdown_wait_loop_s": wait_loop_s}
+
+    @serve.deployment(name="backend", **options)
+    class Backend:
+        def __call__(self, x: int) -> int:
+            return x
+
+    @serve.deployment(name="front", **options)
+    class Front:
+        def __init__(self, backend: Any):
+            self.backend = backend
+
+        async def __call__(self, x: int) -> int:
+            return await self.backend.remote(x)
+
+    return Front.bind(Backend.bind())
+
+
+def deploy_call_delete_s(name: str, app_args: dict[str, Any], x: Any) -> float:
+    """Deploy the app ``name``, call it once, then delete it: the seconds ``serve.delete`` took."""
+    from ray import serve
+
+    from deployments.client import MoEClient
+    from deployments.config.timeouts import DRAIN_POLL_S
+
+    if name == "ours":
+        harness.deploy(app_args, name)
+        MoEClient(name, timeout_s=120).forward(x, 1)
+    else:
+        handle = serve.run(floor_app(None if name == "floor_default" else DRAIN_POLL_S), name=name,
+                           route_prefix=f"/{name}")
+        handle.remote(1).result(timeout_s=120)
+    t0 = time.perf_counter()
+    serve.delete(name)
+    return time.perf_counter() - t0
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, ax = harness.pyplot().subplots(figsize=(6, 3.2))
+    ax.bar(list(APPS), [statistics.median(results["delete_s"][n]) for n in APPS], color="tab:blue")
+    ax.set_ylabel("serve.delete of an idle app, s (median)")
+    ax.set_title(f"{results['reps']} rounds, drain poll {results['drain_poll_s']:g} s", fontsize=10)
+    harness.save_figure(fig, path, dpi=100)
+
+
+def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The targets of the module docstring, from the measured results."""
+    med = {n: statistics.median(v) for n, v in results["delete_s"].items()}
+    return {"over_floor": verdict(med["ours"] - med["floor_fast"], "<=", 0.5),
+            "vs_default": verdict(med["ours"] / med["floor_default"], "<", 1.0)}
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    v = results["verdicts"]
+    return [target("serve.delete of ours - Serve's fast floor", v["over_floor"], ".2f", " s"),
+            target("serve.delete of ours / Serve's default floor", v["vs_default"])]
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    what = {"ours": "the app: ingress + one TP-2 group (tiny, float32)",
+            "floor_default": "Ray's floor: two trivial deployments, Serve's default options",
+            "floor_fast": f"the same, graceful_shutdown_wait_loop_s = {results['drain_poll_s']:g} s"}
+    rows = rounds_table("app", "serve.delete, s", results["delete_s"], what)
+    over, default = results["verdicts"]["over_floor"], results["verdicts"]["vs_default"]
+    return "\n".join([
+        section_start(SECTION, "shutdown", results["argv"], results["machine"],
+                      f"each app deployed, called once, then deleted, in turns, {results['reps']} rounds",
+                      json_path, png_path), "",
+        *rows, "",
+        f"- Ours over the fast floor: {verdict_text(over)} s; ours as a share of Serve's default "
+        f"floor: {verdict_text(default)}.",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "shutdown")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    from deployments.config.timeouts import DRAIN_POLL_S
+
+    app_args, x = harness.tiny_app(tp_size=2, tail="sharded")
+    machine = harness.machine_record(with_ray=True)
+    with harness.local_serve(num_cpus=8, num_gpus=2):
+        measured = harness.in_turns(APPS, args.reps, lambda name: deploy_call_delete_s(name, app_args, x))
+    results = {"delete_s": measured, "reps": args.reps, "drain_poll_s": DRAIN_POLL_S, "argv": args.argv,
+               "machine": dict(machine, loadavg_after=harness.loadavg())}
+    results["verdicts"] = verdicts(results)
+    write_results(results, args.out, "shutdown", plot, markdown, index_rows, args.docs)
+    return 0 if all(v["met"] for v in results["verdicts"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,413 @@
+"""Tail benchmark: every legal tail at several TP sizes and token counts, side by side.
+
+For each P and T it reports the median time of the tail alone (everything after the
+experts, replayed on the same partials) and of the whole layer, the per-stage breakdown,
+the bytes per token each rank hands to the tail's collectives (measured by counting), the
+fastest tail per T (crossovers), and the token-sharded routed input's down-projection
+time per routed-input mode (``off``, exact ``none``, and the lossy ``fp8-approx`` /
+``mxfp4-approx``, named as the deployment option names them). ``single_allreduce_wide`` is the
+earlier packing of the single all-reduce, ``[S | (gamma*L)Wup^T | L]`` in fp32 (width 2H + D),
+replayed here for comparison with today's ``[S | L]`` in the deployment dtype (H + D).
+
+Stage times come from the same replays as the totals: each replay is timed whole and by stage
+(the runner's stage timer, marks inside the timed interval), the reported total is the median
+replay's and the stage breakdown is that same replay's, so the stages of a row never add up to
+more than its total (``other`` is the rest: Python between the marks).
+
+The load average before and after the run goes into the JSON (the machine may be shared; a run
+started on a loaded machine is labelled contended). Writes JSON + PNG under --out, its page,
+docs/benchmarks/tail.md, and its rows of the index (--docs; '' to skip), targets and their verdicts
+computed from the data.
+
+    python -m scripts.bench.tail --tp 1 2 --tokens 1 16 256 2048       # small preset, minutes
+    python -m scripts.bench.tail --preset tiny --tp 1 2 --tokens 1 16 --docs ''   # seconds
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from moe_runtime.activation import GatedActivation
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import routed_experts, shared_experts
+from moe_runtime.tp.collectives import Collectives
+from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.tp.plan import TailPlan
+from moe_runtime.tp.routed_input import RoutedInputConfig
+from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
+from moe_runtime.units import torch_dtype
+
+from . import harness
+from .docs import (
+    Target,
+    model_text,
+    render_section,
+    section_start,
+    target,
+    verdict,
+    verdict_text,
+    write_results,
+)
+
+LAYER = 1
+SECTION = "# Tails (scripts/bench/tail.py)"
+ROUTED_INPUT_MODES = ("off", "none", "fp8-approx", "mxfp4-approx")  # dense experts: no exact mxfp4
+
+
+def timed_replays(runner: LatentMoERunner, fn, reps: int) -> dict:
+    """``fn`` once to warm up, then ``reps`` replays each timed whole and by stage in the same call.
+
+    Returns the median replay (by total; the lower middle one for an even count): its total
+    ``ms``, its ``stages_ms`` (the runner's stage timer, started inside the timed interval, so they
+    add up to at most ``ms``), ``other_ms`` (the rest), and every replay's total (``all_ms``).
+    """
+    timer = runner.timer
+    fn()
+    replays = []
+    timer.enabled = True
+    try:
+        for _ in range(reps):
+            timer.totals.clear()
+            timer.sync()
+            start = time.perf_counter()
+            timer.start()
+            fn()
+            timer.sync()
+            total = (time.perf_counter() - start) * 1e3
+            replays.append((total, {stage: secs * 1e3 for stage, secs in timer.totals.items()}))
+    finally:
+        timer.enabled = False
+        timer.totals.clear()
+    ordered = sorted(replays, key=lambda r: r[0])
+    total, stages = ordered[(len(ordered) - 1) // 2]
+    return {"ms": total, "stages_ms": stages, "other_ms": total - sum(stages.values()),
+            "all_ms": [r[0] for r in replays]}
+
+
+def _replay_tail(runner: LatentMoERunner, tail: str, L, S, dtype) -> None:
+    runner.apply_tail(tail, L.clone(), None if S is None else S.clone(), dtype)
+
+
+def _replay_wide_single_allreduce(runner: LatentMoERunner, L, S, dtype) -> torch.Tensor:
+    """The earlier single all-reduce (for comparison only): RMSNorm is a per-row scale, so
+    ``R = ((gamma * L) Wup^T) / rms(L)`` and one fp32 all-reduce of
+    ``[S | (gamma * L) Wup^T | L]`` carries everything; the rms is applied after it."""
+    H, w = runner.cfg.hidden_size, runner.w
+    scaled = L if w.norm_D is None else L * w.norm_D
+    PR_TH = runner._up(scaled, dtype).float()
+    runner.timer.mark("up_proj")
+    parts = [PR_TH, L] if S is None else [S.float(), PR_TH, L]
+    buf = runner.comm.all_reduce(torch.cat(parts, dim=1))
+    runner.timer.mark("collectives")
+    offset = 0 if S is None else H
+    R_TH = buf[:, offset : offset + H]
+    if w.norm_D is not None:
+        L_sum = buf[:, offset + H :]
+        R_TH = R_TH * torch.rsqrt(L_sum.pow(2).mean(-1, keepdim=True) + runner.cfg.rms_norm_eps)
+    return (R_TH if S is None else buf[:, :H] + R_TH).to(dtype)
+
+
+WIDE = "single_allreduce_wide"
+
+
+def _collective_bytes_per_token(comm: Collectives, run, T: int) -> float:
+    comm.nbytes.clear()
+    run()
+    return sum(comm.nbytes.values()) / T
+
+
+def _rank_bench(comm: Collectives, ckpt: str, tokens: list[int], dtype_name: str, tail_reps: int) -> dict:
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    dtype = torch_dtype(dtype_name)
+    P = comm.world
+    base = build_rank_runners(ckpt, cfg, [LAYER], comm, TailPlan.single("replicated", "bench"), dtype=dtype)[
+        LAYER
+    ]
+    shard = base.shard
+    runners = {tail: base for tail in base.legal_tails}
+    if P > 1:
+        sp_plan = TailPlan.single("sequence_parallel", "bench")
+        runners["sequence_parallel"] = LatentMoERunner(cfg, base.w, comm, sp_plan, shard)
+    act = GatedActivation.from_config(cfg)
+    gen = torch.Generator().manual_seed(0)
+    rows, routed = [], []
+    for T in tokens:
+        x = torch.randn(T, cfg.hidden_size, generator=gen).to(dtype)
+        full_reps = 1 if T >= 4096 else 3
+        L = routed_experts(x, base.routed_input_latent(x), base.w, cfg, base.backend, act)
+        S = shared_experts(x, base.w, act)
+        tails = {
+            tail: (runner, partial(_replay_tail, runner, tail, L, S, dtype))
+            for tail, runner in runners.items()
+        }
+        if "single_allreduce" in tails:
+            tails[WIDE] = (base, partial(_replay_wide_single_allreduce, base, L.clone(), S, dtype))
+        for tail, (runner, run_tail) in tails.items():
+            run_layer = None if tail == WIDE else partial(runner.forward, x, tail=tail)
+            tail_t = timed_replays(runner, run_tail, tail_reps if T < 4096 else max(3, tail_reps // 2))
+            layer_t = None if run_layer is None else timed_replays(runner, run_layer, full_reps)
+            rows.append(
+                {
+                    "P": P,
+                    "T": T,
+                    "tail": tail,
+                    "tail_ms": tail_t["ms"],
+                    "tail_stages_ms": tail_t["stages_ms"],
+                    "tail_other_ms": tail_t["other_ms"],
+                    "tail_all_ms": tail_t["all_ms"],
+                    "layer_ms": None if layer_t is None else layer_t["ms"],
+                    "layer_stages_ms": {} if layer_t is None else layer_t["stages_ms"],
+                    "layer_other_ms": None if layer_t is None else layer_t["other_ms"],
+                    "collective_bytes_per_token": _collective_bytes_per_token(comm, run_tail, T),
+                }
+            )
+        if P > 1:
+            for quant in ROUTED_INPUT_MODES:
+                ri = RoutedInputConfig(quant != "off", "none" if quant == "off" else quant, 1)
+                r = LatentMoERunner(cfg, base.w, comm, base.plan, shard, routed_input=ri)
+                st = timed_replays(r, partial(r.routed_input_latent, x), max(3, tail_reps // 2))
+                routed.append(
+                    {
+                        "P": P,
+                        "T": T,
+                        "routed_input": quant,
+                        "total_ms": st["ms"],
+                        "down_proj_ms": st["stages_ms"].get("down_proj", 0.0),
+                        "gather_ms": st["stages_ms"].get("collectives", 0.0),
+                        "other_ms": st["other_ms"],
+                    }
+                )
+    return {"rows": rows, "routed_input": routed}
+
+
+def _crossovers(rows: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for P in sorted({r["P"] for r in rows}):
+        best = []
+        for T in sorted({r["T"] for r in rows if r["P"] == P}):
+            cands = [
+                r
+                for r in rows
+                if r["P"] == P and r["T"] == T and r["tail"] not in ("sequence_parallel", WIDE)
+            ]
+            win = min(cands, key=lambda r: r["tail_ms"])
+            best.append({"T": T, "fastest_tail": win["tail"], "tail_ms": win["tail_ms"]})
+        out[P] = best
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    plt = harness.pyplot()
+    Ps = sorted({r["P"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(Ps) + 1, figsize=(6 * (len(Ps) + 1), 4.5))
+    for ax, P in zip(axes, Ps, strict=False):
+        for tail in sorted({r["tail"] for r in result["rows"] if r["P"] == P}):
+            pts = sorted((r["T"], r["tail_ms"]) for r in result["rows"] if r["P"] == P and r["tail"] == tail)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                label=tail,
+                ls="--" if tail == WIDE else "-",
+            )
+        ax.set(
+            xscale="log", yscale="log", xlabel="tokens T", ylabel="tail time (ms, median)", title=f"TP {P}"
+        )
+        ax.legend(fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+    ax = axes[-1]
+    ri = [r for r in result["routed_input"]]
+    if ri:
+        Tmax = max(r["T"] for r in ri)
+        sel = [r for r in ri if r["T"] == Tmax]
+        ax.bar([r["routed_input"] for r in sel], [r["down_proj_ms"] for r in sel], label="down-projection")
+        ax.bar(
+            [r["routed_input"] for r in sel],
+            [r["gather_ms"] for r in sel],
+            bottom=[r["down_proj_ms"] for r in sel],
+            label="all-gather (+quant)",
+        )
+        ax.set(title=f"routed input per rank, TP {sel[0]['P']}, T={Tmax}", ylabel="ms")
+        ax.legend(fontsize=8)
+    harness.save_figure(fig, path)
+
+
+def compute_targets(rows: list[dict], routed: list[dict], tp: list[int], tokens: list[int]) -> dict:
+    """Each target's measured ratio and its verdict, from the rows (nothing assumed)."""
+
+    def tail_ms(P: int, T: int, tail: str) -> float | None:
+        hit = [r["tail_ms"] for r in rows if (r["P"], r["T"], r["tail"]) == (P, T, tail)]
+        return hit[0] if hit else None
+
+    targets = {}
+    for T in [t for t in tokens if t >= 2048]:
+        s, r = tail_ms(2, T, "sharded"), tail_ms(2, T, "replicated")
+        if s and r:
+            targets[f"P2_T{T}_sharded_over_replicated"] = verdict(s / r, "<=", 0.75)
+    for P in [p for p in tp if p > 1]:
+        for T in tokens:
+            new, old = tail_ms(P, T, "single_allreduce"), tail_ms(P, T, WIDE)
+            if new and old:
+                targets[f"P{P}_T{T}_single_allreduce_over_wide"] = verdict(new / old, "<", 1)
+    for P in [p for p in tp if p > 1]:  # at P = 1 there is no collective to save
+        s, r = tail_ms(P, 1, "single_allreduce"), tail_ms(P, 1, "replicated")
+        if s and r:
+            targets[f"P{P}_T1_single_allreduce_over_replicated"] = verdict(s / r, "<", 1)
+    Tmax = max(tokens)
+    off = [x for x in routed if x["P"] == 2 and x["T"] == Tmax and x["routed_input"] == "off"]
+    on = [x for x in routed if x["P"] == 2 and x["T"] == Tmax and x["routed_input"] == "none"]
+    if off and on and on[0]["down_proj_ms"] > 0:
+        speedup = off[0]["down_proj_ms"] / on[0]["down_proj_ms"]
+        targets[f"P2_T{Tmax}_down_proj_speedup"] = verdict(speedup, ">=", 1.6)
+    return targets
+
+
+def index_rows(result: dict) -> list[Target]:
+    return [target(name, v) for name, v in result["targets"].items()]
+
+
+def _stage(r: dict, key: str, stage: str) -> str:
+    v = r[key].get(stage)
+    return "" if v is None else f"{v:.2f}"
+
+
+def markdown(result: dict, json_path: str, png_path: str) -> str:
+    m, model = result["machine"], result["model"]
+    lines = [
+        section_start(
+            SECTION, "tail", result["argv"], m,
+            f"`{result['preset']}` preset ({model_text(model)}), "
+            f"{result['dtype']}, gloo on CPU, TP {', '.join(map(str, result['tp']))}",
+            json_path, png_path),
+        "",
+        "Tail = everything after the experts (collectives, norm, up-projection), replayed on the same "
+        "partials; layer = a whole forward. Each number is the median of its replays; the stage "
+        "columns "
+        "are the stages *of that same replay* (one timed call gives the total and its stages), so they "
+        "never add up to more than the total; `other` is the rest (Python between the stage marks).",
+        "",
+        "| P | T | tail | tail ms | tail: collectives | tail: up-proj | tail: other | layer ms "
+        "| layer: down-proj | layer: experts | layer: collectives | layer: up-proj | layer: other "
+        "| B/token |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        layer = "" if r["layer_ms"] is None else f"{r['layer_ms']:.2f}"
+        lother = "" if r["layer_other_ms"] is None else f"{r['layer_other_ms']:.2f}"
+        lines.append(
+            f"| {r['P']} | {r['T']} | {r['tail']} | {r['tail_ms']:.2f} "
+            f"| {_stage(r, 'tail_stages_ms', 'collectives')} "
+            f"| {_stage(r, 'tail_stages_ms', 'up_proj')} | {r['tail_other_ms']:.2f} | {layer} "
+            f"| {_stage(r, 'layer_stages_ms', 'down_proj')} | {_stage(r, 'layer_stages_ms', 'experts')} "
+            f"| {_stage(r, 'layer_stages_ms', 'collectives')} | {_stage(r, 'layer_stages_ms', 'up_proj')} "
+            f"| {lother} | {r['collective_bytes_per_token']:.0f} |"
+        )
+    lines += ["", f"`{WIDE}` is the earlier fp32 `[S | (gamma*L)Wup^T | L]` packing, replayed for comparison "
+              "(tail only). Fastest tail per token count (sequence_parallel and the wide replay excluded: "
+              "the first returns only a rank's rows):", ""]
+    for P, best in result["crossovers"].items():
+        lines.append(f"- TP {P}: " + " -> ".join(f"T={b['T']}: {b['fastest_tail']} ({b['tail_ms']:.2f} ms)"
+                                                  for b in best))
+    if result["routed_input"]:
+        lines += ["", "Token-sharded routed input (per rank): the routed-input modes by their deployment "
+                  "names; `fp8-approx` and `mxfp4-approx` are lossy (they change a request's output with "
+                  "its batch), "
+                  "`none` is the exact token-sharded gather, `off` the replicated down-projection. "
+                  "Stages of the median replay, as above:", "",
+                  "| P | T | routed input | total ms | down-proj ms | all-gather (+quant) ms | other ms |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]
+        for x in result["routed_input"]:
+            lines.append(f"| {x['P']} | {x['T']} | {x['routed_input']} | {x['total_ms']:.2f} | "
+                         f"{x['down_proj_ms']:.2f} | {x['gather_ms']:.2f} | {x['other_ms']:.2f} |")
+    lines += ["", "Targets (ratios of the medians above; verdicts computed by the script):", ""]
+    if not result["targets"]:
+        lines.append("- none measurable with these TP sizes and token counts")
+    for name, t in result["targets"].items():
+        lines.append(f"- {name}: {verdict_text(t)}")
+    lines += ["", "Reading (computed from this run): " + reading(result)]
+    return "\n".join(lines)
+
+
+def reading(result: dict) -> str:
+    """Sentences whose every claim is a comparison of this run's numbers."""
+    out = []
+    for P, best in result["crossovers"].items():
+        winners = [b["fastest_tail"] for b in best]
+        if len(set(winners)) == 1:
+            out.append(f"at TP {P} `{winners[0]}` was the fastest tail at every T measured.")
+        else:
+            out.append(f"at TP {P} the fastest tail changed with T ({', '.join(dict.fromkeys(winners))}), "
+                       "which is why `tail: auto` measures on the deployment's own group.")
+    rows = result["rows"]
+    for P in sorted({r["P"] for r in rows if r["P"] > 1}):
+        for T in sorted({r["T"] for r in rows if r["P"] == P}):
+            by = {r["tail"]: r for r in rows if (r["P"], r["T"]) == (P, T)}
+            if "sharded" in by and "replicated" in by:
+                s, rp = by["sharded"], by["replicated"]
+                su, ru = s["tail_stages_ms"].get("up_proj"), rp["tail_stages_ms"].get("up_proj")
+                if su is not None and ru:
+                    out.append(f"TP {P}, T={T}: sharded tail {s['tail_ms']:.2f} ms vs replicated "
+                               f"{rp['tail_ms']:.2f} ms, up-projection {su:.2f} vs {ru:.2f} ms "
+                               f"({su / ru:.2f}x).")
+    routed = result["routed_input"]
+    for P in sorted({x["P"] for x in routed}):
+        Tmax = max(x["T"] for x in routed if x["P"] == P)
+        by = {x["routed_input"]: x for x in routed if (x["P"], x["T"]) == (P, Tmax)}
+        if "off" in by and "none" in by and by["none"]["down_proj_ms"] > 0:
+            out.append(f"Token-sharded routed input at TP {P}, T={Tmax}: down-projection "
+                       f"{by['off']['down_proj_ms']:.2f} -> {by['none']['down_proj_ms']:.2f} ms "
+                       f"({by['off']['down_proj_ms'] / by['none']['down_proj_ms']:.2f}x), for an all-gather "
+                       "of "
+                       f"{by['none']['gather_ms']:.2f} ms; " + ", ".join(
+                           f"{q} gather {by[q]['gather_ms']:.2f} ms" for q in ("fp8-approx", "mxfp4-approx")
+                           if q in by) + ".")
+    return " ".join(sentence[0].upper() + sentence[1:] for sentence in out) or "Nothing to compare."
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "tail")
+    ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
+    ap.add_argument("--preset", default="small", choices=("tiny", "medium", "small"))
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048, 8192])
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--tail-reps", type=int, default=9)
+    ap.add_argument("--render", type=Path, help="measure nothing: rewrite the page from this JSON")
+    args = ap.parse_args(argv)
+    if args.render:
+        render_section(args.render, markdown, index_rows, Path(args.docs), "tail")
+        return 0
+    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    machine = harness.machine_record()
+    rows, routed = [], []
+    for P in args.tp:
+        print(f"TP {P}: timing tails at T = {args.tokens} ...", flush=True)
+        res = run_local_group(
+            P, _rank_bench, str(ckpt), args.tokens, args.dtype, args.tail_reps, timeout_s=3600
+        )
+        rows += res[0]["rows"]
+        routed += res[0]["routed_input"]
+    machine["loadavg_after"] = harness.loadavg()
+    result = {
+        "argv": args.argv,
+        "preset": args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}",
+        "tp": args.tp,
+        "machine": machine,
+        "dtype": args.dtype,
+        "model": harness.model_record(cfg),
+        "rows": rows,
+        "routed_input": routed,
+        "crossovers": _crossovers(rows),
+        "targets": compute_targets(rows, routed, args.tp, args.tokens),
+    }
+    write_results(result, args.out, "tail", plot, markdown, index_rows, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
