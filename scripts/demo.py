@@ -22,8 +22,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from deployments.client import AttentionWorker, HTTPMoEClient, MoEClient  # noqa: E402
+import examples.rows  # noqa: E402
+from deployments.client import HTTPMoEClient, MoEClient  # noqa: E402
 from deployments.config.timeouts import LANE_POLL_S  # noqa: E402
+from examples.rows import RowsWorker  # noqa: E402
 from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
 from moe_runtime.layer import moe_forward  # noqa: E402
@@ -52,29 +54,6 @@ def gpus_needed(resolved: list) -> int:
 
 def _ms(samples: list[float]) -> str:
     return f"{statistics.median(samples) * 1e3:7.2f} ms"
-
-
-class RowsWorker(AttentionWorker):
-    """The cohort path's stand-in attention worker: a step's input is its rows for every layer."""
-
-    def __init__(self) -> None:
-        self.rows: dict[int, torch.Tensor] = {}
-        self.out: dict[int, torch.Tensor] = {}
-
-    def start(self, step_input: dict[int, torch.Tensor]) -> None:
-        self.rows, self.out = step_input, {}
-
-    def attend(self, layer: int) -> torch.Tensor:
-        return self.rows[layer]
-
-    def absorb(self, layer: int, moe_out_TH: torch.Tensor) -> None:
-        self.out[layer] = moe_out_TH
-
-    def finish(self) -> dict[int, torch.Tensor]:
-        return self.out
-
-    def abort(self) -> None:
-        self.out = {}
 
 
 def references(resolved: list) -> list[dict[str, Any]]:
@@ -125,6 +104,9 @@ def exercise(app_name: str, base_url: str, resolved: list, repeats: int) -> bool
     with client.lane(max_tokens=max_T, name="demo") as lane:  # closed before the cohort leases
         for i, c in enumerate(cases):
             results[i, "lane"] = timed(repeats, lane.forward, c["x"], c["layer"])
+    # the cohort path's stand-in attention workers (a step's input is their rows for every layer),
+    # sent by value: their processes need not find examples/ from wherever this script runs
+    ray.cloudpickle.register_pickle_by_value(examples.rows)
     workers = [ray.remote(RowsWorker).options(num_cpus=0).remote() for _ in range(2)]
     with client.cohort(workers, max_tokens=(max_T + 1) // 2, name="demo") as cohort:
         for T in sorted({c["T"] for c in cases}):

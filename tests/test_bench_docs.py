@@ -6,7 +6,6 @@ from __future__ import annotations
 from scripts.bench.docs import (
     INDEX,
     Target,
-    check,
     commentary,
     is_contended,
     load_label,
@@ -66,7 +65,7 @@ def index_rows(pages) -> list[str]:
 
 def test_a_run_replaces_only_its_own_rows_of_the_index(tmp_path) -> None:
     record = {"date": "2026-12-06 03:38 UTC", "cpus": 2, "machine": "x86_64"}
-    a1 = [target("a / b", verdict(0.5, "<=", 0.75)), check("answers equal | exact", False)]
+    a1 = [target("a / b", verdict(0.5, "<=", 0.75)), target("answers equal | exact", False)]
     publish("# A\n\nrun 1\n", "a", a1, record, tmp_path)
     publish("# B\n\nrun 1\n", "b", [Target("b's target", "3 / 4", None)], record, tmp_path)
     (tmp_path / "c.md").write_text("# C, by hand\n")

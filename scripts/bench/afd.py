@@ -35,17 +35,7 @@ import torch
 from examples.afd import Decoder, LocalMoE, MoELayers, RemoteMoE, tier_busy
 
 from . import harness
-from .docs import (
-    Target,
-    check,
-    commentary,
-    section_start,
-    target,
-    verdict,
-    verdict_word,
-    write_results,
-    yes_no,
-)
+from .docs import Target, commentary, section_start, target, verdict, verdict_word, write_results, yes_no
 
 APP = "afd_bench"
 DEPLOYMENT = "moe"
@@ -184,7 +174,7 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
     s = results["summary"]
     return [target("tokens/s at m = 2 / m = 1, batch 32", s["target"]),
             target("lane / in-process tokens/s at m = 1, slowest batch", s["lane_target"]),
-            check("generated tokens equal the in-process model's", s["tokens_identical"])]
+            target("generated tokens equal the in-process model's", s["tokens_identical"])]
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:

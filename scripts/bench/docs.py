@@ -158,8 +158,11 @@ def repo_relative(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def target(what: str, v: dict[str, Any], fmt: str = ".2f", unit: str = "") -> Target:
-    """A :func:`verdict` as an index row: ``what`` followed by its threshold, the value in ``fmt``."""
+def target(what: str, v: dict[str, Any] | bool, fmt: str = ".2f", unit: str = "") -> Target:
+    """A :func:`verdict` as an index row: ``what`` followed by its threshold, the value in ``fmt``;
+    or, for a yes/no target (no wrong answer, no call hung, ...), whether it held."""
+    if isinstance(v, bool):
+        return Target(what, yes_no(v).strip("*"), v)
     measured = "-" if v["value"] is None else f"{v['value']:{fmt}}{unit}"
     return Target(f"{what} {v['target']}{unit}", measured, v["met"])
 
@@ -167,11 +170,6 @@ def target(what: str, v: dict[str, Any], fmt: str = ".2f", unit: str = "") -> Ta
 def no_targets(results: dict[str, Any]) -> list[Target]:
     """The index rows of a benchmark that sets no target: none (the index still lists its page)."""
     return []
-
-
-def check(what: str, ok: bool | None) -> Target:
-    """A yes/no target (no answer wrong, no call hung, ...) as an index row."""
-    return Target(what, "-" if ok is None else yes_no(ok).strip("*"), ok)
 
 
 def machine_text(record: dict[str, Any]) -> str:

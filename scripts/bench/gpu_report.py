@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ROOT, harness
-from .docs import Target, check, load_label, publish, repo_relative, target, verdict, verdict_text, yes_no
+from .docs import Target, load_label, publish, repo_relative, target, verdict, verdict_text, yes_no
 from .gpu_check_summary import TIMING_STAGES, junit_counts
 from .rows import read_rows
 
@@ -108,7 +108,7 @@ def gpus_text(record: dict[str, Any]) -> str:
 
 
 def index_rows(record: dict[str, Any]) -> list[Target]:
-    rows = [check("gpu_check.sh's verdict: passed", bool((record.get("summary") or {}).get("passed")))]
+    rows = [target("gpu_check.sh's verdict: passed", bool((record.get("summary") or {}).get("passed")))]
     experts = experts_rows(record)
     if experts:
         slowest = min(r["grouped_speedup"] for r in experts)
@@ -209,10 +209,10 @@ def collectives_text(record: dict[str, Any]) -> list[str]:
                      f"| {r['reduce_scatter']['median_ms']:.4f} |")
     lines.append("")
     nbytes = [r["bytes"] for r in rows]
+    over = f"over {size(min(nbytes))} to {size(max(nbytes))}"
     for op in ("all_reduce", "reduce_scatter"):
         ms = [r[op]["median_ms"] for r in rows]
-        lines.append(f"- {op}: {min(ms):.4f} to {max(ms):.4f} ms over {size(min(nbytes))} to "
-                     f"{size(max(nbytes))}.")
+        lines.append(f"- {op}: {min(ms):.4f} to {max(ms):.4f} ms {over}.")
     return lines
 
 

@@ -24,10 +24,12 @@ Legend: T tokens, D latent, E experts, K slots per token, I intermediate, P TP s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -141,17 +143,26 @@ def run_experts(args) -> None:
 # -- collectives --------------------------------------------------------------------------------
 
 
-def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, out: str) -> None:
+@contextlib.contextmanager
+def rank_group(rank: int, world: int, port: int, smoke: bool) -> Iterator[tuple[torch.device, Collectives]]:
+    """This rank's device and its collectives over the local group (gloo in a smoke run, else nccl);
+    the group is destroyed on the way out."""
     device = device_of(smoke, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_group(rank, world, "127.0.0.1", port, "gloo" if smoke else "nccl", 120.0)
-    comm = Collectives(rank, world, device)
+    try:
+        yield device, Collectives(rank, world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, out: str) -> None:
     D = (SMOKE if smoke else K3)["D"]
     note = None if world > 1 else "one device: a world of one reduces nothing; launch overhead only"
-    writer = RowWriter(Path(out), what="collectives", world=world, backend="gloo" if smoke else "nccl",
-                       note=note, D=D, machine=machine(device)) if rank == 0 else None
-    try:
+    with rank_group(rank, world, port, smoke) as (device, comm):
+        writer = RowWriter(Path(out), what="collectives", world=world, backend="gloo" if smoke else "nccl",
+                           note=note, D=D, machine=machine(device)) if rank == 0 else None
         for dtype in (torch.bfloat16, torch.float32):
             for T in SMOKE_TOKENS if smoke else TOKENS:
                 Tp = -(-T // world) * world  # reduce-scatter needs rows divisible by the world
@@ -163,8 +174,6 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
                 if writer:
                     writer.row({"dtype": dtype_name(dtype), "T": T, "bytes": nbytes,
                                 "all_reduce": ar, "reduce_scatter": rs, "all_reduce_bus_GBps": bus})
-    finally:
-        dist.destroy_process_group()
     if writer:
         writer.close()
 
@@ -178,18 +187,13 @@ def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: i
     from moe_runtime.tp.plan import TailPlan, legal_tails
     from moe_runtime.tp.runner import build_rank_runners
 
-    device = device_of(smoke, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    init_group(rank, world, "127.0.0.1", port, "gloo" if smoke else "nccl", 120.0)
-    comm = Collectives(rank, world, device)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = cfg.moe_layers[0]
     dtype = torch.bfloat16
-    ref_w = load_layer_weights(ckpt, cfg, layer, dtype).to(device) if rank == 0 else None
-    writer = RowWriter(Path(out), what="tail", world=world, checkpoint=cfg.to_dict(),
-                       machine=machine(device)) if rank == 0 else None
-    try:
+    with rank_group(rank, world, port, smoke) as (device, comm):
+        ref_w = load_layer_weights(ckpt, cfg, layer, dtype).to(device) if rank == 0 else None
+        writer = RowWriter(Path(out), what="tail", world=world, checkpoint=cfg.to_dict(),
+                           machine=machine(device)) if rank == 0 else None
         runner = build_rank_runners(ckpt, cfg, [layer], comm, TailPlan.single("replicated", "gpu check"),
                                     dtype=dtype, device=device)[layer]
         for tail in legal_tails(cfg, world):
@@ -204,8 +208,6 @@ def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: i
                         rel = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
                         writer.row({"tail": tail, "T": T, "layer": timing, "rel_diff_vs_single_gpu": rel,
                                     "within_tolerance": rel <= TAIL_TOLERANCE})
-    finally:
-        dist.destroy_process_group()
     if writer:
         writer.close()
 

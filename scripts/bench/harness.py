@@ -278,6 +278,17 @@ def local_serve(num_cpus: int, num_gpus: int = 0, worker_niceness: int | None = 
         yield f"http://127.0.0.1:{port}"
 
 
+def apps_in_turns(apps: Iterable[str], reps: int, num_gpus: int,
+                  measure: Callable[[str, str], Any]) -> tuple[dict[str, list[Any]], dict[str, Any]]:
+    """``measure(app, url)`` for every app in turn, ``reps`` rounds, on a private Ray + Serve of 8
+    logical CPUs and ``num_gpus`` GPUs (``url``: its HTTP proxy): the rounds, and the machine record
+    of the run with the load average before and after."""
+    machine = machine_record(with_ray=True)
+    with local_serve(num_cpus=8, num_gpus=num_gpus) as url:
+        rounds = in_turns(apps, reps, lambda app: measure(app, url))
+    return rounds, dict(machine, loadavg_after=loadavg())
+
+
 def deploy(app_args: dict[str, Any], name: str, route_prefix: str | None = "/") -> None:
     """``deployments.app:build_app(app_args)`` as the Serve application ``name`` (replacing one of
     that name), back when it is ready."""

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from . import harness
-from .docs import Target, section_start, target, verdict, write_results
+from .docs import Target, section_start, target, verdict, verdict_word, write_results
 
 APP, NAME, LAYER = "lanefaults", "pair", 1
 SECTION = "# Lane faults (scripts/bench/lane_faults.py)"
@@ -129,11 +129,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         pts = [c for c in results["kill"]["timeline"] if c["path"] == path_kind]
         ax.scatter([c["t"] for c in pts], [c["ms"] for c in pts], s=6, color=color, label=path_kind)
     ax.axvline(0, color="tab:red", lw=1, label="rank SIGKILL")
-    ax.set_yscale("log")
-    ax.set_xlabel("seconds since the kill")
-    ax.set_ylabel("call ms")
+    ax.set(yscale="log", xlabel="seconds since the kill", ylabel="call ms",
+           title=f"lane calls around a rank kill (TP {results['tp']}, T {results['tokens']})")
     ax.legend()
-    ax.set_title(f"lane calls around a rank kill (TP {results['tp']}, T {results['tokens']})")
     harness.save_figure(fig, path, dpi=120)
 
 
@@ -150,17 +148,15 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     k, s = results["kill"], results["stall"]
+    kill, stall = index_rows(results)
 
     def sec(v: float | None) -> str:
         return "never" if v is None else f"{v:.2f} s"
 
-    met = not k["errors"] and not k["wrong"] and not k["hung"]
-    stall_met = "skipped" not in s and s["seconds"] <= s["bound_s"]
+    what = f"tiny checkpoint, 2 replicas of TP {results['tp']}, float32, T = {results['tokens']}"
     lines = [
-        section_start(
-            SECTION, "lane_faults", results["argv"], results["machine"],
-            f"tiny checkpoint, 1 deployment of 2 replicas, TP {results['tp']}, float32, "
-            f"T = {results['tokens']}", json_path, png_path), "",
+        section_start(SECTION, "lane_faults", results["argv"], results["machine"], what, json_path,
+                      png_path), "",
         "| fault | calls | client errors | wrong | hung | slowest call | first answer after | "
         "first lane answer after |",
         "|---|---|---|---|---|---|---|---|",
@@ -170,14 +166,14 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "",
         f"After the kill, {k['serve_calls_after_kill']} call(s) ran on the Serve path (the failed lane "
         f"call retried there, then the calls until the lane leased the healthy replica). Verdict "
-        f"(0 client errors, 0 wrong, none hung): **{'met' if met else 'MISSED'}**.",
+        f"(0 client errors, 0 wrong, none hung): **{verdict_word(kill.met).strip('*')}**.",
     ]
     if "skipped" in s:
         lines += ["", f"Stalled rank: not measured ({s['skipped']})."]
     else:
         lines += ["", f"SIGSTOP of rank {results['rank']} of the leased replica: the call ended in "
                   f"{s['seconds']:.1f} s ({s['outcome']}); bound {s['bound_s']:.0f} s (lane call timeout + "
-                  f"one Serve attempt per replica + 15 s): **{'met' if stall_met else 'MISSED'}**."]
+                  f"one Serve attempt per replica + 15 s): **{verdict_word(stall.met).strip('*')}**."]
     return "\n".join(lines)
 
 

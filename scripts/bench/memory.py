@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from . import ROOT, harness
-from .docs import Target, check, section_start, write_results
+from .docs import Target, section_start, target, write_results
 from .rss import proc_bytes
 
 SECTION = "# Memory planner vs measured memory (scripts/bench/memory.py)"
@@ -65,9 +65,9 @@ def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
 
 def index_rows(results: dict) -> list[Target]:
     rows = results["rows"]
-    return [check("resident weights = the planner's bytes, part by part, every row",
+    return [target("resident weights = the planner's bytes, part by part, every row",
                   all(r["weights_exact"] for r in rows)),
-            check("forward peak RSS growth <= the planned workspace, every row",
+            target("forward peak RSS growth <= the planned workspace, every row",
                   all(r["forward_peak_growth_bytes"] <= r["workspace_bytes"] for r in rows))]
 
 

@@ -172,11 +172,9 @@ def main(argv: list[str] | None = None) -> int:
 
     app_args, x = harness.tiny_app(tp_size=1)
     body = encode_request(x)
-    machine = harness.machine_record(with_ray=True)
-    with harness.local_serve(num_cpus=8, num_gpus=1) as url:
-        rounds = harness.in_turns(APPS, args.reps, lambda app: deploy_call_measure(app, app_args, url, body))
-    results = {"rounds": rounds, "reps": args.reps, "argv": args.argv,
-               "machine": dict(machine, loadavg_after=harness.loadavg())}
+    rounds, machine = harness.apps_in_turns(
+        APPS, args.reps, 1, lambda app, url: deploy_call_measure(app, app_args, url, body))
+    results = {"rounds": rounds, "reps": args.reps, "argv": args.argv, "machine": machine}
     results["verdicts"] = verdicts(results)
     write_results(results, args.out, "replicas", plot, markdown, index_rows, args.docs)
     return 0 if all(v["met"] for v in results["verdicts"].values()) else 1

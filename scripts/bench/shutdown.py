@@ -117,11 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.config.timeouts import DRAIN_POLL_S
 
     app_args, x = harness.tiny_app(tp_size=2, tail="sharded")
-    machine = harness.machine_record(with_ray=True)
-    with harness.local_serve(num_cpus=8, num_gpus=2):
-        measured = harness.in_turns(APPS, args.reps, lambda name: deploy_call_delete_s(name, app_args, x))
+    measured, machine = harness.apps_in_turns(APPS, args.reps, 2,
+                                              lambda app, _: deploy_call_delete_s(app, app_args, x))
     results = {"delete_s": measured, "reps": args.reps, "drain_poll_s": DRAIN_POLL_S, "argv": args.argv,
-               "machine": dict(machine, loadavg_after=harness.loadavg())}
+               "machine": machine}
     results["verdicts"] = verdicts(results)
     write_results(results, args.out, "shutdown", plot, markdown, index_rows, args.docs)
     return 0 if all(v["met"] for v in results["verdicts"].values()) else 1

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import harness
-from .docs import Target, check, section_start, target, verdict, write_results
+from .docs import Target, section_start, target, verdict, verdict_word, write_results
 
 APP = "warmup"
 SECTION = "# Warm-up (scripts/bench/warmup.py)"
@@ -80,25 +80,24 @@ def plot(results: dict[str, Any], path: Path) -> None:
     values = [results[p]["answered_s"] for p in phases]
     fig, ax = harness.pyplot().subplots(figsize=(6, 3.5))
     ax.bar(phases, values, color=["tab:red", "tab:green", "tab:blue"])
-    ax.set_ylabel("seconds to the first answer")
-    ax.set_title(f"warm-up, {results['checkpoint_name']} TP {results['tp']} {results['dtype']}")
+    ax.set(ylabel="seconds to the first answer",
+           title=f"warm-up, {results['checkpoint_name']} TP {results['tp']} {results['dtype']}")
     harness.save_figure(fig, path, dpi=120)
 
 
 def index_rows(results: dict[str, Any]) -> list[Target]:
     warm, rep = results["warm"], results["replaced"]
-    return [check("warm start reuses the stored plan", warm["plan_source"] == "reused"),
-            check("the replaced replica reuses it", rep["plan_source"] == "reused"),
-            check("answers equal across phases", results["answers_equal"]),
+    return [target("warm start reuses the stored plan", warm["plan_source"] == "reused"),
+            target("the replaced replica reuses it", rep["plan_source"] == "reused"),
+            target("answers equal across phases", results["answers_equal"]),
             target("time to answer after a rank's SIGKILL / the warm start's",
                    verdict(rep["answered_s"] / warm["answered_s"], "<=", 1.5)),
-            check("no call hung", not any(c["hung"] for c in rep["failed"]))]
+            target("no call hung", not any(c["hung"] for c in rep["failed"]))]
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     cold, warm, rep = results["cold"], results["warm"], results["replaced"]
-    measure_s = cold["answered_s"] - warm["answered_s"]
-    restart = rep["answered_s"] / warm["answered_s"]
+    reuse, reuse_after, equal, restart, none_hung = (verdict_word(t.met) for t in index_rows(results))
     slowest = max((c["s"] for c in rep["failed"]), default=0.0)
     lines = [
         section_start(
@@ -111,19 +110,18 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"| warm: stored plan | {warm['plan_source']} | {warm['ready_s']:.1f} | {warm['answered_s']:.1f} |",
         f"| rank SIGKILL -> answered again | {rep['plan_source']} | | {rep['answered_s']:.1f} "
         f"({len(rep['failed'])} failed call(s) before, the slowest {slowest:.1f} s) |", "",
-        f"Measured tail plan: {cold['plan']}. Warm start saves {measure_s:.1f} s "
+        f"Measured tail plan: {cold['plan']}. Warm start saves "
+        f"{cold['answered_s'] - warm['answered_s']:.1f} s "
         f"({warm['answered_s'] / cold['answered_s']:.2f} x the cold time). "
-        f"Verdicts: warm start reuses the plan — "
-        f"{'met' if warm['plan_source'] == 'reused' else 'MISSED'}; the replaced replica reuses it — "
-        f"{'met' if rep['plan_source'] == 'reused' else 'MISSED'}; answers equal across phases — "
-        f"{'met' if results['answers_equal'] else 'MISSED'}.",
+        f"Verdicts: warm start reuses the plan — {reuse}; the replaced replica reuses it — {reuse_after}; "
+        f"answers equal across phases — {equal}.",
         "",
         f"Restart: answered again {rep['answered_s']:.1f} s after the SIGKILL = "
-        f"{restart:.2f} x the warm start ({rep['answered_s'] / cold['answered_s']:.2f} x the cold one), "
-        f"target <= 1.5 x — {'met' if restart <= 1.5 else 'MISSED'}; hung calls (reaching the "
-        f"{CALL_TIMEOUT_S:.0f} s client timeout): {sum(c['hung'] for c in rep['failed'])} — "
-        f"{'met' if not any(c['hung'] for c in rep['failed']) else 'MISSED'}; wrong answers: "
-        f"{0 if results['answers_equal'] else 'some'} — {'met' if results['answers_equal'] else 'MISSED'}."
+        f"{rep['answered_s'] / warm['answered_s']:.2f} x the warm start "
+        f"({rep['answered_s'] / cold['answered_s']:.2f} x the cold one), target <= 1.5 x — {restart}; hung "
+        f"calls (reaching the {CALL_TIMEOUT_S:.0f} s client timeout): "
+        f"{sum(c['hung'] for c in rep['failed'])} — {none_hung}; wrong answers: "
+        f"{0 if results['answers_equal'] else 'some'} — {equal}."
         + (f" Errors the failed calls saw: {sorted({c['error'].split(':')[0] for c in rep['failed']})}."
            if rep["failed"] else ""),
     ]
