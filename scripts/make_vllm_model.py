@@ -1,8 +1,9 @@
 """Write a tiny Qwen3-MoE-shaped model folder that vLLM loads, for the vLLM plugin (docs/vllm.md).
 
 Random weights for everything vLLM keeps (embeddings, attention, the dense first layer, norms,
-head) and none for the MoE blocks, which the tier serves; ``config.json`` names the plugin's
-alias ``LatentMoeQwen3MoeForCausalLM``. A word-level tokenizer of ``--vocab`` words (``w0`` ...)
+head), and for the MoE blocks' gate and experts as a real checkpoint has them (the plugin's model
+skips those: the tier serves its own); ``config.json`` names the plugin's alias
+``LatentMoeQwen3MoeForCausalLM``. A word-level tokenizer of ``--vocab`` words (``w0`` ...)
 comes with it, so ``vllm serve`` answers text. Its ``hidden_size`` matches the tier checkpoint
 it pairs with (``scripts/make_checkpoint.py --preset tiny``: 128; MoE layers 1 and 2).
 """
@@ -55,6 +56,13 @@ def weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         if i in cfg["mlp_only_layers"]:
             out |= {f"{p}.mlp.gate_proj.weight": rand(inter, H), f"{p}.mlp.up_proj.weight": rand(inter, H),
                     f"{p}.mlp.down_proj.weight": rand(H, inter)}
+        else:  # a real checkpoint's MoE tensors, which the plugin's model must skip on load
+            E, Im = cfg["num_experts"], cfg["moe_intermediate_size"]
+            out[f"{p}.mlp.gate.weight"] = rand(E, H)
+            for e in range(E):
+                x = f"{p}.mlp.experts.{e}"
+                out |= {f"{x}.gate_proj.weight": rand(Im, H), f"{x}.up_proj.weight": rand(Im, H),
+                        f"{x}.down_proj.weight": rand(H, Im)}
     return out
 
 

@@ -410,3 +410,26 @@ def test_a_session_of_independent_peers_is_one_forward_per_layer(app):
     after = counters("half")
     forwards = sum(after[r]["forwards"] - before[r]["forwards"] for r in after)
     assert forwards == 2  # layer 2 of both steps: one forward each for both peers
+
+
+def test_an_elastic_session_takes_late_idle_and_departed_peers(app):
+    """``idle_after_s``: peer 0 steps before peer 1 has joined; peer 1 joins later and steps while
+    peer 0 idles (peer 0 sits those steps out); peer 1 leaves and peer 0 steps on. Nobody waits on
+    an absent peer, no error reaches either, and each answer is the Serve path's for its rows, bit
+    for bit."""
+    from deployments.client import join
+
+    # The Serve path's answers first: while the session holds the groups, Serve forwards wait.
+    want = {seed: serve_reference(app, (2,), lambda _, s=seed: s) for seed in range(70, 75)}
+
+    def step(peer, seed: int) -> bool:
+        return all(torch.equal(peer.forward(rows(2, seed, layer, dtype), layer), want[seed][layer][0])
+                   for layer, dtype in ((1, torch.float32), (2, torch.bfloat16)))
+
+    with app.client.session(peers=2, max_tokens=4, idle_after_s=0.5, name="elastic") as session:
+        first = join(session.ticket, 0)
+        assert step(first, 70) and step(first, 71)
+        with join(session.ticket, 1) as second:
+            assert step(second, 72) and step(second, 73)
+        assert step(first, 74)
+        first.close()

