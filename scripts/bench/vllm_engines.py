@@ -15,10 +15,9 @@ run, side by side:
 
 Per row: decode tokens/s over every engine (shared: all tokens over the longest engine's decode
 time; separate: all tokens over the sum of the engines' times), the machine's cores busy while
-they decode (/proc/stat), and for the tier rows the group
-forwards per engine step, read from the app's counters around the decode (every engine makes N
-steps: one for the prompts and the first token, then one per token). Exactness is the lane's test
-(tests/vllm_lane), not this script's.
+they decode (/proc/stat), and for the tier rows the group forwards per step, read from the app's
+counters around the decode (an engine's steps: the lone engine's forwards over the MoE layers).
+Exactness is the lane's test (tests/vllm_lane), not this script's.
 
 Targets: ``shared K`` runs MoE layers (2) group forwards per step, and at least the tokens/s of
 ``separate K``.
@@ -68,7 +67,7 @@ def decode(tier: Tier | None, folder: Path, model: Path, latent: list[dict[str, 
             "forwards": forwards, "busy_s": busy_s, "wall_s": wall}
 
 
-def row(mode: str, engines: int, runs: list[dict[str, Any]], steps: int, together: bool) -> dict[str, Any]:
+def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool) -> dict[str, Any]:
     seconds = [s for r in runs for s in r["seconds"]]
     wall = max(seconds) if together else sum(seconds)
     tokens = sum(r["tokens"] for r in runs)
@@ -76,7 +75,7 @@ def row(mode: str, engines: int, runs: list[dict[str, Any]], steps: int, togethe
     busy = sum(r["busy_s"] for r in runs) / sum(r["wall_s"] for r in runs)
     return {"mode": mode, "engines": engines, "tokens": tokens, "decode_s": wall,
             "tokens_per_s": tokens / wall, "cores_busy": busy,
-            "forwards": forwards, "forwards_per_step": None if forwards is None else forwards / steps}
+            "forwards": forwards}
 
 
 def measure(args: Any) -> dict[str, Any]:
@@ -88,28 +87,28 @@ def measure(args: Any) -> dict[str, Any]:
     try:
         local = {"checkpoint": str(models["tier"]), "dtype": "float32"}
         rows.append(row("in_process", 1, [decode(None, work / "local", models["model"], [local], args.prompts,
-                                                 args.tokens)], args.tokens, True))
+                                                 args.tokens)], True))
         with tier.session(work / "s1", peers=1, max_tokens=64) as s:
             one = decode(tier, work / "tier1", models["model"], [{"ticket": str(s["ticket"])}], args.prompts,
                          args.tokens)
-        rows.append(row("tier", 1, [one], args.tokens, True))
+        rows.append(row("tier", 1, [one], True))
         for k in ENGINES:
             with tier.session(work / f"shared{k}", peers=k, idle_after_s=IDLE_AFTER_S, max_tokens=64) as s:
                 latent = [{"ticket": str(s["ticket"]), "peer": i} for i in range(k)]
                 shared = decode(tier, work / f"shared{k}" / "run", models["model"], latent, args.prompts,
                                 args.tokens)
-            rows.append(row("shared", k, [shared], args.tokens, True))
+            rows.append(row("shared", k, [shared], True))
             turns = []
             for i in range(k):
                 with tier.session(work / f"separate{k}-{i}", peers=1, max_tokens=64) as s:
                     turns.append(decode(tier, work / f"separate{k}-{i}" / "run", models["model"],
                                         [{"ticket": str(s["ticket"])}], args.prompts, args.tokens))
-            rows.append(row("separate", k, turns, args.tokens * k, False))
+            rows.append(row("separate", k, turns, False))
     finally:
         tier.stop()
     record["loadavg_after"] = harness.loadavg()
     return {"machine": record, "argv": args.argv, "tokens": args.tokens, "prompts": args.prompts,
-            "layers": len(MOE_LAYERS), "rows": rows, "targets": targets_of(rows, len(MOE_LAYERS)),
+            "layers": len(MOE_LAYERS), "rows": rows,
             "tier_vs_in_process": (find(rows, "tier", 1)["tokens_per_s"]
                                    / find(rows, "in_process", 1)["tokens_per_s"])}
 
@@ -118,11 +117,25 @@ def find(rows: list[dict[str, Any]], mode: str, engines: int) -> dict[str, Any]:
     return next(r for r in rows if r["mode"] == mode and r["engines"] == engines)
 
 
-def targets_of(rows: list[dict[str, Any]], layers: int) -> dict[str, Any]:
-    out = {}
+def engine_steps(results: dict[str, Any]) -> float:
+    """One engine's model steps for its prompts and tokens: the lone engine on the tier made one
+    group forward per MoE layer per step (vLLM runs one step more than the tokens it decodes)."""
+    return find(results["rows"], "tier", 1)["forwards"] / results["layers"]
+
+
+def forwards_per_step(results: dict[str, Any], r: dict[str, Any]) -> float | None:
+    """Group forwards per step: shared engines step together (a step of all of them), separate
+    ones one after another (a step of each)."""
+    if r["forwards"] is None:
+        return None
+    return r["forwards"] / (engine_steps(results) * (1 if r["mode"] == "shared" else r["engines"]))
+
+
+def targets_of(results: dict[str, Any]) -> dict[str, Any]:
+    rows, layers, out = results["rows"], results["layers"], {}
     for k in ENGINES:
         shared, separate = find(rows, "shared", k), find(rows, "separate", k)
-        out[f"forwards_per_step_{k}"] = verdict(shared["forwards_per_step"], "<=", float(layers))
+        out[f"forwards_per_step_{k}"] = verdict(forwards_per_step(results, shared), "<=", float(layers))
         out[f"shared_vs_separate_{k}"] = verdict(shared["tokens_per_s"] / separate["tokens_per_s"], ">=", 1.0)
     return out
 
@@ -140,7 +153,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
-    t, layers, cpus = results["targets"], results["layers"], results["machine"]["cpus"]
+    t, layers, cpus = targets_of(results), results["layers"], results["machine"]["cpus"]
     in_process = find(results["rows"], "in_process", 1)
     lines = [section_start("## vLLM engines on the tier", "vllm_engines", results["argv"], results["machine"],
                            f"{results['prompts']} prompts x {results['tokens']} tokens per engine, tiny "
@@ -149,7 +162,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
              "| forwards per step |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["rows"]:
-        fps = "-" if r["forwards_per_step"] is None else f"{r['forwards_per_step']:.2f}"
+        fps = "-" if r["forwards"] is None else f"{forwards_per_step(results, r):.2f}"
         fw = "-" if r["forwards"] is None else str(r["forwards"])
         lines.append(f"| {r['mode']} | {r['engines']} | {r['tokens']} | {r['decode_s']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['cores_busy']:.2f} of {cpus} | {fw} | {fps} |")
@@ -159,6 +172,11 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                  f"of this machine's {cpus} cores busy: engines decoding at once (shared) compete for the "
                  "cores that engines taking turns (separate) have to themselves, so the tokens/s ratio below "
                  "measures the machine as much as the session; the forwards per step are the session's own.")
+    steps = engine_steps(results)
+    lines.append(f"- Each engine makes {steps:.0f} model steps (the lone engine's forwards over the MoE "
+                 f"layers); a shared session's forwards above {layers} x {steps:.0f} are layers that ran for "
+                 "some of its engines only (an engine that starts its first step after another began waits "
+                 "for the next).")
     for k in ENGINES:
         lines.append(f"- {k} engines sharing one session: group forwards per step "
                      f"{verdict_text(t[f'forwards_per_step_{k}'])}; tokens/s against the same engines on "
@@ -167,7 +185,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def index_rows(results: dict[str, Any]) -> list[Target]:
-    t, layers = results["targets"], results["layers"]
+    t, layers = targets_of(results), results["layers"]
     rows = []
     for k in ENGINES:
         rows.append(target(f"{k} engines, one session: group forwards per step (MoE layers {layers})",
