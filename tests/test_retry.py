@@ -182,7 +182,7 @@ def lease_asks(*outcomes) -> tuple[GroupLease, list]:
     ``avoid_replica``."""
     asks = []
 
-    def lease_lane(*args, avoid_replica=None, peers=1):
+    def lease_lane(*args, avoid_replica=None, peers=1, idle_after_s=None):
         asks.append(avoid_replica)
         outcome = outcomes[len(asks) - 1]
         if isinstance(outcome, BaseException):

@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -22,14 +24,32 @@ pytest.importorskip("vllm", reason="vLLM lane: run scripts/test.sh --vllm")
 from scripts.bench.vllm_tier import (  # noqa: E402
     ENGINE_ENV,
     ROOT,
+    Tier,
     finish_engine,
     free_port,
     group_forwards,
     kill_engine,
+    make_models,
     run_engine,
     start_engine,
     stop,
 )
+
+# The fixtures live here, not in a conftest.py: the default suite's modules import names from
+# tests/conftest.py as "conftest", which a second conftest module would shadow.
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return make_models(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tier(models, tmp_path_factory) -> Iterator[Tier]:
+    t = Tier(models["tier"], tmp_path_factory.mktemp("tier"))
+    yield t
+    t.stop()
+
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304, 305], [42]]
 MAX_TOKENS = 16
