@@ -8,7 +8,9 @@ returns an empty tensor of the input's shape.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,15 +96,11 @@ def add(tier: LocalTier | SessionTier) -> int:
     number = len(_TIERS)
     _TIERS[number] = tier
     if os.environ.get("LMS_VLLM_CALLS"):  # tests and benchmarks read each engine's calls per layer
-        import atexit
-
         atexit.register(_write_calls, Path(os.environ["LMS_VLLM_CALLS"]), number)
     return number
 
 
 def _write_calls(folder: Path, number: int) -> None:
-    import json
-
     folder.mkdir(parents=True, exist_ok=True)
     calls = {str(k): v for k, v in _TIERS[number].calls.items()}
     (folder / f"calls-{os.getpid()}-{number}.json").write_text(json.dumps(calls))
