@@ -32,7 +32,7 @@ from typing import Any
 
 from . import harness
 from .docs import Target, section_start, target, verdict, verdict_text, write_results
-from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engine, status_forwards
+from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engines, status_forwards
 
 IDLE_AFTER_S = 2.0  # long: engines of a shared run are never parked while they decode
 ENGINES = (2, 4)
@@ -46,17 +46,7 @@ def decode(tier: Tier | None, folder: Path, model: Path, latent: list[dict[str, 
            tokens: int) -> dict[str, Any]:
     """Engines (one per ``latent`` setting) built, then released together: their decode seconds,
     tokens, and the group forwards during the decode (``tier`` given)."""
-    go = folder / "go"
-    procs = []
-    for i, settings in enumerate(latent):
-        f = folder / f"engine{i}"
-        f.mkdir(parents=True)
-        procs.append((f, start_engine(f, model, settings, prompts(count, i), tokens, start_after=go)))
-    while not all((f / "spec.json.ready").exists() for f, _ in procs):
-        dead = [f for f, p in procs if p.poll() is not None]
-        if dead:
-            finish_engine(dead[0], dict(procs)[dead[0]])  # raises with its log
-        time.sleep(0.2)
+    procs, go = start_engines(folder, model, [(s, prompts(count, i), tokens) for i, s in enumerate(latent)])
     before = status_forwards(tier) if tier else 0
     busy, start = harness.busy_cpu_s(), time.monotonic()
     go.write_text("")

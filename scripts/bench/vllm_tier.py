@@ -188,3 +188,24 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def start_engines(folder: Path, model: Path, specs: list[tuple[dict, list[list[int]], int]],
+                  calls: Path | None = None) -> tuple[list[tuple[Path, subprocess.Popen]], Path]:
+    """One engine per ``(latent_moe, prompts, max_tokens)`` under ``folder``/engineN, each built and
+    then waiting; the engines and the file whose creation releases them all at once. An engine
+    that exits while the others build fails the call with its log."""
+    go, procs = folder / "go", []
+    for i, (latent_moe, prompts, max_tokens) in enumerate(specs):
+        f = folder / f"engine{i}"
+        f.mkdir(parents=True)
+        procs.append((f, start_engine(f, model, latent_moe, prompts, max_tokens, go, calls)))
+    deadline = time.monotonic() + ENGINE_S
+    while not all((f / "spec.json.ready").exists() for f, _ in procs):
+        for f, p in procs:
+            if p.poll() is not None:
+                finish_engine(f, p)  # raises with its log (it exited before decoding)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engines under {folder} not built within {ENGINE_S:.0f} s")
+        time.sleep(0.2)
+    return procs, go

@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="vLLM lane: run scripts/test.sh --vllm")
 
 from scripts.bench.vllm_tier import (  # noqa: E402
     ENGINE_ENV,
+    MOE_LAYERS,
     ROOT,
     Tier,
     finish_engine,
@@ -31,7 +32,8 @@ from scripts.bench.vllm_tier import (  # noqa: E402
     kill_engine,
     make_models,
     run_engine,
-    start_engine,
+    start_engines,
+    status_forwards,
     stop,
 )
 
@@ -130,20 +132,11 @@ def test_engines_share_one_expert_batch_per_layer(tier, models, reference, tmp_p
     """Engines of one elastic session, each with its own prompt and a different number of steps
     (they start together and stop apart): each engine's tokens are its reference's, and the group
     ran fewer forwards than the engines made MoE calls (their layers shared forwards)."""
-    go, calls = tmp_path / "go", tmp_path / "calls"
+    calls = tmp_path / "calls"
     lengths = [MAX_TOKENS - 4 * i for i in range(engines)]
     with tier.session(tmp_path, peers=engines, idle_after_s=2.0) as session:
-        procs = []
-        for i in range(engines):
-            folder = tmp_path / f"engine{i}"
-            folder.mkdir()
-            procs.append((folder, start_engine(folder, models["model"], {"ticket": str(session["ticket"]), "peer": i},
-                                               [PROMPTS[i]], lengths[i], start_after=go, calls=calls)))
-        deadline = time.monotonic() + 600
-        while not all((f / "spec.json.ready").exists() for f, _ in procs):
-            assert all(p.poll() is None for _, p in procs), "an engine exited before decoding"
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        specs = [({"ticket": str(session["ticket"]), "peer": i}, [PROMPTS[i]], lengths[i]) for i in range(engines)]
+        procs, go = start_engines(tmp_path / "engines", models["model"], specs, calls)
         go.write_text("")
         outs = [finish_engine(f, p) for f, p in procs]
     for i, out in enumerate(outs):
@@ -155,20 +148,17 @@ def test_engines_share_one_expert_batch_per_layer(tier, models, reference, tmp_p
 
 
 def test_a_killed_engine_leaves_the_others_serving(tier, models, reference, tmp_path):
-    go = tmp_path / "go"
     with tier.session(tmp_path, peers=2, idle_after_s=2.0) as session:
-        procs = []
-        for i, n in enumerate([MAX_TOKENS, 4 * MAX_TOKENS]):
-            folder = tmp_path / f"engine{i}"
-            folder.mkdir()
-            procs.append((folder, start_engine(folder, models["model"], {"ticket": str(session["ticket"]), "peer": i},
-                                               [PROMPTS[i]], n, start_after=go)))
-        deadline = time.monotonic() + 600
-        while not all((f / "spec.json.ready").exists() for f, _ in procs):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        specs = [({"ticket": str(session["ticket"]), "peer": i}, [PROMPTS[i]], n)
+                 for i, n in enumerate([MAX_TOKENS, 4 * MAX_TOKENS])]
+        procs, go = start_engines(tmp_path / "engines", models["model"], specs)
+        before = status_forwards(tier)
         go.write_text("")
-        time.sleep(1.0)  # the doomed engine is decoding (a kill at any point must do)
+        # Killed once the engines are decoding: a few steps' forwards have run on the group.
+        deadline = time.monotonic() + 300
+        while status_forwards(tier) < before + 3 * len(MOE_LAYERS):
+            assert time.monotonic() < deadline, "the engines did not start decoding"
+            time.sleep(0.05)
         kill_engine(procs[1][1])
         out = finish_engine(*procs[0])
     assert out["tokens"] == [reference[0]]
