@@ -122,3 +122,29 @@ def test_experts_stage_interrupted_keeps_the_points_it_measured(tmp_path, monkey
     assert gpu_timings.main(["experts", "--smoke", "--out", str(out), "--reps", "1"]) == 0
     header, rows, done = read_rows(out)  # a complete run: every point and the closing record
     assert len(rows) == 2 * len(gpu_timings.SMOKE_TOKENS) and done is not None
+
+
+@pytest.mark.parametrize(
+    "record, exit_code, passed, problem, skip",
+    [
+        ({"status": "passed", "reason": None}, 0, True, None, None),
+        ({"status": "skipped", "reason": "vLLM is not installed"}, 0, True, None, "vllm_kimi: vLLM is not installed"),
+        ({"status": "failed", "reason": "tier engine: boom"}, 1, False, "stage vllm_kimi failed: tier engine: boom",
+         None),
+        (None, 0, False, "stage vllm_kimi wrote no vllm_kimi.json", None),
+    ],
+    ids=["passed", "skipped", "failed", "no-record"],
+)
+def test_summary_counts_a_skipped_kimi_stage_as_a_skip_not_a_pass(tmp_path, record, exit_code, passed, problem,
+                                                                  skip) -> None:
+    out = fake_run(tmp_path / "run", True, 10, 0)
+    if record is not None:
+        (out / "vllm_kimi.json").write_text(json.dumps({"stage": "vllm_kimi", **record}))
+    rc, summary = verdict(out, *OK_STAGES, f"vllm_kimi:{exit_code}:50:160")
+    assert (rc == 0) == passed == summary["passed"]
+    assert summary["skipped"] == ([skip] if skip else [])
+    assert summary["stages"]["vllm_kimi"].get("result") == (record or {}).get("status")
+    if problem:
+        assert problem in summary["problems"], summary["problems"]
+    else:
+        assert summary["problems"] == []

@@ -7,6 +7,11 @@ Exit 0 only when the run checked something on a GPU: every stage exited 0, and, 
 all skipped, or that saw no GPU, is a failure however green its stages were). ``problems`` in the
 summary says why not. Each timing stage's rows are counted from its JSON-lines file, and a file
 without its closing record (a stage cut off by its time limit) is reported as partial.
+
+A stage that writes a record of its own (``vllm_kimi``: ``vllm_kimi.json``) has its ``result``
+(passed, failed or skipped) and ``reason`` in the summary; a skipped one (no vLLM in this Python,
+or a ``--cpu-smoke`` run) fails nothing but is listed under ``skipped`` with its reason, so it is
+never mistaken for a pass; a failed one, or one that wrote no record, is a problem.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 from .rows import read_rows
 
 TIMING_STAGES = ("experts", "collectives", "tail")
+RECORD_STAGES = {"vllm_kimi": "vllm_kimi.json"}  # stage -> its record: status passed/failed/skipped, reason
 
 
 def junit_counts(path: Path) -> dict[str, int] | None:
@@ -49,6 +55,20 @@ def gpu_problems(environment: dict[str, Any] | None, tests: dict[str, int] | Non
     return problems
 
 
+def record_problems(name: str, path: Path, stage: dict[str, Any], skipped: list[str]) -> list[str]:
+    """Adds the stage's record (result, reason) to ``stage``; its skip to ``skipped``; its problems."""
+    if not path.exists():
+        return [f"stage {name} wrote no {path.name}"]
+    record = json.loads(path.read_text())
+    stage.update(result=record.get("status"), reason=record.get("reason"))
+    if record.get("status") == "skipped":
+        skipped.append(f"{name}: {record.get('reason')}")
+        return []
+    if record.get("status") != "passed":
+        return [f"stage {name} {record.get('status')}: {record.get('reason')}"]
+    return []
+
+
 def summarize(out: Path, smoke: bool, stages: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {"cpu_smoke": smoke, "stages": {}}
     for item in stages:
@@ -68,6 +88,10 @@ def summarize(out: Path, smoke: bool, stages: list[str]) -> dict[str, Any]:
                 rows=len(rows), complete=done is not None, skipped=header.get("skipped"))
     problems = [f"stage {n} exited {s['exit']}" + (" (time limit)" if s["timed_out"] else "")
                 for n, s in summary["stages"].items() if s.get("exit", 0) != 0]
+    summary["skipped"] = []
+    for name, file in RECORD_STAGES.items():
+        if name in summary["stages"]:
+            problems += record_problems(name, out / file, summary["stages"][name], summary["skipped"])
     if not smoke:
         problems += gpu_problems(environment, tests)
     summary["problems"] = problems

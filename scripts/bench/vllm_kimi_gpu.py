@@ -1,0 +1,275 @@
+"""The vLLM plugin's Kimi-K3 alias on one GPU: scripts/gpu_check.sh's ``vllm_kimi`` stage.
+
+    python -m scripts.bench.vllm_kimi_gpu --out DIR [--budget-s 150] [--smoke]
+
+Writes ``DIR/vllm_kimi.json`` (``status``: passed, failed or skipped, with ``reason`` and
+``problems``) and each engine's log beside it; exits 0 when the check passed or was skipped, 1
+when it failed. Skipped: ``--smoke`` (vLLM's CPU backend runs neither KDA nor Kimi-K3's MLA), no
+vLLM in this Python, no GPU visible to torch, or a vLLM without ``vllm.models.kimi_k3``.
+
+Otherwise it writes the tiny Kimi-K3 model (``make_vllm_model.py --arch kimi_k3``: KDA and MLA
+attention, MoE layers 1 and 2, bfloat16) and the tiny tier checkpoint whose MoE tensors that model
+carries (``make_checkpoint.py --preset tiny``), then runs two engines, one after the other, each in
+a process of its own (``vllm.LLM``, eager, text only), greedy-decoding the same prompts:
+
+* ``tier``: the alias ``LatentMoeKimiK3ForConditionalGeneration``, its MoE blocks run by
+  ``moe_runtime`` in the engine's process (``additional_config`` ``latent_moe.checkpoint``, float32);
+* ``native``: vLLM's own ``KimiK3ForConditionalGeneration`` on the same folder, whose MoE blocks
+  load the same expert tensors and run vLLM's latent-MoE kernels.
+
+The tier engine must have built one ``TierMoE`` per MoE layer and no parameter under them, decode
+every token, and call the tier's op exactly once per MoE layer per model step (steps counted by a
+hook on the model's forward). Against the native engine: wherever the two have seen the same
+tokens (every position up to and including the first where their greedy picks differ), the
+log-probabilities of the tokens both rank in their top ``TOP`` differ by at most ``TOLERANCE``.
+Wrong MoE math should move them by far more than vLLM's bfloat16 kernels against the float32
+reference do (expected: a few hundredths; the record keeps the measured maximum). The first
+differing pick, if any, is thus a near-tie, not an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD = "vllm_kimi.json"
+ALIAS = "LatentMoeKimiK3ForConditionalGeneration"
+NATIVE = "KimiK3ForConditionalGeneration"
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304, 305], [42]]
+MAX_TOKENS = 12
+TOP = 5
+TOLERANCE = 0.1
+NATIVE_RESERVE_S = 40.0  # kept for the native engine while the tier engine runs (its kernels are then cached)
+# In-process engine core: the script reaches the model object (apply_model) and the plugin's tier
+# counters directly. Kimi-K3's GEMM + all-reduce fusion imports CUTLASS's DSL; at TP 1 it has
+# nothing to fuse, so it stays off rather than depend on that package.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_KIMI_K3_GEMM_AR": "0"}
+# Small and bounded: four short prompts, no prefix cache (hybrid KDA state), half the GPU at most.
+ENGINE = {"enforce_eager": True, "language_model_only": True, "max_model_len": 128,
+          "max_num_batched_tokens": 128, "max_num_seqs": 8, "skip_tokenizer_init": True,
+          "enable_prefix_caching": False, "seed": 0}
+GPU_ENGINE = {"gpu_memory_utilization": 0.5}
+
+
+# ---- one engine (a child process) ---------------------------------------------------------------
+
+def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build ``spec``'s engine, greedy-decode PROMPTS and report what it did (no judging here)."""
+    if spec.get("requires") and not has_module(spec["requires"]):
+        import vllm
+
+        return {"skipped": f"vLLM {vllm.__version__} has no {spec['requires']}"}
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from deployments.vllm_plugin import register
+    from deployments.vllm_plugin import tiers as plugin_tiers
+    from deployments.vllm_plugin.models import TierMoE
+
+    register()  # vLLM's entry point finds the plugin only where the project is pip-installed
+    engine = ENGINE | (GPU_ENGINE if torch.cuda.is_available() else {})
+    llm = LLM(model=spec["model"], hf_overrides={"architectures": [spec["arch"]]},
+              additional_config=spec.get("additional_config") or {}, **engine)
+    (model,) = llm.apply_model(lambda m: m)  # the in-process engine hands back the module itself
+    blocks = [m for m in model.modules() if isinstance(m, TierMoE)]
+    steps = [0]
+    model.register_forward_pre_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+
+    def calls() -> dict[int, int]:
+        return {layer: n for b in blocks for layer, n in plugin_tiers._TIERS[b.tier].calls.items()}
+
+    before, steps_before = calls(), steps[0]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    after = calls()
+    prefixes = tuple(b.prefix + "." for b in blocks)
+    return {
+        "vllm": vllm.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "model_class": type(model).__name__,
+        "tier_blocks": [b.layer for b in blocks],
+        "tier_block_params": sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes)),
+        "moe_params": sum(p.numel() for n, p in model.named_parameters() if ".block_sparse_moe." in n),
+        "steps": steps[0] - steps_before,
+        "calls": {str(k): after[k] - before.get(k, 0) for k in sorted(after)},
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        # Per prompt and position: {token id: log-probability} of the top TOP (and the pick).
+        "logprobs": [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                     for o in outs],
+    }
+
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is missing too
+        return False
+
+
+def engine_main(spec_path: Path, result_path: Path) -> None:
+    try:
+        result = run_engine(json.loads(spec_path.read_text()))
+    except Exception as exc:  # reported in the record; the traceback goes to the engine's log
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    result_path.write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is written; an engine's teardown has nothing left to say
+
+
+def start_engine(out: Path, name: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Run one engine process within ``timeout_s``; its result, or {"error": ...}."""
+    spec_path, result_path = out / f"vllm_kimi_{name}.spec.json", out / f"vllm_kimi_{name}.result.json"
+    spec_path.write_text(json.dumps(spec))
+    result_path.unlink(missing_ok=True)
+    log = out / f"vllm_kimi_{name}.log"
+    start = time.monotonic()
+    with log.open("w") as f:
+        cmd = [sys.executable, "-m", "scripts.bench.vllm_kimi_gpu", "--engine", str(spec_path),
+               "--result", str(result_path)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENGINE_ENV}, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=max(timeout_s, 1.0))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the engine and anything it started
+            proc.wait()
+    seconds = round(time.monotonic() - start, 1)
+    if result_path.exists():
+        return json.loads(result_path.read_text()) | {"seconds": seconds}
+    killed = proc.returncode == -signal.SIGKILL
+    why = f"timed out after {timeout_s:.0f} s" if killed else f"exited {proc.returncode}"
+    tail = log.read_text(errors="replace")[-1500:]
+    return {"error": f"the engine process {why} without a result; log tail: {tail}", "seconds": seconds}
+
+
+# ---- judging ------------------------------------------------------------------------------------
+
+def tier_problems(tier: dict[str, Any], moe_layers: list[int]) -> list[str]:
+    """What the tier engine got wrong: its blocks, their parameters, its tokens, its op calls."""
+    if "error" in tier:
+        return [f"tier engine: {tier['error']}"]
+    problems = []
+    if tier["tier_blocks"] != moe_layers:
+        problems.append(f"tier engine built TierMoE blocks at layers {tier['tier_blocks']}, expected one "
+                        f"per MoE layer {moe_layers}")
+    if tier["tier_block_params"] or tier["moe_params"]:
+        problems.append(f"tier engine holds MoE parameters ({tier['tier_block_params']} under its TierMoE "
+                        f"blocks, {tier['moe_params']} under block_sparse_moe)")
+    short = [i for i, t in enumerate(tier["tokens"]) if len(t) != MAX_TOKENS]
+    if short:
+        problems.append(f"tier engine decoded fewer than {MAX_TOKENS} tokens for prompt(s) {short}")
+    calls = {int(k): v for k, v in tier["calls"].items()}
+    if tier["steps"] < 1 or calls != dict.fromkeys(moe_layers, tier["steps"]):
+        problems.append(f"tier op calls per layer {calls} over {tier['steps']} model steps: expected "
+                        f"exactly one per MoE layer per step")
+    return problems
+
+
+def compare(native: dict[str, Any], tier: dict[str, Any], tolerance: float = TOLERANCE) -> dict[str, Any]:
+    """Greedy tokens and log-probabilities of two engines on the same prompts. Positions compared:
+    each prompt's up to and including the first whose picks differ (both saw the same tokens)."""
+    worst, compared, first_diff = 0.0, 0, []
+    pairs = zip(native["tokens"], tier["tokens"], native["logprobs"], tier["logprobs"], strict=True)
+    for n_tok, t_tok, n_lp, t_lp in pairs:
+        diff = next((i for i, (a, b) in enumerate(zip(n_tok, t_tok, strict=True)) if a != b), None)
+        first_diff.append(diff)
+        for pos in range(len(n_tok) if diff is None else diff + 1):
+            common = n_lp[pos].keys() & t_lp[pos].keys()
+            compared += bool(common)
+            worst = max([worst, *(abs(n_lp[pos][t] - t_lp[pos][t]) for t in common)])
+    return {"tokens_equal": [d is None for d in first_diff], "first_difference": first_diff,
+            "positions_compared": compared, "max_logprob_diff": worst, "tolerance": tolerance,
+            "within_tolerance": worst <= tolerance and compared >= len(first_diff)}
+
+
+def skip_reason(smoke: bool) -> str | None:
+    if smoke:
+        return "cpu-smoke: vLLM's CPU backend runs neither KDA nor Kimi-K3's MLA"
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed in this Python ({sys.executable})"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no GPU visible to torch"
+    return None
+
+
+def make_inputs(folder: Path) -> tuple[Path, Path, list[int]]:
+    """The tiny Kimi-K3 model, its tier checkpoint (the same MoE tensors) and its MoE layers."""
+    from moe_runtime.config import LatentMoEConfig
+    from scripts import make_checkpoint, make_vllm_model
+
+    model, ckpt = folder / "model", folder / "tier"
+    make_vllm_model.main(["--arch", "kimi_k3", "--out", str(model), "--preset", "tiny", "--seed", "0"])
+    make_checkpoint.main(["--preset", "tiny", "--out", str(ckpt), "--seed", "0"])
+    return model, ckpt, LatentMoEConfig.from_pretrained(ckpt).moe_layers
+
+
+def check(out: Path, budget_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + budget_s
+    with tempfile.TemporaryDirectory(prefix="vllm-kimi-") as tmp:
+        model, ckpt, moe_layers = make_inputs(Path(tmp))
+        spec = {"model": str(model), "requires": "vllm.models.kimi_k3"}
+        tier = start_engine(out, "tier", spec | {"arch": ALIAS, "additional_config": {
+            "latent_moe": {"checkpoint": str(ckpt), "dtype": "float32"}}},
+            deadline - time.monotonic() - NATIVE_RESERVE_S)
+        if "skipped" in tier:
+            return {"status": "skipped", "reason": tier["skipped"], "problems": []}
+        native = start_engine(out, "native", spec | {"arch": NATIVE}, deadline - time.monotonic() - 2)
+    record: dict[str, Any] = {"moe_layers": moe_layers, "tier": tier, "native": native}
+    problems = tier_problems(tier, moe_layers)
+    if "error" in native:
+        problems.append(f"native engine: {native['error']}")
+    elif "error" not in tier:
+        record["comparison"] = c = compare(native, tier)
+        if not c["within_tolerance"]:
+            problems.append(f"tier and native Kimi-K3 disagree: log-probabilities differ by up to "
+                            f"{c['max_logprob_diff']:.3g} (tolerance {c['tolerance']}) over "
+                            f"{c['positions_compared']} positions; first differing picks "
+                            f"{c['first_difference']}")
+    reason = "; ".join(problems)[:500] if problems else None
+    return {"status": "failed" if problems else "passed", "reason": reason, "problems": problems} | record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, help="folder for vllm_kimi.json and the engines' logs")
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="time for the whole check (the stage's limit must be larger)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="gpu_check.sh --cpu-smoke: record the stage as skipped")
+    ap.add_argument("--engine", type=Path, help=argparse.SUPPRESS)  # one engine: the child process
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.engine:
+        engine_main(args.engine, args.result)
+    if args.out is None:
+        ap.error("--out is required")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / RECORD).unlink(missing_ok=True)  # a run cut off by its limit leaves none, not an old one
+    start = time.monotonic()
+    reason = skip_reason(args.smoke)
+    record = ({"status": "skipped", "reason": reason, "problems": []} if reason
+              else check(args.out, args.budget_s))
+    record = {"stage": "vllm_kimi", **record, "seconds": round(time.monotonic() - start, 1)}
+    (args.out / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{record['status']}" + (f": {record['reason']}" if record["reason"] else ""))
+    return 1 if record["status"] == "failed" else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
