@@ -4,8 +4,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -18,19 +24,47 @@ def local_serve(num_cpus: int, num_gpus: int = 0, *, host: str = "127.0.0.1", po
     on a CPU machine. ``ray_args`` go to ``ray.init``. Stopping the instance stops Serve with it
     (:func:`leave_ray`).
     """
-    import ray
     from ray import serve
 
     from moe_runtime.tp.collectives import free_port
 
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
-             namespace="serve", log_to_driver=False, **ray_args)
+    start_ray(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+              namespace="serve", log_to_driver=False, **ray_args)
     try:
         port = free_port() if port is None else port
         serve.start(http_options={"host": host, "port": port})
         yield port
     finally:
         leave_ray()
+
+
+def start_ray(**init_args: Any) -> None:
+    """``ray.init(**init_args)``, and once more if the new node gave up waiting for its raylet.
+
+    Ray 2.60 waits a fixed 30 s for a new node's raylet to register; a 2-core machine busy with
+    another Ray instance can pass that (CI did once). The failed try's processes (this process's
+    children that it started) are ended by PID before the second try.
+    """
+    import ray
+
+    before = _children()
+    try:
+        ray.init(**init_args)
+    except Exception as error:
+        if "timed out during startup" not in str(error):
+            raise
+        left = sorted(_children() - before)
+        log.warning("Ray's node did not start within Ray's 30 s (%s); ending its processes %s and "
+                    "starting it again", error, left)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        ray.init(**init_args)
+
+
+def _children() -> set[int]:
+    return {int(pid) for task in Path("/proc/self/task").iterdir()
+            for pid in (task / "children").read_text().split()}
 
 
 def leave_ray() -> None:
