@@ -412,6 +412,30 @@ def test_a_session_of_independent_peers_is_one_forward_per_layer(app):
     assert forwards == 2  # layer 2 of both steps: one forward each for both peers
 
 
+def test_a_peer_on_a_device_channel_gets_the_serve_paths_answer(app):
+    """A peer joined with a device sends its rows to the ranks, and gets its slice back, over a
+    gloo channel per group (NCCL between GPUs: tests/test_gpu.py), in the same forward as a peer
+    sending bytes; both answers equal the Serve path's bit for bit, step after step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.client import join
+
+    tokens = (2, 3)
+    want = serve_reference(app, tokens, lambda i: 80 + i)
+    with app.client.session(peers=2, max_tokens=4, name="channel-and-bytes") as session:
+        assert {g.channel for g in session.ticket.groups} == {"gloo"}  # CPU ranks
+        peers = [join(session.ticket, 0, device="cpu"), join(session.ticket, 1)]
+
+        def step(i: int) -> bool:
+            return all(torch.equal(peers[i].forward(rows(tokens[i], 80 + i, layer, dtype), layer), want[layer][i])
+                       for layer, dtype in ((1, torch.float32), (2, torch.bfloat16)))
+
+        with ThreadPoolExecutor(2) as pool:
+            assert all(pool.map(step, range(2))) and all(pool.map(step, range(2)))
+        for p in peers:
+            p.close()
+
+
 def test_an_elastic_session_takes_late_idle_and_departed_peers(app):
     """``idle_after_s``: peer 0 steps before peer 1 has joined; peer 1 joins later and steps while
     peer 0 idles (peer 0 sits those steps out); peer 1 leaves and peer 0 steps on. Nobody waits on

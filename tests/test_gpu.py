@@ -78,3 +78,58 @@ def test_aiter_backend_passes_its_probe(act_quant):
     ex = k3_like_experts(torch.bfloat16, packed=True)
     check = probe_backend("aiter", lambda: get_backend("aiter"), ex, SITU, top_k=16, layer=0, act_quant=quant)
     assert check.passed, check.describe()
+
+
+class _Doubling:
+    """Rank 0's stand-in forward for the channel check: ``2 x + layer``, on the rows' device."""
+
+    def check(self, layer, x, logits, max_tokens, what):
+        return layer, x, logits
+
+    def run(self, layer, x, logits):
+        from deployments.common.wire import DeviceRows, WireTensor
+
+        out = x.to_torch(writable=False) * 2 + layer
+        return (DeviceRows(out, x.dtype) if isinstance(x, DeviceRows) else WireTensor.from_torch(out)), "replicated"
+
+    def counted(self, *args):
+        pass
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL channel joins two GPUs (NCCL refuses two "
+                    "ranks on one device)")
+def test_nccl_channel_carries_a_peers_rows_gpu_to_gpu():
+    """Rank 0 on cuda:0 offers NCCL channels; a peer on cuda:1 sends its rows and gets its slice
+    over its channel, a second peer sends bytes, one forward over both (tests/test_session_plane.py
+    runs the same path over gloo on CPUs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.common.wire import DeviceRows, WireTensor
+    from deployments.dataplane import frames
+    from deployments.dataplane.host import GroupHost
+    from deployments.dataplane.peer import GroupEndpoint, SessionTicket
+
+    H = 64
+    host = GroupHost("127.0.0.1", frames.new_secret(), 1, _Doubling(), 60.0, H, "float32", "gpu",
+                     channel_device="cuda:0")
+    try:
+        assert host.channel_backend == "nccl"
+        number, secret = host.open(2, 8, "nccl")
+        g = GroupEndpoint("d", "r", "l", *host.address, secret, number, (1,), H, "float32", 60.0, 8,
+                          host.store_port, host.channel_backend)
+        ticket = SessionTicket("nccl", 2, (g,))
+        on_gpu = torch.randn(5, H, device="cuda:1")
+        on_cpu = torch.randn(3, H)
+        with ThreadPoolExecutor(2) as pool:  # NCCL's first send and receive meet from two threads
+            gpu_peer = pool.submit(ticket.join, 0, None, "cuda:1").result(timeout=60)
+            cpu_peer = ticket.join(1)
+            got = pool.submit(gpu_peer.forward, DeviceRows(on_gpu, "float32"), 1)
+            plain, _ = cpu_peer.forward(WireTensor.from_torch(on_cpu), 1)
+            out, _ = got.result(timeout=60)
+        assert isinstance(out, DeviceRows) and out.tensor.device == torch.device("cuda:1")
+        assert torch.equal(out.tensor, on_gpu * 2 + 1)
+        assert torch.equal(plain.to_torch(), on_cpu * 2 + 1)
+        gpu_peer.close()
+        cpu_peer.close()
+    finally:
+        host.stop()

@@ -8,11 +8,13 @@ from __future__ import annotations
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
-from deployments.common.wire import WireTensor
+from deployments.common.wire import DeviceRows, WireTensor
 from deployments.dataplane import frames
 from deployments.dataplane.errors import Action, Failure, SessionError
 from deployments.dataplane.host import GroupHost, RankLink
@@ -28,6 +30,7 @@ class FakeCompute:
         self.rank, self.fail_on = rank, fail_on
         self.runs: list[tuple[int, int]] = []
         self.counts: list[tuple[int, list[int], str]] = []
+        self.steps = 0  # forwards that started a step of the group
 
     def check(self, layer, x, logits, max_tokens, what):
         if layer not in LAYERS:
@@ -44,17 +47,21 @@ class FakeCompute:
             raise RuntimeError("boom")
         if self.rank:
             return None, "replicated"
+        if isinstance(x, DeviceRows):  # came over a device channel: answered on the device
+            return DeviceRows(x.tensor * 2 + layer, "float32"), "replicated"
         return WireTensor(x.array * 2 + layer, "float32"), "replicated"
 
-    def counted(self, session, layer, sizes, tail, seconds):
+    def counted(self, session, layer, sizes, tail, seconds, new_step):
         self.counts.append((layer, sizes, tail))
+        self.steps += new_step
 
 
 @pytest.fixture
 def group(request):
     world, fail_on = getattr(request, "param", (2, None))
     computes = [FakeCompute(r, fail_on if r == 1 else None) for r in range(world)]
-    host = GroupHost("127.0.0.1", frames.new_secret(), world, computes[0], CALL_S, H, "float32", "test")
+    host = GroupHost("127.0.0.1", frames.new_secret(), world, computes[0], CALL_S, H, "float32", "test",
+                     channel_device="cpu")
     links = [RankLink(host.address, host.group_secret, r, computes[r], 5.0) for r in range(1, world)]
     host.wait_ranks(5.0)
     yield host, computes
@@ -66,8 +73,19 @@ def group(request):
 def ticket(host: GroupHost, peers: int, max_tokens: int = 4,
            idle_after_s: float | None = None) -> tuple[SessionTicket, int]:
     number, secret = host.open(peers, max_tokens, "s", idle_after_s)
-    g = GroupEndpoint("d", "r1", "lease", *host.address, secret, number, LAYERS, H, "float32", CALL_S, max_tokens)
+    g = GroupEndpoint("d", "r1", "lease", *host.address, secret, number, LAYERS, H, "float32", CALL_S, max_tokens,
+                      host.store_port, host.channel_backend)
     return SessionTicket("s", peers, (g,)), number
+
+
+def rank_runs(computes: list[FakeCompute], n: int) -> list[tuple[int, int]]:
+    """Rank 0's forwards, once every rank has run ``n``: rank 0 answers the peers before it reads
+    the other ranks' DONEs, so they may still be running the last one when a peer has its answer."""
+    deadline = time.monotonic() + 10
+    while any(len(c.runs) < n for c in computes) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert all(c.runs == computes[0].runs for c in computes), [c.runs for c in computes]
+    return computes[0].runs
 
 
 def rows(n: int, seed: int) -> WireTensor:
@@ -106,7 +124,7 @@ def test_one_forward_per_layer_over_every_peer(group):
     results, _ = run_peers(t, step)
     assert results == [[(n, H)] * 2 for n in sizes]
     # every rank ran each layer once, over the 5 rows of the 3 peers
-    assert computes[0].runs == computes[1].runs == [(1, 5), (2, 5)]
+    assert rank_runs(computes, 2) == [(1, 5), (2, 5)]
     assert computes[0].counts == [(1, [2, 3], "replicated"), (2, [2, 3], "replicated")]
 
 
@@ -125,7 +143,7 @@ def test_bad_rows_fail_their_peer_only(group):
     # the session goes on: both peers step again
     again, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 2)[0].shape, peers)
     assert again == [(1, H), (1, H)]
-    assert computes[1].runs == [(1, 2), (2, 2)]
+    assert rank_runs(computes, 2) == [(1, 2), (2, 2)]
 
 
 def test_a_peers_own_failure_ends_the_layer_for_all_and_the_session_stays(group):
@@ -251,6 +269,59 @@ def test_arrays_cross_a_connection_as_their_bytes(dtype, shape):
         frames.recv(b)
 
 
+# -- device channels (gloo between CPU processes here; NCCL between GPUs in tests/test_gpu.py) ---
+
+
+def test_rows_over_a_device_channel_share_the_layer_with_bytes(group):
+    """Peer 0 joins with a device: its rows go to rank 0 and its slice comes back over its channel
+    (as ``DeviceRows``); peer 1's travel as bytes; one forward per layer over both, 0 rows too."""
+    host, computes = group
+    t, number = ticket(host, 2)
+    peers = [t.join(0, device="cpu"), t.join(1)]
+    sizes = {0: [3, 0], 1: [2, 1]}  # per peer, per step
+
+    def step(peer, i):
+        for s, n in enumerate(sizes[i]):
+            for layer in LAYERS:
+                x = rows(n, 10 * i + s + layer)
+                out, _ = peer.forward(x, layer)
+                assert isinstance(out, DeviceRows) == (i == 0)
+                got = out.to_torch().numpy() if i == 0 else out.array
+                assert np.array_equal(got, x.array * 2 + layer)
+        return True
+
+    results, _ = run_peers(t, step, peers)
+    assert results == [True, True]
+    assert rank_runs(computes, 4) == [(1, 5), (2, 5), (1, 1), (2, 1)]
+    assert list(host.sessions[number].channels) == [0]
+    peers[0].close()  # its connection closes: a strict session ends, and its channel with it
+    wait_for(lambda: number not in host.sessions, "the session ended")
+    peers[1].close()
+
+
+def test_a_peer_whose_channel_rows_never_come_is_dropped_within_the_call_bound(group):
+    host, _ = group
+    t, number = ticket(host, 2)
+    a, b = t.join(0, device="cpu"), t.join(1)
+    header = DeviceRows(torch.zeros(2, H), "float32")  # the header says rows follow on the channel ...
+    frames.send(a.socks["d"], frames.Kind.FORWARD, flags=a.bounds[1], index=0, layer=1, data=header)
+    a.channels["d"].close()  # ... and they never come
+    with pytest.raises(SessionError) as err:  # rank 0's wait for them ends at the call bound
+        b.forward(rows(1, 1), 1)
+    assert err.value.failure is Failure.PEER_GONE and err.value.peer == 0 and "device channel" in str(err.value)
+    assert host.state(number)["failure"] == "peer_gone"
+
+
+def test_a_device_channel_must_match_the_groups_ranks(group):
+    host, _ = group
+    t, _ = ticket(host, 1)
+    with pytest.raises(ValueError, match="channel"):  # CPU ranks offer gloo, never NCCL
+        t.join(0, device="cuda")
+    bare = SessionTicket(t.name, 1, tuple(replace(g, store_port=0, channel="") for g in t.groups))
+    with pytest.raises(ValueError, match="offers no device channel"):
+        bare.join(0, device="cpu")
+
+
 # -- elastic sessions: peers come, go and idle ------------------------------------------------
 
 IDLE_S = 0.2  # an elastic session's idle_after_s here: short, the idle cases wait it
@@ -309,6 +380,7 @@ def test_elastic_peers_in_step_share_one_forward_per_layer(group):
     # every step is one forward per layer over both peers' rows
     assert computes[0].runs[-8:] == [(1, 3), (2, 3)] * 4
     assert len(computes[0].runs) in (10, 12)  # 5 steps, the first maybe split in two
+    assert len(computes[0].runs) == len(LAYERS) * computes[0].steps  # each group step: a forward per layer
 
 
 def test_elastic_idle_peer_sits_steps_out_and_rejoins_at_a_step_start(group):
@@ -332,6 +404,7 @@ def test_elastic_idle_peer_sits_steps_out_and_rejoins_at_a_step_start(group):
     sizes = [n for _, n in computes[0].runs]
     assert sum(sizes) == 12 + 12 and set(sizes) <= {1, 2, 3}  # every row once; a step alone or shared
     assert sizes[-4:] == [1, 1, 3, 3]  # a's half-step alone, then one shared step
+    assert len(sizes) == len(LAYERS) * computes[0].steps  # alone or shared, a forward per layer and step
     assert host.state(number)["failure"] is None
 
 

@@ -53,7 +53,8 @@ def endpoint(grant: dict[str, Any], layers: Iterable[int]) -> GroupEndpoint:
     """A grant's group as a session ticket names it (``layers``: the session's layers it serves)."""
     return GroupEndpoint(grant["deployment"], grant["replica"], grant["lease_id"], grant["host"],
                          grant["port"], grant["secret"], grant["session"], tuple(layers),
-                         grant["hidden_size"], grant["dtype"], grant["call_timeout_s"], grant["max_tokens"])
+                         grant["hidden_size"], grant["dtype"], grant["call_timeout_s"], grant["max_tokens"],
+                         grant["store_port"], grant["channel"])
 
 
 def check_seconds(**values: Any) -> None:

@@ -79,9 +79,9 @@ class Session:
                     self._end(lease.why_not)
                     return
 
-    def join(self, index: int, step: Iterable[int] | None = None) -> Peer:
+    def join(self, index: int, step: Iterable[int] | None = None, device: str | None = None) -> Peer:
         """Peer ``index`` in this process (usually each peer joins in its own: :func:`join`)."""
-        return Peer(self.ticket, index, step)
+        return Peer(self.ticket, index, step, device)
 
     def status(self) -> dict[str, Any]:
         return {"session": self.name, "peers": self.ticket.peers, "layers": list(self.ticket.layers),
@@ -111,11 +111,13 @@ class Session:
 
 class Peer:
     """Peer ``index`` of a session: numpy float32 (rounded to the deployment dtype, as the Serve
-    path does) or torch rows in, the same kind out."""
+    path does) or torch rows in, the same kind out. ``device``: torch rows travel over a device
+    channel from that device and come back on it (``dataplane.channel``)."""
 
-    def __init__(self, ticket: SessionTicket, index: int, step: Iterable[int] | None = None):
-        self.ticket, self.index = ticket, index
-        self.peer = SessionPeer(ticket, index, None if step is None else tuple(step))
+    def __init__(self, ticket: SessionTicket, index: int, step: Iterable[int] | None = None,
+                 device: str | None = None):
+        self.ticket, self.index, self.device = ticket, index, device
+        self.peer = SessionPeer(ticket, index, None if step is None else tuple(step), device)
 
     def forward(self, hidden_states: Any, layer: int, router_logits: Any = None) -> Any:
         g = self.ticket.group_for(layer) if isinstance(layer, int) else None
@@ -123,7 +125,7 @@ class Peer:
             if g is None:
                 raise ServeInputError(f"layer {layer!r} is not one of session {self.ticket.name!r}'s layers "
                                       f"{list(self.ticket.layers)}")
-            x = as_rows(hidden_states, "hidden_states", g.dtype)
+            x = as_rows(hidden_states, "hidden_states", g.dtype, on_device=self.device is not None)
             logits = None if router_logits is None else as_logits(router_logits)
         except ServeInputError as e:
             raise_for(e)
@@ -151,7 +153,10 @@ class Peer:
         self.close()
 
 
-def join(ticket: SessionTicket, index: int, step: Iterable[int] | None = None) -> Peer:
+def join(ticket: SessionTicket, index: int, step: Iterable[int] | None = None, device: str | None = None
+         ) -> Peer:
     """Join ``ticket``'s session as peer ``index`` (any process that reaches the ranks' nodes);
-    ``step``: the layers it calls per step, in order (default: every layer of the ticket)."""
-    return Peer(ticket, index, step)
+    ``step``: the layers it calls per step, in order (default: every layer of the ticket);
+    ``device``: its torch rows go over a device channel from there (NCCL between GPUs, gloo on
+    CPUs; the ticket says which its groups offer), not as bytes on the connection."""
+    return Peer(ticket, index, step, device)

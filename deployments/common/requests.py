@@ -19,7 +19,7 @@ from moe_runtime.inputs import logits_shape_problem, not_finite, not_floating, r
 from moe_runtime.units import dtype_name
 
 from .errors import ServeInputError, TooLargeError, UnknownLayerError
-from .wire import FLOAT_DTYPES, WireTensor
+from .wire import FLOAT_DTYPES, DeviceRows, WireTensor
 
 
 def is_torch_tensor(value: Any) -> bool:
@@ -27,16 +27,16 @@ def is_torch_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def as_rows(value: Any, what: str, dtype: str) -> WireTensor:
+def as_rows(value: Any, what: str, dtype: str, on_device: bool = False) -> WireTensor | DeviceRows:
     """``value`` as a :class:`WireTensor`: a numpy float32 array rounded to ``dtype``; a torch
-    tensor in ``dtype`` over its bits (copied to the CPU); a WireTensor as it is
-    (:func:`check_rows` then checks its dtype)."""
-    if isinstance(value, WireTensor):
+    tensor in ``dtype`` over its bits (copied to the CPU; ``on_device``: kept where it is, as
+    :class:`DeviceRows`); a WireTensor as it is (:func:`check_rows` then checks its dtype)."""
+    if isinstance(value, WireTensor | DeviceRows):
         return value
     if is_torch_tensor(value):
         if value.dtype is not getattr(sys.modules["torch"], dtype):  # numpy may not hold it either
             raise ServeInputError(wrong_dtype(what, dtype_name(value.dtype), dtype))
-        return WireTensor.from_torch(value)
+        return DeviceRows(value.detach().contiguous(), dtype) if on_device else WireTensor.from_torch(value)
     if isinstance(value, np.ndarray):
         if value.dtype != np.float32:
             raise ServeInputError(

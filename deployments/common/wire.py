@@ -98,14 +98,60 @@ class WireTensor:
         return tuple(self.array.shape)
 
 
-def concat_rows(parts: list[WireTensor]) -> WireTensor:
-    """``parts`` (one dtype) as one batch, in order; a single part as it is."""
+    def part(self, start: int, stop: int) -> WireTensor:
+        """Rows ``start:stop`` as a view (sent at once, never kept)."""
+        return WireTensor(self.array[start:stop], self.dtype)
+
+
+@dataclass(frozen=True)
+class DeviceRows:
+    """Rows that stay on their device: they came, or go, over a device channel
+    (``dataplane.channel``) rather than as bytes on a connection. The methods of
+    :class:`WireTensor` that the data plane's checks and batches use, on a torch tensor."""
+
+    tensor: torch.Tensor
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    def to_torch(self, writable: bool = True) -> torch.Tensor:
+        return self.tensor
+
+    def all_finite(self) -> bool:
+        import torch
+
+        return bool(torch.isfinite(self.tensor).all())
+
+    def rows(self, start: int, stop: int) -> DeviceRows:
+        return DeviceRows(self.tensor[start:stop].clone(), self.dtype)
+
+    def part(self, start: int, stop: int) -> DeviceRows:
+        return DeviceRows(self.tensor[start:stop], self.dtype)
+
+    def to_wire(self) -> WireTensor:
+        return WireTensor.from_torch(self.tensor)
+
+
+Rows = WireTensor | DeviceRows
+
+
+def concat_rows(parts: list[Rows]) -> Rows:
+    """``parts`` (one dtype) as one batch, in order; a single part as it is. On a device when
+    any part is (the others' rows are copied there)."""
     if len(parts) == 1:
         return parts[0]
+    on_device = [p for p in parts if isinstance(p, DeviceRows)]
+    if on_device:
+        import torch
+
+        device = on_device[0].tensor.device
+        return DeviceRows(torch.cat([p.to_torch(writable=False).to(device) for p in parts]), parts[0].dtype)
     return WireTensor(np.concatenate([p.array for p in parts]), parts[0].dtype)
 
 
-def join_rank_outputs(results: list[tuple[WireTensor | None, str]]) -> tuple[WireTensor, str]:
+def join_rank_outputs(results: list[tuple[Rows | None, str]]) -> tuple[Rows, str]:
     """The group's output from every rank's ``(out, tail)``: rank 0's, or under sequence
     parallel every rank's rows in rank order; plus the tail that ran."""
     tail = results[0][1]

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..common.wire import WireTensor
+from ..common.wire import DeviceRows, WireTensor
 
 HANDSHAKE_S = 5.0  # a new connection must prove its secret within this
 NONCE_BYTES = 16
@@ -46,11 +46,13 @@ class Kind(enum.IntEnum):
     DONE = 6  # other rank -> rank 0: forward done (sequence parallel: with this rank's rows)
     BYE = 7  # rank 0 -> peer: the session ended; text: JSON {kind, message}
     LOGITS = 8  # follows a FORWARD or BATCH whose rows carry router logits: fp32 [T, E]
+    CHANNEL = 9  # peer -> rank 0, once after joining: its rows go over a device channel; text: JSON
 
 
 WITH_LOGITS = 1  # flags of a FORWARD or BATCH: a LOGITS message follows
 NEW_STEP = 2  # flags of a FORWARD: the first layer of the peer's step on this group
 END_STEP = 4  # flags of a FORWARD: the last layer of the peer's step on this group
+ON_CHANNEL = 8  # flags of a FORWARD or RESULT: the array's bytes follow on the peer's device channel
 
 
 class Role(enum.IntEnum):
@@ -76,17 +78,25 @@ class Frame:
     layer: int = 0
     text: str = ""
     data: WireTensor | None = None
+    channel: tuple[tuple[int, ...], str] | None = None  # ON_CHANNEL: the array's shape and dtype
 
     def meta(self) -> dict[str, Any]:
         return json.loads(self.text) if self.text else {}
 
 
 def send(sock: socket.socket, kind: Kind, *, flags: int = 0, index: int = 0, layer: int = 0, text: str = "",
-         data: WireTensor | None = None) -> None:
-    """One message, written whole (``sendmsg`` of the header, the text and the array's buffer)."""
+         data: WireTensor | DeviceRows | None = None) -> None:
+    """One message, written whole (``sendmsg`` of the header, the text and the array's buffer);
+    rows on a device: the header only, flagged ``ON_CHANNEL`` (the caller sends the array on its
+    channel next)."""
     raw = text.encode()
     if data is None:
         header = _HEADER.pack(kind, 0, flags, index, layer, -1, 0, len(raw), 0)
+        buffers = [header, raw]
+    elif isinstance(data, DeviceRows):
+        rows, cols = (data.shape[0], data.shape[1]) if len(data.shape) == 2 else (data.shape[0], -1)
+        code = _CODE[data.dtype]
+        header = _HEADER.pack(kind, code, flags | ON_CHANNEL, index, layer, rows, cols, len(raw), 0)
         buffers = [header, raw]
     else:
         array = np.ascontiguousarray(data.array)
@@ -109,6 +119,9 @@ def recv(sock: socket.socket) -> Frame:
     kind, code, flags, index, layer, rows, cols, n_text, n_data = _HEADER.unpack(_exact(sock, _HEADER.size))
     text = bytes(_exact(sock, n_text)).decode() if n_text else ""
     data = None
+    if rows >= 0 and flags & ON_CHANNEL:
+        return Frame(Kind(kind), flags, index, layer, text, None, ((rows, cols) if cols >= 0 else (rows,),
+                                                                   _DTYPES[code]))
     if rows >= 0:
         name = _DTYPES[code]
         shape = (rows, cols) if cols >= 0 else (rows,)

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..common.wire import VIEW_AS, WireTensor, concat_rows, join_rank_outputs
+from ..common.wire import VIEW_AS, DeviceRows, Rows, WireTensor, concat_rows, join_rank_outputs
 from . import frames
 from .errors import Failure
 from .frames import Frame, Kind, Role
@@ -83,8 +83,10 @@ class Compute(Protocol):
         """One forward on this rank: ``(out, tail)`` (``out`` None on ranks > 0 unless sequence
         parallel)."""
 
-    def counted(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float) -> None:
-        """Rank 0: a forward of ``session`` ran (its parts' token counts)."""
+    def counted(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float,
+                new_step: bool) -> None:
+        """Rank 0: a forward of ``session`` ran (its parts' token counts); ``new_step``: the
+        first layer of a step of the group (every part marked ``frames.NEW_STEP``)."""
 
 
 @dataclass
@@ -106,6 +108,7 @@ class Session:
     active: set[int] = field(default_factory=set)  # elastic: the peers of the group's current step
     held: dict[int, tuple[Frame, Frame | None]] = field(default_factory=dict)  # elastic: wait for a step
     at_boundary: bool = True  # elastic: the group's next layer starts a step
+    channels: dict[int, Any] = field(default_factory=dict)  # peer -> its device channel (``channel``)
 
     @property
     def elastic(self) -> bool:
@@ -141,8 +144,18 @@ class GroupHost:
     group's ranks; ``call_s``: the group's call bound (a layer's peers, and a forward)."""
 
     def __init__(self, bind_ip: str, group_secret: str, world: int, compute: Compute, call_s: float,
-                 hidden_size: int, dtype: str, name: str = "group"):
+                 hidden_size: int, dtype: str, name: str = "group", channel_device: str | None = None):
         self.group_secret, self.world, self.compute, self.call_s = group_secret, world, compute, call_s
+        self.channel_device, self.channel_backend, self.store_port = channel_device, "", 0
+        self._store: Any = None
+        if channel_device is not None:  # peers may send rows over device channels (``channel``)
+            from .channel import ChannelStore, backend_for, check_backend
+
+            backend = backend_for(channel_device)
+            with contextlib.suppress(ValueError):  # a torch without NCCL: no channel is offered
+                check_backend(backend)
+                self._store = ChannelStore(bind_ip, call_s)
+                self.channel_backend, self.store_port = backend, self._store.port
         self.hidden_size, self.dtype, self.name = hidden_size, dtype, name
         self.failed: str | None = None
         self.sessions: dict[int, Session] = {}
@@ -336,6 +349,11 @@ class GroupHost:
             self._fault(session, index, Failure.PEER_GONE, f"peer {index} of session {session.name!r} "
                         f"closed its connection ({e})")
             return
+        if frame.kind is Kind.CHANNEL and index not in session.channels:
+            self._open_channel(session, index, frame)
+            return
+        if frame.channel is not None and not self._pull(session, index, frame):
+            return
         twice = index in session.pending or index in session.held
         if frame.kind not in (Kind.FORWARD, Kind.FAIL) or twice:
             why = "sent twice for one layer" if twice else f"sent a {frame.kind.name} message"
@@ -360,6 +378,34 @@ class GroupHost:
             session.first_at = time.monotonic()
         session.pending[index] = (frame, logits)
         self._run_if_complete(session)
+
+    def _open_channel(self, session: Session, index: int, frame: Frame) -> None:
+        """Rank 0's side of peer ``index``'s device channel (the peer builds its own meanwhile)."""
+        from .channel import Channel
+
+        try:
+            if self._store is None:
+                raise ValueError("this group offers no device channel")
+            prefix = f"{session.number}/{index}/{frame.meta()['key']}"
+            session.channels[index] = Channel(self.channel_backend, "", 0, prefix, 0, self.channel_device,
+                                              self.call_s, self._store)
+        except (ValueError, KeyError, RuntimeError) as e:
+            self._fault(session, index, Failure.PEER_FAILED, f"peer {index} of session {session.name!r}: "
+                        f"its device channel could not be opened ({e})")
+
+    def _pull(self, session: Session, index: int, frame: Frame) -> bool:
+        """A FORWARD's rows from its peer's device channel into ``frame.data``; False: the peer was
+        dropped (no channel, or the channel failed)."""
+        channel = session.channels.get(index)
+        try:
+            if channel is None:
+                raise RuntimeError("it opened no device channel")
+            frame.data = channel.recv(*frame.channel)
+            return True
+        except RuntimeError as e:
+            self._fault(session, index, Failure.PEER_GONE, f"peer {index} of session {session.name!r} sent "
+                        f"layer {frame.layer}'s rows on its device channel, which failed: {e}")
+            return False
 
     def _start_step(self, session: Session) -> None:
         """Elastic: the held peers join the step the group starts now."""
@@ -386,6 +432,7 @@ class GroupHost:
         session.active.discard(index)
         session.pending.pop(index, None)
         session.held.pop(index, None)
+        self._close_channel(session, index)
         logger.info("data plane of %s: %s", self.name, reason)
         if not session.active:
             session.at_boundary = True
@@ -480,13 +527,14 @@ class GroupHost:
             if isinstance(error, Exception):
                 failure = Failure.INPUT if isinstance(error, ValueError) else Failure.PEER_FAILED
                 return Kind.ERROR, frames.error_text(failure.value, str(error), i, type(error).__name__), None
-            rows = WireTensor(out.array[starts[i]:starts[i] + sizes_of[i]], out.dtype)
-            return Kind.RESULT, tail, rows
+            return Kind.RESULT, tail, out.part(starts[i], starts[i] + sizes_of[i])
 
         # Counted before the answers go: a peer that reads the counts after its result sees them.
         session.layers += 1
         if good:
-            self.compute.counted(session.number, layer, [sizes_of[i] for i, _ in good], tail, seconds)
+            new_step = all(frame.flags & frames.NEW_STEP for frame, _ in parts.values())
+            sizes = [sizes_of[i] for i, _ in good]
+            self.compute.counted(session.number, layer, sizes, tail, seconds, new_step)
         self._answer_all(session, peers, answer, layer)
         session.last_at = time.monotonic()
         if session.elastic and not session.ended:
@@ -508,9 +556,10 @@ class GroupHost:
         x = concat_rows([c[1] for _, c in good])
         logits = good[0][1][2] if len(good) == 1 else None
         flags = frames.WITH_LOGITS if logits is not None else 0
+        wire = x.to_wire() if isinstance(x, DeviceRows) and self.world > 1 else x
         for rank in range(1, self.world):
             link = self.links[rank]
-            frames.send(link, Kind.BATCH, flags=flags, layer=layer, data=x)
+            frames.send(link, Kind.BATCH, flags=flags, layer=layer, data=wire)
             if logits is not None:
                 frames.send(link, Kind.LOGITS, data=WireTensor(logits, "float32"))
         self._done_owed = self.world > 1
@@ -541,17 +590,33 @@ class GroupHost:
         return results
 
     def _answer_all(self, session: Session, peers: list[int],
-                    answer: Callable[[int], tuple[Kind, str, WireTensor | None]], layer: int) -> None:
+                    answer: Callable[[int], tuple[Kind, str, Rows | None]], layer: int) -> None:
+        sends = []  # device channels' sends in flight: waited once every header went
         for i in peers:
             sock = session.sockets[i]
             if sock is None:  # dropped while answering the ones before it (elastic)
                 continue
             kind, text, data = answer(i)
+            channel = session.channels.get(i)
+            if data is not None and channel is not None and not isinstance(data, DeviceRows):
+                data = DeviceRows(data.to_torch(writable=False), data.dtype)
+            elif isinstance(data, DeviceRows) and channel is None:
+                data = data.to_wire()
             try:
                 frames.send(sock, kind, layer=layer, text=text, data=data)
+                if isinstance(data, DeviceRows):
+                    sends.append((i, channel.send(data)))
             except OSError as e:
                 self._fault(session, i, Failure.PEER_GONE, f"peer {i} of session {session.name!r} closed its "
                             f"connection ({e})")
+                if session.ended:
+                    return
+        for i, sent in sends:
+            try:
+                sent.wait()
+            except RuntimeError as e:
+                self._fault(session, i, Failure.PEER_GONE, f"peer {i} of session {session.name!r} did not "
+                            f"take layer {layer}'s rows from its device channel ({e})")
                 if session.ended:
                     return
 
@@ -575,11 +640,18 @@ class GroupHost:
                 self._close_peer(sock, text)
                 session.sockets[i] = None
         session.pending, session.held = {}, {}
+        for i in list(session.channels):
+            self._close_channel(session, i)
         self.by_secret.pop(session.secret, None)
         self.sessions.pop(session.number, None)
         self.ended[session.number] = session.state()
         while len(self.ended) > ENDED_KEPT:  # the oldest first (dicts keep insertion order)
             del self.ended[next(iter(self.ended))]
+
+    def _close_channel(self, session: Session, index: int) -> None:
+        channel = session.channels.pop(index, None)
+        if channel is not None:
+            channel.close()
 
     def _close_peer(self, sock: socket.socket, text: str) -> None:
         """Send a peer its BYE (``text``: why) and read until it closes, at most DRAIN_S (a close

@@ -22,10 +22,11 @@ import json
 import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
-from ..common.wire import WireTensor
+from ..common.wire import DeviceRows, WireTensor
 from . import frames
 from .errors import Failure, SessionError
 from .frames import Kind, Role
@@ -55,6 +56,8 @@ class GroupEndpoint:
     dtype: str
     call_s: float
     max_tokens: int  # rows per peer and layer
+    store_port: int = 0  # rank 0's store for device channels (``channel``); 0: it offers none
+    channel: str = ""  # the device channel its ranks take ("nccl" on GPUs, "gloo" on CPUs)
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,8 @@ class SessionTicket:
     peers: int
     groups: tuple[GroupEndpoint, ...]
 
-    def join(self, index: int, step: Sequence[int] | None = None) -> SessionPeer:
-        return SessionPeer(self, index, step)
+    def join(self, index: int, step: Sequence[int] | None = None, device: str | None = None) -> SessionPeer:
+        return SessionPeer(self, index, step, device)
 
     def group_for(self, layer: int) -> GroupEndpoint | None:
         return next((g for g in self.groups if layer in g.layers), None)
@@ -88,9 +91,12 @@ class SessionTicket:
 class SessionPeer:
     """Peer ``index`` of a session (one call at a time; see the module doc). ``step``: the layers
     this peer calls per step, in order (default: every layer of the ticket); the first and last
-    on each group mark the step's bounds for an elastic session (``host``)."""
+    on each group mark the step's bounds for an elastic session (``host``). ``device``: rows
+    travel over a device channel (``channel``: NCCL to GPU ranks from a GPU, gloo to CPU ranks
+    from the CPU) and answers come back as ``DeviceRows`` on it; None: as bytes on the connection."""
 
-    def __init__(self, ticket: SessionTicket, index: int, step: Sequence[int] | None = None):
+    def __init__(self, ticket: SessionTicket, index: int, step: Sequence[int] | None = None,
+                 device: str | None = None):
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < ticket.peers:
             raise ValueError(f"peer index must be in [0, {ticket.peers}) for session {ticket.name!r} of "
                              f"{ticket.peers} peers, got {index!r}")
@@ -106,30 +112,40 @@ class SessionPeer:
             if mine:
                 self.bounds[mine[0]] = self.bounds.get(mine[0], 0) | frames.NEW_STEP
                 self.bounds[mine[-1]] = self.bounds.get(mine[-1], 0) | frames.END_STEP
+        if device is not None:
+            check_channels(ticket, device)
         self.closed: str | None = None
         self.socks: dict[str, socket.socket] = {}
+        self.channels: dict[str, Any] = {}  # deployment -> its device channel
         try:
             for g in ticket.groups:
                 address = (g.host, g.port)
                 self.socks[g.deployment] = frames.connect(address, g.secret, Role.PEER, index, CONNECT_S)
+                if device is not None:
+                    self.channels[g.deployment] = open_channel(self.socks[g.deployment], g, index, device)
         except BaseException:
             self.close()
             raise
 
-    def forward(self, x: WireTensor, layer: int, router_logits: np.ndarray | None = None
-                ) -> tuple[WireTensor, str]:
+    def forward(self, x: WireTensor | DeviceRows, layer: int, router_logits: np.ndarray | None = None
+                ) -> tuple[WireTensor | DeviceRows, str]:
         """This peer's rows of ``layer`` (``[T, H]``, T >= 0) -> ``(its output rows, tail)``."""
         g = self._group(layer)
         flags = self.bounds.get(layer, 0) | (frames.WITH_LOGITS if router_logits is not None else 0)
-        sock = self.socks[g.deployment]
+        sock, channel = self.socks[g.deployment], self.channels.get(g.deployment)
+        sent = None
         try:
+            if channel is not None and not isinstance(x, DeviceRows):
+                x = DeviceRows(x.to_torch(writable=False), x.dtype)
             frames.send(sock, Kind.FORWARD, flags=flags, index=self.index, layer=layer, data=x)
+            if channel is not None:
+                sent = channel.send(x)
             if router_logits is not None:
                 frames.send(sock, Kind.LOGITS, data=WireTensor(np.ascontiguousarray(router_logits,
                                                                                     np.float32), "float32"))
         except OSError:
             pass  # the rank closed: its answer (a BYE) may be waiting, read it below
-        return self._answer(g, layer)
+        return self._answer(g, layer, sent)
 
     def fail(self, layer: int, message: str) -> SessionError:
         """Take part in ``layer`` with this peer's own failure (``message``): the layer ends for every
@@ -154,7 +170,7 @@ class SessionPeer:
                                f"layers {list(self.ticket.layers)}")
         return g
 
-    def _answer(self, g: GroupEndpoint, layer: int) -> tuple[WireTensor, str]:
+    def _answer(self, g: GroupEndpoint, layer: int, sent: Any = None) -> tuple[WireTensor | DeviceRows, str]:
         sock = self.socks[g.deployment]
         bound_s = answer_bound_s(g.call_s)
         sock.settimeout(bound_s)
@@ -168,6 +184,16 @@ class SessionPeer:
             self.close(f"connection lost: {e}")
             raise SessionError(Failure.GROUP_FAILED, f"rank 0 of replica {g.replica} closed the connection "
                                f"during layer {layer}: {e}", None, g.replica) from None
+        if frame.kind is Kind.RESULT and frame.channel is not None:
+            try:
+                out = self.channels[g.deployment].recv(*frame.channel)
+                if sent is not None:
+                    sent.wait()
+            except (RuntimeError, KeyError) as e:
+                self.close(f"device channel failed: {e}")
+                raise SessionError(Failure.GROUP_FAILED, f"the device channel to rank 0 of replica "
+                                   f"{g.replica} failed during layer {layer}: {e}", None, g.replica) from None
+            return out, frame.text
         if frame.kind is Kind.RESULT:
             return frame.data, frame.text
         meta = frame.meta()
@@ -186,9 +212,35 @@ class SessionPeer:
         for sock in self.socks.values():
             with contextlib.suppress(OSError):
                 sock.close()
+        for channel in self.channels.values():
+            channel.close()
 
     def __enter__(self) -> SessionPeer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_channels(ticket: SessionTicket, device: str) -> None:
+    """A peer on ``device`` can open a channel to every group of ``ticket`` (ValueError if not)."""
+    from .channel import backend_for, check_backend
+
+    backend = backend_for(device)
+    check_backend(backend)
+    for g in ticket.groups:
+        if g.channel != backend:
+            offers = f"offers {g.channel}" if g.channel else "offers no device channel"
+            raise ValueError(f"a peer on {device} needs a {backend} channel, but replica {g.replica} of "
+                             f"{g.deployment!r} {offers}: join on the device its ranks use, or without one")
+
+
+def open_channel(sock: socket.socket, g: GroupEndpoint, index: int, device: str) -> Any:
+    """Ask rank 0 for a device channel on the admitted connection ``sock``, then build this side."""
+    import secrets
+
+    from .channel import Channel
+
+    key = secrets.token_hex(16)
+    frames.send(sock, Kind.CHANNEL, index=index, text=json.dumps({"key": key}))
+    return Channel(g.channel, g.host, g.store_port, f"{g.session}/{index}/{key}", 1, device, g.call_s)

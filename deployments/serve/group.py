@@ -259,5 +259,5 @@ def start_dataplane(workers: Sequence[Any], resolved: ResolvedDeployment, tag: s
     own = ray.get(workers[0].session_open.remote(1, OWN_SESSION_TOKENS, f"{tag}:serve"), timeout=timeout_s)
     group = GroupEndpoint(spec.name, tag, "", own["host"], own["port"], own["secret"], own["session"],
                           tuple(resolved.layers), hidden_size, spec.dtype, spec.bounds.call_s,
-                          OWN_SESSION_TOKENS)
+                          OWN_SESSION_TOKENS, own["store_port"], own["channel"])
     return SessionTicket(f"{tag}:serve", 1, (group,)).join(0)

@@ -40,6 +40,7 @@ from ..dataplane.host import check_idle_after
 MAX_LEASE_WAIT_S = 600.0
 MAX_PEERS = 256  # peers of one session (each is a connection to rank 0)
 HISTORY = 16  # ended leases kept for status()
+RECENT_FORWARDS = 256  # a lease's last forwards' times, for status() (as the Serve path's)
 
 
 @dataclass
@@ -53,6 +54,7 @@ class LaneSeat:
     released: bool = False
     renewed_at: float = 0.0  # time.monotonic() of the grant or the last renewal
     forwards: int = 0  # the session's forwards (rank 0; a layer whose peers all sent 0 rows runs none)
+    steps: int = 0  # those forwards that started a step of the group (every part marked its step's start)
     requests: int = 0  # peers' parts with rows in those forwards (a cohort: one per worker)
     tokens: int = 0
     busy_s: float = 0.0
@@ -63,28 +65,32 @@ class LaneSeat:
     layer_requests: Counter[int] = field(default_factory=Counter)
     layer_tokens: Counter[int] = field(default_factory=Counter)
     batch_tokens: Counter[str] = field(default_factory=Counter)  # "layer:tokens" of a forward -> forwards
+    recent_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_FORWARDS))  # per forward
 
     def open(self, lease_id: str, client: str, session: int | None) -> None:
         self.lease_id, self.client, self.session = lease_id, client, session
         self.revoked = self.released = False
         self.renewed_at = time.monotonic()
-        self.forwards = self.requests = self.tokens = self.in_flight_tokens = 0
+        self.forwards = self.steps = self.requests = self.tokens = self.in_flight_tokens = 0
         self.busy_s = 0.0
         self.failed = None
         self.tails, self.layer_forwards, self.layer_tokens = Counter(), Counter(), Counter()
         self.layer_requests = Counter()
         self.batch_tokens = Counter()
+        self.recent_ms.clear()
 
     def close(self, lease_id: str) -> None:
         if self.lease_id == lease_id:
             self.lease_id = self.session = None
 
-    def count(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float) -> None:
+    def count(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float,
+              new_step: bool) -> None:
         """Rank 0: a forward of ``session`` ran (counted when it is the lease's)."""
         if session != self.session:
             return
         tokens = sum(sizes)
         self.forwards += 1
+        self.steps += new_step
         self.requests += len(sizes)
         self.tokens += tokens
         self.busy_s += seconds
@@ -93,6 +99,7 @@ class LaneSeat:
         self.layer_requests[layer] += len(sizes)
         self.layer_tokens[layer] += tokens
         self.batch_tokens[f"{layer}:{tokens}"] += 1
+        self.recent_ms.append(round(seconds * 1e3, 3))
 
     def renew(self, lease_id: str) -> bool:
         """True when ``lease_id`` is held and not revoked (its term starts again)."""
@@ -127,12 +134,13 @@ class LaneSeat:
     def state(self) -> dict[str, Any]:
         return {"lease_id": self.lease_id, "client": self.client, "revoked": self.revoked,
                 "released": self.released, "renew_age_s": time.monotonic() - self.renewed_at,
-                "forwards": self.forwards, "requests": self.requests,
+                "forwards": self.forwards, "steps": self.steps, "requests": self.requests,
                 "tokens": self.tokens, "busy_s": self.busy_s, "failed": self.failed,
                 "in_flight_tokens": self.in_flight_tokens,
                 "tails": dict(self.tails), "layer_forwards": dict(self.layer_forwards),
                 "layer_requests": dict(self.layer_requests),
-                "layer_tokens": dict(self.layer_tokens), "batch_tokens": dict(self.batch_tokens)}
+                "layer_tokens": dict(self.layer_tokens), "batch_tokens": dict(self.batch_tokens),
+                "recent_ms": list(self.recent_ms)}
 
 
 @dataclass
@@ -149,6 +157,7 @@ class Lease:
     session: int | None = None  # its data-plane session on rank 0
     revoked: bool = False
     forwards: int = 0
+    steps: int = 0
     requests: int = 0
     tokens: int = 0
     busy_s: float = 0.0
@@ -162,7 +171,8 @@ class Lease:
         return {"client": self.client, "kind": kind, "peers": self.peers,
                 "workers": list(self.workers), "lease_id": self.lease_id, "max_tokens": self.max_tokens,
                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
-                "session": self.session, "forwards": self.forwards, "requests": self.requests,
+                "session": self.session, "forwards": self.forwards, "steps": self.steps,
+                "requests": self.requests,
                 "tokens": self.tokens, "busy_s": round(self.busy_s, 3),
                 "revoked": self.revoked, "renew_age_s": round(self.renew_age_s, 2)}
 
@@ -354,12 +364,15 @@ class LaneLeases:
     def _account(self, lease: Lease, rank0: dict[str, Any]) -> None:
         new = {key: _increase(lease.counts.get(key, {}), rank0[key])
                for key in ("tails", "layer_forwards", "layer_requests", "layer_tokens", "batch_tokens")}
-        if rank0["forwards"] > lease.forwards:
+        forwards = rank0["forwards"] - lease.forwards
+        if forwards > 0:
             self.stats.lease_forwards(
-                forwards=rank0["forwards"] - lease.forwards, requests=rank0["requests"] - lease.requests,
-                tokens=rank0["tokens"] - lease.tokens, seconds=rank0["busy_s"] - lease.busy_s, **new)
+                forwards=forwards, steps=rank0["steps"] - lease.steps,
+                requests=rank0["requests"] - lease.requests, tokens=rank0["tokens"] - lease.tokens,
+                seconds=rank0["busy_s"] - lease.busy_s,
+                recent_ms=rank0["recent_ms"][-forwards:], **new)
         lease.counts = {key: dict(rank0[key]) for key in new}
-        lease.forwards, lease.requests = rank0["forwards"], rank0["requests"]
+        lease.forwards, lease.steps, lease.requests = rank0["forwards"], rank0["steps"], rank0["requests"]
         lease.tokens, lease.busy_s = rank0["tokens"], rank0["busy_s"]
         lease.in_flight_tokens, lease.renew_age_s = rank0["in_flight_tokens"], rank0["renew_age_s"]
 

@@ -72,6 +72,7 @@ class ReplicaStats:
         self.max_batch_tokens_seen = 0
         self._done: deque[tuple[float, int]] = deque()
         self.lane_requests = 0  # of requests / tokens: those lanes made (serve.lanes)
+        self.lane_forwards = self.lane_steps = 0  # leased sessions' forwards, and the steps they started
         self.lane_tokens = 0
         self.lane_busy_s = 0.0
 
@@ -152,13 +153,18 @@ class ReplicaStats:
         self._latency.observe(seconds * 1e3, tags=tags)
         self._tail_batches.inc(tags=tags)
 
-    def lease_forwards(self, forwards: int, requests: int, tokens: int, seconds: float,
+    def lease_forwards(self, forwards: int, steps: int, requests: int, tokens: int, seconds: float,
                        tails: dict[str, int], layer_forwards: dict[int, int], layer_requests: dict[int, int],
-                       layer_tokens: dict[int, int], batch_tokens: dict[str, int]) -> None:
+                       layer_tokens: dict[int, int], batch_tokens: dict[str, int],
+                       recent_ms: list[float]) -> None:
         """Forwards a leased group ran for its lane or cohort since the last poll
         (``serve.lanes``): ``requests`` callers' parts (a cohort's workers) in ``forwards``
-        group forwards. They count as answered requests, tokens (tokens/s for the autoscaler),
+        group forwards, ``steps`` of which started a step of the session's peers, the last of
+        them timed in ``recent_ms``. They count as answered requests, tokens (tokens/s for the autoscaler),
         forwards, tokens per forward and busy time, per tail and per layer, like Serve's."""
+        self.lane_forwards += forwards
+        self.recent_forward_ms.extend(recent_ms)
+        self.lane_steps += steps
         self.lane_requests += requests
         self.lane_tokens += tokens
         self.lane_busy_s += seconds
@@ -219,7 +225,8 @@ class ReplicaStats:
                 "mean": round(self.forward_s * 1e3 / self.forwards, 2) if self.forwards else None,
                 "recent": list(self.recent_forward_ms),
             },
-            "lane": {"requests": self.lane_requests, "tokens": self.lane_tokens,
+            "lane": {"forwards": self.lane_forwards, "steps": self.lane_steps,
+                     "requests": self.lane_requests, "tokens": self.lane_tokens,
                      "busy_s": round(self.lane_busy_s, 3)},
             "tails": dict(self.tails),
             "by_layer": {str(k): dict(v) for k, v in sorted(self.by_layer.items())},

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from moe_runtime.config import LatentMoEConfig
+from moe_runtime.units import dtype_name
 
 from .. import logger
 from ..common.requests import check_layer, check_layout, validate_forward
-from ..common.wire import WireTensor
+from ..common.wire import DeviceRows, WireTensor
 from ..config.resolve import ResolvedDeployment
 from .lanes import LaneSeat
 
@@ -136,10 +137,11 @@ class TPWorker:
         self.comm.loaded(r.spec.collective_timeout_s)  # then every collective gets its own bound
         return self.info()
 
-    def run_layer(self, layer: int, x: torch.Tensor, logits: torch.Tensor | None
-                  ) -> tuple[WireTensor | None, str]:
+    def run_layer(self, layer: int, x: torch.Tensor, logits: torch.Tensor | None, on_device: bool = False
+                  ) -> tuple[WireTensor | DeviceRows | None, str]:
         """Run ``layer`` on a checked batch: rank 0's ``out [T, H]`` (sequence parallel: every rank
-        its own rows), the others None; plus the tail."""
+        its own rows), the others None; plus the tail. ``on_device``: ``out`` stays on this rank's
+        device (it leaves on a device channel)."""
         import torch
 
         runner = self.runners[layer]
@@ -151,7 +153,7 @@ class TPWorker:
         tail = runner.last_tail
         if self.rank != 0 and tail != "sequence_parallel":
             return None, tail
-        return WireTensor.from_torch(out), tail
+        return (DeviceRows(out, dtype_name(out.dtype)) if on_device else WireTensor.from_torch(out)), tail
 
     # -- the data plane (deployments.dataplane): rank 0 hosts sessions, the others follow --------
 
@@ -161,7 +163,8 @@ class TPWorker:
 
         spec = self.resolved.spec
         self.host = GroupHost(ray.util.get_node_ip_address(), group_secret, self.world, SessionCompute(self),
-                              spec.bounds.call_s, self.cfg.hidden_size, spec.dtype, f"{spec.name}-rank0")
+                              spec.bounds.call_s, self.cfg.hidden_size, spec.dtype, f"{spec.name}-rank0",
+                              channel_device=str(self.device))
         return self.host.address
 
     def dataplane_link(self, address: tuple[str, int], group_secret: str) -> None:
@@ -182,7 +185,8 @@ class TPWorker:
         ``idle_after_s``: an elastic session (``dataplane.host``)."""
         number, secret = self.host.open(peers, max_tokens, name, idle_after_s)
         host, port = self.host.address
-        return {"session": number, "secret": secret, "host": host, "port": port}
+        return {"session": number, "secret": secret, "host": host, "port": port,
+                "store_port": self.host.store_port, "channel": self.host.channel_backend}
 
     def dataplane_failed(self) -> str | None:
         """Why this rank's data plane broke (a forward failed, rank 0's link closed), if it did."""
@@ -328,9 +332,10 @@ class SessionCompute:
         w.lane.in_flight_tokens = x.shape[0]
         try:
             logits_t = None if logits is None else torch.from_numpy(logits)
-            return w.run_layer(layer, x.to_torch(writable=False), logits_t)
+            return w.run_layer(layer, x.to_torch(writable=False), logits_t, isinstance(x, DeviceRows))
         finally:
             w.lane.in_flight_tokens = 0
 
-    def counted(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float) -> None:
-        self.worker.lane.count(session, layer, sizes, tail, seconds)
+    def counted(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float,
+                new_step: bool) -> None:
+        self.worker.lane.count(session, layer, sizes, tail, seconds, new_step)
