@@ -82,8 +82,12 @@ def open_tier(vllm_config: Any, blocks: list[TierMoE]) -> TierSettings:
     hidden = vllm_config.model_config.hf_text_config.hidden_size
     if settings.ticket is not None:
         peer = settings.peer if settings.peer is not None else vllm_config.parallel_config.data_parallel_rank
+        device = torch.device(vllm_config.device_config.device)
+        if device.type == "cuda" and device.index is None:  # this worker's own GPU
+            device = torch.device("cuda", torch.cuda.current_device())
         tier: tiers.LocalTier | tiers.SessionTier = tiers.SessionTier(
-            settings.ticket, peer, step, hidden, vllm_config.scheduler_config.max_num_batched_tokens)
+            settings.ticket, peer, step, hidden, vllm_config.scheduler_config.max_num_batched_tokens,
+            str(device))
     else:
         dtype = tiers.TORCH_DTYPES.get(settings.dtype or "", vllm_config.model_config.dtype)
         tier = tiers.LocalTier(settings.checkpoint, step, dtype, settings.backend, hidden)
@@ -169,11 +173,10 @@ def _kimi_k3() -> type[nn.Module]:
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             # The blocks' prefixes are the module tree's (language_model.model.layers.N.block_sparse_moe);
-            # the checkpoint's names are mapped onto it by the native loader, so skip both spellings.
-            names = {b.prefix.split("model.layers.", 1)[-1] for b in self.blocks}
-            mine = tuple(f"model.layers.{n}." for n in names)
-            kept = ((name, w) for name, w in weights
-                    if not name.split("language_model.", 1)[-1].startswith(mine))
+            # a K3 checkpoint names them language_model.layers.N.block_sparse_moe, which the native
+            # loader maps onto the tree: skip any name holding a block's "layers.N.<block>." part.
+            mine = [".layers." + b.prefix.split(".layers.", 1)[-1] + "." for b in self.blocks]
+            kept = ((name, w) for name, w in weights if not any(m in "." + name for m in mine))
             return super().load_weights(kept)
 
     return TierKimiK3ForConditionalGeneration

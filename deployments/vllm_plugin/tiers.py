@@ -21,7 +21,7 @@ from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
 
-from ..common.wire import WireTensor
+from ..common.wire import DeviceRows, WireTensor
 from ..dataplane.errors import SessionError
 from ..dataplane.peer import SessionPeer, SessionTicket
 
@@ -37,21 +37,29 @@ class LocalTier:
         check_layers(layers, self.cfg.moe_layers, f"tier checkpoint {checkpoint}")
         check_hidden(hidden_size, self.cfg.hidden_size, f"tier checkpoint {checkpoint}")
         reader = CheckpointReader(checkpoint)
-        self.weights = {x: load_layer_weights(reader, self.cfg, x, dtype) for x in sorted(set(layers))}
+        # vLLM builds its model under its device as torch's default (cuda on a GPU): read on the
+        # CPU, and move each layer to the device its rows come on at its first call.
+        with torch.device("cpu"):
+            self.weights = {x: load_layer_weights(reader, self.cfg, x, dtype) for x in sorted(set(layers))}
         self.dtype, self.backend = dtype, backend
         self.calls: collections.Counter[int] = collections.Counter()
 
     def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
         self.calls[layer] += 1
-        return moe_forward(x_TH.to(self.dtype), self.weights[layer], self.cfg, self.backend).to(x_TH.dtype)
+        weights = self.weights[layer]
+        if weights.down_DH.device != x_TH.device:
+            weights = self.weights[layer] = weights.to(x_TH.device)
+        return moe_forward(x_TH.to(self.dtype), weights, self.cfg, self.backend).to(x_TH.dtype)
 
 
 class SessionTier:
     """This engine as peer ``index`` of a session (``deployments.dataplane.peer``); ``step``: the
-    tier layers of one model step, in order. Joins at once: a tier out of reach fails the build."""
+    tier layers of one model step, in order. Joins at once: a tier out of reach fails the build.
+    An engine on a GPU whose tier's ranks offer NCCL channels sends its rows GPU to GPU
+    (``dataplane.channel``); otherwise as bytes on its connection."""
 
     def __init__(self, ticket: SessionTicket, index: int, step: Sequence[int], hidden_size: int,
-                 max_tokens: int):
+                 max_tokens: int, device: str = "cpu"):
         check_layers(step, ticket.layers, f"session {ticket.name!r}")
         for g in ticket.groups:
             check_hidden(hidden_size, g.hidden_size, f"session {ticket.name!r} (deployment {g.deployment!r})")
@@ -61,19 +69,23 @@ class SessionTier:
                     f"peer and layer that session {ticket.name!r} reserved on deployment {g.deployment!r}: "
                     f"lower it or open the session with max_tokens >= {max_tokens}")
         self.ticket = ticket
-        self.peer = SessionPeer(ticket, index, tuple(step))
+        on_gpu = torch.device(device).type == "cuda" and all(g.channel == "nccl" for g in ticket.groups)
+        self.device = device if on_gpu else None
+        self.peer = SessionPeer(ticket, index, tuple(step), self.device)
         self.calls: collections.Counter[int] = collections.Counter()
 
     def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
         self.calls[layer] += 1
         g = self.ticket.group_for(layer)
-        wire = WireTensor.from_torch(x_TH.detach().to(TORCH_DTYPES[g.dtype]).contiguous())
+        x = x_TH.detach().to(TORCH_DTYPES[g.dtype]).contiguous()
+        rows = DeviceRows(x, g.dtype) if self.device is not None else WireTensor.from_torch(x)
         try:
-            out, _ = self.peer.forward(wire, layer)
+            out, _ = self.peer.forward(rows, layer)
         except SessionError as e:
             raise RuntimeError(f"latent-MoE tier, layer {layer}, peer {self.peer.index} of session "
                                f"{self.ticket.name!r}: {e.failure.value}: {e}") from e
-        return out.to_torch().to(x_TH.dtype)
+        # Bytes come back as a CPU tensor; a device channel's rows are on the engine's GPU already.
+        return out.to_torch().to(x_TH.device, x_TH.dtype)
 
 
 def check_layers(wanted: Sequence[int], served: Sequence[int], where: str) -> None:
