@@ -338,7 +338,7 @@ def forward_times_line(times_s: list[float]) -> str:
     ms = sorted(t * 1e3 for t in times_s)
     n = len(ms)
     median = ms[n // 2] if n % 2 else (ms[n // 2 - 1] + ms[n // 2]) / 2
-    return f"forward ms: first {times_s[0] * 1e3:.1f}, median {median:.1f} over {n}"
+    return f"forward ms: first {times_s[0] * 1e3:.2f}, median {median:.2f} over {n}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,7 +125,7 @@ def test_repeat_prints_first_and_median(tiny_ckpt, io, tmp_path, capsys):
 
 
 def test_forward_times_line() -> None:
-    assert forward_times_line([0.5, 0.1, 0.2, 0.3]) == "forward ms: first 500.0, median 250.0 over 4"
+    assert forward_times_line([0.5, 0.1, 0.2, 0.3]) == "forward ms: first 500.00, median 250.00 over 4"
 
 
 def _slow_rank_loads_then_reduces(comm: Collectives, delay_s: float) -> float:

@@ -177,9 +177,10 @@ def group_roles(client: Any) -> Roles:
     return {"replica": [serve_replica_pid(APP, NAME)], **ranks, "driver": [os.getpid()]}
 
 
-def counters(client: Any) -> dict[str, int]:
+def counters(client: Any) -> dict[str, Any]:
     c = client.status()["counters"]
-    return {"forwards": c["forwards"], "forward_tokens": c["forward_tokens"]}
+    return {"forwards": c["forwards"], "forward_tokens": c["forward_tokens"],
+            "lane_forwards": c["lane"]["forwards"], "lane_busy_s": c["lane"]["busy_s"]}
 
 
 def settled_counters(client: Any) -> dict[str, int]:
@@ -208,6 +209,9 @@ def row(mode: str, workers: int, tokens: int, step_s: list[float], worker_steps:
         forwards = after["forwards"] - before["forwards"]
         out["forwards_per_step"] = forwards * workers / (worker_steps + untimed)
         out["tokens_per_forward"] = (after["forward_tokens"] - before["forward_tokens"]) / max(1, forwards)
+        leased = after["lane_forwards"] - before["lane_forwards"]
+        if leased:  # rank 0's time per leased forward: the group's forward, its hand-off to the other ranks
+            out["group_forward_ms"] = (after["lane_busy_s"] - before["lane_busy_s"]) * 1e3 / leased
     return out
 
 
@@ -273,14 +277,17 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
                   ) -> dict[int, dict[str, Any]]:
     """A lane's per-layer call against the in-process forward, in rounds under the same load: each
     round the CLI's forward at every T (``calls / rounds`` repeats; a subprocess of its own, no Ray),
-    then a lane opened and called as often at every T (interleaved) and closed. Per T: the lane's
-    latencies over all rounds, the CLI's medians, each round's lane p50 minus the CLI's median, and
-    whether every answer came on the lane and equals the Serve path's bit for bit."""
+    then a lane opened and called as often at every T (interleaved), then as often at the first T
+    alone, and closed. Per T: the lane's latencies over all rounds, the CLI's medians, each round's
+    lane p50 minus the CLI's median, and whether every answer came on the lane and equals the Serve
+    path's bit for bit; for the first T also the served forward's own times (rank 0's, from the
+    replica's ``forward_ms.recent``), which split the lane's call into forward and data plane."""
     xs = {T: harness.seeded_randn(T, HIDDEN, seed=T) for T in tokens}
     per_round = max(1, calls // rounds)
     tail = "sharded" if tp > 1 else None
     last: dict[int, Any] = {}
-    out = {T: {"times": [], "cli": [], "paired_ms": [], "exact": True, "on_lane": True} for T in tokens}
+    out = {T: {"times": [], "cli": [], "paired_ms": [], "exact": True, "on_lane": True, "served_ms": []}
+           for T in tokens}
 
     def call(lane: Any, T: int) -> None:
         last[T] = lane.forward(xs[T], CALL_LAYER)
@@ -288,9 +295,16 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
     for _ in range(rounds):
         for T in tokens:
             out[T]["cli"].append(harness.cli_forward_ms(ckpt, CALL_LAYER, tp, T, per_round, tail))
+        before = counters(client)
         with client.lane(max_tokens=max(tokens), name="bench-calls") as lane:
             times = harness.time_interleaved({T: lambda T=T: call(lane, T) for T in tokens}, per_round)
+            for _ in range(per_round):
+                call(lane, tokens[0])
             status = lane.status()["deployments"][NAME]
+        lease_ended(client)
+        settled = settled_counters(client)
+        if settled["lane_forwards"] - before["lane_forwards"] == per_round * (len(tokens) + 1):
+            out[tokens[0]]["served_ms"] += client.status()["counters"]["forward_ms"]["recent"][-per_round:]
         on_lane = status["path"] == "lane" and status["serve_calls"] == 0 and status["fallbacks"] == 0
         for T in tokens:
             got = out[T]
@@ -427,9 +441,11 @@ def call_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
         lane = results["calls"][str(T)]
         floor = results["call_floor"][str(T)]["p50_ms"]
         over = lane["over_inprocess_ms"]
+        served = lane.get("served_ms") or []
         out.append({"T": T, "lane_p50_ms": lane["lane"]["p50_ms"], "lane_p90_ms": lane["lane"]["p90_ms"],
                     "inprocess_ms": lane["inprocess_ms"], "over_inprocess_ms": over, "floor_p50_ms": floor,
                     "over_floor_ms": over - floor, "rounds_ms": lane["paired_ms"],
+                    "served_p50_ms": statistics.median(served) if served else None, "served_n": len(served),
                     "valid": lane["exact"] and lane["on_lane"]})
     return out
 
@@ -542,16 +558,40 @@ def findings(results: dict[str, Any]) -> list[str]:
     one = next((c for c in call_rows(results) if c["T"] == 1), None)
     call = ("not measured" if one is None else
             f"lane p50 {one['lane_p50_ms']:.3f} ms, in-process {one['inprocess_ms']:.2f} ms (the CLI's "
-            f"median, printed to 0.1 ms); lane - in-process, the median over rounds of each round's lane "
-            f"p50 - its CLI median: {value_text(v['call_over_inprocess'], '+.3f', ' ms')}; the "
-            f"transport's floor for the same call: {one['floor_p50_ms']:.3f} ms")
+            f"median); lane - in-process, the median over rounds of each round's lane p50 - its CLI "
+            f"median: {value_text(v['call_over_inprocess'], '+.3f', ' ms')}; the transport's floor for "
+            f"the same call: {one['floor_p50_ms']:.3f} ms")
     lines = [f"- A = 1, T = 1, per-layer call: {call}."]
+    if one is not None and one.get("served_p50_ms") is not None:
+        served, cli = one["served_p50_ms"], one["inprocess_ms"]
+        lines.append(
+            f"- Where the A = 1, T = 1 call's time goes: the served forward itself (rank 0's time for the "
+            f"group's forward, its hand-off to rank 1 included; p50 of {one['served_n']} lane forwards) "
+            f"takes {served:.3f} ms, {served - cli:+.3f} ms against the CLI's {cli:.2f} ms; the rest of the "
+            f"call, lane p50 - served forward, is {one['lane_p50_ms'] - served:.3f} ms (the peer's frames, "
+            f"rank 0's checks and answer, the replies' wake-ups) against the floor's "
+            f"{one['floor_p50_ms']:.3f} ms for a whole round trip.")
     s4, o4, c4 = (pick(rows, m, 4, 4) for m in ("session", "own_sessions", "cgraph_before"))
     rate = ", ".join(f"{name} {r['worker_steps_per_s']:.1f}" for name, r in
                      (("session", s4), ("own_sessions", o4), ("cgraph_before", c4)) if r)
     lines += [f"- A = 4, T = 4: worker-steps/s {rate or 'not measured'}; session over own_sessions "
               f"{value_text(v['m4_vs_own_sessions'])}; session over the Compiled-Graph cohort "
               f"{value_text(v['m4_vs_cgraph'])}."]
+    if s4 and c4 and s4.get("group_forward_ms"):
+        step_ms = 4e3 / s4["worker_steps_per_s"]  # one group step of the 4 workers
+        need_ms = 4e3 / (TARGETS["m4_vs_cgraph"] * c4["worker_steps_per_s"])
+        forwards_ms = L * s4["group_forward_ms"]
+        lines.append(
+            f"- Where an A = 4, T = 4 session step goes: {step_ms:.1f} ms per group step (from "
+            f"worker-steps/s), "
+            f"of which the group's {L} forwards take {forwards_ms:.1f} ms ({s4['group_forward_ms']:.2f} ms "
+            f"each, rank 0's busy time per forward, mean) and the rest -- the workers' own step, the "
+            f"peers' frames and wake-ups -- {step_ms - forwards_ms:.1f} ms, while the machine's cores were "
+            f"{s4['cores_busy']:.2f} busy. {TARGETS['m4_vs_cgraph']:g}x the Compiled-Graph cohort needs "
+            f"{need_ms:.1f} ms per group step: " + (
+                "less than the forwards alone, so no transport reaches it on this machine."
+                if forwards_ms >= need_ms else
+                f"the rest would have to fall to {need_ms - forwards_ms:.1f} ms."))
     if o4 and "lane_calls" in o4:
         share = o4["lane_calls"] / max(1, o4["lane_calls"] + o4["serve_calls"])
         lines.append(f"- own_sessions at A = 4, T = 4: {o4['lane_calls']} calls on a worker's own session, "

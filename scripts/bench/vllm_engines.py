@@ -15,12 +15,14 @@ run, side by side:
 
 Per row: decode tokens/s over every engine (shared: all tokens over the longest engine's decode
 time; separate: all tokens over the sum of the engines' times), the machine's cores busy while
-they decode (/proc/stat), and for the tier rows the group forwards per step, read from the app's
-counters around the decode (an engine's steps: the lone engine's forwards over the MoE layers).
-Exactness is the lane's test (tests/vllm_lane), not this script's.
+they decode (/proc/stat), and for the tier rows the group's forwards and steps, read from the
+app's counters around the decode (a group step: a forward whose peers all sent their step's first
+layer, counted by rank 0), so forwards per step and, for shared rows, engines per group step (each
+engine's model steps, from the lone engine's forwards over the MoE layers, times K, over the
+group's steps). Exactness is the lane's test (tests/vllm_lane), not this script's.
 
-Targets: ``shared K`` runs MoE layers (2) group forwards per step, and at least the tokens/s of
-``separate K``.
+Targets: ``shared K`` runs MoE layers (2) group forwards per group step, and at least the tokens/s
+of ``separate K``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 from . import harness
 from .docs import Target, section_start, target, verdict, verdict_text, write_results
-from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engines, status_forwards
+from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engines, status_counts
 
 IDLE_AFTER_S = 2.0  # long: engines of a shared run are never parked while they decode
 ENGINES = (2, 4)
@@ -47,14 +49,27 @@ def decode(tier: Tier | None, folder: Path, model: Path, latent: list[dict[str, 
     """Engines (one per ``latent`` setting) built, then released together: their decode seconds,
     tokens, and the group forwards during the decode (``tier`` given)."""
     procs, go = start_engines(folder, model, [(s, prompts(count, i), tokens) for i, s in enumerate(latent)])
-    before = status_forwards(tier) if tier else 0
+    before = status_counts(tier) if tier else (0, 0)
     busy, start = harness.busy_cpu_s(), time.monotonic()
     go.write_text("")
     outs = [finish_engine(f, p) for f, p in procs]
     busy_s, wall = harness.busy_cpu_s() - busy, time.monotonic() - start
-    forwards = status_forwards(tier) - before if tier else None
+    after = counted_after(tier, before) if tier else None
     return {"seconds": [o["seconds"] for o in outs], "tokens": sum(len(t) for o in outs for t in o["tokens"]),
-            "forwards": forwards, "busy_s": busy_s, "wall_s": wall}
+            "forwards": None if after is None else after[0], "steps": None if after is None else after[1],
+            "busy_s": busy_s, "wall_s": wall}
+
+
+def counted_after(tier: Tier, before: tuple[int, int], settle_s: float = 2.0) -> tuple[int, int]:
+    """The forwards and group steps since ``before``, once the replica's counters stop moving (it
+    polls its leased ranks' counters a few times a second)."""
+    last, deadline = None, time.monotonic() + settle_s
+    while True:
+        now = status_counts(tier)
+        if now == last or time.monotonic() > deadline:
+            return now[0] - before[0], now[1] - before[1]
+        last = now
+        time.sleep(0.5)
 
 
 def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool) -> dict[str, Any]:
@@ -62,10 +77,11 @@ def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool) -> 
     wall = max(seconds) if together else sum(seconds)
     tokens = sum(r["tokens"] for r in runs)
     forwards = None if runs[0]["forwards"] is None else sum(r["forwards"] for r in runs)
+    steps = None if runs[0]["steps"] is None else sum(r["steps"] for r in runs)
     busy = sum(r["busy_s"] for r in runs) / sum(r["wall_s"] for r in runs)
     return {"mode": mode, "engines": engines, "tokens": tokens, "decode_s": wall,
             "tokens_per_s": tokens / wall, "cores_busy": busy,
-            "forwards": forwards}
+            "forwards": forwards, "steps": steps}
 
 
 def measure(args: Any) -> dict[str, Any]:
@@ -113,19 +129,26 @@ def engine_steps(results: dict[str, Any]) -> float:
     return find(results["rows"], "tier", 1)["forwards"] / results["layers"]
 
 
-def forwards_per_step(results: dict[str, Any], r: dict[str, Any]) -> float | None:
-    """Group forwards per step: shared engines step together (a step of all of them), separate
-    ones one after another (a step of each)."""
-    if r["forwards"] is None:
+def forwards_per_step(r: dict[str, Any]) -> float | None:
+    """The group's forwards per group step (rank 0's counts)."""
+    if r["forwards"] is None or not r["steps"]:
         return None
-    return r["forwards"] / (engine_steps(results) * (1 if r["mode"] == "shared" else r["engines"]))
+    return r["forwards"] / r["steps"]
+
+
+def engines_per_step(results: dict[str, Any], r: dict[str, Any]) -> float | None:
+    """Engines whose step a group step carried, on average: K engines' model steps over the
+    group's steps (K: every step shared by all; 1: none shared)."""
+    if r["steps"] is None or not r["steps"]:
+        return None
+    return r["engines"] * engine_steps(results) / r["steps"]
 
 
 def targets_of(results: dict[str, Any]) -> dict[str, Any]:
     rows, layers, out = results["rows"], results["layers"], {}
     for k in ENGINES:
         shared, separate = find(rows, "shared", k), find(rows, "separate", k)
-        out[f"forwards_per_step_{k}"] = verdict(forwards_per_step(results, shared), "<=", float(layers))
+        out[f"forwards_per_step_{k}"] = verdict(forwards_per_step(shared), "<=", float(layers))
         out[f"shared_vs_separate_{k}"] = verdict(shared["tokens_per_s"] / separate["tokens_per_s"], ">=", 1.0)
     return out
 
@@ -149,13 +172,13 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                            f"{results['prompts']} prompts x {results['tokens']} tokens per engine, tiny "
                            f"model and tier (TP 2, float32), {layers} MoE layers", json_path, png_path), "",
              "| mode | engines | tokens | decode s | tokens/s | machine cores busy | group forwards "
-             "| forwards per step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| group steps | forwards per step | engines per group step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["rows"]:
-        fps = "-" if r["forwards"] is None else f"{forwards_per_step(results, r):.2f}"
-        fw = "-" if r["forwards"] is None else str(r["forwards"])
+        fps, eps = forwards_per_step(r), engines_per_step(results, r) if r["mode"] == "shared" else None
         lines.append(f"| {r['mode']} | {r['engines']} | {r['tokens']} | {r['decode_s']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['cores_busy']:.2f} of {cpus} | {fw} | {fps} |")
+                     f"{r['tokens_per_s']:.1f} | {r['cores_busy']:.2f} of {cpus} | {dash(r['forwards'])} | "
+                     f"{dash(r['steps'])} | {dash(fps, '.2f')} | {dash(eps, '.2f')} |")
     lines += ["", f"- One engine on the tier: {results['tier_vs_in_process']:.2f}x the tokens/s of the same "
               "engine with its MoE in-process (no target: what the tier's round trips cost a single engine)."]
     lines.append(f"- One vLLM engine decoding with its MoE in-process keeps {in_process['cores_busy']:.2f} "
@@ -164,14 +187,18 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                  "measures the machine as much as the session; the forwards per step are the session's own.")
     steps = engine_steps(results)
     lines.append(f"- Each engine makes {steps:.0f} model steps (the lone engine's forwards over the MoE "
-                 f"layers); a shared session's forwards above {layers} x {steps:.0f} are layers that ran for "
-                 "some of its engines only (an engine that starts its first step after another began waits "
-                 "for the next).")
+                 f"layers). A group step of a shared session carries every engine whose step it is: fewer "
+                 f"engines per group step than engines are steps that only some engines took (an engine "
+                 "that starts, or ends, apart from the others steps alone meanwhile).")
     for k in ENGINES:
         lines.append(f"- {k} engines sharing one session: group forwards per step "
                      f"{verdict_text(t[f'forwards_per_step_{k}'])}; tokens/s against the same engines on "
                      f"separate single-peer sessions {verdict_text(t[f'shared_vs_separate_{k}'])}.")
     return "\n".join(lines)
+
+
+def dash(value: float | None, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def index_rows(results: dict[str, Any]) -> list[Target]:

@@ -171,11 +171,18 @@ def group_forwards(counters_path: Path) -> int:
     return sum(c["forwards"] - counts["opened"][name]["forwards"] for name, c in counts["closed"].items())
 
 
-def status_forwards(tier: Tier) -> int:
-    """The group forwards of every deployment so far (the app's GET /v1/status)."""
+def status_counts(tier: Tier) -> tuple[int, int]:
+    """Every deployment's group forwards so far, and the steps its leased sessions started (the
+    app's GET /v1/status)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
         status = json.loads(r.read())
-    return sum(d["counters"]["forwards"] for d in status["deployments"].values())
+    counters = [d["counters"] for d in status["deployments"].values()]
+    return sum(c["forwards"] for c in counters), sum(c["lane"]["steps"] for c in counters)
+
+
+def status_forwards(tier: Tier) -> int:
+    """The group forwards of every deployment so far."""
+    return status_counts(tier)[0]
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
