@@ -63,8 +63,11 @@ def start_ray(**init_args: Any) -> None:
 
 
 def _children() -> set[int]:
-    return {int(pid) for task in Path("/proc/self/task").iterdir()
-            for pid in (task / "children").read_text().split()}
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            pids.update(map(int, (task / "children").read_text().split()))
+    return pids
 
 
 def leave_ray() -> None:
