@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_runtime.units import torch_dtype
+
 from ..common.wire import DeviceRows, WireTensor
 
 BACKENDS = ("gloo", "nccl")
@@ -80,7 +82,7 @@ class Channel:
 
     def recv(self, shape: tuple[int, ...], dtype: str) -> DeviceRows:
         """The other side's next rows: ``shape`` in ``dtype``, on this side's device."""
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+        tensor = torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
         if tensor.numel():
             self.group.recv([tensor], 1 - self.me, TAG).wait(self.timeout)
         return DeviceRows(tensor, dtype)

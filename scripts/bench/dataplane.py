@@ -303,7 +303,8 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
             status = lane.status()["deployments"][NAME]
         lease_ended(client)
         settled = settled_counters(client)
-        if settled["lane_forwards"] - before["lane_forwards"] >= per_round:  # the lane's last calls: T[0] alone
+        # The lane's last per_round forwards were the first T's calls alone.
+        if settled["lane_forwards"] - before["lane_forwards"] >= per_round:
             out[tokens[0]]["served_ms"] += client.status()["counters"]["forward_ms"]["recent"][-per_round:]
         on_lane = status["path"] == "lane" and status["serve_calls"] == 0 and status["fallbacks"] == 0
         for T in tokens:
