@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moe_runtime.units import torch_dtype
+
 from . import tiers
 from .settings import TierSettings
 
@@ -89,7 +91,7 @@ def open_tier(vllm_config: Any, blocks: list[TierMoE]) -> TierSettings:
             settings.ticket, peer, step, hidden, vllm_config.scheduler_config.max_num_batched_tokens,
             str(device))
     else:
-        dtype = tiers.TORCH_DTYPES.get(settings.dtype or "", vllm_config.model_config.dtype)
+        dtype = torch_dtype(settings.dtype) if settings.dtype else vllm_config.model_config.dtype
         tier = tiers.LocalTier(settings.checkpoint, step, dtype, settings.backend, hidden)
     number = tiers.add(tier)
     for block in blocks:

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_runtime.units import SERVED_DTYPES
+
 from ..dataplane.peer import SessionTicket
 
 KEY = "latent_moe"
 KNOWN = {"ticket", "peer", "checkpoint", "dtype", "backend", "layers"}
-DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,8 @@ class TierSettings:
         if "ticket" in raw and "dtype" in raw:
             raise ValueError('"dtype" goes with "checkpoint"; a ticket carries the tier\'s own dtype')
         dtype = raw.get("dtype")
-        if dtype is not None and dtype not in DTYPES:
-            raise ValueError(f'"dtype" must be one of {list(DTYPES)}, got {dtype!r}')
+        if dtype is not None and dtype not in SERVED_DTYPES:
+            raise ValueError(f'"dtype" must be one of {list(SERVED_DTYPES)}, got {dtype!r}')
         backend = raw.get("backend", "torch")
         if not isinstance(backend, str):
             raise ValueError(f'"backend" must be an experts backend name, got {backend!r}')

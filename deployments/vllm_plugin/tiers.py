@@ -20,12 +20,11 @@ import torch
 from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.layer import moe_forward
+from moe_runtime.units import torch_dtype
 
 from ..common.wire import DeviceRows, WireTensor
 from ..dataplane.errors import SessionError
 from ..dataplane.peer import SessionPeer, SessionTicket
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LocalTier:
@@ -77,7 +76,7 @@ class SessionTier:
     def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
         self.calls[layer] += 1
         g = self.ticket.group_for(layer)
-        x = x_TH.detach().to(TORCH_DTYPES[g.dtype]).contiguous()
+        x = x_TH.detach().to(torch_dtype(g.dtype)).contiguous()
         rows = DeviceRows(x, g.dtype) if self.device is not None else WireTensor.from_torch(x)
         try:
             out, _ = self.peer.forward(rows, layer)

@@ -13,6 +13,11 @@ run, side by side:
 * ``separate K``: the same K engines, each on a single-peer session of its own; the group holds one
   lease at a time, so they take turns.
 
+Every engine runs its engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): with
+vLLM's default, the core waits for its model worker process by polling for up to a second after
+each answer, so an engine waiting on the tier keeps a core busy. The run shows that cost once: 2
+engines shared and separate with vLLM's default processes (``engine core``: ``own process``).
+
 Per row: decode tokens/s over every engine (shared: all tokens over the longest engine's decode
 time; separate: all tokens over the sum of the engines' times), the machine's cores busy while
 they decode (/proc/stat), and for the tier rows the group's forwards and steps, read from the
@@ -36,7 +41,12 @@ from . import harness
 from .docs import Target, section_start, target, verdict, verdict_text, write_results
 from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engines, status_counts
 
-IDLE_AFTER_S = 2.0  # long: engines of a shared run are never parked while they decode
+# An engine whose requests are done stops stepping without a word; the others wait this long, once,
+# before going on without it. Short, yet many times an engine step's own work here (a few ms).
+IDLE_AFTER_S = 0.05
+# How each engine runs vLLM's engine core (see the module doc).
+CORE_IN_PROCESS, CORE_OWN_PROCESS = "in process", "own process"
+CORE_ENV = {CORE_IN_PROCESS: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, CORE_OWN_PROCESS: {}}
 ENGINES = (2, 4)
 
 
@@ -45,10 +55,11 @@ def prompts(count: int, offset: int) -> list[list[int]]:
 
 
 def decode(tier: Tier | None, folder: Path, model: Path, latent: list[dict[str, Any]], count: int,
-           tokens: int) -> dict[str, Any]:
+           tokens: int, core: str = CORE_IN_PROCESS) -> dict[str, Any]:
     """Engines (one per ``latent`` setting) built, then released together: their decode seconds,
     tokens, and the group forwards during the decode (``tier`` given)."""
-    procs, go = start_engines(folder, model, [(s, prompts(count, i), tokens) for i, s in enumerate(latent)])
+    procs, go = start_engines(folder, model, [(s, prompts(count, i), tokens) for i, s in enumerate(latent)],
+                              env=CORE_ENV[core])
     before = status_counts(tier) if tier else (0, 0)
     busy, start = harness.busy_cpu_s(), time.monotonic()
     go.write_text("")
@@ -72,14 +83,15 @@ def counted_after(tier: Tier, before: tuple[int, int], settle_s: float = 2.0) ->
         time.sleep(0.5)
 
 
-def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool) -> dict[str, Any]:
+def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool,
+        core: str = CORE_IN_PROCESS) -> dict[str, Any]:
     seconds = [s for r in runs for s in r["seconds"]]
     wall = max(seconds) if together else sum(seconds)
     tokens = sum(r["tokens"] for r in runs)
     forwards = None if runs[0]["forwards"] is None else sum(r["forwards"] for r in runs)
     steps = None if runs[0]["steps"] is None else sum(r["steps"] for r in runs)
     busy = sum(r["busy_s"] for r in runs) / sum(r["wall_s"] for r in runs)
-    return {"mode": mode, "engines": engines, "tokens": tokens, "decode_s": wall,
+    return {"mode": mode, "engines": engines, "core": core, "tokens": tokens, "decode_s": wall,
             "tokens_per_s": tokens / wall, "cores_busy": busy,
             "forwards": forwards, "steps": steps}
 
@@ -98,18 +110,20 @@ def measure(args: Any) -> dict[str, Any]:
             one = decode(tier, work / "tier1", models["model"], [{"ticket": str(s["ticket"])}], args.prompts,
                          args.tokens)
         rows.append(row("tier", 1, [one], True))
-        for k in ENGINES:
-            with tier.session(work / f"shared{k}", peers=k, idle_after_s=IDLE_AFTER_S, max_tokens=64) as s:
+        runs = [(k, CORE_IN_PROCESS) for k in ENGINES] + [(ENGINES[0], CORE_OWN_PROCESS)]
+        for k, core in runs:
+            name = f"{k}-{core.replace(' ', '-')}"
+            with tier.session(work / f"shared{name}", peers=k, idle_after_s=IDLE_AFTER_S, max_tokens=64) as s:
                 latent = [{"ticket": str(s["ticket"]), "peer": i} for i in range(k)]
-                shared = decode(tier, work / f"shared{k}" / "run", models["model"], latent, args.prompts,
-                                args.tokens)
-            rows.append(row("shared", k, [shared], True))
+                shared = decode(tier, work / f"shared{name}" / "run", models["model"], latent, args.prompts,
+                                args.tokens, core)
+            rows.append(row("shared", k, [shared], True, core))
             turns = []
             for i in range(k):
-                with tier.session(work / f"separate{k}-{i}", peers=1, max_tokens=64) as s:
-                    turns.append(decode(tier, work / f"separate{k}-{i}" / "run", models["model"],
-                                        [{"ticket": str(s["ticket"])}], args.prompts, args.tokens))
-            rows.append(row("separate", k, turns, False))
+                with tier.session(work / f"separate{name}-{i}", peers=1, max_tokens=64) as s:
+                    turns.append(decode(tier, work / f"separate{name}-{i}" / "run", models["model"],
+                                        [{"ticket": str(s["ticket"])}], args.prompts, args.tokens, core))
+            rows.append(row("separate", k, turns, False, core))
     finally:
         tier.stop()
     record["loadavg_after"] = harness.loadavg()
@@ -119,8 +133,8 @@ def measure(args: Any) -> dict[str, Any]:
                                    / find(rows, "in_process", 1)["tokens_per_s"])}
 
 
-def find(rows: list[dict[str, Any]], mode: str, engines: int) -> dict[str, Any]:
-    return next(r for r in rows if r["mode"] == mode and r["engines"] == engines)
+def find(rows: list[dict[str, Any]], mode: str, engines: int, core: str = CORE_IN_PROCESS) -> dict[str, Any]:
+    return next(r for r in rows if r["mode"] == mode and r["engines"] == engines and r["core"] == core)
 
 
 def engine_steps(results: dict[str, Any]) -> float:
@@ -171,12 +185,12 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     lines = [section_start("## vLLM engines on the tier", "vllm_engines", results["argv"], results["machine"],
                            f"{results['prompts']} prompts x {results['tokens']} tokens per engine, tiny "
                            f"model and tier (TP 2, float32), {layers} MoE layers", json_path, png_path), "",
-             "| mode | engines | tokens | decode s | tokens/s | machine cores busy | group forwards "
-             "| group steps | forwards per step | engines per group step |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| mode | engines | engine core | tokens | decode s | tokens/s | machine cores busy "
+             "| group forwards | group steps | forwards per step | engines per group step |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["rows"]:
         fps, eps = forwards_per_step(r), engines_per_step(results, r) if r["mode"] == "shared" else None
-        lines.append(f"| {r['mode']} | {r['engines']} | {r['tokens']} | {r['decode_s']:.2f} | "
+        lines.append(f"| {r['mode']} | {r['engines']} | {r['core']} | {r['tokens']} | {r['decode_s']:.2f} | "
                      f"{r['tokens_per_s']:.1f} | {r['cores_busy']:.2f} of {cpus} | {dash(r['forwards'])} | "
                      f"{dash(r['steps'])} | {dash(fps, '.2f')} | {dash(eps, '.2f')} |")
     lines += ["", f"- One engine on the tier: {results['tier_vs_in_process']:.2f}x the tokens/s of the same "
@@ -190,10 +204,21 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                  f"layers). A group step of a shared session carries every engine whose step it is: fewer "
                  f"engines per group step than engines are steps that only some engines took (an engine "
                  "that starts, or ends, apart from the others steps alone meanwhile).")
+    lines.append(f"- Shared sessions are elastic with idle_after_s = {IDLE_AFTER_S:g} s: an engine whose "
+                 "requests are done stops stepping, and the others wait that long once before going on "
+                 "without it.")
     for k in ENGINES:
         lines.append(f"- {k} engines sharing one session: group forwards per step "
                      f"{verdict_text(t[f'forwards_per_step_{k}'])}; tokens/s against the same engines on "
                      f"separate single-peer sessions {verdict_text(t[f'shared_vs_separate_{k}'])}.")
+    k = ENGINES[0]
+    own = [find(results["rows"], m, k, CORE_OWN_PROCESS)["tokens_per_s"] for m in ("shared", "separate")]
+    lines.append(f"- With vLLM's default processes (engine core apart from its model worker, polling it for "
+                 f"up to a second after each answer), {k} engines shared reach {own[0] / own[1]:.2f}x the "
+                 f"tokens/s of separate sessions (in-process cores: "
+                 f"{t[f'shared_vs_separate_{k}']['value']:.2f}x): an engine waiting on the tier for the "
+                 "other engines keeps a core busy. On a node with fewer free cores than engines, run "
+                 "LLM engines with VLLM_ENABLE_V1_MULTIPROCESSING=0 (docs/vllm.md).")
     return "\n".join(lines)
 
 
@@ -215,7 +240,7 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = harness.bench_parser(__doc__, "vllm_engines")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens each prompt decodes (default 32)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens each prompt decodes (default 64)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per engine (default 4)")
     args = ap.parse_args(argv)
     results = measure(args)

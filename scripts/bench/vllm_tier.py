@@ -30,8 +30,10 @@ ENGINE = ROOT / "tests" / "vllm_lane" / "engine.py"
 READY_S = 240.0
 ENGINE_S = 600.0
 # vLLM's CPU backend reserves its KV cache up front (4 GiB by default): the tests' engines need
-# a sliver, and up to four run at once on a 24 GiB machine.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+# a sliver, and up to four run at once on a 24 GiB machine. Its default thread binding ("auto")
+# pins every engine's OpenMP threads to the same cores whatever OMP_NUM_THREADS says, so engines
+# that decode at the same time would queue on one core: leave placement to the OS.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MOE_LAYERS = [1, 2]  # the tiny tier checkpoint's, and the tiny model's MoE blocks
 
 
@@ -130,12 +132,14 @@ def make_models(folder: Path) -> dict[str, Path]:
 
 
 def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int,
-                 start_after: Path | None = None, calls: Path | None = None) -> subprocess.Popen:
+                 start_after: Path | None = None, calls: Path | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``env``: settings over :data:`ENGINE_ENV` for this engine."""
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"model": str(model), "latent_moe": latent_moe, "prompts": prompts,
                                 "max_tokens": max_tokens,
                                 "start_after": str(start_after) if start_after else None}))
-    env = {**os.environ, **ENGINE_ENV, **({"LMS_VLLM_CALLS": str(calls)} if calls else {})}
+    env = {**os.environ, **ENGINE_ENV, **(env or {}), **({"LMS_VLLM_CALLS": str(calls)} if calls else {})}
     with (folder / "engine.log").open("w") as out:
         # A session of its own: the engine's vLLM processes are one group to kill.
         return subprocess.Popen([sys.executable, str(ENGINE), str(spec), str(folder / "out.json")], cwd=ROOT,
@@ -198,7 +202,8 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 def start_engines(folder: Path, model: Path, specs: list[tuple[dict, list[list[int]], int]],
-                  calls: Path | None = None) -> tuple[list[tuple[Path, subprocess.Popen]], Path]:
+                  calls: Path | None = None, env: dict[str, str] | None = None
+                  ) -> tuple[list[tuple[Path, subprocess.Popen]], Path]:
     """One engine per ``(latent_moe, prompts, max_tokens)`` under ``folder``/engineN, each built and
     then waiting; the engines and the file whose creation releases them all at once. An engine
     that exits while the others build fails the call with its log."""
@@ -206,7 +211,7 @@ def start_engines(folder: Path, model: Path, specs: list[tuple[dict, list[list[i
     for i, (latent_moe, prompts, max_tokens) in enumerate(specs):
         f = folder / f"engine{i}"
         f.mkdir(parents=True)
-        procs.append((f, start_engine(f, model, latent_moe, prompts, max_tokens, go, calls)))
+        procs.append((f, start_engine(f, model, latent_moe, prompts, max_tokens, go, calls, env)))
     deadline = time.monotonic() + ENGINE_S
     while not all((f / "spec.json.ready").exists() for f, _ in procs):
         for f, p in procs:
