@@ -592,7 +592,8 @@ def findings(results: dict[str, Any]) -> list[str]:
             f"{need_ms:.1f} ms per group step: " + (
                 "less than the forwards alone, so no transport reaches it on this machine."
                 if forwards_ms >= need_ms else
-                f"the rest would have to fall to {need_ms - forwards_ms:.1f} ms."))
+                f"the rest may take up to {need_ms - forwards_ms:.1f} ms" + (
+                    " (it does)." if step_ms <= need_ms else ".")))
     if o4 and "lane_calls" in o4:
         share = o4["lane_calls"] / max(1, o4["lane_calls"] + o4["serve_calls"])
         lines.append(f"- own_sessions at A = 4, T = 4: {o4['lane_calls']} calls on a worker's own session, "
