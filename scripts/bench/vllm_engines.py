@@ -13,9 +13,10 @@ run, side by side:
 * ``separate K``: the same K engines, each on a single-peer session of its own; the group holds one
   lease at a time, so they take turns.
 
-Every engine runs its engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): with
-vLLM's default, the core waits for its model worker process by polling for up to a second after
-each answer, so an engine waiting on the tier keeps a core busy. The run shows that cost once: 2
+Every engine runs vLLM's engine core and its model inside the engine's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): with vLLM's default, the core is a process apart that waits
+for its model worker process by polling for up to a second after each answer, so an engine
+waiting on the tier keeps a core busy. The run shows that cost once: 2
 engines shared and separate with vLLM's default processes (``engine core``: ``own process``).
 
 Per row: decode tokens/s over every engine (shared: all tokens over the longest engine's decode
@@ -44,7 +45,7 @@ from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engin
 # An engine whose requests are done stops stepping without a word; the others wait this long, once,
 # before going on without it. Short, yet many times an engine step's own work here (a few ms).
 IDLE_AFTER_S = 0.05
-# How each engine runs vLLM's engine core (see the module doc).
+# Where each engine runs vLLM's engine core: in the engine's process, or apart (vLLM's default).
 CORE_IN_PROCESS, CORE_OWN_PROCESS = "in process", "own process"
 CORE_ENV = {CORE_IN_PROCESS: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, CORE_OWN_PROCESS: {}}
 ENGINES = (2, 4)
