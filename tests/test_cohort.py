@@ -364,6 +364,7 @@ def test_a_stalled_worker_is_named_within_the_call_bound(app, workers):
         with pytest.raises(WorkerError) as err:
             cohort.step([1, 2])
         assert err.value.index == 0 and "not sent layer 1 within the call bound" in str(err.value)
+    ray.kill(ws[0])  # still in its minute-long attend(): the fixture's reuse check would wait 10 s on it
 
 
 def test_a_session_of_independent_peers_is_one_forward_per_layer(app):
