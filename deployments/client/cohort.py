@@ -516,7 +516,7 @@ class Cohort:
         if not workers or not all(isinstance(w, ActorHandle) for w in workers):
             raise ValueError(f"workers must be a non-empty list of AttentionWorker actor handles, "
                              f"got {workers!r}")
-        if len({w._actor_id for w in workers}) != len(workers):
+        if len(set(workers)) != len(workers):  # handles compare and hash by actor id
             raise ValueError("workers lists the same actor twice")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer (rows per worker and step), "
