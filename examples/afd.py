@@ -136,9 +136,6 @@ class RemoteMoE:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def deployment_of(self, layer: int) -> str:
-        return self.client.layer_routes().choose(layer)
-
     def deployment_statuses(self) -> dict[str, dict[str, Any]]:
         """Each deployment's own ``status()`` (one replica's counters), by name."""
         return {name: MoEClient.direct(name, self.client.app_name, self.client.timeout_s).status()

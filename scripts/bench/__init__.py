@@ -3,7 +3,7 @@
 under ``artifacts/NAME/`` and its page, ``docs/benchmarks/NAME.md``, with its rows of the index,
 ``docs/benchmarks/README.md``.
 
-Benchmarks: ``afd``, ``dataplane``, ``experts``, ``fused_cpu``, ``lane_faults``, ``memory``,
+Benchmarks: ``dataplane``, ``experts``, ``fused_cpu``, ``lane_faults``, ``memory``,
 ``numerics``, ``overhead``, ``real``, ``replicas``, ``serve``, ``served_real``, ``shutdown``,
 ``tail``, ``vllm_engines`` (in the vLLM lane's venv), ``warmup``;
 ``gpu_timings``, ``gpu_check_summary`` and ``gpu_report`` are the stages and

@@ -204,12 +204,14 @@ Raw results and plots go to `artifacts/`, which is not committed.
 
 def update_index(pages: Path, name: str, targets: Sequence[Target], date: str, machine: str) -> None:
     """Replace ``name``'s rows of the index in ``pages`` with ``targets`` (measured at ``date`` on
-    ``machine``); the index lists every page, those without a target below its table."""
+    ``machine``), and drop the rows of pages that are gone; the index lists every page, those
+    without a target below its table."""
     index = pages / INDEX
     link = f"[{name}]({name}.md)"
     rows = [_cells(line) for line in (index.read_text().splitlines() if index.exists() else [])
             if line.startswith("| [")]
-    rows = [r for r in rows if r[0] != link]
+    # A retired benchmark's page is deleted with its script: its rows go with it.
+    rows = [r for r in rows if r[0] != link and (pages / re.sub(r".*\((.*)\)", r"\1", r[0])).is_file()]
     rows += [[link, t.target, t.measured, verdict_word(t.met), date, machine] for t in targets]
     rows.sort(key=lambda r: r[0])  # stable: each benchmark's rows keep their order
     listed = {r[0] for r in rows}
