@@ -5,16 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
+from ray.serve.request_router import ReplicaID
 
+from deployments.common.private_api import deployment_id
 from deployments.control.autoscaling import (
     QUEUED_TOKENS,
     TOKENS_PER_S,
     TokenScalingParams,
 )
 
-DEP = DeploymentID(name="moe", app_name="app")
+DEP = deployment_id("moe", "app")
 # 1000 queued tokens per replica wanted, no throughput target unless a test sets one.
 P = TokenScalingParams(target_queued_tokens_per_replica=1000, upscale_delay_s=0, downscale_delay_s=60)
 

@@ -90,9 +90,9 @@ def app(tiny_ckpt):
 
 
 def _ray_logs_dir() -> Path:
-    import ray
+    from deployments.common.private_api import ray_logs_dir
 
-    return Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    return Path(ray_logs_dir())
 
 
 def _body(T: int = 3) -> bytes:

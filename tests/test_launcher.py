@@ -39,11 +39,9 @@ CUDA_WHEELS = re.compile(r"^(torch|torchvision|torchaudio|triton|vllm|xformers|n
 
 
 def prepared(path: Path) -> dict:
-    from ray.autoscaler._private.util import prepare_config, validate_config
+    from deployments.common.private_api import prepare_cluster_config
 
-    config = prepare_config(yaml.safe_load(path.read_text()))
-    validate_config(config)
-    return config
+    return prepare_cluster_config(yaml.safe_load(path.read_text()))
 
 
 class RecordingSSH:
@@ -71,12 +69,12 @@ class RecordingSSH:
 def render_node(config: dict, as_head: bool) -> tuple[list[str], str]:
     """What `ray up` runs on one node's host to start its container and set it up: the commands
     Ray's DockerCommandRunner issues (run_init, then every setup command), and the image."""
-    from ray.autoscaler._private.command_runner import DockerCommandRunner
+    from deployments.common.private_api import docker_command_runner
 
     docker = config["docker"]
     image = docker.get("head_image" if as_head else "worker_image", docker["image"])
     home = next(h for prefix, h in HOMES.items() if image.startswith(prefix))
-    runner = DockerCommandRunner(docker, log_prefix="", node_id="n", provider=None, auth_config=config["auth"],
+    runner = docker_command_runner(docker_config=docker, log_prefix="", node_id="n", provider=None, auth_config=config["auth"],
                                  cluster_name=config["cluster_name"], process_runner=subprocess,
                                  use_internal_ip=False)
     ssh = RecordingSSH(config["cluster_name"], config["auth"]["ssh_user"], home)

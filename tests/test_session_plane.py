@@ -6,6 +6,7 @@ threads, a stand-in forward (``out = 2 x + layer`` in float32: exact, so results
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -13,6 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from waiting import wait_until
 
 from deployments.common.wire import DeviceRows, WireTensor
 from deployments.dataplane import frames
@@ -29,8 +31,7 @@ class FakeCompute:
     def __init__(self, rank: int, fail_on: int | None = None):
         self.rank, self.fail_on = rank, fail_on
         self.runs: list[tuple[int, int]] = []
-        self.counts: list[tuple[int, list[int], str]] = []
-        self.steps = 0  # forwards that started a step of the group
+        self.limit = 64  # rows of one forward
 
     def check(self, layer, x, logits, max_tokens, what):
         if layer not in LAYERS:
@@ -51,9 +52,8 @@ class FakeCompute:
             return DeviceRows(x.tensor * 2 + layer, "float32"), "replicated"
         return WireTensor(x.array * 2 + layer, "float32"), "replicated"
 
-    def counted(self, session, layer, sizes, tail, seconds, new_step):
-        self.counts.append((layer, sizes, tail))
-        self.steps += new_step
+    def forward_limit(self):
+        return self.limit
 
 
 @pytest.fixture
@@ -70,9 +70,9 @@ def group(request):
     host.stop()
 
 
-def ticket(host: GroupHost, peers: int, max_tokens: int = 4,
-           idle_after_s: float | None = None) -> tuple[SessionTicket, int]:
-    number, secret = host.open(peers, max_tokens, "s", idle_after_s)
+def ticket(host: GroupHost, peers: int, max_tokens: int = 4, idle_after_s: float | None = None,
+           **open_args) -> tuple[SessionTicket, int]:
+    number, secret = host.open(peers, max_tokens, "s", idle_after_s, **open_args)
     g = GroupEndpoint("d", "r1", "lease", *host.address, secret, number, LAYERS, H, "float32", CALL_S, max_tokens,
                       host.store_port, host.channel_backend)
     return SessionTicket("s", peers, (g,)), number
@@ -108,7 +108,7 @@ def run_peers(t: SessionTicket, per_peer, peers=None):
 
 def test_one_forward_per_layer_over_every_peer(group):
     host, computes = group
-    t, _ = ticket(host, 3)
+    t, number = ticket(host, 3)
     sizes = [2, 0, 3]  # a peer with nothing to send still takes part
 
     def step(peer, i):
@@ -125,7 +125,9 @@ def test_one_forward_per_layer_over_every_peer(group):
     assert results == [[(n, H)] * 2 for n in sizes]
     # every rank ran each layer once, over the 5 rows of the 3 peers
     assert rank_runs(computes, 2) == [(1, 5), (2, 5)]
-    assert computes[0].counts == [(1, [2, 3], "replicated"), (2, [2, 3], "replicated")]
+    counts = host.snapshot(5.0)["sessions"][number]
+    assert (counts["forwards"], counts["parts"], counts["rows"]) == (2, 4, 10)
+    assert counts["layer_rows"] == {1: 5, 2: 5} and counts["tails"] == {"replicated": 2}
 
 
 def test_bad_rows_fail_their_peer_only(group):
@@ -338,10 +340,7 @@ def steps(peer, i, n: int, size: int = 1):
 
 
 def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
+    wait_until(predicate, timeout_s, what, every_s=0.005)
 
 
 def in_step(host: GroupHost, number: int, t: SessionTicket, pool: ThreadPoolExecutor) -> list:
@@ -380,7 +379,8 @@ def test_elastic_peers_in_step_share_one_forward_per_layer(group):
     # every step is one forward per layer over both peers' rows
     assert computes[0].runs[-8:] == [(1, 3), (2, 3)] * 4
     assert len(computes[0].runs) in (10, 12)  # 5 steps, the first maybe split in two
-    assert len(computes[0].runs) == len(LAYERS) * computes[0].steps  # each group step: a forward per layer
+    steps_run = host.snapshot(5.0)["group"]["steps"]
+    assert len(computes[0].runs) == len(LAYERS) * steps_run  # each group step: a forward per layer
 
 
 def test_elastic_idle_peer_sits_steps_out_and_rejoins_at_a_step_start(group):
@@ -404,7 +404,8 @@ def test_elastic_idle_peer_sits_steps_out_and_rejoins_at_a_step_start(group):
     sizes = [n for _, n in computes[0].runs]
     assert sum(sizes) == 12 + 12 and set(sizes) <= {1, 2, 3}  # every row once; a step alone or shared
     assert sizes[-4:] == [1, 1, 3, 3]  # a's half-step alone, then one shared step
-    assert len(sizes) == len(LAYERS) * computes[0].steps  # alone or shared, a forward per layer and step
+    steps_run = host.snapshot(5.0)["group"]["steps"]
+    assert len(sizes) == len(LAYERS) * steps_run  # alone or shared, a forward per layer and step
     assert host.state(number)["failure"] is None
 
 
@@ -428,10 +429,12 @@ def test_elastic_peer_killed_mid_step_leaves_the_others_serving(group):
     with t.join(1) as again:  # the slot can be joined again, at a step start
         results, _ = run_peers(t, lambda p, i: steps(p, i, 2), [a, again])
         assert results == [2, 2]
-    # a sent first: its step ran alone (the newcomer joined at the next step start), then one shared
-    # step, then the newcomer's last step alone. The newcomer sent first: the idle group started a
-    # step with it at once, a joined that step, and both steps were shared.
-    assert [n for _, n in computes[0].runs[before:]] in ([1, 1, 2, 2, 1, 1], [2, 2, 2, 2])
+    # Whoever sends first starts a step: the other joins it if its first layer comes before the
+    # step's first forward runs, else at the next step start (or, when one peer's two steps are
+    # over before the other's thread sends, every step runs alone). Every row runs once, each step
+    # is a forward per layer of the same peers, and no step mixes with another.
+    sizes = [n for _, n in computes[0].runs[before:]]
+    assert sum(sizes) == 8 and set(sizes) <= {1, 2} and sizes[0::2] == sizes[1::2], sizes
 
 
 def test_elastic_stalled_or_out_of_step_peer_is_dropped_alone(group):
@@ -476,3 +479,154 @@ def test_elastic_idle_after_is_checked(group, bad):
     host, _ = group
     with pytest.raises(ValueError, match=r"idle_after_s must be None or seconds in \(0, call bound"):
         host.open(2, 4, "s", bad)
+
+
+# -- many sessions on one group: shared, lasting, watched --------------------------------------
+
+
+def hold_loop(host: GroupHost) -> threading.Event:
+    """Hold rank 0's loop (a command that waits) until the event is set: frames sent meanwhile
+    wait in its sockets and are all read in its next round."""
+    gate = threading.Event()
+    host._commands.put(lambda: gate.wait(5))
+    host._wake()
+    return gate
+
+
+def test_sessions_pending_together_share_one_forward_and_each_peer_gets_its_slice(group):
+    """Two sessions' layer 1 are ready together: they run as one forward of their 3 + 4 rows, each
+    peer its own slice; layer 2, sent by one session only, then runs alone."""
+    host, computes = group
+    (a, _), (b, _) = ticket(host, 2), ticket(host, 1)
+    a0, a1, b0 = a.join(0), a.join(1), b.join(0)
+    xs = {"a0": rows(1, 1), "a1": rows(2, 2), "b0": rows(4, 3)}
+    gate = hold_loop(host)
+    with ThreadPoolExecutor(3) as pool:
+        sent = {k: pool.submit(p.forward, xs[k], 1) for k, p in (("a0", a0), ("a1", a1), ("b0", b0))}
+        time.sleep(0.3)  # every frame is in rank 0's sockets
+        gate.set()
+        outs = {k: f.result(timeout=10)[0] for k, f in sent.items()}
+    for key, out in outs.items():
+        assert np.array_equal(out.array, xs[key].array * 2 + 1)
+    assert rank_runs(computes, 1) == [(1, 7)]
+    assert b0.forward(rows(2, 4), 2)[0].shape == (2, H)
+    assert rank_runs(computes, 2) == [(1, 7), (2, 2)]
+
+
+def test_ready_layers_of_different_layers_or_over_the_limit_run_in_arrival_order(group):
+    host, computes = group
+    computes[0].limit = 5  # rows of one forward: 4 + 4 do not fit together
+    sessions = [ticket(host, 1)[0].join(0) for _ in range(3)]
+    gate = hold_loop(host)
+    with ThreadPoolExecutor(3) as pool:
+        sent = [pool.submit(p.forward, rows(4, i), layer) for i, (p, layer) in enumerate(zip(sessions, [1, 2, 1],
+                                                                                        strict=True))]
+        time.sleep(0.3)  # all three frames wait in rank 0's sockets
+        gate.set()
+        [f.result(timeout=10) for f in sent]
+    # every layer alone (over the limit, or another layer); none waited for more than the others
+    assert sorted(rank_runs(computes, 3)) == [(1, 4), (1, 4), (2, 4)]
+
+
+def test_a_session_lasts_while_a_peer_is_connected_and_ends_after_its_linger(group):
+    """An elastic session's peers come and go: it lasts while one is connected and ends its
+    linger after the last left (a strict session ends at once when a peer leaves: PEER_GONE)."""
+    host, _ = group
+    t, number = ticket(host, 1, idle_after_s=IDLE_S, linger_s=0.3)
+    peer = t.join(0)
+    time.sleep(0.6)  # twice the linger: a connected peer keeps it
+    assert number in host.sessions and peer.forward(rows(1, 0), 1)[0].shape == (1, H)
+    peer.close()
+    wait_for(lambda: number not in host.sessions, "the session ended after its linger", 5.0)
+    state = host.state(number)
+    assert state["failure"] == "session_ended" and "linger_s" in state["ended"]
+    never, unjoined = ticket(host, 1, linger_s=0.2)
+    wait_for(lambda: unjoined not in host.sessions, "a session nobody joined ended", 5.0)
+    with pytest.raises(PermissionError):
+        never.join(0)
+
+
+def test_sessions_beyond_max_sessions_are_refused_with_the_arithmetic(group):
+    host, _ = group
+    ticket(host, 1, max_sessions=2)
+    ticket(host, 1, max_sessions=2)
+    with pytest.raises(ValueError, match=r"2 session\(s\) are open on this group and max_sessions = 2: one "
+                                         r"more would make 3"):
+        ticket(host, 1, max_sessions=2)
+    host.open(1, None, "the replica's own")  # internal: never counted or refused
+
+
+def watch(host: GroupHost) -> socket.socket:
+    sock = frames.connect(host.address, host.group_secret, frames.Role.WATCH, 0, 5.0)
+    sock.settimeout(10)
+    return sock
+
+
+def events(sock: socket.socket, until: str) -> list[dict]:
+    got = []
+    while not got or got[-1]["event"] != until:
+        frame = frames.recv(sock)
+        assert frame.kind is frames.Kind.EVENT
+        got.append(frame.meta())
+    return got
+
+
+def test_the_watcher_hears_counts_and_ends_when_they_happen_and_nothing_while_idle(group):
+    host, _ = group
+    sock = watch(host)
+    t, number = ticket(host, 1)
+    peer = t.join(0)
+    for layer in LAYERS:
+        peer.forward(rows(3, layer), layer)
+    counts = events(sock, "counts")[-1]["sessions"][str(number)]
+    if counts["forwards"] < 2:  # the first push went after one forward: the next within EVENTS_PUSH_S
+        counts = events(sock, "counts")[-1]["sessions"][str(number)]
+    assert (counts["forwards"], counts["rows"]) == (2, 6)
+    sock.settimeout(1.5)
+    with pytest.raises(TimeoutError):  # idle: more than EVENTS_PUSH_S without a word
+        frames.recv(sock)
+    sock.settimeout(10)
+    host.close(number, "closed by its opener", 5.0)
+    ended = events(sock, "ended")[-1]
+    assert ended["session"] == number and ended["state"]["ended"] == "closed by its opener"
+    assert ended["state"]["forwards"] == 2
+    sock.close()
+
+
+def test_an_idle_groups_stopped_rank_is_found_by_the_heartbeat_within_the_call_bound():
+    """No layer in flight: rank 1's link admits but never answers (a SIGSTOPped process). Rank 0's
+    heartbeat finds it within the call bound, ends the open session as group_timeout, tells the
+    watcher, and refuses new sessions."""
+    compute = FakeCompute(0)
+    host = GroupHost("127.0.0.1", frames.new_secret(), 2, compute, CALL_S, H, "float32", "hb",
+                     heartbeat_s=0.2)
+    silent = frames.connect(host.address, host.group_secret, frames.Role.RANK, 1, 5.0)
+    try:
+        host.wait_ranks(5.0)
+        sock = watch(host)
+        t, number = ticket(host, 1)
+        peer = t.join(0)
+        start = time.monotonic()
+        failed = events(sock, "failed")[-1]
+        assert time.monotonic() - start <= CALL_S + 0.5
+        assert failed["failure"] == "group_timeout" and "heartbeat" in failed["reason"]
+        assert host.state(number)["failure"] == "group_timeout"
+        with pytest.raises(SessionError) as e:
+            peer.forward(rows(1, 0), 1)
+        assert e.value.failure is Failure.GROUP_TIMEOUT and e.value.action is Action.RETRY_ELSEWHERE
+        with pytest.raises(RuntimeError, match="broken"):
+            host.open(1, 1, "after")
+    finally:
+        silent.close()
+        host.stop()
+
+
+def test_a_dead_rank_of_an_idle_group_breaks_it_as_group_failed(group):
+    host, computes = group
+    host.heartbeat_s = 0.1
+    sock = watch(host)
+    t, number = ticket(host, 1)
+    host.links[1].shutdown(socket.SHUT_RDWR)  # rank 1's end is gone
+    failed = events(sock, "failed")[-1]
+    assert failed["failure"] == "group_failed"
+    assert host.state(number)["failure"] == "group_failed"

@@ -13,40 +13,30 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..common.private_api import kv_delete, kv_get, kv_keys, kv_put
+
 NAMESPACE = "latent_moe_serve"
 PLAN_PREFIX = "tail_plan:"
 PROGRESS_PREFIX = "warmup:"
 
 
-def _kv():
-    from ray.experimental import internal_kv
-
-    return internal_kv
-
-
 def put_json(key: str, value: dict[str, Any]) -> None:
-    _kv()._internal_kv_put(key, json.dumps(value), overwrite=True, namespace=NAMESPACE)
+    kv_put(key, json.dumps(value), NAMESPACE)
 
 
 def get_json(key: str) -> dict[str, Any] | None:
-    raw = _kv()._internal_kv_get(key, namespace=NAMESPACE)
+    raw = kv_get(key, NAMESPACE)
     return None if raw is None else json.loads(raw)
 
 
 def entries(prefix: str) -> dict[str, dict[str, Any]]:
     """Every record whose key starts with ``prefix``, by key."""
-    kv = _kv()
-    keys = kv._internal_kv_list(prefix, namespace=NAMESPACE)
-    found = {}
-    for key in keys:
-        value = get_json(key.decode() if isinstance(key, bytes) else key)
-        if value is not None:
-            found[key.decode() if isinstance(key, bytes) else key] = value
-    return found
+    found = {key: get_json(key) for key in kv_keys(prefix, NAMESPACE)}
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def delete(key: str) -> None:
-    _kv()._internal_kv_del(key, namespace=NAMESPACE)
+    kv_delete(key, NAMESPACE)
 
 
 def progress_key(deployment: str, replica: str) -> str:

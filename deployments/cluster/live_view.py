@@ -21,13 +21,13 @@ from pathlib import Path
 
 import yaml
 
+from ..common.private_api import SERVE_NAMESPACE
 from ..config.spec import DeploymentSpec
 from ..control.cluster_view import ClusterView, NodeType, clean_resources
 from ..control.launcher import launcher_node_types, load_cluster_config
 
 # The cluster launcher writes the filled-out config here on the head node.
 BOOTSTRAP_CONFIG = Path("~/ray_bootstrap_config.yaml").expanduser()
-SERVE_NAMESPACE = "serve"  # what `serve run` connects with
 
 
 def current_cluster_view(launcher_files: Iterable[str | Path] = ()) -> ClusterView:

@@ -19,7 +19,7 @@ from moe_runtime.planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_G
 from moe_runtime.tp.plan import check_sequence_parallel_tail
 from moe_runtime.units import SERVED_DTYPES, check_mxfp4_scale_rule
 
-from .timeouts import Bounds, check_order, request_bound
+from .timeouts import MAX_SESSIONS, SESSION_LINGER_S, Bounds, check_order, request_bound
 
 Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
 DType = Literal[SERVED_DTYPES]
@@ -168,14 +168,16 @@ class DeploymentSpec(BaseModel):
     # nicer than the replica, so the replica's event loop keeps receiving requests (and
     # forming the next batch) while the ranks compute. Ignored on GPUs.
     worker_nice_increment: int = Field(0, ge=0, le=19)
-    # Leases (lanes, cohorts, sessions: deployments.client): a client may lease a replica's TP
-    # group and send its rows to the ranks over the data plane (deployments.dataplane). A lease
-    # lasts this long past the client's last renewal (the client renews every half term while
-    # it calls); a replica whose Serve path or another lease waits for it stops renewing a lease
-    # held this long, so nobody waits longer than about one term. lanes: false refuses every
-    # lease (the Serve path only).
+    # Sessions (lanes, cohorts, independent peers: deployments.client): a client opens a session
+    # on a replica's TP group and its peers send their rows to the ranks over the data plane
+    # (deployments.dataplane). A group serves every open session and the Serve path at once; a
+    # session has no term: it ends when its opener closes it, or once none of its peers has
+    # been connected for session_linger_s (the opener may set its own). At most max_sessions
+    # sessions are open on one group at once. lanes: false refuses every session (the Serve
+    # path only).
     lanes: bool = True
-    lane_lease_s: float = Field(5.0, gt=0, le=600)
+    session_linger_s: float = Field(SESSION_LINGER_S, gt=0, le=86400)
+    max_sessions: int = Field(MAX_SESSIONS, ge=1, le=4096)
     # Bounded queue: past this many requests waiting for a replica, a call is refused at once
     # (handle: BackPressureError, HTTP: 503 + Retry-After); -1: unbounded (Serve's default).
     max_queued_requests: int = Field(256, ge=-1)
@@ -185,6 +187,14 @@ class DeploymentSpec(BaseModel):
     # Serve writes one access-log line per call; a layer tier is called once per model layer
     # per step, so that log costs real replica CPU at high request rates. Off unless asked.
     access_log: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, v: Any) -> Any:
+        if isinstance(v, dict) and "lane_lease_s" in v:
+            raise ValueError("lane_lease_s was removed: sessions have no term to renew (they end when "
+                             "closed, or session_linger_s after their last peer left)")
+        return v
 
     @field_validator("name")
     @classmethod

@@ -2,7 +2,7 @@
 order the bounds must keep.
 
 Per deployment (:class:`Bounds`, from the spec's ``collective_timeout_s``, ``call_margin_s``,
-``health_check_timeout_s``, ``warmup_limit_s``, ``startup_timeout_s``, ``lane_lease_s``):
+``health_check_timeout_s``, ``warmup_limit_s``, ``startup_timeout_s``, ``session_linger_s``):
 
 ==================  =======================================  ===========================================
 bound               value                                    what it bounds
@@ -18,8 +18,12 @@ bound               value                                    what it bounds
 ``warmup_s``        ``call_s + warmup_limit_s``              one warm-up measurement call
 ``startup_s``       ``startup_timeout_s`` or the planner's   workers start, join and load their shards
                     floor
-``lease_s``         ``lane_lease_s``                         a lease past its last renewal; clients
-                                                             renew and drop idle leases every half
+``linger_s``        ``session_linger_s``                     a session none of whose peers has been
+                                                             connected this long ends (the default of
+                                                             sessions opened without their own)
+``heartbeat``       ``HEARTBEAT_S``, then ``call_s -         rank 0 pings an idle group's other ranks;
+                    HEARTBEAT_S`` for the answer             a dead or stopped rank is noticed within
+                                                             ``call_s`` with no layer in flight
 ==================  =======================================  ===========================================
 
 Per app: ``request_s`` = ``request_timeout_s`` or the largest ``call_s`` + ``REQUEST_MARGIN_S``:
@@ -33,8 +37,8 @@ build time with the numbers):
    within its own bound (it would kill a slow but healthy replica).
 3. ``RANK_POLL_S <= call_s``: a rank's state poll answers within a call's bound, so a rank that
    stops answering polls for ``call_s`` is stalled, not slow.
-4. ``4 * LANE_POLL_S <= lease_s / 2``: the replica reads a lease's renewals at least four times
-   per renewal period (so ``lease_s`` is at least ``8 * LANE_POLL_S``, 2 s).
+4. ``HEARTBEAT_S < call_s`` (follows from 3): a rank has ``call_s - HEARTBEAT_S`` to answer a
+   heartbeat, so an idle group notices a dead or stopped rank within one call bound.
 5. (app) ``call_s < request_s`` for every deployment: the ingress never gives up on a call that
    the group itself still bounds.
 
@@ -51,8 +55,15 @@ from moe_runtime.planning.cost import STARTUP_FLOOR_S
 HEALTH_MARGIN_S = 5.0  # the health all-reduce over the collective timeout, and Serve's over that
 REQUEST_MARGIN_S = 30.0  # the ingress's wait over the slowest group call
 ROUTING_STATS_PERIOD_S = 0.5  # replicas report health / lease to the request router this often
-RANK_POLL_S = 5.0  # a rank slower than this to answer a state poll counts as not answering
-LANE_POLL_S = 0.25  # a replica reads its leased ranks' counters this often
+RANK_POLL_S = 5.0  # a rank slower than this to answer a state call counts as not answering
+HEARTBEAT_S = 2.0  # rank 0 pings each other rank after this long without a batch (idle liveness)
+EVENTS_PUSH_S = 1.0  # rank 0 pushes changed session counts to the replica at most this often
+SESSION_LINGER_S = 300.0  # default: a session ends once none of its peers was connected this long
+MAX_SESSIONS = 64  # default: sessions one group serves at once (the replica's own not counted)
+HANDSHAKE_S = 5.0  # a new data-plane connection must prove its secret within this
+CONNECT_S = 10.0  # a peer joining a group: connect and handshake
+ANSWER_MARGIN_S = 5.0  # a peer's wait for its answer over the layer's bounds (peers, then forward)
+DRAIN_S = 2.0  # an ended session's connection is read until its peer closes, at most this long
 PROBE_S = 5.0  # one liveness probe of a rank or a worker
 INGRESS_HEALTH_S = 5.0  # the ingress's wait for a deployment's cheap health view (/healthz)
 LEASE_ATTEMPT_S = 1.0  # one lease request's wait on the replica it reached
@@ -72,7 +83,7 @@ class Bounds:
     close_s: float
     warmup_s: float
     startup_s: float
-    lease_s: float
+    linger_s: float
 
     @classmethod
     def of(cls, spec: Any) -> Bounds:
@@ -84,7 +95,7 @@ class Bounds:
             collective_s=collective, call_s=call, health_s=health,
             serve_health_s=spec.health_check_timeout_s or health + HEALTH_MARGIN_S,
             close_s=max(RANK_POLL_S, collective), warmup_s=call + spec.warmup_limit_s,
-            startup_s=spec.startup_timeout_s or STARTUP_FLOOR_S, lease_s=spec.lane_lease_s,
+            startup_s=spec.startup_timeout_s or STARTUP_FLOOR_S, linger_s=spec.session_linger_s,
         )
 
 
@@ -102,11 +113,6 @@ def check_order(spec: Any) -> Bounds:
         raise ValueError(
             f"deployment {name!r}: collective_timeout_s {b.collective_s:g} + call_margin_s "
             f"{b.call_s - b.collective_s:g} = {b.call_s:g} s is below the rank poll bound {RANK_POLL_S:g} s"
-        )
-    if not 4 * LANE_POLL_S <= b.lease_s / 2:
-        raise ValueError(
-            f"deployment {name!r}: lane_lease_s {b.lease_s:g} s must be at least {8 * LANE_POLL_S:g} s "
-            f"(renewals every half term, read by the replica every {LANE_POLL_S:g} s)"
         )
     return b
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_runtime.private_api import nccl_options
 from moe_runtime.units import torch_dtype
 
 from ..common.wire import DeviceRows, WireTensor
@@ -70,9 +71,7 @@ class Channel:
         if backend == "gloo":
             self.group: Any = dist.ProcessGroupGloo(prefixed, me, 2, self.timeout)
         else:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
-            self.group = dist.ProcessGroupNCCL(prefixed, me, 2, options)
+            self.group = dist.ProcessGroupNCCL(prefixed, me, 2, nccl_options(self.timeout))
 
     def send(self, rows: DeviceRows | WireTensor) -> Any:
         """Start sending ``rows`` (moved to this side's device); wait on what it returns."""

@@ -47,6 +47,9 @@ class Kind(enum.IntEnum):
     BYE = 7  # rank 0 -> peer: the session ended; text: JSON {kind, message}
     LOGITS = 8  # follows a FORWARD or BATCH whose rows carry router logits: fp32 [T, E]
     CHANNEL = 9  # peer -> rank 0, once after joining: its rows go over a device channel; text: JSON
+    PING = 10  # rank 0 -> other rank, between batches while idle: are you there?
+    PONG = 11  # other rank -> rank 0: the answer to a PING
+    EVENT = 12  # rank 0 -> the replica's watcher: a session or group event; text: JSON
 
 
 WITH_LOGITS = 1  # flags of a FORWARD or BATCH: a LOGITS message follows
@@ -58,6 +61,7 @@ ON_CHANNEL = 8  # flags of a FORWARD or RESULT: the array's bytes follow on the 
 class Role(enum.IntEnum):
     PEER = 1
     RANK = 2
+    WATCH = 3  # the replica, hearing rank 0's events (admitted by the group's secret)
 
 
 # The arrays' dtypes on the wire (a WireTensor's dtype name; bfloat16 travels as int16 bits).

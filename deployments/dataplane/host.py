@@ -1,4 +1,4 @@
-"""The ranks' side of the data plane: rank 0 gathers every session's peers, the group forwards once.
+"""The ranks' side of the data plane: rank 0 gathers every session's peers, the group forwards.
 
 Rank 0 of a TP group runs a :class:`GroupHost`: one listening socket on its node's address, one
 thread that waits in ``select`` (a blocking wait: an idle host costs no CPU) and a short-lived
@@ -7,16 +7,28 @@ connection to rank 0 (:class:`RankLink`), admitted with the group's own secret w
 starts; rank 0 sends them every batch in the order it runs them, so the group's collectives see
 one call order whoever the batches came from.
 
-A *session* is opened on rank 0 by the replica (with a lease, or for its own Serve-path batches):
+A *session* is opened on rank 0 by the replica (for a client, or for its own Serve-path batches):
 a fresh secret and a fixed number of peers ``A``. Each peer connects once, admitted by the
 session's secret and its index. Per MoE layer every peer sends its rows (0 rows allowed) or a
-FAIL; once all ``A`` have, rank 0 checks each part, runs **one** forward over the concatenated
-rows on every rank and answers each peer its slice. A layer that some peer has not sent within
-the call bound after the first one arrived ends the session (``Failure.PEER_STALLED``), as does a
-peer whose connection closes (``PEER_GONE``) or peers sending different layers (``OUT_OF_STEP``).
-A rank that fails breaks the group (``GROUP_FAILED``): every session ends and the host refuses
-new layers; the replica reads :attr:`GroupHost.failed` and Serve replaces it. Several sessions may
-be open at once (the replica's own and a lease's); their layers run one at a time.
+FAIL; once all ``A`` have, the session's layer is *ready*. A layer that some peer has not sent
+within the call bound after the first one arrived ends the session (``Failure.PEER_STALLED``), as
+does a peer whose connection closes (``PEER_GONE``) or peers sending different layers
+(``OUT_OF_STEP``).
+
+**Many sessions, one group.** Every open session is served at once; nothing holds the group.
+Ready layers run in the order they became ready; the oldest ready layer runs together with every
+other ready layer of the same MoE layer without router logits (as **one** forward over their
+concatenated rows, up to the group's forward limit), and each peer gets its slice. Since a
+session has at most one ready layer (its peers wait for the answer), a ready layer waits for at
+most one forward of each session that became ready before it: the fairness bound.
+
+**Lasting sessions.** A session has no term: it ends when closed, or once none of its peers has
+been connected for its ``linger_s``. **Liveness without calls:** while no batch runs, rank 0 pings
+every other rank after ``HEARTBEAT_S``; a rank that does not answer within the rest of the call
+bound breaks the group (``GROUP_TIMEOUT``), one whose link closed breaks it at once
+(``GROUP_FAILED``). A broken group ends every session and refuses new ones. **Push:** the
+replica connects as a *watcher* (the group's secret) and hears every session's end, the group's
+failure, and changed session counts at most every ``EVENTS_PUSH_S``; nothing is sent while idle.
 
 An *elastic* session (``idle_after_s`` set; for independent engines such as vLLM's) lets peers
 come, go and idle without holding the others up. Peers mark the first and last layer of their step
@@ -42,6 +54,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +62,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..common.wire import VIEW_AS, DeviceRows, Rows, WireTensor, concat_rows, join_rank_outputs
+from ..config.timeouts import DRAIN_S, EVENTS_PUSH_S, HEARTBEAT_S
 from . import frames
 from .errors import Failure
 from .frames import Frame, Kind, Role
@@ -56,8 +70,8 @@ from .frames import Frame, Kind, Role
 logger = logging.getLogger(__name__)
 
 ACCEPT_BACKLOG = 64
-DRAIN_S = 2.0  # an ended session's connection is read until its peer closes, at most this long
 ENDED_KEPT = 64  # ended sessions whose last state rank 0 still answers for
+RECENT_FORWARDS = 256  # group forwards whose times rank 0 keeps (status: forward_ms.recent)
 
 
 def check_idle_after(idle_after_s: float | None, call_s: float) -> None:
@@ -83,10 +97,42 @@ class Compute(Protocol):
         """One forward on this rank: ``(out, tail)`` (``out`` None on ranks > 0 unless sequence
         parallel)."""
 
-    def counted(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float,
-                new_step: bool) -> None:
-        """Rank 0: a forward of ``session`` ran (its parts' token counts); ``new_step``: the
-        first layer of a step of the group (every part marked ``frames.NEW_STEP``)."""
+    def forward_limit(self) -> int:
+        """The most rows one forward may take (the deployment's live limit): ready layers of
+        several sessions share a forward only within it."""
+
+
+@dataclass
+class Counts:
+    """A session's (or the whole group's) forwards so far, as rank 0 counted them."""
+
+    forwards: int = 0  # forwards its rows took part in (a layer whose parts all had 0 rows: none)
+    steps: int = 0  # forwards that started a step (every part marked ``frames.NEW_STEP``)
+    parts: int = 0  # peers' parts in them
+    rows: int = 0
+    busy_s: float = 0.0  # the forwards' time (a shared forward counts whole for each session in it)
+    tails: Counter[str] = field(default_factory=Counter)
+    layer_forwards: Counter[int] = field(default_factory=Counter)
+    layer_parts: Counter[int] = field(default_factory=Counter)
+    layer_rows: Counter[int] = field(default_factory=Counter)
+
+    def add(self, layer: int, sizes: list[int], tail: str, seconds: float, new_step: bool) -> None:
+        rows = sum(sizes)
+        self.forwards += 1
+        self.steps += new_step
+        self.parts += len(sizes)
+        self.rows += rows
+        self.busy_s += seconds
+        self.tails[tail] += 1
+        self.layer_forwards[layer] += 1
+        self.layer_parts[layer] += len(sizes)
+        self.layer_rows[layer] += rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"forwards": self.forwards, "steps": self.steps, "parts": self.parts, "rows": self.rows,
+                "busy_s": round(self.busy_s, 6), "tails": dict(self.tails),
+                "layer_forwards": dict(self.layer_forwards), "layer_parts": dict(self.layer_parts),
+                "layer_rows": dict(self.layer_rows)}
 
 
 @dataclass
@@ -105,10 +151,14 @@ class Session:
     failure: Failure | None = None
     call_s: float = 0.0  # the group's call bound
     idle_after_s: float | None = None  # set: an elastic session (see the module doc)
+    linger_s: float | None = None  # set: the session ends once no peer was connected this long
+    alone_since: float = 0.0  # when its last connected peer left (or it opened)
     active: set[int] = field(default_factory=set)  # elastic: the peers of the group's current step
     held: dict[int, tuple[Frame, Frame | None]] = field(default_factory=dict)  # elastic: wait for a step
     at_boundary: bool = True  # elastic: the group's next layer starts a step
     channels: dict[int, Any] = field(default_factory=dict)  # peer -> its device channel (``channel``)
+    counts: Counts = field(default_factory=Counts)
+    internal: bool = False  # the replica's own (Serve-path) session: not counted against the limit
 
     @property
     def elastic(self) -> bool:
@@ -118,10 +168,19 @@ class Session:
         """The peers the pending layer waits for."""
         return set(self.active) if self.elastic else set(range(self.peers))
 
+    def complete(self) -> bool:
+        """Every expected part of the pending layer came: the layer is ready to run."""
+        return bool(self.pending) and not self.ended and self.expected() <= set(self.pending)
+
+    def joined(self) -> int:
+        return sum(s is not None for s in self.sockets)
+
     def waiting(self) -> bool:
         """Some peer waits on the others: a layer's first part came, or (elastic) a peer is held
         for the step after the current one."""
-        return not self.ended and bool(self.pending or (self.held and not self.at_boundary))
+        if self.ended or self.complete():
+            return False
+        return bool(self.pending or (self.held and not self.at_boundary))
 
     def deadline(self) -> float:
         """When a waiting layer stops waiting for its missing peers (a held peer: for the active
@@ -131,12 +190,49 @@ class Session:
         wait_s = self.idle_after_s if self.elastic and self.at_boundary else self.call_s
         return self.first_at + wait_s
 
+    def linger_deadline(self) -> float | None:
+        """When the session ends for want of peers (None: a peer is connected, or no linger)."""
+        if self.linger_s is None or self.ended or self.joined():
+            return None
+        return self.alone_since + self.linger_s
+
     def state(self) -> dict[str, Any]:
-        return {"session": self.number, "name": self.name, "peers": self.peers,
-                "joined": sum(s is not None for s in self.sockets), "layers": self.layers,
+        return {"session": self.number, "name": self.name, "peers": self.peers, "joined": self.joined(),
+                "layers": self.layers,
                 "waiting_for": sorted(self.expected() - set(self.pending)) if self.pending else [],
                 "elastic": self.elastic, "active": sorted(self.active) if self.elastic else None,
-                "ended": self.ended, "failure": None if self.failure is None else self.failure.value}
+                "ended": self.ended, "failure": None if self.failure is None else self.failure.value,
+                "max_tokens": self.max_tokens, "linger_s": self.linger_s, **self.counts.to_dict()}
+
+
+@dataclass
+class Prepared:
+    """A ready layer of one session, checked: the parts that run and what each peer is answered."""
+
+    session: Session
+    layer: int
+    peers: list[int]
+    parts: dict[int, tuple[Frame, Frame | None]]
+    checked: dict[int, Any]  # peer -> (layer, rows, logits), or the Exception that refused it
+    good: list[tuple[int, Any]]  # (peer, checked part) with rows
+    new_step: bool
+    end_step: bool
+
+    @property
+    def logits(self) -> bool:
+        return any(c[2] is not None for _, c in self.good)
+
+
+def pending_shape(session: Session) -> tuple[int, int, bool]:
+    """A ready session's layer, its rows (before checks) and whether router logits came with it."""
+    frame = next(iter(session.pending.values()))[0]
+    rows = 0
+    for f, _ in session.pending.values():
+        if f.data is not None:
+            rows += f.data.shape[0]
+        elif f.channel is not None:
+            rows += f.channel[0][0]
+    return frame.layer, rows, any(f.flags & frames.WITH_LOGITS for f, _ in session.pending.values())
 
 
 class GroupHost:
@@ -144,8 +240,10 @@ class GroupHost:
     group's ranks; ``call_s``: the group's call bound (a layer's peers, and a forward)."""
 
     def __init__(self, bind_ip: str, group_secret: str, world: int, compute: Compute, call_s: float,
-                 hidden_size: int, dtype: str, name: str = "group", channel_device: str | None = None):
+                 hidden_size: int, dtype: str, name: str = "group", channel_device: str | None = None,
+                 heartbeat_s: float = HEARTBEAT_S):
         self.group_secret, self.world, self.compute, self.call_s = group_secret, world, compute, call_s
+        self.heartbeat_s = heartbeat_s
         self.channel_device, self.channel_backend, self.store_port = channel_device, "", 0
         self._store: Any = None
         if channel_device is not None:  # peers may send rows over device channels (``channel``)
@@ -158,11 +256,21 @@ class GroupHost:
                 self.channel_backend, self.store_port = backend, self._store.port
         self.hidden_size, self.dtype, self.name = hidden_size, dtype, name
         self.failed: str | None = None
+        self.failure: Failure | None = None
         self.sessions: dict[int, Session] = {}
         self.ended: dict[int, dict[str, Any]] = {}  # ended sessions' last states, by number
         self.by_secret: dict[str, Session] = {}
         self.links: dict[int, socket.socket] = {}
+        self.watchers: list[socket.socket] = []
+        self.ready: deque[Session] = deque()  # sessions whose layer is ready, oldest first
+        self.group = Counts()  # every forward the group ran
+        self.recent_ms: deque[float] = deque(maxlen=RECENT_FORWARDS)
+        self.started_at = time.monotonic()
+        self.forward_since: float | None = None  # a forward runs since (time.monotonic())
         self._done_owed = False  # the other ranks' DONEs of the last batch are still to be read
+        self._beat_at = time.monotonic() + heartbeat_s
+        self._dirty: set[int] = set()  # sessions whose counts changed since the last push
+        self._pushed_at = 0.0
         self.linked = threading.Event()
         if world == 1:
             self.linked.set()
@@ -188,17 +296,22 @@ class GroupHost:
             raise TimeoutError(f"{len(self.links)} of {self.world - 1} other rank(s) linked to rank 0 "
                                f"within {timeout_s:.0f} s")
 
-    def open(self, peers: int, max_tokens: int | None, name: str,
-             idle_after_s: float | None = None) -> tuple[int, str]:
+    def open(self, peers: int, max_tokens: int | None, name: str, idle_after_s: float | None = None,
+             linger_s: float | None = None, max_sessions: int | None = None) -> tuple[int, str]:
         """A new session of ``peers`` peers: its number and secret (the peers' ticket).
         ``idle_after_s``: None, every peer takes part in every layer; a number, an elastic
-        session (see the module doc)."""
+        session (see the module doc). ``linger_s``: it ends once no peer was connected this long
+        (None: only when closed). ``max_sessions``: refuse it when that many are open (None: the
+        replica's own session, never refused or counted)."""
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
             raise ValueError(f"a session needs a positive number of peers, got {peers!r}")
         check_idle_after(idle_after_s, self.call_s)
+        if linger_s is not None and not (isinstance(linger_s, int | float) and linger_s > 0):
+            raise ValueError(f"linger_s must be None or seconds > 0, got {linger_s!r}")
         session = Session(next(self._numbers), frames.new_secret(), peers, max_tokens, name,
-                          [None] * peers, call_s=self.call_s, idle_after_s=idle_after_s)
-        self._call(lambda: self._add(session))
+                          [None] * peers, call_s=self.call_s, idle_after_s=idle_after_s, linger_s=linger_s,
+                          alone_since=time.monotonic(), internal=max_sessions is None)
+        self._call(lambda: self._add(session, max_sessions))
         return session.number, session.secret
 
     def close(self, number: int, reason: str, wait_s: float) -> dict[str, Any] | None:
@@ -208,6 +321,18 @@ class GroupHost:
     def state(self, number: int) -> dict[str, Any] | None:
         session = self.sessions.get(number)
         return session.state() if session is not None else self.ended.get(number)
+
+    def snapshot(self, wait_s: float) -> dict[str, Any]:
+        """Every open session's state and the group's counters, read on the loop thread between
+        forwards: exact at the moment of reading."""
+        return self._call(self._snapshot, wait_s)
+
+    def health(self) -> dict[str, Any]:
+        """Why the group's data plane broke (None: it did not), and how long the forward under
+        way has run (a stuck forward stops the loop thread, so this reads without it)."""
+        since = self.forward_since
+        return {"failed": self.failed, "failure": None if self.failure is None else self.failure.value,
+                "forward_running_s": None if since is None else round(time.monotonic() - since, 3)}
 
     def stop(self) -> None:
         self._stop.set()
@@ -219,8 +344,9 @@ class GroupHost:
         for t in self._threads:
             t.join(timeout=DRAIN_S)
 
-    def _call(self, fn: Callable[[], Any], wait_s: float = 10.0) -> Any:
+    def _call(self, fn: Callable[[], Any], wait_s: float | None = None) -> Any:
         """Run ``fn`` on the loop thread (which owns every socket and session) and return its value."""
+        wait_s = self.call_s if wait_s is None else wait_s
         done, out = threading.Event(), {}
 
         def run() -> None:
@@ -275,6 +401,14 @@ class GroupHost:
             if len(self.links) == self.world - 1:
                 self.linked.set()
             return
+        if role is Role.WATCH and secret == self.group_secret:
+            frames.welcome(sock)
+            sock.settimeout(self.call_s)
+            self.watchers.append(sock)
+            self._selector.register(sock, selectors.EVENT_READ, "watcher")
+            if self.failed is not None:
+                self._push({"event": "failed", "failure": self.failure.value, "reason": self.failed})
+            return
         session = self.by_secret.get(secret)
         if (role is not Role.PEER or session is None or session.ended or not 0 <= index < session.peers
                 or session.sockets[index] is not None):
@@ -287,43 +421,65 @@ class GroupHost:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def _add(self, session: Session) -> None:
+    def _add(self, session: Session, max_sessions: int | None) -> None:
         if self.failed is not None:
             raise RuntimeError(f"the group's data plane is broken: {self.failed}")
+        if max_sessions is not None:
+            open_now = sum(not s.internal for s in self.sessions.values())
+            if open_now >= max_sessions:
+                raise ValueError(f"{open_now} session(s) are open on this group and max_sessions = "
+                                 f"{max_sessions}: one more would make {open_now + 1}")
         self.sessions[session.number] = session
         self.by_secret[session.secret] = session
+
+    def _snapshot(self) -> dict[str, Any]:
+        elapsed = time.monotonic() - self.started_at
+        return {"sessions": {n: s.state() for n, s in self.sessions.items()},
+                "group": {**self.group.to_dict(), "recent_ms": list(self.recent_ms),
+                          "busy_fraction": round(self.group.busy_s / elapsed, 4) if elapsed > 0 else 0.0},
+                **self.health()}
 
     def _loop(self) -> None:
         try:
             self._serve()
         except Exception as e:  # a bug here must not leave peers waiting: everyone hears of it
-            self.failed = self.failed or f"the data plane's thread on rank 0 failed: {type(e).__name__}: {e}"
             logger.exception("data plane of %s failed", self.name)
-            for session in list(self.sessions.values()):
-                with contextlib.suppress(Exception):
-                    self._end(session, Failure.GROUP_FAILED, self.failed)
+            with contextlib.suppress(Exception):
+                self._fail_group(Failure.GROUP_FAILED,
+                                 f"the data plane's thread on rank 0 failed: {type(e).__name__}: {e}")
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            for key, _ in self._selector.select(self._next_deadline()):
+            for key, _ in self._selector.select(0 if self.ready else self._next_deadline()):
                 if key.data is None:
                     self._drain_wake()
                 elif key.data == "closing":
                     self._drain_closed(key.fileobj)
+                elif key.data == "watcher":
+                    self._drop_watcher(key.fileobj)
                 else:
                     session, index = key.data
                     if session.sockets[index] is key.fileobj:
                         self._read(session, index)
                     else:  # its session ended earlier in this round
                         self._drain_closed(key.fileobj)
+            if self.ready:
+                self._run_ready()
             self._check_stalls()
+            self._check_ranks()
+            self._push_counts()
         for session in list(self.sessions.values()):
             self._end(session, Failure.SESSION_ENDED, "the rank is shutting down")
 
     def _next_deadline(self) -> float | None:
         now = time.monotonic()
         deadlines = [s.deadline() for s in self.sessions.values() if s.waiting()]
+        deadlines += [d for d in (s.linger_deadline() for s in self.sessions.values()) if d is not None]
         deadlines += list(self._closing.values())
+        if self.world > 1 and self.failed is None:
+            deadlines.append(self._beat_at)
+        if self._dirty and self.watchers:
+            deadlines.append(self._pushed_at + EVENTS_PUSH_S)
         return None if not deadlines else max(0.0, min(deadlines) - now)
 
     def _drain_wake(self) -> None:
@@ -417,8 +573,9 @@ class GroupHost:
         self._run_if_complete(session)
 
     def _run_if_complete(self, session: Session) -> None:
-        if session.pending and not session.ended and session.expected() <= set(session.pending):
-            self._run_layer(session)
+        """A complete layer joins the ready queue (it runs in ``_run_ready``, in arrival order)."""
+        if session.complete() and session not in self.ready:
+            self.ready.append(session)
 
     def _fault(self, session: Session, index: int, failure: Failure, reason: str) -> None:
         """A peer's own fault: a strict session ends for all; an elastic one drops that peer alone."""
@@ -429,6 +586,8 @@ class GroupHost:
         if sock is not None:
             self._close_peer(sock, frames.error_text(failure.value, reason, index))
             session.sockets[index] = None
+            if not session.joined():
+                session.alone_since = time.monotonic()
         session.active.discard(index)
         session.pending.pop(index, None)
         session.held.pop(index, None)
@@ -444,6 +603,11 @@ class GroupHost:
     def _check_stalls(self) -> None:
         now = time.monotonic()
         for session in list(self.sessions.values()):
+            linger = session.linger_deadline()
+            if linger is not None and now >= linger:
+                self._end(session, Failure.SESSION_ENDED, f"session {session.name!r} had no connected peer "
+                          f"for {session.linger_s:g} s (its linger_s)")
+                continue
             if session.waiting() and now >= session.deadline() and not session.pending:
                 for i in sorted(session.active):  # mid-step, and silent since the last layer
                     self._fault(session, i, Failure.PEER_STALLED, f"peer {i} of session {session.name!r} "
@@ -471,9 +635,99 @@ class GroupHost:
             if now >= deadline:
                 self._forget(sock)
 
-    # -- one layer ------------------------------------------------------------------------
+    # -- liveness and events ---------------------------------------------------------------
 
-    def _run_layer(self, session: Session) -> None:
+    def _check_ranks(self) -> None:
+        """Heartbeat: with no batch for ``heartbeat_s``, every other rank must answer a PING within
+        the rest of the call bound; else the group is broken (with no layer in flight)."""
+        if self.world == 1 or self.failed is not None or not self.linked.is_set() \
+                or time.monotonic() < self._beat_at:
+            return
+        try:
+            self._collect_done()
+            for rank in range(1, self.world):
+                frames.send(self.links[rank], Kind.PING)
+            for rank in range(1, self.world):
+                link = self.links[rank]
+                link.settimeout(max(self.call_s - self.heartbeat_s, 0.1))
+                try:
+                    pong = frames.recv(link)
+                finally:
+                    link.settimeout(self.call_s)
+                if pong.kind is not Kind.PONG:
+                    raise RuntimeError(f"rank {rank} answered a heartbeat with a {pong.kind.name} message")
+        except TimeoutError as e:
+            self._fail_group(Failure.GROUP_TIMEOUT, f"a rank did not answer rank 0's heartbeat within "
+                             f"{self.call_s - self.heartbeat_s:.0f} s ({e})")
+            return
+        except (frames.ConnectionLost, OSError, RuntimeError) as e:
+            self._fail_group(Failure.GROUP_FAILED, f"a rank is gone: its link to rank 0 broke ({e})")
+            return
+        self._beat_at = time.monotonic() + self.heartbeat_s
+
+    def _fail_group(self, failure: Failure, reason: str) -> None:
+        """The group is broken: every session ends with ``failure``, new ones are refused, and the
+        replica hears it (it turns unhealthy; Serve replaces it)."""
+        if self.failed is None:
+            self.failed, self.failure = reason, failure
+            logger.error("data plane of %s: the group is broken: %s", self.name, reason)
+            self._push({"event": "failed", "failure": failure.value, "reason": reason})
+        for session in list(self.sessions.values()):
+            self._end(session, failure, self.failed)
+
+    def _push(self, event: dict[str, Any]) -> None:
+        text = json.dumps(event)
+        for sock in list(self.watchers):
+            try:
+                frames.send(sock, Kind.EVENT, text=text)
+            except OSError:
+                self._drop_watcher(sock)
+
+    def _push_counts(self) -> None:
+        """Changed sessions' counts, at most every ``EVENTS_PUSH_S`` (nothing while idle)."""
+        now = time.monotonic()
+        if not self._dirty or now < self._pushed_at + EVENTS_PUSH_S:
+            return
+        if self.watchers:
+            states = {n: self.sessions[n].state() for n in self._dirty if n in self.sessions}
+            self._push({"event": "counts", "sessions": states, "group": self.group.to_dict()})
+        self._dirty.clear()
+        self._pushed_at = now
+
+    def _drop_watcher(self, sock: Any) -> None:
+        with contextlib.suppress(ValueError):
+            self.watchers.remove(sock)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
+        sock.close()
+
+    # -- running ready layers ----------------------------------------------------------------
+
+    def _run_ready(self) -> None:
+        """One forward: the oldest ready layer, with every other ready layer of the same MoE layer
+        that fits beside it (no router logits, within the group's forward limit)."""
+        session = self.ready.popleft()
+        if not session.complete():
+            return
+        layer, rows, logits = pending_shape(session)
+        batch = [session]
+        if not logits:
+            room = self.compute.forward_limit() - rows
+            for other in list(self.ready):
+                if not other.complete():
+                    continue
+                its_layer, its_rows, its_logits = pending_shape(other)
+                if its_layer == layer and not its_logits and its_rows <= room:
+                    self.ready.remove(other)
+                    batch.append(other)
+                    room -= its_rows
+        prepared = [p for p in map(self._prepare, batch) if p is not None]
+        if prepared:
+            self._run_batch(prepared)
+
+    def _prepare(self, session: Session) -> Prepared | None:
+        """Take a ready session's layer: its checked parts, or None when it was answered here (a
+        strict session's FAIL, peers out of step)."""
         peers = sorted(session.pending)  # every peer, or (elastic) the step's active ones
         parts = {i: session.pending[i] for i in peers}
         session.pending = {}
@@ -482,7 +736,7 @@ class GroupHost:
             sent = {i: frame.layer for i, (frame, _) in parts.items()}
             self._end(session, Failure.OUT_OF_STEP, f"the peers of session {session.name!r} sent different "
                       f"layers: {sent}", peer=None)
-            return
+            return None
         layer = layers.pop()
         failed = {i: frame.text for i, (frame, _) in parts.items() if frame.kind is Kind.FAIL}
         if failed and not session.elastic:  # the others' steps depend on it: the layer ends for all
@@ -491,10 +745,8 @@ class GroupHost:
                                      f"failed layer {layer}: {why}", i)
             session.layers += 1
             self._answer_all(session, peers, lambda _i: (Kind.ERROR, text, None), layer)
-            return
-        if self.failed is not None:
-            self._end(session, Failure.GROUP_FAILED, self.failed)
-            return
+            self._after_layer(session, parts)
+            return None
         checked: dict[int, Any] = {}
         for i, (frame, logits) in parts.items():
             what = "hidden_states" if session.peers == 1 else f"hidden_states of peer {i}"
@@ -511,31 +763,60 @@ class GroupHost:
             except ValueError as e:
                 checked[i] = e
         good = [(i, c) for i, c in checked.items() if not isinstance(c, Exception) and c[1].shape[0]]
-        sizes = [0 if isinstance(c, Exception) else c[1].shape[0] for c in checked.values()]
-        try:
-            out, tail, seconds = self._forward(layer, good)
-        except Exception as e:
-            self.failed = self.failed or f"the layer {layer} forward failed on the group: {e}"
-            for s in list(self.sessions.values()):
-                self._end(s, Failure.GROUP_FAILED, self.failed)
+        flags = [frame.flags for frame, _ in parts.values()]
+        return Prepared(session, layer, peers, parts, checked, good, all(f & frames.NEW_STEP for f in flags),
+                        all(f & frames.END_STEP for f in flags))
+
+    def _run_batch(self, batch: list[Prepared]) -> None:
+        """One forward of every prepared layer's good parts; each peer answered its slice."""
+        if self.failed is not None:
+            for prep in batch:
+                self._end(prep.session, self.failure or Failure.GROUP_FAILED, self.failed)
             return
-        starts = dict(zip(peers, np.cumsum([0, *sizes]).tolist(), strict=False))
-        sizes_of = dict(zip(peers, sizes, strict=True))
-
-        def answer(i: int) -> tuple[Kind, str, WireTensor | None]:
-            error = checked[i]
-            if isinstance(error, Exception):
-                failure = Failure.INPUT if isinstance(error, ValueError) else Failure.PEER_FAILED
-                return Kind.ERROR, frames.error_text(failure.value, str(error), i, type(error).__name__), None
-            return Kind.RESULT, tail, out.part(starts[i], starts[i] + sizes_of[i])
-
-        # Counted before the answers go: a peer that reads the counts after its result sees them.
-        session.layers += 1
+        good = [c for prep in batch for c in prep.good]
+        try:
+            out, tail, seconds = self._forward(batch[0].layer, good)
+        except Exception as e:
+            timeout = isinstance(e, TimeoutError)
+            self._fail_group(Failure.GROUP_TIMEOUT if timeout else Failure.GROUP_FAILED,
+                             f"the layer {batch[0].layer} forward failed on the group: {e}")
+            return
         if good:
-            new_step = all(frame.flags & frames.NEW_STEP for frame, _ in parts.values())
-            sizes = [sizes_of[i] for i, _ in good]
-            self.compute.counted(session.number, layer, sizes, tail, seconds, new_step)
-        self._answer_all(session, peers, answer, layer)
+            self.group.add(batch[0].layer, [part[1].shape[0] for _, part in good], tail, seconds,
+                           all(p.new_step for p in batch))
+            self.recent_ms.append(round(seconds * 1e3, 3))
+        start = 0
+        for prep in batch:
+            session = prep.session
+            sizes = {i: (0 if isinstance(c, Exception) else c[1].shape[0]) for i, c in prep.checked.items()}
+            starts, at = {}, start
+            for i in prep.peers:
+                if not isinstance(prep.checked[i], Exception) and sizes[i]:
+                    starts[i] = at
+                    at += sizes[i]
+            start = at
+
+            def answer(i: int, prep: Prepared = prep, starts: dict = starts, sizes: dict = sizes
+                       ) -> tuple[Kind, str, WireTensor | None]:
+                error = prep.checked[i]
+                if isinstance(error, Exception):
+                    failure = Failure.INPUT if isinstance(error, ValueError) else Failure.PEER_FAILED
+                    text = frames.error_text(failure.value, str(error), i, type(error).__name__)
+                    return Kind.ERROR, text, None
+                if not sizes[i]:
+                    return Kind.RESULT, tail, out.part(0, 0)
+                return Kind.RESULT, tail, out.part(starts[i], starts[i] + sizes[i])
+
+            # Counted before the answers go: a peer that reads the counts after its result sees them.
+            session.layers += 1
+            if prep.good:
+                session.counts.add(prep.layer, [c[1].shape[0] for _, c in prep.good], tail, seconds,
+                                   prep.new_step)
+                self._dirty.add(session.number)
+            self._answer_all(session, prep.peers, answer, prep.layer)
+            self._after_layer(session, prep.parts)
+
+    def _after_layer(self, session: Session, parts: dict[int, tuple[Frame, Frame | None]]) -> None:
         session.last_at = time.monotonic()
         if session.elastic and not session.ended:
             session.at_boundary = all(frame.flags & frames.END_STEP for frame, _ in parts.values())
@@ -552,20 +833,25 @@ class GroupHost:
             code = np.dtype(VIEW_AS.get(self.dtype, self.dtype))
             return WireTensor(np.empty((0, self.hidden_size), code), self.dtype), "none", 0.0
         start = time.perf_counter()
-        self._collect_done()
-        x = concat_rows([c[1] for _, c in good])
-        logits = good[0][1][2] if len(good) == 1 else None
-        flags = frames.WITH_LOGITS if logits is not None else 0
-        wire = x.to_wire() if isinstance(x, DeviceRows) and self.world > 1 else x
-        for rank in range(1, self.world):
-            link = self.links[rank]
-            frames.send(link, Kind.BATCH, flags=flags, layer=layer, data=wire)
-            if logits is not None:
-                frames.send(link, Kind.LOGITS, data=WireTensor(logits, "float32"))
-        self._done_owed = self.world > 1
-        results = [self.compute.run(layer, x, logits)]
-        if results[0][1] == "sequence_parallel":
-            results += self._collect_done()
+        self.forward_since = time.monotonic()
+        try:
+            self._collect_done()
+            x = concat_rows([c[1] for _, c in good])
+            logits = good[0][1][2] if len(good) == 1 else None
+            flags = frames.WITH_LOGITS if logits is not None else 0
+            wire = x.to_wire() if isinstance(x, DeviceRows) and self.world > 1 else x
+            for rank in range(1, self.world):
+                link = self.links[rank]
+                frames.send(link, Kind.BATCH, flags=flags, layer=layer, data=wire)
+                if logits is not None:
+                    frames.send(link, Kind.LOGITS, data=WireTensor(logits, "float32"))
+            self._done_owed = self.world > 1
+            results = [self.compute.run(layer, x, logits)]
+            if results[0][1] == "sequence_parallel":
+                results += self._collect_done()
+        finally:
+            self.forward_since = None
+            self._beat_at = time.monotonic() + self.heartbeat_s
         out, tail = join_rank_outputs(results)
         return out, tail, time.perf_counter() - start
 
@@ -625,7 +911,7 @@ class GroupHost:
     def _end_number(self, number: int, failure: Failure, reason: str) -> dict[str, Any] | None:
         session = self.sessions.get(number)
         if session is None:
-            return None
+            return self.ended.get(number)
         self._end(session, failure, reason)
         return session.state()
 
@@ -640,13 +926,21 @@ class GroupHost:
                 self._close_peer(sock, text)
                 session.sockets[i] = None
         session.pending, session.held = {}, {}
+        with contextlib.suppress(ValueError):
+            self.ready.remove(session)
         for i in list(session.channels):
             self._close_channel(session, i)
         self.by_secret.pop(session.secret, None)
         self.sessions.pop(session.number, None)
-        self.ended[session.number] = session.state()
+        self._dirty.discard(session.number)
+        self.ended[session.number] = state = session.state()
         while len(self.ended) > ENDED_KEPT:  # the oldest first (dicts keep insertion order)
             del self.ended[next(iter(self.ended))]
+        if not session.internal:
+            logger.info("data plane of %s: session %s (%r) ended (%s): %s; %d forward(s), %d row(s)",
+                        self.name, session.number, session.name, failure.value, reason,
+                        session.counts.forwards, session.counts.rows)
+        self._push({"event": "ended", "session": session.number, "state": state})
 
     def _close_channel(self, session: Session, index: int) -> None:
         channel = session.channels.pop(index, None)
@@ -693,6 +987,9 @@ class RankLink:
         while True:
             try:
                 batch = frames.recv(self.sock)
+                if batch.kind is Kind.PING:  # rank 0's heartbeat while the group is idle
+                    frames.send(self.sock, Kind.PONG)
+                    continue
                 logits = frames.recv(self.sock).data.array if batch.flags & frames.WITH_LOGITS else None
             except (frames.ConnectionLost, OSError) as e:
                 if self.failed is None:

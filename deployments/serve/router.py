@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import random
 
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import PendingRequest, RunningReplica
+from ray.serve.request_router import FIFOMixin, LocalityMixin, PendingRequest, RequestRouter, RunningReplica
 
 
 def healthy(replica: RunningReplica) -> bool:
@@ -44,12 +43,16 @@ def steer(candidates: list[RunningReplica], avoid: str | None) -> list[RunningRe
     return None if len(usable) == len(candidates) else usable
 
 
-class HealthyReplicaRouter(PowerOfTwoChoicesRequestRouter):
+class HealthyReplicaRouter(FIFOMixin, LocalityMixin, RequestRouter):
+    """Power of two choices (Serve's default, built here on its public router API) among the
+    replicas :func:`steer` leaves, or among Serve's locality preference when it leaves them all."""
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        usable = steer(candidate_replicas, avoided(pending_request))
-        if usable is None:
-            return await super().choose_replicas(candidate_replicas, pending_request)
-        # Two random usable replicas; Serve then takes the one with the shorter queue.
-        return [random.sample(usable, min(2, len(usable)))]
+        pool = steer(candidate_replicas, avoided(pending_request))
+        if pool is None:  # same node first, then same zone, then any (Serve's LocalityMixin)
+            near = self.apply_locality_routing(pending_request)
+            pool = [r for r in candidate_replicas if r.replica_id in near] or candidate_replicas
+        # Two random replicas; Serve then takes the one with the shorter queue.
+        return [random.sample(pool, min(2, len(pool)))]

@@ -15,13 +15,13 @@ from dataclasses import replace
 from typing import Any
 
 import ray
-from ray.serve._private.constants import SERVE_NAMESPACE
 
 from moe_runtime.logs import log_once
 from moe_runtime.tp.plan import Clock, TailPlan, Timings
 
 from .. import logger
 from ..cluster import kv
+from ..common.private_api import SERVE_NAMESPACE
 from ..control.decide import MEASURED, REUSED, Decision, TailDecision, measured_plan
 from ..control.warmup import plan_key, plan_key_fields
 

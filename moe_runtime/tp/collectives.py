@@ -14,6 +14,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from ..private_api import set_default_group_timeout
+
 # Newer torch names these *_single and deprecates the old names; the ROCm image of
 # cluster.yaml ships an older torch that has only the old ones.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -91,11 +93,7 @@ class Collectives:
         if collective_timeout_s <= 0:
             raise ValueError(f"collective timeout must be positive seconds, got {collective_timeout_s}")
         dist.barrier()
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective_timeout_s))
-
-    @classmethod
-    def from_default_group(cls, device: torch.device | str = "cpu") -> Collectives:
-        return cls(dist.get_rank(), dist.get_world_size(), device)
+        set_default_group_timeout(datetime.timedelta(seconds=collective_timeout_s))
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self._count("all_reduce", t)
