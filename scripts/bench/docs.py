@@ -202,14 +202,19 @@ Raw results and plots go to `artifacts/`, which is not committed.
 """
 
 
+def index_rows(pages: Path = PAGES) -> list[list[str]]:
+    """The index's rows, each as its cells: benchmark link, target, measured, verdict, date, machine."""
+    index = pages / INDEX
+    return [_cells(line) for line in (index.read_text().splitlines() if index.exists() else [])
+            if line.startswith("| [")]
+
+
 def update_index(pages: Path, name: str, targets: Sequence[Target], date: str, machine: str) -> None:
     """Replace ``name``'s rows of the index in ``pages`` with ``targets`` (measured at ``date`` on
     ``machine``), and drop the rows of pages that are gone; the index lists every page, those
     without a target below its table."""
-    index = pages / INDEX
     link = f"[{name}]({name}.md)"
-    rows = [_cells(line) for line in (index.read_text().splitlines() if index.exists() else [])
-            if line.startswith("| [")]
+    rows = index_rows(pages)
     # A retired benchmark's page is deleted with its script: its rows go with it.
     rows = [r for r in rows if r[0] != link and (pages / re.sub(r".*\((.*)\)", r"\1", r[0])).is_file()]
     rows += [[link, t.target, t.measured, verdict_word(t.met), date, machine] for t in targets]
@@ -220,7 +225,7 @@ def update_index(pages: Path, name: str, targets: Sequence[Target], date: str, m
     text = INDEX_HEAD + "\n".join(_row(r) for r in rows) + "\n"
     if others:
         text += "\nPages without a target: " + ", ".join(others) + ".\n"
-    index.write_text(text)
+    (pages / INDEX).write_text(text)
 
 
 def publish(section: str, name: str, targets: Sequence[Target], record: dict[str, Any],
