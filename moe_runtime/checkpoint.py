@@ -38,7 +38,7 @@ from tqdm import tqdm
 from . import mxfp4
 from .config import LatentMoEConfig
 from .tp.sharding import Split, TPShard
-from .units import DENSE, EXPERT_FORMATS, MXFP4, format_layers
+from .units import DENSE, EXPERT_FORMATS, MXFP4, SAFETENSORS_CODES, format_layers, torch_dtype
 from .weights import ExpertWeights, LayerWeights
 
 PREFIXES = (
@@ -49,12 +49,8 @@ PREFIXES = (
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# safetensors dtype names -> torch dtypes (the ones a checkpoint of this model may hold)
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+# safetensors dtype codes -> torch dtypes (the ones a checkpoint of this model may hold)
+ST_DTYPES = {code: torch_dtype(name) for name, code in SAFETENSORS_CODES.items()}
 # ``read_many``'s unit of work per thread (between the two), and how far ahead it asks the kernel
 # to read.
 READAHEAD_BYTES = 64 * 2**20

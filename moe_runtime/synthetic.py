@@ -20,7 +20,7 @@ from tqdm import tqdm
 from . import mxfp4
 from .checkpoint import INDEX_FILE, SINGLE_FILE
 from .config import LatentMoEConfig
-from .units import torch_dtype
+from .units import SAFETENSORS_CODES, dtype_name, torch_dtype
 
 _K3_COMMON: dict[str, Any] = {
     "routed_scaling_factor": 1.0,
@@ -99,8 +99,6 @@ def preset_config(preset: str, **overrides: Any) -> dict[str, Any]:
 
 # A tensor to write: its name, dtype, shape, and how to make it (called once, in file order).
 Planned = tuple[str, torch.dtype, tuple[int, ...], Callable[[], torch.Tensor]]
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8"}
 
 
 def random_mxfp4(rows: int, cols: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,7 +189,8 @@ def write_safetensors(path: Path, items: list[Planned], bar: tqdm | None = None)
         name, dtype, shape, _ = item
         size = _nbytes(item)
         span = [offset, offset + size]
-        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": span}
+        header[name] = {"dtype": SAFETENSORS_CODES[dtype_name(dtype)], "shape": list(shape),
+                        "data_offsets": span}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned

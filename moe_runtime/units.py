@@ -17,6 +17,16 @@ GB = 10**9
 # only check or route (the HTTP ingress, the app builder) need no torch.
 DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 SERVED_DTYPES = ("float32", "bfloat16")
+# The dtypes of stored and sent tensors, by the same names. safetensors' codes -> names: numpy
+# holds each (bfloat16 as its bits, VIEW_AS); the float8 ones only checkpoints hold.
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                      "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                      "BOOL": "bool"}
+SAFETENSORS_FLOAT8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+SAFETENSORS_CODES = {name: code for code, name in (SAFETENSORS_DTYPES | SAFETENSORS_FLOAT8).items()}
+VIEW_AS = {"bfloat16": "int16"}  # a dtype numpy lacks -> the dtype its bits travel as (both names)
+# The data plane's one-byte dtype codes: a dtype's index here. Append only (peers may be older).
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int16", "int32", "int64", "uint8")
 MXFP4, DENSE = "mxfp4", "dense"  # how a layer's routed experts are stored
 EXPERT_FORMATS = (MXFP4, DENSE)
 # The parts a rank's resident bytes are reported in (and the memory planner predicts).
@@ -65,9 +75,11 @@ def check_mxfp4_scale_rule(
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype ``name`` names: a compute dtype (ValueError for another name), or one a
+    tensor file or the wire holds."""
     import torch
 
-    return getattr(torch, check_dtype(name))
+    return getattr(torch, name if name in SAFETENSORS_CODES else check_dtype(name))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

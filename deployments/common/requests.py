@@ -16,7 +16,7 @@ import numpy as np
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.inputs import logits_shape_problem, not_finite, not_floating, rows_problem, wrong_dtype
-from moe_runtime.units import dtype_name
+from moe_runtime.units import dtype_name, torch_dtype
 
 from .errors import ServeInputError, TooLargeError, UnknownLayerError
 from .wire import FLOAT_DTYPES, DeviceRows, WireTensor
@@ -34,7 +34,7 @@ def as_rows(value: Any, what: str, dtype: str, on_device: bool = False) -> WireT
     if isinstance(value, WireTensor | DeviceRows):
         return value
     if is_torch_tensor(value):
-        if value.dtype is not getattr(sys.modules["torch"], dtype):  # numpy may not hold it either
+        if value.dtype is not torch_dtype(dtype):  # numpy may not hold it either
             raise ServeInputError(wrong_dtype(what, dtype_name(value.dtype), dtype))
         return DeviceRows(value.detach().contiguous(), dtype) if on_device else WireTensor.from_torch(value)
     if isinstance(value, np.ndarray):

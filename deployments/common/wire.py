@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moe_runtime.units import dtype_name
+from moe_runtime.units import VIEW_AS, dtype_name, torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
-VIEW_AS = {"bfloat16": "int16"}  # a dtype numpy lacks -> the dtype its bits travel as (both names)
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _BF16_NAN = 0x7FC0
 _BF16_EXPONENT = 0x7F80
@@ -36,12 +35,11 @@ class WireTensor:
 
     @classmethod
     def from_torch(cls, t: torch.Tensor) -> WireTensor:
-        import torch
 
         t = t.detach().cpu().contiguous()
         name = dtype_name(t.dtype)
         view = VIEW_AS.get(name)
-        array = (t.view(getattr(torch, view)) if view is not None else t).numpy()
+        array = (t.view(torch_dtype(view)) if view is not None else t).numpy()
         return cls(array, name)
 
     def to_torch(self, writable: bool = True) -> torch.Tensor:
@@ -60,9 +58,8 @@ class WireTensor:
         return self._view(torch.from_numpy(array))
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
-        import torch
 
-        return t.view(getattr(torch, self.dtype)) if self.dtype in VIEW_AS else t
+        return t.view(torch_dtype(self.dtype)) if self.dtype in VIEW_AS else t
 
     @classmethod
     def from_float32(cls, array: np.ndarray, dtype: str) -> WireTensor:

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from moe_runtime.units import WIRE_DTYPES
+
 from ..common.wire import DeviceRows, WireTensor
 
 HANDSHAKE_S = 5.0  # a new connection must prove its secret within this
@@ -65,7 +67,7 @@ class Role(enum.IntEnum):
 
 
 # The arrays' dtypes on the wire (a WireTensor's dtype name; bfloat16 travels as int16 bits).
-_DTYPES = ("float32", "bfloat16", "float16", "float64", "int16", "int32", "int64", "uint8")
+_DTYPES = WIRE_DTYPES
 _CODE = {name: i for i, name in enumerate(_DTYPES)}
 _NUMPY = {"bfloat16": np.int16}
 

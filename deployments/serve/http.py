@@ -49,7 +49,7 @@ from safetensors import deserialize as st_deserialize
 from safetensors import serialize as st_serialize
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moe_runtime.units import format_layers
+from moe_runtime.units import SAFETENSORS_DTYPES, VIEW_AS, format_layers
 
 from .. import logger
 from ..cluster import kv
@@ -65,14 +65,11 @@ from ..common.errors import (
 )
 from ..common.layer_routing import LayerRoutes
 from ..common.retry import call_with_retry_async
-from ..common.wire import VIEW_AS, WireTensor
+from ..common.wire import WireTensor
 from ..config.timeouts import INGRESS_HEALTH_S
 
 SAFETENSORS_MEDIA_TYPE = "application/octet-stream"
 INPUT_TENSORS = ("hidden_states", "router_logits")
-# safetensors dtype codes the ingress reads -> torch dtype names (the deployments check which they serve)
-ST_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                  "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 HTTP_TOKEN_ENV = "LMS_HTTP_TOKEN"
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -210,7 +207,7 @@ def decode_body(body: bytes) -> tuple[np.ndarray | WireTensor, WireTensor | None
 def body_tensor(name: str, entry: dict[str, Any]) -> WireTensor:
     """One deserialized safetensors entry (``dtype`` code, ``shape``, ``data``) over its bytes."""
     code = entry["dtype"]
-    dtype = ST_DTYPE_NAMES.get(code)
+    dtype = SAFETENSORS_DTYPES.get(code)  # the deployments check which they serve
     if dtype is None:
         raise ServeInputError(f"tensor {name!r} has safetensors dtype {code}, which this server does not "
                               "read (hidden_states: F32, or BF16 for bfloat16 deployments)")
