@@ -18,7 +18,7 @@ group awaits its MoE call on the tier, the others run their attention. ``m = 1``
 loop. Rows never interact (attention is per row, the MoE layer per token), so the tokens do
 not depend on ``m``.
 
-The decoder's extra tensors and config fields are those ``moe_runtime.synthetic_decoder``
+The decoder's extra tensors and config fields are those ``examples.synthetic_decoder``
 documents and ``scripts/make_checkpoint.py --decoder`` writes.
 """
 
@@ -37,11 +37,7 @@ import torch.nn.functional as F
 
 from deployments.client import DEFAULT_TIMEOUT_S, AttentionWorker, MoEClient
 from deployments.common.layer_routing import LayerRoutes
-from moe_runtime.activation import GatedActivation
-from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
-from moe_runtime.config import LatentMoEConfig
-from moe_runtime.layer import moe_forward
-from moe_runtime.synthetic_decoder import (
+from examples.synthetic_decoder import (
     ATTENTION,
     DECODER_FIELDS,
     DENSE_MLP,
@@ -49,6 +45,10 @@ from moe_runtime.synthetic_decoder import (
     DecoderLayout,
     check_decoder_fields,
 )
+from moe_runtime.activation import GatedActivation
+from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.layer import moe_forward
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import torch
 
 from deployments.cluster.local import local_serve
 from examples.afd import Decoder, DecoderWorker, LocalMoE, RemoteMoE
+from examples.synthetic_decoder import DECODER_FILE, write_decoder
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.synthetic import preset_config, write_checkpoint
-from moe_runtime.synthetic_decoder import DECODER_FILE, write_decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 

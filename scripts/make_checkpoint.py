@@ -9,8 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.synthetic_decoder import write_decoder  # noqa: E402
 from moe_runtime.synthetic import PRESETS, preset_config, write_checkpoint  # noqa: E402
-from moe_runtime.synthetic_decoder import write_decoder  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-only", action="store_true", help="text-only layout (model.layers.*)")
     ap.add_argument("--decoder", action="store_true",
                     help="also write the client-side decoder (embedding, attention, dense layer, LM head) "
-                         "for examples/afd_demo.py; see moe_runtime/synthetic_decoder.py")
+                         "for examples/afd_demo.py; see examples/synthetic_decoder.py")
     args = ap.parse_args(argv)
     if args.decoder and args.config_only:
         ap.error("--decoder writes weights; it cannot go with --config-only")

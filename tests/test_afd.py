@@ -28,8 +28,8 @@ from waiting import wait_until
 from deployments.app import build_app
 from deployments.config.timeouts import LANE_POLL_S
 from examples.afd import Decoder, LocalMoE, RemoteMoE, split_rows, tier_busy
+from examples.synthetic_decoder import write_decoder
 from moe_runtime.synthetic import preset_config, write_checkpoint
-from moe_runtime.synthetic_decoder import write_decoder
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [100]]

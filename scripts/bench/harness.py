@@ -226,30 +226,23 @@ def cli_forward_ms(checkpoint: str | Path, layer: int, tp: int, T: int, repeat: 
 # -- checkpoints -----------------------------------------------------------------------------------
 
 
-def ensure_checkpoint(path: Path, preset: str, layers: int | None = None, *, mxfp4: bool = False,
-                      decoder: bool = False) -> Path:
+def ensure_checkpoint(path: Path, preset: str, layers: int | None = None, *, mxfp4: bool = False) -> Path:
     """The ``preset`` checkpoint (seed 0) at ``path``, written there when it is missing:
-    ``layers`` hidden layers (layer 0 dense), experts as MXFP4 with ``mxfp4``, and the client-side
-    decoder's tensors (embedding, attention, LM head) with ``decoder``."""
+    ``layers`` hidden layers (layer 0 dense), experts as MXFP4 with ``mxfp4``."""
     from moe_runtime.synthetic import preset_config, write_checkpoint
-    from moe_runtime.synthetic_decoder import DECODER_FILE, write_decoder
 
-    if not (path / (DECODER_FILE if decoder else "config.json")).is_file():
+    if not (path / "config.json").is_file():
         print(f"writing the {preset} checkpoint to {path}", flush=True)
         overrides = {} if layers is None else {"num_hidden_layers": layers}
         write_checkpoint(path, preset_config(preset, **overrides), use_mxfp4=mxfp4, seed=0, progress=True)
-        if decoder:
-            write_decoder(path, seed=0)
     return path
 
 
-def preset_checkpoint(preset: str, layers: int | None = None, *, mxfp4: bool = False,
-                      decoder: bool = False) -> Path:
+def preset_checkpoint(preset: str, layers: int | None = None, *, mxfp4: bool = False) -> Path:
     """The checkpoint under checkpoints/ named for what it holds (``small``, ``small-mxfp4``,
-    ``small-4layers-decoder``), written once and shared by every script that asks for it."""
-    name = "-".join([preset, *([f"{layers}layers"] if layers else []), *(["mxfp4"] if mxfp4 else []),
-                     *(["decoder"] if decoder else [])])
-    return ensure_checkpoint(CHECKPOINTS / name, preset, layers, mxfp4=mxfp4, decoder=decoder)
+    ``small-4layers``), written once and shared by every script that asks for it."""
+    name = "-".join([preset, *([f"{layers}layers"] if layers else []), *(["mxfp4"] if mxfp4 else [])])
+    return ensure_checkpoint(CHECKPOINTS / name, preset, layers, mxfp4=mxfp4)
 
 
 def tiny_app(**spec: Any) -> tuple[dict[str, Any], Any]:

@@ -28,9 +28,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE
-from .config import LatentMoEConfig
-from .units import torch_dtype
+from moe_runtime.checkpoint import INDEX_FILE, SINGLE_FILE
+from moe_runtime.config import LatentMoEConfig
+from moe_runtime.units import torch_dtype
 
 DECODER_FILE = "model-decoder.safetensors"
 DECODER_FIELDS = ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
