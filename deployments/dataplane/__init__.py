@@ -2,5 +2,7 @@
 of its TP groups and back, over authenticated TCP connections with blocking waits.
 
 ``frames`` (messages and admission), ``errors`` (failure kinds and the one action table), ``host``
-(rank 0 gathers, every rank forwards), ``peer`` (tickets and peers). Pure: no Ray, no torch.
+(rank 0 gathers, every rank forwards), ``peer`` (tickets and peers), ``channel`` (rows that stay on
+a device, over a two-member ``torch.distributed`` group). No Ray; torch only in ``channel``, which
+the others import only when a peer joins with a channel (importing them loads no torch).
 """
