@@ -178,17 +178,17 @@ def test_build_failure_is_a_reason_not_an_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv(mxfp4_cpu.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")  # a "compiler" that fails
     monkeypatch.setattr(mxfp4_cpu.shutil, "which", lambda name: "/bin/false" if name else None)
-    mxfp4_cpu._load.cache_clear()
+    mxfp4_cpu._build.cache_clear()
     try:
         lib, why = mxfp4_cpu._load()
         assert lib is None and why
     finally:
-        mxfp4_cpu._load.cache_clear()
+        mxfp4_cpu._build.cache_clear()
     monkeypatch.setenv(mxfp4_cpu.ENV_SWITCH, "0")
     try:
         assert mxfp4_cpu._load() == (None, f"{mxfp4_cpu.ENV_SWITCH}=0 in the environment")
     finally:
-        mxfp4_cpu._load.cache_clear()
+        mxfp4_cpu._build.cache_clear()
 
 
 @needs_kernel
