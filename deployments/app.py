@@ -1,5 +1,7 @@
 """App builder: ``serve run deployments.app:build_app checkpoint=DIR tp_size=2 tail=sharded``
-or ``serve run deployments/configs/local.yaml``.
+or ``serve run deployments/configs/local.yaml``. ``LMS_HTTP_PORT=PORT serve run
+deployments.app:build_app ...`` serves HTTP on PORT (``serve run`` of an import path has no option
+for it; a config file's ``http_options`` does).
 
 Layers: arguments (``deployments.config``) -> the controller's decisions, each concept decided
 once (``deployments.control``, pure) on the cluster the app will run on (``deployments.cluster``)
@@ -11,6 +13,7 @@ build time, with the arithmetic.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,8 @@ from .control.cluster_view import ClusterView
 from .control.decide import Decision, decide
 from .control.serve_options import ingress_options
 from .serve.check_options import check_serve_options
+
+HTTP_PORT_ENV = "LMS_HTTP_PORT"  # the HTTP port of the Serve instance build_app starts
 
 
 def decide_app(
@@ -68,6 +73,8 @@ def build_app(args: AppArgs) -> Application:
 
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     view = current_cluster_view(launcher_files(args.deployments))
+    if port := os.environ.get(HTTP_PORT_ENV):
+        start_serve(port)
     args, resolved, decisions = decide_app(args, view)  # the controller logs each decision once
     groups = {}
     for decision in decisions:
@@ -80,3 +87,13 @@ def build_app(args: AppArgs) -> Application:
     return Ingress.options(**ingress_options(args.ingress_cpus, args.ingress_replicas)).bind(
         groups, routes, max_body, timeout, args.http_token_env, args.http_token_required
     )
+
+
+def start_serve(port: str) -> None:
+    """Start Serve with its HTTP proxy on ``port`` (``serve run`` then uses that instance). A
+    Serve that is already running keeps its port: Serve logs that the new one is not applied."""
+    from ray import serve
+
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{HTTP_PORT_ENV}={port!r} is not a TCP port (1-65535)")
+    serve.start(http_options={"port": int(port)})

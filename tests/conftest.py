@@ -38,21 +38,6 @@ def make_ckpt(tmp_path_factory: pytest.TempPathFactory):
     return make
 
 
-# -- what the run's parallel test processes share ---------------------------------------------
-
-
-@pytest.fixture
-def port_8000() -> Iterator[None]:
-    """Serve's default HTTP port (the only one `serve run <import path>` serves on), held by one
-    test at a time across the run's worker processes."""
-    import fcntl
-    import tempfile
-
-    with open(Path(tempfile.gettempdir()) / "lms-tests-port-8000.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 # -- one Ray instance with Serve per test process ------------------------------------------------
 
 SHARED_RESOURCES = {"num_cpus": 16, "num_gpus": 16}  # logical: enough for every module that shares it

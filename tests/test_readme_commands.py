@@ -40,6 +40,8 @@ SKIP = {
     "serve run deployments/configs/local.yaml": "long-running server (serves until Ctrl-C)",
     "serve run deployments.app:build_app checkpoint=checkpoints/tiny tp_size=2 tail=sharded dtype=float32":
         "long-running server (serves until Ctrl-C); tests/test_serve_cli.py runs serve run",
+    "LMS_HTTP_PORT=8123 serve run deployments.app:build_app checkpoint=checkpoints/tiny dtype=float32":
+        "long-running server (serves until Ctrl-C); tests/test_serve_cli.py serves an import path on a free port",
     "curl -s --data-binary @in.safetensors -o out.safetensors http://127.0.0.1:8000/v1/layers/1/forward":
         _SERVER + " (the README's serve run); tests/test_serve.py posts the same body",
     "curl -s http://127.0.0.1:8000/v1/status | python -m json.tool": _SERVER + " (the README's serve run)",
@@ -74,7 +76,7 @@ SKIP = {
         _REAL + ", long-running server",
     "pip install --no-deps -e /path/to/latent-moe-serve": "installs into a vLLM environment (docs/vllm.md); "
                                                            "scripts/vllm_env.sh does it for the vLLM lane",
-    "python -m deployments.client session --peers 2 --layers 1 2 --max-tokens 64 --idle-after 0.5 "
+    "python -m deployments.client session --peers 2 --layers 1 2 --max-tokens 64 --idle-after 0.2 "
     "--ticket /tmp/ticket.json": _SERVER + " (holds a session until Ctrl-C); tests/vllm_lane runs it",
     "python scripts/make_vllm_model.py --out models/tiny-qwen3-moe": _VLLM,
     "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model models/tiny-qwen3-moe "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +41,6 @@ READY_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 60.0
 
 
-def port_in_use(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
 def wait_ready(proc: subprocess.Popen, port: int, log: Path) -> HTTPMoEClient:
     """An HTTP client of the app once `serve run` (``proc``) answers /healthz; fails if it exits."""
     http = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=30)
@@ -63,7 +57,7 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path) -> HTTPMoEClient:
 def _run_and_check(cmd: list[str], port: int, ckpt: Path, log: Path, gpus: int, measured: bool = False) -> None:
     # RAY_ADDRESS=local: `serve run` starts its own instance, never joins one found on the machine.
     env = {k: v for k, v in os.environ.items() if k != "RAY_OVERRIDE_RESOURCES"}
-    env["RAY_ADDRESS"] = "local"
+    env.update(RAY_ADDRESS="local", LMS_HTTP_PORT=str(port))  # the port of the import-path form
     if gpus:
         env["RAY_OVERRIDE_RESOURCES"] = json.dumps({"GPU": gpus})
     with log.open("w") as out:
@@ -119,10 +113,8 @@ def test_serve_run_local_config_on_a_machine_without_gpus(tiny_ckpt, tmp_path):
     _run_and_check([str(SERVE), "run", str(path)], port, tiny_ckpt, tmp_path / "serve.log", gpus=0)
 
 
-def test_serve_run_import_path(tiny_ckpt, tmp_path, port_8000):
-    if port_in_use(8000):  # the import-path form always serves HTTP on Serve's default port
-        pytest.skip("port 8000 is taken; `serve run <import path>` cannot choose another")
+def test_serve_run_import_path(tiny_ckpt, tmp_path):
     # tail=auto: also exercises the controller's warm-up measurement and CLI string coercion.
     cmd = [str(SERVE), "run", "deployments.app:build_app", f"checkpoint={tiny_ckpt}", "tp_size=2",
            "tail=auto", "auto_tune_tokens=1,64", "layers=1-2", "max_batch_tokens=64", "ingress_replicas=1"]
-    _run_and_check(cmd, 8000, tiny_ckpt, tmp_path / "serve.log", gpus=2, measured=True)
+    _run_and_check(cmd, free_port(), tiny_ckpt, tmp_path / "serve.log", gpus=2, measured=True)
