@@ -165,24 +165,6 @@ def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: in
 # -- report -----------------------------------------------------------------------------------
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    fig, (ax1, ax2) = harness.pyplot().subplots(1, 2, figsize=(11, 4))
-    big = [r for r in results["scenarios"] if r["scenario"] == "large"]
-    T = big[0]["tokens_per_request"] if big else None
-    names = ["in-process"] + [r["path"] for r in big]
-    values = [results["inprocess"][str(T)]["tokens_per_s"] if T else 0] + [r["tokens_per_s"] for r in big]
-    ax1.bar(names, values, color=["gray"] + ["C0"] * len(big))
-    ax1.set_title(f"{T}-token requests, TP {results['env']['tp_size']}")
-    ax1.set_ylabel("tokens/s")
-    small = [r for r in results["scenarios"] if r["scenario"] == "batching"]
-    ax2.bar([f"{r['deployment']}\n{r['path']}" for r in small], [r["tokens_per_s"] for r in small],
-            color=["C1" if r["deployment"] == "batched" else "C3" for r in small])
-    ax2.set_title("32 concurrent 16-token clients")
-    ax2.set_ylabel("tokens/s")
-    fig.suptitle(f"latent-MoE serving, {results['env']['preset']} preset, {results['env']['cpus']} CPUs")
-    harness.save_figure(fig, path)
-
-
 def index_rows(results: dict[str, Any]) -> list[Target]:
     t = results["targets"]
     handle = f"handle path / in-process tokens/s, {t['large_tokens']}-token requests"
@@ -198,7 +180,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
             f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on "
             f"logical GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, "
             f"TP ranks +{env['worker_nice_increment']}. Closed loop: each client sends its next request "
-            f"when the previous answer arrives; {env['duration_s']} s per row", json_path, png_path),
+            f"when the previous answer arrives; {env['duration_s']} s per row", json_path),
         "",
         "In-process runner (moe_runtime `local_group`, no Ray), same TP size and batch sizes:",
         "",
@@ -267,7 +249,7 @@ def computed_notes(results: dict[str, Any]) -> str:
 # -- main -------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> Any:
     ap = harness.bench_parser(__doc__, "serve", quick="short windows; only the two target scenarios")
     ap.add_argument("--preset", default="small", choices=["tiny", "small"])
     ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
@@ -284,87 +266,76 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-nice-increment", type=int, default=10,
                     help="DeploymentSpec.worker_nice_increment of the TP ranks (CPU serving); the "
                          "batching pair is measured again at 0 for comparison")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.duration = min(args.duration, 5.0)
+    return ap
 
-    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
-    H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
-    mbt = {"batched": args.max_batch_tokens, "unbatched": 16}
-    results: dict[str, Any] = {
-        "argv": args.argv,
-        "env": harness.machine_record(
-            with_ray=True, preset=args.preset, hidden_size=H, dtype=args.dtype, tp_size=args.tp,
-            tail=args.tail, duration_s=args.duration, worker_niceness=args.worker_niceness,
-            worker_nice_increment=args.worker_nice_increment),
-        "max_batch_tokens": mbt,
-        "scenarios": [],
-    }
 
+def scenarios(args: Any) -> list[tuple[str, str, str, int, int]]:
+    """(name, path, deployment, clients, tokens per request) of each closed-loop row."""
+    plan = [("large", p, "batched", args.large_clients, args.large_tokens) for p in ("handle", "app", "http")]
+    plan += [("batching", "handle", d, 32, 16) for d in ("batched", "unbatched")]
+    if not args.quick:
+        plan += [("batching", "http", "batched", 32, 16), ("mid", "handle", "batched", 8, 512),
+                 ("latency", "handle", "batched", 1, 16), ("latency", "http", "batched", 1, 16)]
+    return plan
+
+
+def measure(args: Any, ckpt: Path, H: int, mbt: dict[str, int]) -> tuple[dict[str, Any], list[dict]]:
+    """The in-process baseline by T, and every served row (the batching pair again at nice 0)."""
     sizes = sorted({16, 512, args.large_tokens})
-    serving = harness.local_serve(num_cpus=4, num_gpus=4 * args.tp, worker_niceness=args.worker_niceness)
-    with serving as base_url:
-        common = {"tp_size": args.tp, "tail": args.tail, "dtype": args.dtype, "layers": [LAYER],
-                  "max_tokens_per_request": max(args.large_tokens, 4096), "max_ongoing_requests": 128,
-                  "worker_nice_increment": args.worker_nice_increment}
-        app_args = {
-            "checkpoint": str(ckpt), **common,
-            "deployments": [
-                {"name": "batched", "max_batch_tokens": mbt["batched"], "batch_wait_timeout_s": 0.005},
-                {"name": "unbatched", "max_batch_tokens": mbt["unbatched"], "batch_wait_timeout_s": 0.0},
-            ],
-        }
-        start = time.perf_counter()
+    common = {"tp_size": args.tp, "tail": args.tail, "dtype": args.dtype, "layers": [LAYER],
+              "max_tokens_per_request": max(args.large_tokens, 4096), "max_ongoing_requests": 128,
+              "worker_nice_increment": args.worker_nice_increment}
+    app_args = {"checkpoint": str(ckpt), **common, "deployments": [
+        {"name": "batched", "max_batch_tokens": mbt["batched"], "batch_wait_timeout_s": 0.005},
+        {"name": "unbatched", "max_batch_tokens": mbt["unbatched"], "batch_wait_timeout_s": 0.0}]}
+    with harness.local_serve(num_cpus=4, num_gpus=4 * args.tp, worker_niceness=args.worker_niceness) as url:
         harness.deploy(app_args, APP)
-        print(f"app up in {time.perf_counter() - start:.1f} s; in-process baseline at T = {sizes}",
-              flush=True)
-        results["inprocess"] = {
-            str(T): v for T, v in inprocess_baseline(
-                str(ckpt), args.tp, args.tail, args.dtype, sizes, min(args.duration, 5.0)
-            ).items()
-        }
-        for T, v in results["inprocess"].items():
-            print(f"  in-process T={T:>5}: {v['forward_ms']:8.1f} ms/forward {v['tokens_per_s']:9.0f} tok/s")
-
-        plan = [("large", p, "batched", args.large_clients, args.large_tokens)
-                for p in ("handle", "app", "http")]
-        plan += [("batching", "handle", d, 32, 16) for d in ("batched", "unbatched")]
-        if not args.quick:
-            plan += [("batching", "http", "batched", 32, 16), ("mid", "handle", "batched", 8, 512),
-                     ("latency", "handle", "batched", 1, 16), ("latency", "http", "batched", 1, 16)]
-        for name, path, dep, clients, tokens in plan:
-            results["scenarios"].append(
-                run_scenario(name, path, dep, clients, tokens, args.duration, H, base_url)
-            )
+        print(f"app up; in-process baseline at T = {sizes}", flush=True)
+        inprocess = {str(T): v for T, v in inprocess_baseline(
+            str(ckpt), args.tp, args.tail, args.dtype, sizes, min(args.duration, 5.0)).items()}
+        rows = [run_scenario(*row, args.duration, H, url) for row in scenarios(args)]
         if args.worker_nice_increment:
             print("redeploying with worker_nice_increment 0", flush=True)
             harness.deploy({**app_args, "worker_nice_increment": 0}, APP)
-            for dep in ("batched", "unbatched"):
-                results["scenarios"].append(
-                    run_scenario("batching-nice0", "handle", dep, 32, 16, args.duration, H, base_url)
-                )
+            rows += [run_scenario("batching-nice0", "handle", dep, 32, 16, args.duration, H, url)
+                     for dep in ("batched", "unbatched")]
+    return inprocess, rows
 
-    def find(scenario: str, path: str, dep: str) -> dict[str, Any]:
-        return next(r for r in results["scenarios"]
+
+def targets_of(results: dict[str, Any], large_tokens: int) -> dict[str, Any]:
+    def tokens_per_s(scenario: str, path: str, dep: str) -> float:
+        return next(r["tokens_per_s"] for r in results["scenarios"]
                     if (r["scenario"], r["path"], r["deployment"]) == (scenario, path, dep))
 
-    results["env"]["loadavg_after"] = harness.loadavg()
-    inproc = results["inprocess"][str(args.large_tokens)]["tokens_per_s"]
-    results["targets"] = {
-        "large_tokens": args.large_tokens,
-        "handle_vs_inprocess": verdict(find("large", "handle", "batched")["tokens_per_s"] / inproc, ">=",
-                                       0.8),
-        "app_vs_inprocess": find("large", "app", "batched")["tokens_per_s"] / inproc,
-        "http_vs_inprocess": find("large", "http", "batched")["tokens_per_s"] / inproc,
-        "batching_speedup": verdict(find("batching", "handle", "batched")["tokens_per_s"]
-                                    / find("batching", "handle", "unbatched")["tokens_per_s"], ">=", 3),
-    }
-    if args.worker_nice_increment:
-        results["targets"]["batching_speedup_nice0"] = (
-            find("batching-nice0", "handle", "batched")["tokens_per_s"]
-            / find("batching-nice0", "handle", "unbatched")["tokens_per_s"]
-        )
-    write_results(results, args.out, "serve", plot, markdown, index_rows, args.docs)
+    inproc = results["inprocess"][str(large_tokens)]["tokens_per_s"]
+    t = {"large_tokens": large_tokens,
+         "handle_vs_inprocess": verdict(tokens_per_s("large", "handle", "batched") / inproc, ">=", 0.8),
+         "app_vs_inprocess": tokens_per_s("large", "app", "batched") / inproc,
+         "http_vs_inprocess": tokens_per_s("large", "http", "batched") / inproc,
+         "batching_speedup": verdict(tokens_per_s("batching", "handle", "batched")
+                                     / tokens_per_s("batching", "handle", "unbatched"), ">=", 3)}
+    if any(r["scenario"] == "batching-nice0" for r in results["scenarios"]):
+        t["batching_speedup_nice0"] = (tokens_per_s("batching-nice0", "handle", "batched")
+                                       / tokens_per_s("batching-nice0", "handle", "unbatched"))
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.duration = min(args.duration, 5.0)
+    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
+    H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
+    mbt = {"batched": args.max_batch_tokens, "unbatched": 16}
+    env = harness.machine_record(
+        with_ray=True, preset=args.preset, hidden_size=H, dtype=args.dtype, tp_size=args.tp, tail=args.tail,
+        duration_s=args.duration, worker_niceness=args.worker_niceness,
+        worker_nice_increment=args.worker_nice_increment)
+    inprocess, rows = measure(args, ckpt, H, mbt)
+    results = {"argv": args.argv, "env": dict(env, loadavg_after=harness.loadavg()), "max_batch_tokens": mbt,
+               "inprocess": inprocess, "scenarios": rows}
+    results["targets"] = targets_of(results, args.large_tokens)
+    write_results(results, args.out, "serve", None, markdown, index_rows, args.docs)
     return 0
 
 

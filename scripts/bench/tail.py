@@ -15,7 +15,7 @@ replay's and the stage breakdown is that same replay's, so the stages of a row n
 more than its total (``other`` is the rest: Python between the marks).
 
 The load average before and after the run goes into the JSON (the machine may be shared; a run
-started on a loaded machine is labelled contended). Writes JSON + PNG under --out, its page,
+started on a loaded machine is labelled contended). Writes JSON under --out, its page,
 docs/benchmarks/tail.md, and its rows of the index (--docs; '' to skip), targets and their verdicts
 computed from the data.
 
@@ -120,67 +120,60 @@ def _collective_bytes_per_token(comm: Collectives, run, T: int) -> float:
     return sum(comm.nbytes.values()) / T
 
 
+def _tail_rows(comm: Collectives, runners: dict, base: LatentMoERunner, x: torch.Tensor, dtype,
+               tail_reps: int, act: GatedActivation) -> list[dict]:
+    """Every tail (and the wide single all-reduce) replayed on the same partials of ``x``."""
+    T, cfg = x.shape[0], base.cfg
+    L = routed_experts(x, base.routed_input_latent(x), base.w, cfg, base.backend, act)
+    S = shared_experts(x, base.w, act)
+    tails = {tail: (runner, partial(_replay_tail, runner, tail, L, S, dtype))
+             for tail, runner in runners.items()}
+    if "single_allreduce" in tails:
+        tails[WIDE] = (base, partial(_replay_wide_single_allreduce, base, L.clone(), S, dtype))
+    rows = []
+    for tail, (runner, run_tail) in tails.items():
+        tail_t = timed_replays(runner, run_tail, tail_reps if T < 4096 else max(3, tail_reps // 2))
+        layer_t = None if tail == WIDE else timed_replays(runner, partial(runner.forward, x, tail=tail),
+                                                          1 if T >= 4096 else 3)
+        rows.append({"P": comm.world, "T": T, "tail": tail, "tail_ms": tail_t["ms"],
+                     "tail_stages_ms": tail_t["stages_ms"], "tail_other_ms": tail_t["other_ms"],
+                     "tail_all_ms": tail_t["all_ms"], "layer_ms": layer_t and layer_t["ms"],
+                     "layer_stages_ms": {} if layer_t is None else layer_t["stages_ms"],
+                     "layer_other_ms": layer_t and layer_t["other_ms"],
+                     "collective_bytes_per_token": _collective_bytes_per_token(comm, run_tail, T)})
+    return rows
+
+
+def _routed_input_rows(comm: Collectives, base: LatentMoERunner, x: torch.Tensor, reps: int) -> list[dict]:
+    """The token-sharded routed input's down-projection and gather, per routed-input mode."""
+    rows = []
+    for quant in ROUTED_INPUT_MODES:
+        ri = RoutedInputConfig(quant != "off", "none" if quant == "off" else quant, 1)
+        r = LatentMoERunner(base.cfg, base.w, comm, base.plan, base.shard, routed_input=ri)
+        st = timed_replays(r, partial(r.routed_input_latent, x), reps)
+        rows.append({"P": comm.world, "T": x.shape[0], "routed_input": quant, "total_ms": st["ms"],
+                     "down_proj_ms": st["stages_ms"].get("down_proj", 0.0),
+                     "gather_ms": st["stages_ms"].get("collectives", 0.0), "other_ms": st["other_ms"]})
+    return rows
+
+
 def _rank_bench(comm: Collectives, ckpt: str, tokens: list[int], dtype_name: str, tail_reps: int) -> dict:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     dtype = torch_dtype(dtype_name)
-    P = comm.world
-    base = build_rank_runners(ckpt, cfg, [LAYER], comm, TailPlan.single("replicated", "bench"), dtype=dtype)[
-        LAYER
-    ]
-    shard = base.shard
+    plan = TailPlan.single("replicated", "bench")
+    base = build_rank_runners(ckpt, cfg, [LAYER], comm, plan, dtype=dtype)[LAYER]
     runners = {tail: base for tail in base.legal_tails}
-    if P > 1:
+    if comm.world > 1:
         sp_plan = TailPlan.single("sequence_parallel", "bench")
-        runners["sequence_parallel"] = LatentMoERunner(cfg, base.w, comm, sp_plan, shard)
+        runners["sequence_parallel"] = LatentMoERunner(cfg, base.w, comm, sp_plan, base.shard)
     act = GatedActivation.from_config(cfg)
     gen = torch.Generator().manual_seed(0)
     rows, routed = [], []
     for T in tokens:
         x = torch.randn(T, cfg.hidden_size, generator=gen).to(dtype)
-        full_reps = 1 if T >= 4096 else 3
-        L = routed_experts(x, base.routed_input_latent(x), base.w, cfg, base.backend, act)
-        S = shared_experts(x, base.w, act)
-        tails = {
-            tail: (runner, partial(_replay_tail, runner, tail, L, S, dtype))
-            for tail, runner in runners.items()
-        }
-        if "single_allreduce" in tails:
-            tails[WIDE] = (base, partial(_replay_wide_single_allreduce, base, L.clone(), S, dtype))
-        for tail, (runner, run_tail) in tails.items():
-            run_layer = None if tail == WIDE else partial(runner.forward, x, tail=tail)
-            tail_t = timed_replays(runner, run_tail, tail_reps if T < 4096 else max(3, tail_reps // 2))
-            layer_t = None if run_layer is None else timed_replays(runner, run_layer, full_reps)
-            rows.append(
-                {
-                    "P": P,
-                    "T": T,
-                    "tail": tail,
-                    "tail_ms": tail_t["ms"],
-                    "tail_stages_ms": tail_t["stages_ms"],
-                    "tail_other_ms": tail_t["other_ms"],
-                    "tail_all_ms": tail_t["all_ms"],
-                    "layer_ms": None if layer_t is None else layer_t["ms"],
-                    "layer_stages_ms": {} if layer_t is None else layer_t["stages_ms"],
-                    "layer_other_ms": None if layer_t is None else layer_t["other_ms"],
-                    "collective_bytes_per_token": _collective_bytes_per_token(comm, run_tail, T),
-                }
-            )
-        if P > 1:
-            for quant in ROUTED_INPUT_MODES:
-                ri = RoutedInputConfig(quant != "off", "none" if quant == "off" else quant, 1)
-                r = LatentMoERunner(cfg, base.w, comm, base.plan, shard, routed_input=ri)
-                st = timed_replays(r, partial(r.routed_input_latent, x), max(3, tail_reps // 2))
-                routed.append(
-                    {
-                        "P": P,
-                        "T": T,
-                        "routed_input": quant,
-                        "total_ms": st["ms"],
-                        "down_proj_ms": st["stages_ms"].get("down_proj", 0.0),
-                        "gather_ms": st["stages_ms"].get("collectives", 0.0),
-                        "other_ms": st["other_ms"],
-                    }
-                )
+        rows += _tail_rows(comm, runners, base, x, dtype, tail_reps, act)
+        if comm.world > 1:
+            routed += _routed_input_rows(comm, base, x, max(3, tail_reps // 2))
     return {"rows": rows, "routed_input": routed}
 
 
@@ -189,51 +182,12 @@ def _crossovers(rows: list[dict]) -> dict[int, list[dict]]:
     for P in sorted({r["P"] for r in rows}):
         best = []
         for T in sorted({r["T"] for r in rows if r["P"] == P}):
-            cands = [
-                r
-                for r in rows
-                if r["P"] == P and r["T"] == T and r["tail"] not in ("sequence_parallel", WIDE)
-            ]
+            cands = [r for r in rows
+                     if r["P"] == P and r["T"] == T and r["tail"] not in ("sequence_parallel", WIDE)]
             win = min(cands, key=lambda r: r["tail_ms"])
             best.append({"T": T, "fastest_tail": win["tail"], "tail_ms": win["tail_ms"]})
         out[P] = best
     return out
-
-
-def plot(result: dict, path: Path) -> None:
-    plt = harness.pyplot()
-    Ps = sorted({r["P"] for r in result["rows"]})
-    fig, axes = plt.subplots(1, len(Ps) + 1, figsize=(6 * (len(Ps) + 1), 4.5))
-    for ax, P in zip(axes, Ps, strict=False):
-        for tail in sorted({r["tail"] for r in result["rows"] if r["P"] == P}):
-            pts = sorted((r["T"], r["tail_ms"]) for r in result["rows"] if r["P"] == P and r["tail"] == tail)
-            ax.plot(
-                [p[0] for p in pts],
-                [p[1] for p in pts],
-                marker="o",
-                label=tail,
-                ls="--" if tail == WIDE else "-",
-            )
-        ax.set(
-            xscale="log", yscale="log", xlabel="tokens T", ylabel="tail time (ms, median)", title=f"TP {P}"
-        )
-        ax.legend(fontsize=8)
-        ax.grid(True, which="both", alpha=0.3)
-    ax = axes[-1]
-    ri = [r for r in result["routed_input"]]
-    if ri:
-        Tmax = max(r["T"] for r in ri)
-        sel = [r for r in ri if r["T"] == Tmax]
-        ax.bar([r["routed_input"] for r in sel], [r["down_proj_ms"] for r in sel], label="down-projection")
-        ax.bar(
-            [r["routed_input"] for r in sel],
-            [r["gather_ms"] for r in sel],
-            bottom=[r["down_proj_ms"] for r in sel],
-            label="all-gather (+quant)",
-        )
-        ax.set(title=f"routed input per rank, TP {sel[0]['P']}, T={Tmax}", ylabel="ms")
-        ax.legend(fontsize=8)
-    harness.save_figure(fig, path)
 
 
 def compute_targets(rows: list[dict], routed: list[dict], tp: list[int], tokens: list[int]) -> dict:
@@ -282,7 +236,7 @@ def markdown(result: dict, json_path: str, png_path: str) -> str:
             SECTION, "tail", result["argv"], m,
             f"`{result['preset']}` preset ({model_text(model)}), "
             f"{result['dtype']}, gloo on CPU, TP {', '.join(map(str, result['tp']))}",
-            json_path, png_path),
+            json_path),
         "",
         "Tail = everything after the experts (collectives, norm, up-projection), replayed on the same "
         "partials; layer = a whole forward. Each number is the median of its replays; the stage "
@@ -387,25 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     rows, routed = [], []
     for P in args.tp:
         print(f"TP {P}: timing tails at T = {args.tokens} ...", flush=True)
-        res = run_local_group(
-            P, _rank_bench, str(ckpt), args.tokens, args.dtype, args.tail_reps, timeout_s=3600
-        )
+        res = run_local_group(P, _rank_bench, str(ckpt), args.tokens, args.dtype, args.tail_reps,
+                              timeout_s=3600)
         rows += res[0]["rows"]
         routed += res[0]["routed_input"]
     machine["loadavg_after"] = harness.loadavg()
-    result = {
-        "argv": args.argv,
-        "preset": args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}",
-        "tp": args.tp,
-        "machine": machine,
-        "dtype": args.dtype,
-        "model": harness.model_record(cfg),
-        "rows": rows,
-        "routed_input": routed,
-        "crossovers": _crossovers(rows),
-        "targets": compute_targets(rows, routed, args.tp, args.tokens),
-    }
-    write_results(result, args.out, "tail", plot, markdown, index_rows, args.docs)
+    preset = args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}"
+    result = {"argv": args.argv, "preset": preset, "tp": args.tp, "machine": machine, "dtype": args.dtype,
+              "model": harness.model_record(cfg), "rows": rows, "routed_input": routed,
+              "crossovers": _crossovers(rows), "targets": compute_targets(rows, routed, args.tp, args.tokens)}
+    write_results(result, args.out, "tail", None, markdown, index_rows, args.docs)
     return 0
 
 
