@@ -24,7 +24,7 @@ import yaml  # noqa: E402
 
 import examples.rows  # noqa: E402
 from deployments.client import HTTPMoEClient, MoEClient  # noqa: E402
-from deployments.config.timeouts import LANE_POLL_S  # noqa: E402
+from deployments.config.timeouts import EVENTS_PUSH_S  # noqa: E402
 from examples.rows import RowsWorker  # noqa: E402
 from moe_runtime.checkpoint import load_layer_weights  # noqa: E402
 from moe_runtime.config import LatentMoEConfig  # noqa: E402
@@ -135,15 +135,15 @@ def exercise(app_name: str, base_url: str, resolved: list, repeats: int) -> bool
 
 
 async def settled_counters(client: MoEClient) -> dict[str, Any]:
-    """The replica's counters once the lane and cohort forwards before (which it reads from its
-    ranks every LANE_POLL_S) have all arrived."""
+    """The replica's counters once the lane and cohort forwards before (rank 0 pushes them every
+    EVENTS_PUSH_S) have all arrived."""
     last = None
     while True:
         now = (await client.status_async())["counters"]
         if last is not None and now["forwards"] == last["forwards"]:
             return now
         last = now
-        await asyncio.sleep(2 * LANE_POLL_S)
+        await asyncio.sleep(2 * EVENTS_PUSH_S)
 
 
 async def concurrent_burst(app_name: str, deployment: str, layer: int, hidden: int, n: int = 32) -> None:

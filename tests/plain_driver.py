@@ -10,7 +10,10 @@ Prints one JSON line of counts; exits non-zero on the first mismatch or error.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -18,6 +21,10 @@ import ray
 from deployments.client import AttentionWorker, MoEClient, join
 
 ROWS = 4  # per peer and layer, as in the issue's report
+SHARED_STEPS = 100
+# Shared sessions: rank 0 may run one session's rows in one forward with another's and the Serve
+# path's; a different batch moves fp32 results by a few ulps (1.2e-6 measured on the tiny layer).
+TOL = 1e-5
 
 
 def rows(seed: int, hidden: int) -> np.ndarray:
@@ -47,16 +54,85 @@ class Fixed(AttentionWorker):
 
 
 @ray.remote(num_cpus=0)
-def peer(ticket, index: int, steps: int, layers: list[int], hidden: int, want: dict) -> int:
-    """Peer ``index`` of a session in a process of its own: ``steps`` steps, checked."""
+def peer(ticket, index: int, steps: int, layers: list[int], hidden: int, want: dict, tol: float = 0.0) -> int:
+    """Peer ``index`` of a session in a process of its own: ``steps`` steps, checked (``tol`` 0:
+    bit for bit)."""
     x = rows(index, hidden)
     with join(ticket, index) as p:
         for step in range(steps):
             for layer in layers:
                 got = p.forward(x, layer)
-                if not np.array_equal(got, want[layer][index]):
+                if not np.allclose(got, want[layer][index], rtol=tol, atol=tol) or \
+                        (tol == 0 and not np.array_equal(got, want[layer][index])):
                     raise AssertionError(f"peer {index}, step {step}, layer {layer}: not the Serve path's rows")
     return steps
+
+
+def rayless_peer(ticket, index: int, hidden: int, want: dict) -> subprocess.Popen:
+    """Peer ``index`` in a process that never imports Ray (tests/rayless_peer.py)."""
+    here = Path(__file__).resolve()
+    proc = subprocess.Popen([sys.executable, str(here.with_name("rayless_peer.py")), str(index), str(SHARED_STEPS)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=here.parents[1])
+    given = {"ticket": ticket.to_json(), "rows": rows(index, hidden).tolist(),
+             "want": {layer: w[index].tolist() for layer, w in want.items()}}
+    proc.stdin.write(json.dumps(given))
+    proc.stdin.close()
+    return proc
+
+
+def own_counts(client: MoEClient, name: str) -> dict:
+    (mine,) = [s for s in client.status()["deployments"]["moe"]["sessions"]["open"] if s["client"] == name]
+    return {"forwards": mine["forwards"], "rows": mine["rows"]}
+
+
+def shared(client: MoEClient, layers: list[int], hidden: int) -> dict:
+    """Two 2-peer sessions stepping at once on the one replica (one's peers Ray tasks, the other's
+    processes without Ray), a third session stepped here whose status is read mid-session, and
+    Serve-path requests back to back the whole time: every answer checked, none may fail."""
+    batch = np.concatenate([rows(i, hidden) for i in range(2)])
+    want = {layer: np.split(client.forward(batch, layer), 2) for layer in layers}
+    serve = {"calls": 0, "errors": []}
+    stop = threading.Event()
+
+    def serve_loop() -> None:
+        while not stop.is_set():
+            try:
+                got = client.forward(batch, layers[0])
+                if not np.allclose(got, np.concatenate(want[layers[0]]), rtol=TOL, atol=TOL):
+                    raise AssertionError("a Serve-path answer is not the Serve path's rows")
+                serve["calls"] += 1
+            except Exception as e:  # reported below: the run fails on any
+                serve["errors"].append(repr(e))
+
+    loop = threading.Thread(target=serve_loop)
+    loop.start()
+    try:
+        with client.session(peers=2, max_tokens=ROWS, name="shared-a") as a, \
+                client.session(peers=2, max_tokens=ROWS, name="shared-b") as b, \
+                client.session(peers=1, max_tokens=ROWS, name="counted") as c:
+            tasks = [peer.remote(a.ticket, i, SHARED_STEPS, layers, hidden, want, TOL) for i in range(2)]
+            procs = [rayless_peer(b.ticket, i, hidden, want) for i in range(2)]
+            mid = []
+            with join(c.ticket, 0) as counted:
+                for n in (7, 5):  # status read between its steps equals what it sent
+                    for _ in range(n):
+                        for layer in layers:
+                            counted.forward(rows(0, hidden), layer)
+                    mid.append(own_counts(client, "counted"))
+            done_a = ray.get(tasks, timeout=600)
+            outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+            if any(p.returncode for p in procs):
+                raise AssertionError(f"a Ray-less peer failed: {[p.returncode for p in procs]}")
+            opened = {s["client"] for s in client.status()["deployments"]["moe"]["sessions"]["open"]}
+    finally:
+        stop.set()
+        loop.join()
+    expect = [{"forwards": k * len(layers), "rows": k * len(layers) * ROWS} for k in (7, 12)]
+    if mid != expect:
+        raise AssertionError(f"status mid-session {mid}, the session's own counts {expect}")
+    return {"steps_a": done_a, "steps_b": [o["steps"] for o in outs],
+            "rayless": not any(o["ray_imported"] for o in outs), "open_at_once": sorted(opened),
+            "serve_calls": serve["calls"] > 0, "serve_errors": serve["errors"]}
 
 
 def main() -> None:
@@ -86,6 +162,7 @@ def main() -> None:
                            timeout=600)
             paths = {d: s["path"] for d, s in session.status()["deployments"].items()}
         report[f"session_{m}"] = {"steps": done, "paths": paths}
+    report["shared"] = shared(client, layers, hidden)
     print(json.dumps(report), flush=True)
 
 

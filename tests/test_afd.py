@@ -26,7 +26,7 @@ from ray import serve
 from waiting import wait_until
 
 from deployments.app import build_app
-from deployments.config.timeouts import LANE_POLL_S
+from deployments.config.timeouts import EVENTS_PUSH_S
 from examples.afd import Decoder, LocalMoE, RemoteMoE, split_rows, tier_busy
 from examples.synthetic_decoder import write_decoder
 from moe_runtime.synthetic import preset_config, write_checkpoint
@@ -157,8 +157,7 @@ def test_make_checkpoint_decoder_flag(tmp_path):
 def afd_app(ckpt, serve_ports) -> str:
     """Layers split over two deployments (layer 1 on a TP-2 group, layer 2 on TP 1), so the
     decoder must route by layer; float32 so the comparison is tight."""
-    common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5,
-              "lane_lease_s": 30.0}
+    common = {"dtype": "float32", "tail": "replicated", "batch_wait_timeout_s": 0.0, "replica_cpus": 0.5}
     serve.run(build_app({"checkpoint": str(ckpt), **TEST_APP, "deployments": [
         {"name": "lo", "tp_size": 2, "layers": [1], **common},
         {"name": "hi", "tp_size": 1, "layers": [2], **common},
@@ -186,15 +185,16 @@ def test_generation_through_the_tier_is_exact_for_every_m(ckpt, local, tier):
         assert torch.equal(out.tokens, ref.tokens), f"m={m}"
         torch.testing.assert_close(out.logits, ref.logits, **TOL, msg=f"m={m}")
     lanes = tier.lane.status()["deployments"]
-    assert {n: (d["path"], d["serve_calls"]) for n, d in lanes.items()} == {"lo": ("lane", 0), "hi": ("lane", 0)}
+    assert {n: (d["path"], d["serve_calls"]) for n, d in lanes.items()} == {"lo": ("session", 0),
+                                                                           "hi": ("session", 0)}
 
-    def counted() -> dict | None:  # the replicas poll their lanes' counters every LANE_POLL_S
+    def counted() -> dict | None:  # status() reads rank 0's session counts live
         after = tier.deployment_statuses()
         done = all(n > 0 and s > 0 for n, s in (tier_busy(before[d], after[d]) for d in ("lo", "hi")))
         return after if done else None
 
     after = wait_until(counted, timeout_s=30, what="the lanes' forwards in both replicas' counters",
-                       every_s=LANE_POLL_S)
+                       every_s=EVENTS_PUSH_S / 4)
     for name, layer in (("lo", "1"), ("hi", "2")):
         forwards, busy_s = tier_busy(before[name], after[name])
         assert forwards > 0 and busy_s > 0

@@ -10,9 +10,11 @@ from ray.serve.request_router import ReplicaID
 
 from deployments.common.private_api import deployment_id
 from deployments.control.autoscaling import (
+    OPEN_SESSIONS,
     QUEUED_TOKENS,
     TOKENS_PER_S,
     TokenScalingParams,
+    desired_replicas,
 )
 
 DEP = deployment_id("moe", "app")
@@ -87,3 +89,16 @@ def test_capacity_clamps_max_replicas() -> None:
     spec = DeploymentSpec(tp_size=8, autoscaling={"min_replicas": 1, "max_replicas": 16})
     (capacity,) = app_capacity([spec], {spec.name: cluster}).values()
     assert (capacity.tp_groups, capacity.max_replicas) == (4, 4) and "16 -> 4" in capacity.reason
+
+
+def test_a_scale_down_never_goes_below_the_replicas_holding_sessions() -> None:
+    """No Serve load at all, but two of three replicas hold open sessions: demand is 2, so a
+    scale-down stops at 2 and never drops a replica a session still uses while others are free."""
+    metrics = [{QUEUED_TOKENS: 0.0, TOKENS_PER_S: 0.0, OPEN_SESSIONS: n} for n in (1.0, 0.0, 3.0)]
+    target, _ = desired_replicas(metrics, current=3, min_replicas=1, max_replicas=8, params=P, state={},
+                                 now=0.0)
+    assert target == 3  # the down timer starts
+    target, _ = desired_replicas(metrics, 3, 1, 8, P, {"token_downscale_since": 0.0}, now=61.0)
+    assert target == 2
+    idle = [{**m, OPEN_SESSIONS: 0.0} for m in metrics]
+    assert desired_replicas(idle, 3, 1, 8, P, {"token_downscale_since": 0.0}, now=61.0)[0] == 1

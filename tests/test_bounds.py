@@ -7,8 +7,9 @@ import pytest
 
 from deployments.config.spec import AppArgs, DeploymentSpec
 from deployments.config.timeouts import (
+    EVENTS_PUSH_S,
     HEALTH_MARGIN_S,
-    LANE_POLL_S,
+    HEARTBEAT_S,
     RANK_POLL_S,
     REQUEST_MARGIN_S,
     ROUTING_STATS_PERIOD_S,
@@ -22,17 +23,18 @@ def test_the_defaults_keep_the_order():
     b = DeploymentSpec().bounds
     assert b.collective_s < b.call_s  # a forward is its collectives plus compute
     assert b.collective_s < b.health_s < b.serve_health_s  # Serve waits out the health all-reduce
-    assert RANK_POLL_S <= b.call_s and 4 * LANE_POLL_S <= b.lease_s / 2
+    assert RANK_POLL_S <= b.call_s and HEARTBEAT_S < RANK_POLL_S  # an idle group's dead rank: within call_s
+    assert HEARTBEAT_S >= 1.0 and EVENTS_PUSH_S >= 1.0  # nothing wakes more than once a second while idle
     assert b.close_s >= b.collective_s and b.warmup_s > b.call_s
     assert request_bound(None, [DeploymentSpec()]) == b.call_s + REQUEST_MARGIN_S > b.call_s
-    assert ROUTING_STATS_PERIOD_S < LANE_POLL_S * 4
+    assert ROUTING_STATS_PERIOD_S <= EVENTS_PUSH_S
 
 
 def test_bounds_follow_the_spec():
-    spec = DeploymentSpec(collective_timeout_s=12, call_margin_s=3, warmup_limit_s=40, lane_lease_s=2)
+    spec = DeploymentSpec(collective_timeout_s=12, call_margin_s=3, warmup_limit_s=40, session_linger_s=2)
     assert Bounds.of(spec) == Bounds(collective_s=12, call_s=15, health_s=12 + HEALTH_MARGIN_S,
                                      serve_health_s=12 + 2 * HEALTH_MARGIN_S, close_s=12, warmup_s=55,
-                                     startup_s=spec.bounds.startup_s, lease_s=2)
+                                     startup_s=spec.bounds.startup_s, linger_s=2)
     # Serve gets the health bound the spec derives (what the replica's probe waits for, plus margin)
     assert deployment_options(spec, "cpu")["health_check_timeout_s"] == spec.bounds.serve_health_s
 
@@ -41,8 +43,7 @@ def test_bounds_follow_the_spec():
     ({"collective_timeout_s": 60, "health_check_timeout_s": 30},
      r"health_check_timeout_s 30 s must exceed the health all-reduce's bound, collective_timeout_s 60 \+ 5 = 65 s"),
     ({"collective_timeout_s": 1, "call_margin_s": 1}, r"1 \+ call_margin_s 1 = 2 s is below the rank poll bound 5 s"),
-    ({"lane_lease_s": 0.5}, r"lane_lease_s 0.5 s must be at least 2 s"),
-    ({"lane_lease_s": 1.5}, r"lane_lease_s 1.5 s must be at least 2 s"),  # what the message says, not 1 s
+    ({"lane_lease_s": 5}, r"lane_lease_s was removed: sessions have no term to renew"),
 ])
 def test_a_config_that_breaks_the_order_fails_at_construction_with_the_arithmetic(fields, message):
     with pytest.raises(ValueError, match=message):

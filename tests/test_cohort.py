@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
@@ -37,10 +36,10 @@ APP = "cohort_test"
 H = 128  # tiny preset
 COMMON = {**TEST_APP, "collective_timeout_s": 4.0, "call_margin_s": 4.0, "health_check_period_s": 1.0,
           "graceful_shutdown_timeout_s": 1.0, "max_tokens_per_request": 64, "max_batch_tokens": 64,
-          "lane_lease_s": 4.0, "auto_tune_tokens": "none"}
+          "auto_tune_tokens": "none"}
 DEPLOYMENTS = [
     {"name": "pair", "tp_size": 2, "tail": "sharded", "dtype": "float32", "num_replicas": 2, "layers": [1]},
-    {"name": "half", "tp_size": 2, "tail": "replicated", "dtype": "bfloat16", "layers": [2]},
+    {"name": "half", "tp_size": 2, "tail": "replicated", "dtype": "bfloat16", "layers": [2], "max_sessions": 2},
 ]
 
 
@@ -167,21 +166,17 @@ def serve_reference(app, tokens: tuple[int, ...], seed_of) -> dict[int, list[tor
 
 
 def counters(name: str) -> dict[str, dict]:
-    """Each replica's counters once it holds no lease (status() answers for whichever replica
-    the router picks)."""
+    """Each replica's counters (status() answers for whichever replica the router picks, and
+    reads rank 0's session counts live: exact at each read)."""
     replicas = 2 if name == "pair" else 1
     seen: dict[str, dict] = {}
 
     def every_replica_seen() -> bool:
         st = direct(name).status()
-        # A closed cohort's lease ends at the replica's next poll of its ranks (LANE_POLL_S),
-        # which adds the lease's counters to the replica's: until then they lack its forwards.
-        if st["lanes"]["active"] is None:
-            seen[st["replica"]] = st["counters"]
+        seen[st["replica"]] = st["counters"]
         return len(seen) >= replicas
 
-    wait_until(every_replica_seen, timeout_s=30,
-               what=lambda: f"status() of {name!r} free of leases on only {list(seen)}")
+    wait_until(every_replica_seen, timeout_s=30, what=lambda: f"status() of {name!r} from only {list(seen)}")
     return seen
 
 
@@ -197,7 +192,7 @@ def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app, wo
             got = cohort.step([10, 11, 12])
         status = cohort.status()
     leased = {n: status["deployments"][n]["replica"] for n in ("pair", "half")}
-    after = {n: counters(n) for n in ("pair", "half")}  # once the lease has ended on each
+    after = {n: counters(n) for n in ("pair", "half")}
     for i, T in enumerate(tokens):
         for layer in (1, 2):
             assert torch.equal(got[i][layer], want[layer][i]), (i, layer)
@@ -214,16 +209,17 @@ def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app, wo
         assert a["forwards"] - b["forwards"] == 3
         assert a["requests"] - b["requests"] == 3 * 2  # the two workers with rows; the empty one adds nothing
         assert a["batch_tokens"]["recent"][-3:] == [5, 5, 5]
-        assert a["lane"]["tokens"] - b["lane"]["tokens"] == 15
+        assert a["sessions"]["tokens"] - b["sessions"]["tokens"] == 15
 
 
-def test_the_replica_lists_the_cohort_lease_with_its_workers(app, workers):
+def test_the_replica_lists_the_cohorts_session_with_its_workers(app, workers):
     ws = workers(1, 1)
     with app.client.cohort(ws, name="listed") as cohort:
         cohort.step([1, 2])
-        active = direct("half").status()["lanes"]["active"]
+        (active,) = direct("half").status()["sessions"]["open"]
         names = cohort.status()["workers"]
     assert active["client"] == "listed" and active["kind"] == "cohort" and active["workers"] == names
+    assert active["forwards"] == 1 and active["rows"] == 2 and active["joined"] == 2
     assert all(n.startswith("Echo:") for n in names)
 
 
@@ -277,29 +273,27 @@ def test_a_dead_worker_is_named_and_closes_the_cohort(app, workers):
             cohort.step([1, 2])
 
 
-def test_without_a_lease_the_step_runs_aggregated_on_the_serve_path(app, workers):
+def test_without_a_session_the_step_runs_aggregated_on_the_serve_path(app, workers):
+    """"half" takes 2 sessions (max_sessions): with two lanes open on it, the cohort is refused
+    there, holds nothing, and runs its step on the Serve path, still one forward per layer."""
     ws = workers(2, 1)
     want = serve_reference(app, (2, 1), lambda i: 30 + i)
     before = counters("pair")
-    stop = threading.Event()
-    with direct("half").lane(max_tokens=4, name="holder") as lane:  # holds the only "half" replica
-        lane.forward(rows(1, 0, 2, torch.bfloat16), 2)
-        busy = threading.Thread(target=lambda: [lane.forward(rows(1, 0, 2, torch.bfloat16), 2)
-                                                for _ in iter(stop.is_set, True)])
-        busy.start()  # a lane in use keeps its lease (an idle one lets it go)
-        try:
-            with app.client.cohort(ws, max_tokens=4, wait_s=0.5, retry_s=60, name="aside") as cohort:
-                got = cohort.step([30, 31])
-                status = cohort.status()
-        finally:
-            stop.set()
-            busy.join(timeout=60)
+    with direct("half").lane(max_tokens=4, name="holder-1") as one, \
+            direct("half").lane(max_tokens=4, name="holder-2") as two:
+        assert one.status()["deployments"]["half"]["path"] == two.status()["deployments"]["half"]["path"] == "session"
+        with app.client.cohort(ws, max_tokens=4, wait_s=0.5, retry_s=60, name="aside") as cohort:
+            got = cohort.step([30, 31])
+            status = cohort.status()
+        assert torch.equal(one.forward(rows(1, 0, 2, torch.bfloat16), 2), two.forward(rows(1, 0, 2, torch.bfloat16), 2))
     assert status["path"] == "serve" and status["serve_steps"] == 1 and status["session_steps"] == 0
-    assert "held by holder" in status["deployments"]["half"]["why_serve"]
+    assert "2 session(s) are open on this group and max_sessions = 2" in status["deployments"]["half"]["why_serve"]
     assert all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
     after = counters("pair")
     forwards = sum(after[r]["forwards"] - before[r]["forwards"] for r in after)
     assert forwards == 1  # still one forward per layer for both workers
+    # "pair" opened nothing for the refused cohort: it holds a session on every group or none
+    assert not any(direct("pair").status()["sessions"]["open"] for _ in range(4))
 
 
 def rank_pid(cohort, deployment: str, rank: int) -> int:
@@ -382,7 +376,7 @@ def test_a_session_of_independent_peers_is_one_forward_per_layer(app):
     with app.client.session(peers=2, max_tokens=4, name="pair-of-peers") as session:
         ticket = SessionTicket.from_json(session.ticket.to_json())  # as a peer process gets it
         peers = [join(ticket, i) for i in range(2)]
-        assert direct("half").status()["lanes"]["active"]["kind"] == "session"
+        assert direct("half").status()["sessions"]["open"][0]["kind"] == "session"
 
         def step(i: int, bad: bool = False) -> dict:
             out = {}

@@ -120,7 +120,7 @@ def test_user_config_reconfigures_without_restart(app):
 
 def test_a_live_user_config_change_reaches_lane_calls(app):
     """A lane calls the ranks directly, so the replica pushes a live max_tokens_per_request to
-    them; the lane keeps its lease (a loop renews it) across the change."""
+    them; the lane keeps its session across the change (a loop keeps calling meanwhile)."""
     import threading
 
     from deployments.client import MoERequestError
@@ -135,8 +135,8 @@ def test_a_live_user_config_change_reaches_lane_calls(app):
             while not stop.is_set():
                 lane.forward(rand(1, 4), 1)
 
-        renewing = threading.Thread(target=keep_calling)
-        renewing.start()
+        calling = threading.Thread(target=keep_calling)
+        calling.start()
         try:
             serve_deploy(app_config(app.ckpt, {**limits, "max_tokens_per_request": 50}))
 
@@ -148,16 +148,15 @@ def test_a_live_user_config_change_reaches_lane_calls(app):
                 return None
 
             # Serve reconfigures the replicas one at a time: the lane's ranks refuse 60 tokens
-            # once their replica's turn has come (its status is not a Serve call's to see while
-            # the lane holds its group).
+            # once their replica's turn has come.
             err = wait_until(refused, timeout_s=READY_S, every_s=1.0,
                              what="a lane call of 60 tokens refused at max_tokens_per_request 50")
         finally:
             stop.set()
-            renewing.join(timeout=BOUND_S)
+            calling.join(timeout=BOUND_S)
         assert err.status == 413 and "max_tokens_per_request = 50" in str(err), err
         state = lane.status()["deployments"]["pool"]
-        assert (state["path"], state["fallbacks"], state["serve_calls"]) == ("lane", 0, 0)
+        assert (state["path"], state["fallbacks"], state["serve_calls"]) == ("session", 0, 0)
     serve_deploy(app_config(app.ckpt, {**limits, "max_tokens_per_request": 100}), wait_for=APP, timeout_s=READY_S)
 
 

@@ -146,23 +146,24 @@ def test_live_batching_changes_stay_within_the_planned_forward(tiny_ckpt):
         check_planned_tokens(with_batching(resolved.spec, {"max_tokens_per_request": 4096}), decision)
 
 
-def test_the_router_steers_around_broken_leased_and_avoided_replicas():
+def test_the_router_steers_around_broken_and_avoided_replicas_and_sends_sessions_to_the_least_loaded():
     from types import SimpleNamespace
 
     from deployments.serve.router import steer
 
-    def replica(name: str, healthy: bool = True, leased: bool = False):
+    def replica(name: str, healthy: bool = True, rows: int = 0):
         return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name),
-                               routing_stats={"healthy": healthy, "leased": leased})
+                               routing_stats={"healthy": healthy, "session_rows": rows})
 
     a, b, c = replica("a"), replica("b"), replica("c")
     assert steer([a, b, c], None) is None  # nothing to steer around: Serve's own choice
     assert steer([a, b, c], "a") == [b, c]  # a re-sent call never goes back to the replica that failed it
     assert steer([a, b], "a") == [b]
     assert steer([a], "a") is None  # no other replica: the failed one refuses it itself
-    broken, held = replica("x", healthy=False), replica("y", leased=True)
+    broken, busy = replica("x", healthy=False), replica("y", rows=64)
     assert steer([broken, a], None) == [a]
-    assert steer([held, a], None) == [a]
-    assert steer([held, broken], None) == [held]  # leased but healthy beats broken
+    assert steer([busy, a], None) is None  # sessions never keep a Serve call away from a replica
+    assert steer([busy, a], None, new_session=True) == [a]  # a new session: the least-loaded one
+    assert steer([busy, replica("z", rows=8), broken], None, new_session=True)[0].replica_id.unique_id == "z"
     assert steer([broken], None) is None  # only broken ones: its clear 503 rather than a hang
     assert steer([b, broken], "b") == [broken]  # avoided beats everything: the broken one answers 503

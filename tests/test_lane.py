@@ -1,5 +1,5 @@
-"""Lanes (deployments/client/lane.py, deployments/serve/lanes.py): per-layer calls of a client on
-the data plane of a leased TP group, against the Serve path of the same replicas.
+"""Lanes (deployments/client/lane.py, deployments/serve/sessions.py): per-layer calls of a client on
+the data plane of a TP group it holds a session on, against the Serve path of the same replicas.
 
 Exactness is bit for bit: a lane call runs the same runner with the same tail plan on the same
 ranks as a lone Serve request, so ``torch.equal`` (no tolerance). One reference check against
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from deployments.config.timeouts import LANE_POLL_S
+from deployments.config.timeouts import EVENTS_PUSH_S, ROUTING_STATS_PERIOD_S
 from moe_runtime.tp.tuning import current_measurement
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -87,26 +87,24 @@ def direct(name: str, timeout_s: float = 60):
     return MoEClient.direct(name, APP, timeout_s=timeout_s)
 
 
-def lanes_if_free(name: str) -> dict | None:
-    """The replica's ``lanes`` status once no lease is active, else None."""
-    lanes = direct(name).status()["lanes"]
-    return lanes if lanes["active"] is None else None
+def sessions_if_none_open(name: str) -> dict | None:
+    """The replica's ``sessions`` status once none is open, else None."""
+    sessions = direct(name).status()["sessions"]
+    return sessions if not sessions["open"] else None
 
 
 @pytest.mark.parametrize("name", [d["name"] for d in EXACT_DEPLOYMENTS if d["name"].startswith(("tp2", "sp"))])
 def test_lane_equals_the_serve_path_bit_for_bit_for_every_tail(exact_app, name):
-    from waiting import wait_until  # here: the workers import this module for its clock
 
     dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
     serve_path = direct(name)
-    # The Serve path first: while a lane holds the only replica, Serve calls wait for the lease.
     inputs = {(T, layer): rand(T, 100 * T + layer, dtype) for T in TAIL_AT for layer in (1, 2)}
     want = {key: serve_path.forward(x, key[1]) for key, x in inputs.items()}
     logits, x_logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(5)), rand(3, 6, dtype)
     want_logits = serve_path.forward(x_logits, 1, logits)
     before = serve_path.status()["counters"]["tails"]
     with serve_path.lane(max_tokens=64, name=f"exact-{name}") as lane:
-        assert lane.status()["deployments"][name]["path"] == "lane"
+        assert lane.status()["deployments"][name]["path"] == "session"
         for (T, layer), x in inputs.items():
             got = lane.forward(x, layer)
             assert got.dtype == dtype and torch.equal(got, want[T, layer]), (name, T, layer)
@@ -116,19 +114,16 @@ def test_lane_equals_the_serve_path_bit_for_bit_for_every_tail(exact_app, name):
         assert torch.equal(lane.forward(x_logits, 1, logits), want_logits)
         assert lane.status()["deployments"][name]["serve_calls"] == 0
 
-        def counted() -> dict | None:  # the replica polls the lane's counters every LANE_POLL_S
-            st = serve_path.status()
-            return st if st["counters"]["lane"]["tokens"] >= 4 * sum(TAIL_AT) else None
-
-        status = wait_until(counted, timeout_s=30, what="the lane's calls in the replica's counters",
-                            every_s=LANE_POLL_S)
+        status = serve_path.status()  # read live from rank 0: exact at once, nothing to wait for
+        assert status["counters"]["sessions"]["tokens"] >= 4 * sum(TAIL_AT)
+        (mine,) = [s for s in status["sessions"]["open"] if s["client"] == f"exact-{name}"]
+        assert mine["rows"] == 4 * sum(TAIL_AT) + 3 and mine["forwards"] == 4 * len(TAIL_AT) + 1
     tails = status["counters"]["tails"]
     # the tail decision applies to lane calls: each range ran its measured tail on the lane too
     expected = ["sequence_parallel"] if name.startswith("sp") else list(TAIL_AT.values())
     for tail in expected:
         assert tails.get(tail, 0) > before.get(tail, 0), (tail, before, tails)
-    assert status["lanes"]["active"]["client"] == f"exact-{name}"
-    assert status["counters"]["lane"]["tokens"] >= 4 * sum(TAIL_AT)
+    assert direct(name).status()["sessions"]["history"][-1]["client"] == f"exact-{name}"  # closed with it
 
 
 def test_app_lane_routes_by_layer_and_matches_the_reference(exact_app):
@@ -141,11 +136,10 @@ def test_app_lane_routes_by_layer_and_matches_the_reference(exact_app):
     xb = x.to(torch.bfloat16)
     want1, want2 = direct("tp1_f32").forward(x, 1), direct("tp1_bf16").forward(xb, 2)
     ref = moe_forward(x, load_layer_weights(exact_app.ckpt, cfg, 1, torch.float32), cfg)
-    # the lane's calls back to back: a lane idle for half a term lets its groups go
     with exact_app.client.lane(max_tokens=8, name="routed") as lane:  # layer 1 -> tp1_f32, 2 -> tp1_bf16
         assert set(lane.status()["deployments"]) == {"tp1_f32", "tp1_bf16"}
         out1, out2 = lane.forward(x, 1), lane.forward(xb, 2)
-        assert all(d["path"] == "lane" for d in lane.status()["deployments"].values())
+        assert all(d["path"] == "session" for d in lane.status()["deployments"].values())
     assert torch.equal(out1, want1) and torch.equal(out2, want2)
     torch.testing.assert_close(out1, ref, rtol=1e-5, atol=1e-5)
 
@@ -172,7 +166,7 @@ def test_bad_input_on_a_lane_is_a_clear_4xx_and_the_lane_keeps_serving(exact_app
             lane.forward(x, layer)
         assert err.value.status in (400, 404, 413)
         assert torch.equal(lane.forward(ok, 1), want)
-        assert lane.status()["deployments"]["tp2_f32"]["path"] == "lane"
+        assert lane.status()["deployments"]["tp2_f32"]["path"] == "session"
 
 
 def test_lane_arguments_are_checked(exact_app):
@@ -186,11 +180,11 @@ def test_lane_arguments_are_checked(exact_app):
         direct("tp2_f32").lane(max_tokens=100_000)
 
 
-# -- the control plane: autoscaling signals, leases of dead clients, several clients ---------
+# -- the control plane: autoscaling signals, sessions of dead clients, several clients -------
 
 PAIR = {"name": "pair", "tp_size": 2, "tail": "sharded", "dtype": "float32", "num_replicas": 2,
-        "lane_lease_s": 10.0, "collective_timeout_s": 4.0, "call_margin_s": 4.0}
-SOLO = {"name": "solo", "tp_size": 1, "dtype": "float32", "lane_lease_s": 2.0}
+        "collective_timeout_s": 4.0, "call_margin_s": 4.0}
+SOLO = {"name": "solo", "tp_size": 1, "dtype": "float32", "session_linger_s": 2.0}
 
 
 def test_the_serve_path_reaches_the_ranks_over_the_replicas_own_session(exact_app):
@@ -228,98 +222,92 @@ def test_lane_traffic_feeds_the_autoscaling_signals(fault_app):
         for _ in range(40):
             lane.forward(x, 1)
 
-        def counted() -> dict | None:  # the replica polls the lane's counters every LANE_POLL_S
+        def counted() -> dict | None:  # rank 0 pushes a session's counts every EVENTS_PUSH_S
             stats = handle.record_autoscaling_stats.remote().result(timeout_s=30)
             return stats if stats["tokens_per_s"] >= 40 * 4 / 10.0 * 0.99 else None
 
         stats = wait_until(counted, timeout_s=30, what="the lane's 160 tokens in tokens_per_s",
-                           every_s=LANE_POLL_S)
+                           every_s=EVENTS_PUSH_S / 4)
+        assert stats["open_sessions"] == 1  # a scale-down keeps this replica while its session is open
     assert stats["tokens_per_s"] >= 40 * 4 / 10.0 * 0.99  # 160 tokens within the 10 s window
 
 
-def test_two_clients_on_one_replica_share_it_without_deadlock(fault_app):
-    """The documented rule: the second client waits wait_s, then takes the Serve path; the
-    Serve path's demand stops the first lease's renewal after one term; nobody deadlocks."""
+def test_two_lanes_and_the_serve_path_share_one_replica_at_once(fault_app):
+    """Two lanes on the one replica of ``solo`` call back to back while a third client sends
+    Serve-path requests: every call is answered exactly, both lanes stay on their sessions the
+    whole time (nothing is held or revoked), and both sessions are open at once."""
     from load import CallLoop  # here: the workers import this module for its clock
     from waiting import wait_until
 
-    want = {T: direct("solo").forward(rand(T, T), 1) for T in (1, 2)}
+    want = {T: direct("solo").forward(rand(T, T), 1) for T in (1, 2, 3)}
 
-    def call(lane, T: int) -> None:
-        # Not bit for bit: once both clients run on the Serve path, one batch can hold both
-        # clients' rows, and a 3-row batch moves a 2-row one's fp32 results by a few ulps (1.2e-6
-        # measured on this layer). Those are the GEMMs' blocking, not a fault.
-        torch.testing.assert_close(lane.forward(rand(T, T), 1), want[T], rtol=1e-5, atol=1e-5)
+    def call(client, T: int) -> None:
+        # Not bit for bit: rank 0 runs same-layer parts of several sessions and the Serve path as
+        # one forward, and a 3-row forward moves a 2-row one's fp32 results by a few ulps (1.2e-6
+        # measured on this layer): the GEMMs' blocking, not a fault.
+        torch.testing.assert_close(client.forward(rand(T, T), 1), want[T], rtol=1e-5, atol=1e-5)
 
-    with direct("solo").lane(max_tokens=2, name="first", retry_s=0.5) as first:
-        assert first.status()["deployments"]["solo"]["path"] == "lane"
-        # The first client calls before the second asks (an idle lane would let its group go).
-        with CallLoop(lambda: call(first, 1)) as one, \
-                direct("solo").lane(max_tokens=2, name="second", wait_s=0.5, retry_s=0.5) as second:
-            assert second.status()["deployments"]["solo"]["path"] == "serve"
-            assert "held by first" in second.status()["deployments"]["solo"]["why_serve"]
-            with CallLoop(lambda: call(second, 2)) as two:
-                # The second client's Serve calls end the first lease after one term (lane_lease_s
-                # 2 s): the first client then calls on the Serve path too.
-                wait_until(lambda: one.errors or two.errors or first.status()["deployments"]["solo"]["serve_calls"],
-                           timeout_s=60, what="the first client on the Serve path once its lease ended",
-                           every_s=0.25)
-                # both clients call on, a few calls each, with the first on the Serve path
-                marks = one.calls(), two.calls()
-                wait_until(lambda: one.calls() >= marks[0] + 3 and two.calls() >= marks[1] + 3, timeout_s=60,
-                           what="three more calls of each client")
-            s1, s2 = first.status()["deployments"]["solo"], second.status()["deployments"]["solo"]
-    assert not one.errors and not two.errors, (one.errors, two.errors)
-    assert s1["lane_calls"] > 0 and s1["serve_calls"] > 0 and s2["serve_calls"] > 0
+    serve_path = direct("solo")
+    with direct("solo").lane(max_tokens=2, name="first") as first, \
+            direct("solo").lane(max_tokens=2, name="second", wait_s=0.5) as second:
+        assert {lane.status()["deployments"]["solo"]["path"] for lane in (first, second)} == {"session"}
+        assert {s["client"] for s in serve_path.status()["sessions"]["open"]} == {"first", "second"}
+        with CallLoop(lambda: call(first, 1)) as one, CallLoop(lambda: call(second, 2)) as two, \
+                CallLoop(lambda: call(serve_path, 3)) as three:
+            marks = one.calls(), two.calls(), three.calls()
+            wait_until(lambda: min(one.calls() - marks[0], two.calls() - marks[1], three.calls() - marks[2]) >= 20,
+                       timeout_s=120, what="20 more calls of each client")
+        s1, s2 = first.status()["deployments"]["solo"], second.status()["deployments"]["solo"]
+    assert not one.errors and not two.errors and not three.errors, (one.errors, two.errors, three.errors)
+    assert s1["serve_calls"] == s2["serve_calls"] == 0 and s1["lane_calls"] > 20 and s2["lane_calls"] > 20
+    assert s1["path"] == s2["path"] == "session"
 
 
-def test_an_idle_lane_releases_its_group_and_leases_again_on_the_next_call(fault_app):
-    from waiting import wait_until  # here: the workers import this module for its clock
-
+def test_an_idle_lane_keeps_its_session_without_renewals(fault_app):
+    """No term: a lane idle for longer than the old lease term (2 s) and the linger (2 s: it
+    only counts while no peer is connected) still calls on its session."""
     x = rand(1, 5)
     want = direct("solo").forward(x, 1)
     with direct("solo").lane(max_tokens=1, name="idler") as lane:
         assert torch.equal(lane.forward(x, 1), want)
-        wait_until(lambda: lanes_if_free("solo"), timeout_s=30, every_s=0.25,
-                   what="the lease released after half a term (1 s) idle")
-        # Released by the idle lane after half a term; on a loaded machine the replica's expiry
-        # (a whole term, 2 s) can come first. Either way the group went free without a call.
-        assert direct("solo").status()["lanes"]["history"][-1]["ended"] in ("released", "expired")
-        assert lane.status()["deployments"]["solo"]["path"] == "serve"
+        import time
+
+        time.sleep(3 * 2.0)  # idle: three linger periods with the lane's peer connected
         assert torch.equal(lane.forward(x, 1), want)
-        assert lane.status()["deployments"]["solo"]["path"] == "lane"  # leased again by the call
+        st = lane.status()["deployments"]["solo"]
+        assert st["path"] == "session" and st["leases"] == 1 and st["serve_calls"] == 0
 
 
-def test_a_lane_dropped_without_close_releases_its_group(fault_app):
-    """Only the lane's core is held by its idle thread: the lane itself is collected once its
-    owner lets go, and its finalizer releases the lease."""
+def test_a_lane_dropped_without_close_closes_its_session(fault_app):
+    """The lane is collected once its owner lets go, and its finalizer closes the session."""
     import gc
-    import threading as th
 
     from waiting import wait_until  # here: the workers import this module for its clock
 
     lane = direct("solo").lane(max_tokens=1, name="forgotten")
-    assert lane.status()["deployments"]["solo"]["path"] == "lane"
+    assert lane.status()["deployments"]["solo"]["path"] == "session"
     lane.forward(rand(1, 3), 1)
-    idle = [t for t in th.enumerate() if t.name == "idle-forgotten"]
     del lane
     gc.collect()
-    lanes = wait_until(
-        lambda: lanes_if_free("solo"), timeout_s=30, every_s=0.25,
-        what=lambda: f"the dropped lane's lease released; lanes {direct('solo').status()['lanes']}")
-    assert lanes["history"][-1]["client"] == "forgotten" and lanes["history"][-1]["ended"] == "released"
-    for t in idle:
-        t.join(timeout=10)
-        assert not t.is_alive()
+    sessions = wait_until(
+        lambda: sessions_if_none_open("solo"), timeout_s=30, every_s=0.25,
+        what=lambda: f"the dropped lane's session closed; {direct('solo').status()['sessions']}")
+    last = sessions["history"][-1]
+    assert last["client"] == "forgotten" and last["failure"] == "session_ended", last
 
 
-def test_two_clients_on_two_replicas_each_get_a_group(fault_app):
+def test_a_new_session_goes_to_the_least_loaded_replica(fault_app):
+    import time
+
     a = direct("pair").lane(max_tokens=2, name="a", wait_s=10)
     sa = a.status()["deployments"]["pair"]
+    # The router learns each replica's session rows from its routing stats, every
+    # ROUTING_STATS_PERIOD_S: b is opened once the router has heard of a's session.
+    time.sleep(4 * ROUTING_STATS_PERIOD_S)
     b = direct("pair").lane(max_tokens=2, name="b", wait_s=10)
     sb = b.status()["deployments"]["pair"]
     try:
-        assert sa["path"] == sb["path"] == "lane" and sa["replica"] != sb["replica"]
+        assert sa["path"] == sb["path"] == "session" and sa["replica"] != sb["replica"]
         x = rand(2, 4)
         assert torch.equal(a.forward(x, 1), b.forward(x, 1))
     finally:
@@ -345,7 +333,7 @@ def test_a_killed_rank_under_lane_load_costs_the_caller_nothing(fault_app):
 
     def moved_on() -> bool:  # a call failed over to Serve, then the lane leased the other group
         st = lane.status()["deployments"]["pair"]
-        return st["fallbacks"] >= 1 and st["path"] == "lane" and st["replica"] != killed_replica
+        return st["fallbacks"] >= 1 and st["path"] == "session" and st["replica"] != killed_replica
 
     with direct("pair").lane(max_tokens=1, name="victim", retry_s=0.5) as lane, \
             CallLoop(lambda: torch.equal(lane.forward(rand(1, 11), 1), want)) as load:
@@ -385,9 +373,9 @@ def test_a_stalled_rank_costs_the_caller_nothing_with_two_replicas(fault_app):
         lane.close()
 
 
-def test_a_dead_clients_session_ends_and_the_group_leases_again(fault_app):
-    """A client killed mid-work closes its connection to rank 0: its session ends at once (the
-    replica ends the lease at its next poll, not a term later) and nothing is left on the ranks."""
+def test_a_dead_clients_session_ends_and_the_group_serves_on(fault_app):
+    """A client killed mid-work closes its connection to rank 0: its session ends at once (rank 0
+    pushes the end to the replica) and nothing is left on the ranks."""
     import ray
     from waiting import wait_until  # here: the workers import this module for its clock
 
@@ -398,27 +386,27 @@ import ray
 ray.init(address={ray.get_runtime_context().gcs_address!r}, namespace="serve", log_to_driver=False)
 from deployments.client import MoEClient
 lane = MoEClient.direct("solo", {APP!r}, timeout_s=60).lane(max_tokens=2, name="doomed")
-assert lane.status()["deployments"]["solo"]["path"] == "lane"
+assert lane.status()["deployments"]["solo"]["path"] == "session"
 lane.forward(torch.zeros(1, {H}), 1)
 print("leased", flush=True)
-while True:  # a busy client (an idle one would drop its lease itself), killed mid-work
+while True:  # a busy client, killed mid-work
     lane.forward(torch.zeros(1, {H}), 1)
 """
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "leased"
-        assert direct("solo").status()["lanes"]["active"]["client"] == "doomed"
+        assert [s["client"] for s in direct("solo").status()["sessions"]["open"]] == ["doomed"]
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.kill()
         child.wait()
-    lanes = wait_until(
-        lambda: lanes_if_free("solo"), timeout_s=30, every_s=0.25,
-        what=lambda: f"the dead client's lease ended; lanes {direct('solo').status()['lanes']}")
-    ended = lanes["history"][-1]
-    assert ended["client"] == "doomed" and ended["ended"].startswith("its session ended (peer_gone: peer 0 "), ended
+    sessions = wait_until(
+        lambda: sessions_if_none_open("solo"), timeout_s=30, every_s=0.25,
+        what=lambda: f"the dead client's session ended; {direct('solo').status()['sessions']}")
+    ended = sessions["history"][-1]
+    assert ended["client"] == "doomed" and ended["failure"] == "peer_gone", ended
     x = rand(1, 9)
     want = direct("solo").forward(x, 1)
     with direct("solo").lane(max_tokens=2, name="next") as lane:
-        assert lane.status()["deployments"]["solo"]["path"] == "lane"
+        assert lane.status()["deployments"]["solo"]["path"] == "session"
         assert torch.equal(lane.forward(x, 1), want)

@@ -182,20 +182,20 @@ def lease_asks(*outcomes) -> tuple[GroupLease, list]:
     ``avoid_replica``."""
     asks = []
 
-    def lease_lane(*args, avoid_replica=None, peers=1, idle_after_s=None):
+    def open_session(*args, avoid_replica=None, peers=1, idle_after_s=None, linger_s=None):
         asks.append(avoid_replica)
         outcome = outcomes[len(asks) - 1]
         if isinstance(outcome, BaseException):
             raise outcome
         return SimpleNamespace(result=lambda timeout_s=None: outcome)
 
-    handle = SimpleNamespace(lease_lane=SimpleNamespace(remote=lease_lane))
+    handle = SimpleNamespace(open_session=SimpleNamespace(remote=open_session))
     client = SimpleNamespace(group_handle=lambda name: handle, timeout_s=5)
     return GroupLease(client, "d", "owner", max_tokens=4, retry_s=30), asks
 
 
 def test_lease_path():
-    grant = {"granted": True, "replica": "r2", "world": 2, "lease_id": "l", "term_s": 4.0}
+    grant = {"granted": True, "replica": "r2", "world": 2, "lease_id": "l"}
     # the replica asked has a broken group: asked once more, elsewhere, and leased there
     lease, asks = lease_asks(BROKEN, grant)
     assert lease.acquire(1.0) and lease.replica == "r2" and asks == [None, "r1"]

@@ -16,13 +16,13 @@ attend, send its rows to the group serving the layer, wait for its slice, absorb
 Per layer the group's rank 0 waits for all M workers' rows, runs **one** forward over them on
 every rank and answers each worker; the driver is not on the per-layer path at all.
 
-**Leases and membership.** The cohort leases every deployment serving its layers as a lane does
-(``lane_lease_s`` term, renewals, expiry, ``status()["lanes"]`` of the replica lists the lease
-with its workers). Membership is fixed: new workers need a new cohort. Steps run on the data
-plane only when the cohort holds a lease of every group it needs; otherwise (a group held by
-others, ``lanes: false``, a lease lost) it releases what it holds and runs the step on the
-**Serve path, still aggregated**: the driver gathers every worker's rows per layer and sends them
-as one request, asking for the leases again every ``retry_s``.
+**Sessions and membership.** The cohort opens its session on every deployment serving its layers
+as a lane does (no term; ``status()["sessions"]`` of the replica lists it with its workers).
+Membership is fixed: new workers need a new cohort. Steps run on the data plane only when the
+cohort holds the session on every group it needs; otherwise (a replica refusing it, ``lanes:
+false``, a session lost) it closes what it holds and runs the step on the **Serve path, still
+aggregated**: the driver gathers every worker's rows per layer and sends them as one request,
+asking for the sessions again every ``retry_s``.
 
 **Faults.** The data plane names what ended a layer (``dataplane.errors``: one table from
 failure kind to action) and the retry rule is the tier's one (``common.retry``). A step that
@@ -64,20 +64,17 @@ from ..common.errors import (
     root_cause,
 )
 from ..common.wire import WireTensor
-from ..config.timeouts import LEASE_ATTEMPT_S, PROBE_S
+from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S, LEASE_ATTEMPT_S, PROBE_S
 from ..dataplane.errors import Action, SessionError
 from ..dataplane.errors import Failure as PlaneFailure
 from ..dataplane.peer import SessionTicket, answer_bound_s
 from .errors import MoEServerError, WorkerError, raise_for
 from .leases import (
-    DEFAULT_RETRY_S,
-    DEFAULT_WAIT_S,
     GroupLease,
     LeaseHolder,
     check_seconds,
     default_client_name,
     endpoint,
-    kept_renewed,
     served_layers,
 )
 
@@ -155,30 +152,21 @@ class CohortCore(LeaseHolder):
     # -- leases and session ---------------------------------------------------------------
 
     def lease_all(self, wait_s: float, avoid: dict[str, str | None] | None = None) -> bool:
-        """Hold a lease of every group and the session over them, or hold nothing (the Serve
-        path must not wait behind this cohort's own idle leases)."""
+        """Hold the session on every group, or hold nothing (a session spans all of them or none)."""
         avoid = avoid or {}
-        if self.ticket is not None:  # every group held (a session spans all of them or none)
-            if all(lease.renew() for lease in self.leases.values() if lease.renew_due()):
-                return True
-        elif any(lease.held or lease.due() or d in avoid for d, lease in self.leases.items()):
-            # Leasing each group (each may wait for it) makes no call: the leases already held
-            # are renewed meanwhile. (Nothing held and nothing to ask for yet: the Serve path
-            # until retry_s, without starting that thread at every step.)
-            with kept_renewed(self.leases.values()):
-                if self.lease_each(wait_s, avoid):
-                    return self.join_session()
+        if self.ticket is not None:
+            return True
+        if any(lease.held or lease.due() or d in avoid for d, lease in self.leases.items()) \
+                and self.lease_each(wait_s, avoid):
+            return self.join_session()
         self.drop_all(next((lease.why_not for lease in self.leases.values() if lease.why_not),
-                           "a group could not be leased"))
+                           "a group's session could not be opened"))
         return False
 
     def lease_each(self, wait_s: float, avoid: dict[str, str | None]) -> bool:
-        """Lease every group not held (renewing the held ones when due); False at the first that
-        cannot be."""
+        """Open the session on every group not held; False at the first that cannot be."""
         for d, lease in self.leases.items():
             if lease.held:
-                if lease.renew_due() and not lease.renew():
-                    return False
                 continue
             if not (lease.due() or d in avoid):
                 return False
@@ -201,7 +189,6 @@ class CohortCore(LeaseHolder):
             return False
         self.ticket = ticket
         self.counts["sessions"] += 1
-        self.last_call = time.monotonic()
         return True
 
     def drop_all(self, why: str) -> None:
@@ -212,10 +199,7 @@ class CohortCore(LeaseHolder):
             with contextlib.suppress(Exception):  # a worker gone: its connections went with it
                 ray.get([w.cohort_session.remote(None) for w in self.workers], timeout=PROBE_S)
         for grant in grants:
-            GroupLease.release(grant)
-
-    def drop_idle(self, why: str) -> None:
-        self.drop_all(why)
+            GroupLease.release(grant, why)
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -227,11 +211,10 @@ class CohortCore(LeaseHolder):
             raise ValueError(f"cohort {self.name} has {len(self.workers)} workers: step() takes one input "
                              f"per worker, got {got}")
         with self.lock:
-            self.last_call = started = time.monotonic()
+            started = time.monotonic()
             results = self.attempts(list(inputs))
             self.counts["steps"] += 1
             self.recent_ms = [*self.recent_ms[-63:], round((time.monotonic() - started) * 1e3, 3)]
-            self.last_call = time.monotonic()
             return results
 
     def attempts(self, inputs: list[Any]) -> list[Any]:
@@ -461,14 +444,14 @@ class CohortCore(LeaseHolder):
             if not lease.held:
                 continue
             try:  # rank 0 runs every forward of the group and hears of every rank's failure
-                state = ray.get(lease.grant["ranks"][0].lane_state.remote(), timeout=PROBE_S)
+                state = ray.get(lease.grant["ranks"][0].dataplane_health.remote(), timeout=PROBE_S)
             except Exception as e:
                 how = "died" if actor_died(e) else "does not answer"
                 broken[d] = f"rank 0 of {d!r} (replica {lease.replica}) {how}"
                 continue
             if state["failed"]:
                 broken[d] = f"{d!r} (replica {lease.replica}): {state['failed']}"
-            elif state["in_flight_tokens"]:
+            elif (state["forward_running_s"] or 0.0) > self.info[d]["call_s"]:  # shared: others' run too
                 broken[d] = f"rank 0 of {d!r} (replica {lease.replica}) is stuck in its forward"
         return broken
 
@@ -487,7 +470,6 @@ class CohortCore(LeaseHolder):
 
     def close(self) -> None:
         self.closing = True
-        self.stop_watching()
         with self.lock:
             self.drop_all("cohort closed")
 
@@ -548,7 +530,6 @@ class Cohort:
         except BaseException:
             self.close()
             raise
-        core.watch_idle()
 
     @property
     def workers(self) -> list[ActorHandle]:

@@ -1,17 +1,16 @@
-"""Lanes: per-layer calls straight to a leased TP group over the data plane.
+"""Lanes: per-layer calls straight to a TP group over the data plane.
 
     with MoEClient("default").lane(max_tokens=16) as lane:
         out = lane.forward(x_TH, layer)               # numpy or torch in, the same kind out
         out = await lane.forward_async(x_TH, layer)
 
 A decode step calls the tier once per MoE layer; through Serve each call pays the handle's
-router, the replica's event loop and a hop to the ranks. A lane leases one replica's TP group
-per deployment it needs (the app's routing table, as :class:`MoEClient` routes) through the
-Serve path -- the control plane -- and is then the one peer of a data-plane session on that
-group (``deployments.dataplane``): each call sends its rows to the group's rank 0 and waits, a
+router, the replica's event loop and a hop to the ranks. A lane opens a session on one
+replica's TP group per deployment it needs (the app's routing table, as :class:`MoEClient`
+routes) through the Serve path -- the control plane -- and is its one peer on the data plane
+(``deployments.dataplane``): each call sends its rows to the group's rank 0 and waits, a
 blocking read, for the output. A lane is the one-peer case of a session; cohorts and sessions of
-independent processes (``client.session``) use the same leases (``client.leases``) and the same
-ranks' side.
+independent processes (``client.session``) open theirs the same way (``client.leases``).
 
 Rules a caller can rely on:
 
@@ -19,27 +18,24 @@ Rules a caller can rely on:
   is itself the replica's own session), and the same input checks (``common.requests``, on the
   client and again on rank 0); a bad input raises :class:`MoERequestError` and the lane stays
   usable.
-* A lease is requested with ``wait_s`` (the router steers it to a replica that is not leased);
-  a deployment whose groups all stay held runs this lane's calls on the Serve path, and the lane
-  asks again every ``retry_s`` (a non-waiting request). ``status()`` says which path each
-  deployment takes and why.
-* The lane renews its lease every half term while it calls; a replica with others waiting
-  stops renewing after one term, and the lane then takes the Serve path (asking again after
-  ``retry_s``). A lane not called for half a term releases its leases (a held lease keeps the
-  group from everyone else) and leases again at its next call. Closing the lane (or its
-  context, or dropping the last reference to it) releases every lease.
+* A session is opened per deployment (the router sends it to the least-loaded healthy replica),
+  asking again for up to ``wait_s`` while replicas refuse it (full, or ``lanes: false``); a
+  deployment with none to be had runs this lane's calls on the Serve path, and the lane asks
+  again every ``retry_s``. ``status()`` says which path each deployment takes and why.
+* The session shares its group with the Serve path and other sessions (nothing is held, nothing
+  revoked) and has no term: it lasts until the lane is closed (or its context, or the last
+  reference to it is dropped), which closes every session.
 * Failures follow the data plane's one table (``dataplane.errors.ACTIONS``) and the tier's one
   retry rule (``common.retry``): a call whose group broke (a rank died or failed, or the call
   outlived its bound, which the lane reports so the replica breaks the group) is sent once more,
   on the Serve path, to another replica; with a healthy replica left the caller sees no error. A
-  call that met an ended lease never ran: it goes to the Serve path as a first attempt.
+  call that met an ended session never ran: it goes to the Serve path as a first attempt.
 * One call at a time per lane (a lock); use one lane per concurrent caller.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -51,12 +47,11 @@ from ..common.errors import ServeInputError, error_message
 from ..common.requests import as_logits, as_rows
 from ..common.retry import resend_after
 from ..common.wire import WireTensor
+from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S
 from ..dataplane.errors import Action, SessionError
 from ..dataplane.peer import SessionPeer, SessionTicket
 from .errors import raise_for
 from .leases import (
-    DEFAULT_RETRY_S,
-    DEFAULT_WAIT_S,
     GroupLease,
     LeaseHolder,
     check_seconds,
@@ -91,37 +86,34 @@ class LaneCore(LeaseHolder):
             ticket = SessionTicket(self.name, 1, (endpoint(grant, grant["layers"]),))
             self.peers[deployment] = ticket.join(0)
         except (OSError, PermissionError) as e:
-            GroupLease.release(lease.take(f"could not join the leased group's session: {error_message(e)}"))
+            GroupLease.release(lease.take(f"could not join the group's session: {error_message(e)}"))
             return False
-        self.last_call = time.monotonic()
         return True
 
     def drop(self, deployment: str, why: str) -> None:
-        """Leave the session and release the lease; the Serve path until asked again."""
+        """Close the session (then leave it: rank 0 records why it ended, not a peer gone); the
+        Serve path until asked again."""
         grant = self.leases[deployment].take(why)
+        if grant is not None:
+            GroupLease.release(grant, why)
         peer = self.peers.pop(deployment, None)
         if peer is not None:
             peer.close(why)
-        if grant is not None:
-            GroupLease.release(grant)
 
-    def drop_idle(self, why: str) -> None:
+    def drop_all(self, why: str) -> None:
         for deployment, lease in self.leases.items():
             if lease.held:
                 self.drop(deployment, why)
 
     def ready(self, deployment: str) -> bool:
-        """True when this call can go on the lane (leasing or renewing first if due)."""
+        """True when this call can go on the lane (opening its session first if due)."""
         lease = self.leases[deployment]
-        if not lease.held:
-            if not lease.due():
-                return False
-            wait_s, lease.next_wait = lease.next_wait, 0.0
-            return self.acquire(deployment, wait_s)
-        if lease.renew_due() and not lease.renew():
-            self.drop(deployment, lease.why_not)
+        if lease.held:
+            return True
+        if not lease.due():
             return False
-        return True
+        wait_s, lease.next_wait = lease.next_wait, 0.0
+        return self.acquire(deployment, wait_s)
 
     # -- calls ----------------------------------------------------------------------------
 
@@ -130,7 +122,6 @@ class LaneCore(LeaseHolder):
             raise RuntimeError(f"lane {self.name} is closed")
         deployment = self.only or (self.by_layer.get(layer) if isinstance(layer, int) else None)
         with self.lock:
-            self.last_call = time.monotonic()
             if deployment is None or not self.ready(deployment):
                 if deployment is not None:
                     self.counts[deployment]["serve_calls"] += 1
@@ -175,9 +166,8 @@ class LaneCore(LeaseHolder):
     def close(self) -> None:
         """Leave every session and release every lease (idempotent)."""
         self.closing = True
-        self.stop_watching()
         with self.lock:
-            self.drop_idle("lane closed")
+            self.drop_all("lane closed")
 
     def status(self) -> dict[str, Any]:
         return {"client": self.name, "max_tokens": self.max_tokens, "layers": list(self.layers),
@@ -187,8 +177,8 @@ class LaneCore(LeaseHolder):
 class Lane:
     """Per-layer calls to the app's TP groups over the data plane; see the module doc.
 
-    Built by :meth:`MoEClient.lane`; a context manager (sync or async) that releases its
-    leases on exit (:meth:`close`).
+    Built by :meth:`MoEClient.lane`; a context manager (sync or async) that closes its
+    sessions on exit (:meth:`close`).
     """
 
     def __init__(self, client: Any, *, layers: Iterable[int] | None = None, max_tokens: int = 1,
@@ -213,7 +203,6 @@ class Lane:
         except BaseException:
             self.close()
             raise
-        core.watch_idle()
 
     @property
     def layers(self) -> tuple[int, ...]:

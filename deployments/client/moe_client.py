@@ -27,10 +27,10 @@ from ..common.layer_routing import LayerRoutes
 from ..common.retry import call_with_retry, call_with_retry_async
 from ..common.wire import WireTensor
 from ..config.timeouts import CLIENT_TIMEOUT_S as DEFAULT_TIMEOUT_S
+from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S
 from .cohort import DEFAULT_MAX_TOKENS, Cohort
 from .errors import raise_for
 from .lane import Lane
-from .leases import DEFAULT_RETRY_S, DEFAULT_WAIT_S
 from .session import Session
 
 
@@ -100,9 +100,9 @@ class MoEClient:
     def lane(self, layers: Iterable[int] | None = None, *, max_tokens: int = 1,
              wait_s: float = DEFAULT_WAIT_S, retry_s: float = DEFAULT_RETRY_S,
              name: str | None = None) -> Lane:
-        """A per-layer lane (``client.lane``): one leased TP group per deployment serving
+        """A per-layer lane (``client.lane``): a session on one TP group per deployment serving
         ``layers`` (None: every layer of the app), called over the data plane; calls of up to
-        ``max_tokens`` tokens. A context manager; ``close()`` releases the leases."""
+        ``max_tokens`` tokens. A context manager; ``close()`` closes the sessions."""
         return Lane(self, layers=layers, max_tokens=max_tokens, wait_s=wait_s, retry_s=retry_s, name=name)
 
     def cohort(self, workers: Sequence[Any], layers: Iterable[int] | None = None, *,
@@ -113,21 +113,23 @@ class MoEClient:
         together, every MoE layer of ``layers`` (None: every layer of the app) one forward of
         all their rows, at most ``max_tokens`` rows per worker and step; a step running longer
         than ``step_timeout_s`` (default twice the groups' call bound) is stuck. A context
-        manager; ``close()`` releases the leases."""
+        manager; ``close()`` closes its sessions."""
         return Cohort(self, workers, layers=layers, max_tokens=max_tokens, wait_s=wait_s, retry_s=retry_s,
                       step_timeout_s=step_timeout_s, name=name)
 
     def session(self, peers: int, layers: Iterable[int] | None = None, *, max_tokens: int = 1,
                 wait_s: float = DEFAULT_WAIT_S, name: str | None = None,
-                idle_after_s: float | None = None) -> Session:
-        """A session for ``peers`` independent peer processes (``client.session``): one leased TP
-        group per deployment serving ``layers`` (None: every layer of the app), at most
-        ``max_tokens`` rows per peer and layer. Hand ``session.ticket`` to the peers; each joins
-        with ``deployments.client.join(ticket, index)``. ``idle_after_s``: an elastic session,
-        whose peers may join late, idle, leave or die without holding the others (for engines
-        that step on their own, such as vLLM's). A context manager; ``close()`` ends it."""
+                idle_after_s: float | None = None, linger_s: float | None = None) -> Session:
+        """A session for ``peers`` independent peer processes (``client.session``): on one TP
+        group per deployment serving ``layers`` (None: every layer of the app; all or none), at
+        most ``max_tokens`` rows per peer and layer. Hand ``session.ticket`` to the peers; each
+        joins with ``deployments.client.join(ticket, index)``. ``idle_after_s``: an elastic
+        session, whose peers may join late, idle, leave or die without holding the others (for
+        engines that step on their own, such as vLLM's). ``linger_s``: it ends once none of its
+        peers has been connected this long (default: the deployment's ``session_linger_s``).
+        A context manager; ``close()`` ends it."""
         return Session(self, peers, layers=layers, max_tokens=max_tokens, wait_s=wait_s, name=name,
-                       idle_after_s=idle_after_s)
+                       idle_after_s=idle_after_s, linger_s=linger_s)
 
     def _forward_call(self, hidden_states: Any, layer: int, router_logits: Any, avoid_replica: str | None):
         # torch travels as WireTensor (zero-copy numpy for Ray); numpy and the rest as given.

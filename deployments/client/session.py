@@ -1,4 +1,4 @@
-"""Sessions for independent processes: one process leases, any number of peer processes join.
+"""Sessions for independent processes: one process opens it, any number of peer processes join.
 
     # the process that owns the session (a Ray driver or actor of the app's cluster)
     with MoEClient("default").session(peers=4, max_tokens=8) as session:
@@ -8,10 +8,13 @@
     peer = join(SessionTicket.from_json(ticket), index=2)
     out = peer.forward(x_TH, layer)               # numpy or torch in, the same kind out
 
-A session leases one replica's TP group per deployment serving its layers for ``peers`` peers
-(``client.leases``) and keeps the leases renewed from a thread of its own while it is open. Each
-peer sends its rows per MoE layer (0 rows allowed: a peer with nothing to do still takes part)
-and blocks until its slice of that layer's one forward comes back (``deployments.dataplane``).
+A session is opened on one replica's TP group per deployment serving its layers for ``peers``
+peers (``client.leases``; all of them or none: a group that cannot be had closes the others).
+It shares the groups with the Serve path and other sessions and has no term: it lasts until
+:meth:`Session.close` (or, once its opener is gone, until none of its peers has been connected
+for ``linger_s``: the spec's ``session_linger_s`` unless given). Each peer sends its rows per MoE
+layer (0 rows allowed: a peer with nothing to do still takes part) and blocks until its slice of
+that layer's one forward comes back (``deployments.dataplane``).
 Every peer must call the same layers in the same order; a peer that dies or stalls ends the
 session for all, with an error naming it. An *elastic* session (``idle_after_s``) is for engines
 that step on their own (vLLM's): a peer may join late, idle, leave or die and the others go on;
@@ -23,25 +26,31 @@ data plane's table gives.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from ..common.errors import ServeInputError
+from ..common.errors import ServeInputError, error_message
 from ..common.requests import as_logits, as_rows, is_torch_tensor
+from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S, RANK_POLL_S
 from ..dataplane.errors import Action, SessionError
 from ..dataplane.peer import SessionPeer, SessionTicket
 from .errors import raise_for
-from .leases import DEFAULT_RETRY_S, DEFAULT_WAIT_S, GroupLease, default_client_name, endpoint, served_layers
+from .leases import GroupLease, default_client_name, endpoint, served_layers
+
+
+class SessionRefused(RuntimeError):
+    """No group of a deployment would open the session (full, ``lanes: false``, or none healthy)
+    within the wait; the groups already opened were closed."""
 
 
 class Session:
-    """A leased session of ``peers`` peers (see the module doc); built by :meth:`MoEClient.session`."""
+    """A session of ``peers`` peers (see the module doc); built by :meth:`MoEClient.session`."""
 
     def __init__(self, client: Any, peers: int, *, layers: Iterable[int] | None = None, max_tokens: int = 1,
-                 wait_s: float = DEFAULT_WAIT_S, name: str | None = None, idle_after_s: float | None = None):
+                 wait_s: float = DEFAULT_WAIT_S, name: str | None = None, idle_after_s: float | None = None,
+                 linger_s: float | None = None):
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
             raise ValueError(f"peers must be a positive integer, got {peers!r}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -52,32 +61,35 @@ class Session:
         routes = client.layer_routes()
         by_layer = {x: routes.choose(x, None) for x in chosen}
         self.leases = {d: GroupLease(client, d, self.name, max_tokens, DEFAULT_RETRY_S, peers=peers,
-                                     idle_after_s=idle_after_s)
+                                     idle_after_s=idle_after_s, linger_s=linger_s)
                        for d in sorted(set(by_layer.values()))}
         self.closed: str | None = None
-        self._stop = threading.Event()
         try:
             for d, lease in self.leases.items():
                 if not lease.acquire(float(wait_s)):
-                    raise RuntimeError(f"session {self.name!r}: no group of deployment {d!r} could be leased "
-                                       f"within {float(wait_s):g} s: {lease.why_not}")
+                    raise SessionRefused(f"session {self.name!r}: no group of deployment {d!r} would open it "
+                                         f"within {float(wait_s):g} s: {lease.why_not}")
         except BaseException:
             self.close()
             raise
         groups = tuple(endpoint(lease.grant, [x for x in chosen if by_layer[x] == d])
                        for d, lease in self.leases.items())
         self.ticket = SessionTicket(self.name, peers, groups)
-        self._renewer = threading.Thread(target=self._renew, name=f"renew-{self.name}", daemon=True)
-        self._renewer.start()
 
-    def _renew(self) -> None:
-        """Renew every lease each half term; one refused ends the session (its peers are told)."""
-        term = min(lease.grant["term_s"] for lease in self.leases.values())
-        while not self._stop.wait(term / 2):
-            for lease in self.leases.values():
-                if lease.held and not lease.renew():
-                    self._end(lease.why_not)
-                    return
+    def state(self) -> dict[str, dict[str, Any] | None]:
+        """Each group's record of the session, as its rank 0 has it now (``ended`` and ``failure``
+        say why it is over), by deployment; None where rank 0 does not answer."""
+        import ray
+
+        out = {}
+        for d, lease in self.leases.items():
+            grant = lease.grant
+            try:
+                snap = ray.get(grant["ranks"][0].sessions_snapshot.remote(), timeout=RANK_POLL_S)
+                out[d] = snap["sessions"].get(grant["session"]) or {"ended": "no longer open on rank 0"}
+            except Exception as e:  # rank 0 gone: the group failed
+                out[d] = {"ended": f"rank 0 does not answer: {error_message(e)}", "failure": "group_failed"}
+        return out
 
     def join(self, index: int, step: Iterable[int] | None = None, device: str | None = None) -> Peer:
         """Peer ``index`` in this process (usually each peer joins in its own: :func:`join`)."""
@@ -87,20 +99,13 @@ class Session:
         return {"session": self.name, "peers": self.ticket.peers, "layers": list(self.ticket.layers),
                 "closed": self.closed, "deployments": {d: lease.status() for d, lease in self.leases.items()}}
 
-    def _end(self, why: str) -> None:
+    def close(self, why: str = "closed by its opener") -> None:
+        """End the session on every group: its peers are told ``why`` (idempotent)."""
         if self.closed is None:
             self.closed = why
         for lease in self.leases.values():
             if lease.held:
-                GroupLease.release(lease.take(why))
-
-    def close(self) -> None:
-        """Release every lease: the session ends and its peers are told (idempotent)."""
-        self._stop.set()
-        renewer = getattr(self, "_renewer", None)
-        if renewer is not None and renewer is not threading.current_thread():
-            renewer.join()
-        self._end("closed by its owner")
+                GroupLease.release(lease.take(why), why)
 
     def __enter__(self) -> Session:
         return self

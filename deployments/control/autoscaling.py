@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 # Keys of the dict a replica's record_autoscaling_stats() returns.
 QUEUED_TOKENS = "queued_tokens"  # tokens waiting in the replica's batch queue
-TOKENS_PER_S = "tokens_per_s"  # tokens the replica processed per second, recently
+TOKENS_PER_S = "tokens_per_s"  # tokens the replica processed per second, recently (sessions' rows too)
+OPEN_SESSIONS = "open_sessions"  # sessions open on the replica's group
 
 POLICY_IMPORT_PATH = "deployments.control.autoscaling:TokenAutoscalingPolicy"
 
@@ -95,10 +96,12 @@ def desired_replicas(
     """Target replica count from per-replica token metrics; returns ``(target, new_state)``.
 
     Demand = max(ceil(sum queued / target queued per replica),
-                 ceil(sum tokens/s / target tokens/s per replica)), clamped to
-    [min_replicas, max_replicas]. No metrics: hold ``current``. Demand above ``current``
-    for ``upscale_delay_s``: scale up to it. Demand below ``current`` continuously for
-    ``downscale_delay_s``: scale down to it. ``state`` is not modified.
+                 ceil(sum tokens/s / target tokens/s per replica),
+                 replicas with open sessions), clamped to [min_replicas, max_replicas]:
+    a deployment busy with sessions scales out on their rows (tokens/s counts them), and a
+    scale-down never goes below the replicas that hold open sessions. No metrics: hold
+    ``current``. Demand above ``current`` for ``upscale_delay_s``: scale up to it. Demand below
+    ``current`` continuously for ``downscale_delay_s``: scale down to it. ``state`` is not modified.
     """
     if min_replicas < 0 or max_replicas < min_replicas:
         raise ValueError(
@@ -116,6 +119,7 @@ def desired_replicas(
     if params.target_tokens_per_s_per_replica is not None:
         rate = sum(_tokens(m, TOKENS_PER_S) for m in metrics)
         demand = max(demand, math.ceil(rate / params.target_tokens_per_s_per_replica))
+    demand = max(demand, sum(_tokens(m, OPEN_SESSIONS) > 0 for m in metrics))
     wanted = min(max(demand, min_replicas), max_replicas)
 
     if wanted == hold:
@@ -138,12 +142,12 @@ def desired_replicas(
 
 
 def replica_metrics(ctx: AutoscalingContext) -> list[dict[str, float]]:
-    """Per-replica ``{queued_tokens, tokens_per_s}`` from the context's aggregated metrics."""
+    """Per-replica ``{queued_tokens, tokens_per_s, open_sessions}`` from the context's aggregated
+    metrics."""
     aggregated = ctx.aggregated_metrics or {}
-    queued = aggregated.get(QUEUED_TOKENS, {})
-    rate = aggregated.get(TOKENS_PER_S, {})
-    replicas = dict.fromkeys([*queued, *rate])  # union, in a stable order
-    return [{QUEUED_TOKENS: queued.get(r, 0.0), TOKENS_PER_S: rate.get(r, 0.0)} for r in replicas]
+    by_key = {key: aggregated.get(key, {}) for key in (QUEUED_TOKENS, TOKENS_PER_S, OPEN_SESSIONS)}
+    replicas = dict.fromkeys(r for values in by_key.values() for r in values)  # union, in a stable order
+    return [{key: values.get(r, 0.0) for key, values in by_key.items()} for r in replicas]
 
 
 def token_autoscaling_policy(

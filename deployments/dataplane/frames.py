@@ -30,8 +30,8 @@ import numpy as np
 from moe_runtime.units import WIRE_DTYPES
 
 from ..common.wire import DeviceRows, WireTensor
+from ..config.timeouts import HANDSHAKE_S
 
-HANDSHAKE_S = 5.0  # a new connection must prove its secret within this
 NONCE_BYTES = 16
 MAC = "sha256"
 WELCOME = b"\x01"

@@ -115,8 +115,12 @@ class Counts:
     layer_forwards: Counter[int] = field(default_factory=Counter)
     layer_parts: Counter[int] = field(default_factory=Counter)
     layer_rows: Counter[int] = field(default_factory=Counter)
+    batches: Counter[str] = field(default_factory=Counter)  # "layer:rows" of each forward -> forwards
 
-    def add(self, layer: int, sizes: list[int], tail: str, seconds: float, new_step: bool) -> None:
+    def add(self, layer: int, sizes: list[int], tail: str, seconds: float, new_step: bool,
+            batch_rows: int | None = None) -> None:
+        """One forward: ``sizes`` the counted parts' rows; ``batch_rows``: the whole forward's rows
+        (other sessions' too; default: these parts')."""
         rows = sum(sizes)
         self.forwards += 1
         self.steps += new_step
@@ -127,12 +131,13 @@ class Counts:
         self.layer_forwards[layer] += 1
         self.layer_parts[layer] += len(sizes)
         self.layer_rows[layer] += rows
+        self.batches[f"{layer}:{rows if batch_rows is None else batch_rows}"] += 1
 
     def to_dict(self) -> dict[str, Any]:
         return {"forwards": self.forwards, "steps": self.steps, "parts": self.parts, "rows": self.rows,
                 "busy_s": round(self.busy_s, 6), "tails": dict(self.tails),
                 "layer_forwards": dict(self.layer_forwards), "layer_parts": dict(self.layer_parts),
-                "layer_rows": dict(self.layer_rows)}
+                "layer_rows": dict(self.layer_rows), "batches": dict(self.batches)}
 
 
 @dataclass
@@ -264,6 +269,7 @@ class GroupHost:
         self.watchers: list[socket.socket] = []
         self.ready: deque[Session] = deque()  # sessions whose layer is ready, oldest first
         self.group = Counts()  # every forward the group ran
+        self.served = Counts()  # clients' sessions' parts (not the replica's own), each forward once
         self.recent_ms: deque[float] = deque(maxlen=RECENT_FORWARDS)
         self.started_at = time.monotonic()
         self.forward_since: float | None = None  # a forward runs since (time.monotonic())
@@ -434,7 +440,7 @@ class GroupHost:
 
     def _snapshot(self) -> dict[str, Any]:
         elapsed = time.monotonic() - self.started_at
-        return {"sessions": {n: s.state() for n, s in self.sessions.items()},
+        return {"sessions": {n: s.state() for n, s in self.sessions.items()}, "served": self.served.to_dict(),
                 "group": {**self.group.to_dict(), "recent_ms": list(self.recent_ms),
                           "busy_fraction": round(self.group.busy_s / elapsed, 4) if elapsed > 0 else 0.0},
                 **self.health()}
@@ -668,12 +674,14 @@ class GroupHost:
     def _fail_group(self, failure: Failure, reason: str) -> None:
         """The group is broken: every session ends with ``failure``, new ones are refused, and the
         replica hears it (it turns unhealthy; Serve replaces it)."""
-        if self.failed is None:
+        first = self.failed is None
+        if first:
             self.failed, self.failure = reason, failure
             logger.error("data plane of %s: the group is broken: %s", self.name, reason)
-            self._push({"event": "failed", "failure": failure.value, "reason": reason})
         for session in list(self.sessions.values()):
-            self._end(session, failure, self.failed)
+            self._end(session, self.failure, self.failed)
+        if first:
+            self._push({"event": "failed", "failure": failure.value, "reason": reason})
 
     def _push(self, event: dict[str, Any]) -> None:
         text = json.dumps(event)
@@ -690,7 +698,7 @@ class GroupHost:
             return
         if self.watchers:
             states = {n: self.sessions[n].state() for n in self._dirty if n in self.sessions}
-            self._push({"event": "counts", "sessions": states, "group": self.group.to_dict()})
+            self._push({"event": "counts", "sessions": states, "served": self.served.to_dict()})
         self._dirty.clear()
         self._pushed_at = now
 
@@ -782,8 +790,12 @@ class GroupHost:
                              f"the layer {batch[0].layer} forward failed on the group: {e}")
             return
         if good:
-            self.group.add(batch[0].layer, [part[1].shape[0] for _, part in good], tail, seconds,
-                           all(p.new_step for p in batch))
+            layer, total, new_step = batch[0].layer, sum(part[1].shape[0] for _, part in good), \
+                all(p.new_step for p in batch)
+            self.group.add(layer, [part[1].shape[0] for _, part in good], tail, seconds, new_step)
+            clients = [part[1].shape[0] for p in batch if not p.session.internal for _, part in p.good]
+            if clients:
+                self.served.add(layer, clients, tail, seconds, new_step, total)
             self.recent_ms.append(round(seconds * 1e3, 3))
         start = 0
         for prep in batch:

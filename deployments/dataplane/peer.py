@@ -27,12 +27,10 @@ from typing import Any
 import numpy as np
 
 from ..common.wire import DeviceRows, WireTensor
+from ..config.timeouts import ANSWER_MARGIN_S, CONNECT_S
 from . import frames
 from .errors import Failure, SessionError
 from .frames import Kind, Role
-
-CONNECT_S = 10.0  # joining a group: connect and handshake
-ANSWER_MARGIN_S = 5.0  # a peer's wait for its answer over the layer's bounds (peers, then forward)
 
 
 def answer_bound_s(call_s: float) -> float:

@@ -41,11 +41,11 @@ from ..common.errors import GroupUnavailableError, ServeInputError, error_messag
 from ..common.requests import is_torch_tensor, validate_forward
 from ..common.wire import WireTensor, concat_rows
 from ..config.spec import DeploymentSpec, with_batching
-from ..control.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
+from ..control.autoscaling import OPEN_SESSIONS, QUEUED_TOKENS, TOKENS_PER_S
 from ..control.decide import Decision
 from .group import TPGroup
-from .lanes import LaneLeases
 from .metrics import ReplicaStats
+from .sessions import GroupSessions
 from .tuning import tune_group
 
 
@@ -126,8 +126,8 @@ class MoEGroupDeployment:
         self._group_idle.set()
         self.group.busy_listeners.append(self._on_group_busy)
         self._in_flight = 0  # requests admitted and not yet answered, every layer
-        self.lanes = LaneLeases(self.group, lambda: self.spec, self.stats, lambda: self._in_flight,
-                                self.replica)
+        self.sessions = GroupSessions(self.group, lambda: self.spec, self.stats, self.replica)
+        self._watching = False
         logger.info(
             "replica %s of deployment %r: TP %d, layers %s, tail %s (%s); %s",
             self.replica, spec.name, spec.tp_size, format_layers(resolved.layers), self.plan.describe(),
@@ -142,20 +142,21 @@ class MoEGroupDeployment:
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's ``user_config`` hook: apply new batching knobs (``spec.BATCHING_KNOBS``) to the
         running replica -- no restart, no reload; a bad value raises ``ValueError``. Done once
-        the ranks hold the new ``max_tokens_per_request`` too (rank 0 checks leased sessions' rows
-        with it)."""
+        the ranks hold the new ``max_tokens_per_request`` too (rank 0 checks sessions' rows with it,
+        and shares forwards among sessions within the largest forward)."""
         spec = with_batching(self.spec, user_config)
         if spec == self.spec:
             return
         check_planned_tokens(spec, self.decision)
-        pushes = [w.set_max_tokens.remote(spec.max_tokens_per_request) for w in self.group.workers]
+        pushes = [w.set_limits.remote(spec.max_tokens_per_request, spec.max_forward_tokens)
+                  for w in self.group.workers]
         try:
             await asyncio.wait_for(asyncio.gather(*pushes), spec.bounds.call_s)
         except Exception as e:  # a rank that does not answer within a call's bound is broken
             logger.warning("replica %s of deployment %r: a rank did not take max_tokens_per_request "
                            "%d within %.0f s (%s); its health check decides", self.replica, spec.name,
                            spec.max_tokens_per_request, spec.bounds.call_s, error_message(e))
-        # Only now: status() reporting the new limit means the ranks (which check leased rows) hold it.
+        # Only now: status() reporting the new limit means the ranks (which check sessions' rows) hold it.
         self.spec = spec
         for queue in self._queues.values():
             queue.set_max_batch_size(spec.max_batch_tokens)
@@ -244,19 +245,26 @@ class MoEGroupDeployment:
             return out.float32()
         return out.to_torch() if req.kind == "torch" else out
 
-    async def lease_lane(self, client: str, max_tokens: int, wait_s: float = 0.0,
-                         workers: list[str] | None = None,
-                         avoid_replica: str | None = None, peers: int = 1,
-                         idle_after_s: float | None = None) -> dict[str, Any]:
-        """Lease this replica's TP group to a lane, cohort or session of ``peers`` peers
-        (``serve.lanes``; the client side is ``deployments.client.leases``): ``{"granted": True,
-        ...}`` with the session's ticket for this group, or ``{"granted": False, "reason": ...}``
-        when it stayed held for ``wait_s`` seconds. ``avoid_replica``: as :meth:`forward`'s (a
-        re-lease after this replica failed)."""
+    async def open_session(self, client: str, max_tokens: int, workers: list[str] | None = None,
+                           avoid_replica: str | None = None, peers: int = 1,
+                           idle_after_s: float | None = None, linger_s: float | None = None
+                           ) -> dict[str, Any]:
+        """Open a session of ``peers`` peers on this replica's TP group for a lane, cohort or
+        independent peers (``serve.sessions``; the client side is ``deployments.client.leases``):
+        ``{"granted": True, ...}`` with the session's ticket for this group, or ``{"granted":
+        False, "reason": ...}`` when it is not admitted. ``avoid_replica``: as :meth:`forward`'s
+        (a session opened again after this replica failed)."""
         if avoid_replica == self.replica:
             return {"granted": False, "replica": self.replica,
                     "reason": "this replica failed the client's last call (no other replica was free)"}
-        return await self.lanes.grant(client, max_tokens, wait_s, workers, peers, idle_after_s)
+        self._watch()
+        return await self.sessions.open(client, max_tokens, peers, idle_after_s, linger_s, workers)
+
+    def _watch(self) -> None:
+        """Start hearing rank 0's events (on the replica's event loop: the first async call)."""
+        if not self._watching:
+            self._watching = True
+            self.group.watch(self.sessions.on_event)
 
     async def _run_batch(self, layer: int, requests: list[LayerRequest]) -> list[WireTensor]:
         """One forward per router-logits kind (given or computed), split back per request."""
@@ -285,6 +293,11 @@ class MoEGroupDeployment:
 
     async def status(self) -> dict[str, Any]:
         spec = self.spec
+        self._watch()
+        try:
+            sessions = await self.sessions.status()
+        except Exception as e:  # a broken group still reports the rest
+            sessions = {"error": error_message(e), "open": [], "history": list(self.sessions.history)}
         return {
             "deployment": spec.name,
             "role": spec.role,
@@ -315,7 +328,7 @@ class MoEGroupDeployment:
             "workers": [dict(info, name=name) for info, name in zip(self.group.infos, self.group.names,
                                                                      strict=True)],
             "counters": self.stats.to_dict(),
-            "lanes": self.lanes.status(),
+            "sessions": sessions,
             "memory": self._memory_status(),
         }
 
@@ -335,7 +348,9 @@ class MoEGroupDeployment:
         return {"healthy": broken is None, "replica": self.replica, "broken_reason": broken}
 
     async def check_health(self) -> None:
-        """Serve's health probe: every worker alive and the group able to run a collective."""
+        """Serve's health probe: every worker alive and its data plane sound (no collective: it
+        never waits on a forward or a session)."""
+        self._watch()
         try:
             await self.group.health_check()
         except Exception:
@@ -344,20 +359,17 @@ class MoEGroupDeployment:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Read by ``deployments.serve.router.HealthyReplicaRouter``: route around a broken group."""
-        return {"healthy": self.group.broken is None, "leased": self.lanes.active is not None}
+        return {"healthy": self.group.broken is None, "session_rows": self.sessions.rows_per_step()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Token-level load for the token-aware autoscaling policy (``deployments.control.autoscaling``)."""
-        queued = self.stats.queued_tokens + self.lanes.queued_tokens()
-        return {QUEUED_TOKENS: float(queued), TOKENS_PER_S: self.stats.tokens_per_s()}
+        return {QUEUED_TOKENS: float(self.stats.queued_tokens), TOKENS_PER_S: self.stats.tokens_per_s(),
+                OPEN_SESSIONS: float(len(self.sessions.open_now))}
 
     def __del__(self) -> None:
         if getattr(self, "spec", None) is not None:
             with contextlib.suppress(Exception):  # the GCS may be gone with the cluster
                 kv.delete(kv.progress_key(self.spec.name, self.replica))
-        lanes = getattr(self, "lanes", None)
-        if lanes is not None:
-            lanes.shutdown()
         group = getattr(self, "group", None)
         if group is not None:
             group.shutdown()

@@ -1,17 +1,24 @@
-"""The replica's side of its TP group: start the workers, forward batches, health.
+"""The replica's side of its TP group: start the workers, forward batches, health, events.
 
 :class:`TPGroup` starts the ranks and their data plane (``deployments.dataplane``: rank 0 hosts
 sessions, the other ranks follow its batches) and sends its own batches as the one peer of a
-session of its own: rank 0 runs each on every rank and answers the group's output (sequence
-parallel: every rank's rows, in order). Every call is bounded (the group's call bound) and the
-first failure marks the group broken, so the replica turns unhealthy and Serve replaces it.
-The warm-up measurement of a pending ``auto`` tail on the group is ``serve.tuning``.
+session of its own: rank 0 runs each on every rank (together with other sessions' rows of the
+same layer) and answers the group's output (sequence parallel: every rank's rows, in order).
+Nothing holds the group: clients' sessions run beside the Serve path. Every call is bounded (the
+group's call bound) and the first failure marks the group broken, so the replica turns unhealthy
+and Serve replaces it. Health asks each rank about its data plane (rank 0's heartbeats find a
+dead or stopped rank with no layer in flight), never a collective, so it never waits on sessions.
+The replica hears rank 0's session and group events on a watch connection (:class:`Watcher`):
+pushed when they happen, nothing while idle. The warm-up measurement of a pending ``auto`` tail
+on the group is ``serve.tuning``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,8 +40,9 @@ from ..common.workers import WORKER_NAMESPACE, worker_name
 from ..config.resolve import ResolvedDeployment
 from ..control.accelerator import Accelerator
 from ..control.serve_options import worker_resources
+from ..dataplane import frames
 from ..dataplane.errors import Action, Failure, SessionError
-from ..dataplane.frames import new_secret
+from ..dataplane.frames import Kind, Role, new_secret
 from ..dataplane.peer import GroupEndpoint, SessionPeer, SessionTicket
 from .worker import TPWorker
 
@@ -52,19 +60,38 @@ class TPGroup:
     """The replica's handle on its workers: start, forward, health collective, shutdown."""
 
     def __init__(self, resolved: ResolvedDeployment, workers: list, names: list[str], infos: list[dict],
-                 replica: str, peer: SessionPeer):
+                 replica: str, peer: SessionPeer, group_secret: str):
         self.resolved, self.replica = resolved, replica
         self.workers, self.names, self.infos = workers, names, infos
         self.world = resolved.spec.tp_size
         self.bounds = resolved.spec.bounds
         self.broken: str | None = None
-        self._lock = asyncio.Lock()  # one group call at a time: every rank sees the same order
+        self._lock = asyncio.Lock()  # the replica's own peer sends one batch at a time
         self._submit_lock = threading.Lock()
         # Called with True when a forward starts running on the ranks, False when it ends.
         self.busy_listeners: list[Callable[[bool], None]] = []
         self.peer = peer  # this replica as the one peer of its own data-plane session
         g = peer.ticket.groups[0]
         self.transport = f"data plane (session {g.session} on rank 0 at {g.host}:{g.port})"
+        self.address, self.group_secret = (g.host, g.port), group_secret
+        self.watcher: Watcher | None = None
+
+    def watch(self, on_event: Callable[[dict[str, Any]], None]) -> None:
+        """Hear rank 0's events (``dataplane.host``) from now on: ``on_event`` runs on the calling
+        event loop; a group failure, or the watch connection closing, also breaks the group."""
+        loop = asyncio.get_running_loop()
+
+        def deliver(event: dict[str, Any]) -> None:
+            if event["event"] == "failed":
+                self._break(f"{event['failure']}: {event['reason']}")
+            elif event["event"] == "closed":
+                if not self.workers:  # shutting down: not a failure
+                    return
+                self._break(f"rank 0's data plane closed the replica's watch connection ({event['reason']})")
+            on_event(event)
+
+        self.watcher = Watcher(self.address, self.group_secret, self.bounds.startup_s,
+                               lambda e: loop.call_soon_threadsafe(deliver, e))
 
     @classmethod
     def start(cls, resolved: ResolvedDeployment, accelerator: Accelerator, replica: str) -> TPGroup:
@@ -102,12 +129,12 @@ class TPGroup:
         try:
             addr, port = ray.get(workers[0].rendezvous_address.remote(), timeout=startup_timeout_s)
             infos = ray.get([w.setup.remote(addr, port) for w in workers], timeout=startup_timeout_s)
-            peer = start_dataplane(workers, resolved, tag, infos[0]["hidden_size"], startup_timeout_s)
+            peer, secret = start_dataplane(workers, resolved, tag, infos[0]["hidden_size"], startup_timeout_s)
         except BaseException:
             for w in workers:
                 ray.kill(w, no_restart=True)
             raise
-        group = cls(resolved, workers, names, infos, replica, peer)
+        group = cls(resolved, workers, names, infos, replica, peer, secret)
         logger.info(
             "TP group %s up: %d rank(s) on %s (%s), rendezvous %s:%d, shards loaded in %.1f s",
             tag, spec.tp_size, ", ".join(i["device"] for i in infos), infos[0]["backend"], addr, port,
@@ -131,26 +158,6 @@ class TPGroup:
 
     def mark_broken(self, reason: str) -> None:
         self._break(reason)
-
-    async def hold(self, wait_s: float) -> bool:
-        """Take the group's call lock for a lane lease (``serve.lanes``), waiting up to
-        ``wait_s``: no Serve forward, health collective or warm-up runs until :meth:`unhold`."""
-        if wait_s <= 0:
-            if self._lock.locked():
-                return False
-            await self._lock.acquire()  # free: returns at once
-        else:
-            try:
-                await asyncio.wait_for(self._lock.acquire(), wait_s)
-            except TimeoutError:
-                return False
-        if self.broken is not None:
-            self._lock.release()
-            self.check_usable()
-        return True
-
-    def unhold(self) -> None:
-        self._lock.release()
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -227,30 +234,65 @@ class TPGroup:
         return out
 
     async def health_check(self) -> None:
-        """Every worker alive and the group able to run a collective; raises otherwise.
-
-        While a forward holds the group, that forward is itself the proof (and fails on its
-        own, within its bound, if a rank is gone), so the probe only checks the broken flag.
-        """
+        """Every worker alive and its data plane sound; raises otherwise. No collective and no
+        lock: it never waits on a forward or a session. Rank 0's heartbeats find a dead or stopped
+        rank with no layer in flight; a forward running past the call bound is a stuck group."""
         self.check_usable()
-        if self._lock.locked():
-            return
-        await self._shielded(
-            "barrier", (), "the health all-reduce", self.bounds.health_s
-        )
+        refs = [w.dataplane_health.remote() for w in self.workers]
+        states = await self._gather(refs, "the health check", self.bounds.health_s)
+        failed = next((st for st in states if st["failed"]), None)
+        if failed is not None:
+            self._break(f"rank {failed['rank']}: {failed['failed']}")
+        running = states[0]["forward_running_s"]
+        if running is not None and running > self.bounds.call_s:
+            self._break(f"rank 0's forward has run {running:.0f} s, past the call bound "
+                        f"{self.bounds.call_s:.0f} s")
+        self.check_usable()
 
     def shutdown(self) -> None:
+        workers, self.workers = self.workers, []
+        if self.watcher is not None:
+            self.watcher.close()
         self.peer.close("the replica is shutting down")
-        for w in self.workers:
+        for w in workers:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(w, no_restart=True)
-        self.workers = []
+
+
+class Watcher:
+    """The replica's watch connection to rank 0 (``frames.Role.WATCH``): a thread blocked on it
+    hands each event to ``deliver`` (``{"event": "closed"}`` when the connection ends)."""
+
+    def __init__(self, address: tuple[str, int], group_secret: str, timeout_s: float,
+                 deliver: Callable[[dict[str, Any]], None]):
+        self.deliver, self.closing = deliver, False
+        self.sock = frames.connect(address, group_secret, Role.WATCH, 0, timeout_s)
+        self.thread = threading.Thread(target=self._read, name="dataplane-watch", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                frame = frames.recv(self.sock)
+            except (frames.ConnectionLost, OSError) as e:
+                if not self.closing:
+                    self.deliver({"event": "closed", "reason": str(e)})
+                return
+            if frame.kind is Kind.EVENT:
+                self.deliver(json.loads(frame.text))
+
+    def close(self) -> None:
+        self.closing = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
 
 
 def start_dataplane(workers: Sequence[Any], resolved: ResolvedDeployment, tag: str, hidden_size: int,
-                    timeout_s: float) -> SessionPeer:
+                    timeout_s: float) -> tuple[SessionPeer, str]:
     """Rank 0 listens, the other ranks link to it (a fresh group secret), and the replica joins a
-    session of its own as its one peer (rows per layer: any the replica sends; it checked them)."""
+    session of its own as its one peer (rows per layer: any the replica sends; it checked them).
+    The peer, and the group's secret (the replica's watch connection is admitted by it)."""
     secret = new_secret()
     address = ray.get(workers[0].dataplane_listen.remote(secret), timeout=timeout_s)
     ray.get([w.dataplane_link.remote(address, secret) for w in workers[1:]], timeout=timeout_s)
@@ -260,4 +302,4 @@ def start_dataplane(workers: Sequence[Any], resolved: ResolvedDeployment, tag: s
     group = GroupEndpoint(spec.name, tag, "", own["host"], own["port"], own["secret"], own["session"],
                           tuple(resolved.layers), hidden_size, spec.dtype, spec.bounds.call_s,
                           OWN_SESSION_TOKENS, own["store_port"], own["channel"])
-    return SessionTicket(f"{tag}:serve", 1, (group,)).join(0)
+    return SessionTicket(f"{tag}:serve", 1, (group,)).join(0), secret

@@ -71,8 +71,8 @@ class ReplicaStats:
         self.tails: Counter[str] = Counter()
         self.max_batch_tokens_seen = 0
         self._done: deque[tuple[float, int]] = deque()
-        self.lane_requests = 0  # of requests / tokens: those lanes made (serve.lanes)
-        self.lane_forwards = self.lane_steps = 0  # leased sessions' forwards, and the steps they started
+        self.lane_requests = 0  # of requests / tokens: those sessions made (serve.sessions)
+        self.lane_forwards = self.lane_steps = 0  # sessions' forwards, and the steps they started
         self.lane_tokens = 0
         self.lane_busy_s = 0.0
 
@@ -153,17 +153,15 @@ class ReplicaStats:
         self._latency.observe(seconds * 1e3, tags=tags)
         self._tail_batches.inc(tags=tags)
 
-    def lease_forwards(self, forwards: int, steps: int, requests: int, tokens: int, seconds: float,
-                       tails: dict[str, int], layer_forwards: dict[int, int], layer_requests: dict[int, int],
-                       layer_tokens: dict[int, int], batch_tokens: dict[str, int],
-                       recent_ms: list[float]) -> None:
-        """Forwards a leased group ran for its lane or cohort since the last poll
-        (``serve.lanes``): ``requests`` callers' parts (a cohort's workers) in ``forwards``
-        group forwards, ``steps`` of which started a step of the session's peers, the last of
-        them timed in ``recent_ms``. They count as answered requests, tokens (tokens/s for the autoscaler),
-        forwards, tokens per forward and busy time, per tail and per layer, like Serve's."""
+    def session_forwards(self, forwards: int, steps: int, requests: int, tokens: int, seconds: float,
+                         tails: dict[str, int], layer_forwards: dict[int, int], layer_parts: dict[int, int],
+                         layer_rows: dict[int, int], batches: dict[str, int]) -> None:
+        """Forwards the group ran for the replica's sessions (lanes, cohorts, independent peers)
+        since rank 0's last push (``serve.sessions``): ``requests`` peers' parts in ``forwards``
+        forwards, ``steps`` of which started a step of a session's peers. They count as answered
+        requests, tokens (tokens/s for the autoscaler), forwards and busy time, per tail and per
+        layer, like Serve's."""
         self.lane_forwards += forwards
-        self.recent_forward_ms.extend(recent_ms)
         self.lane_steps += steps
         self.lane_requests += requests
         self.lane_tokens += tokens
@@ -172,15 +170,15 @@ class ReplicaStats:
         self.tokens += tokens
         self.forward_s += seconds
         self.tails.update(tails)
-        for key, n in batch_tokens.items():  # "layer:tokens" -> forwards
+        for key, n in batches.items():  # "layer:rows" -> forwards
             layer, size = map(int, key.split(":"))
             for _ in range(n):
                 self._batch(size, layer)
         for layer, n in layer_forwards.items():
             c = self.by_layer.setdefault(int(layer), Counter())
             c["forwards"] += n
-            c["requests"] += layer_requests.get(layer, 0)
-            c["tokens"] += layer_tokens.get(layer, 0)
+            c["requests"] += layer_parts.get(layer, 0)
+            c["tokens"] += layer_rows.get(layer, 0)
         self._done.append((time.monotonic(), tokens))
         if requests:  # Ray counters need > 0
             self._requests.inc(requests)
@@ -225,7 +223,7 @@ class ReplicaStats:
                 "mean": round(self.forward_s * 1e3 / self.forwards, 2) if self.forwards else None,
                 "recent": list(self.recent_forward_ms),
             },
-            "lane": {"forwards": self.lane_forwards, "steps": self.lane_steps,
+            "sessions": {"forwards": self.lane_forwards, "steps": self.lane_steps,
                      "requests": self.lane_requests, "tokens": self.lane_tokens,
                      "busy_s": round(self.lane_busy_s, 3)},
             "tails": dict(self.tails),

@@ -27,7 +27,6 @@ from .. import logger
 from ..common.requests import check_layer, check_layout, validate_forward
 from ..common.wire import DeviceRows, WireTensor
 from ..config.resolve import ResolvedDeployment
-from .lanes import LaneSeat
 
 if TYPE_CHECKING:
     import torch
@@ -99,8 +98,9 @@ class TPWorker:
         self.comm: Collectives | None = None
         self.runners: dict = {}
         self.load_s = 0.0
-        self.max_tokens = spec.max_tokens_per_request  # the lane's limit, kept live by the replica
-        self.lane = LaneSeat()
+        self.max_tokens = spec.max_tokens_per_request  # a part's limit, kept live by the replica
+        self.max_forward = spec.max_forward_tokens  # a forward's rows, kept live by the replica
+        self.reported: str | None = None  # a client's report that a call outlived its bound
         self.host: GroupHost | None = None  # rank 0's data plane
         self.link: RankLink | None = None  # a rank > 0's link to rank 0
 
@@ -178,74 +178,46 @@ class TPWorker:
         """Rank 0: every other rank has linked."""
         self.host.wait_ranks(timeout_s)
 
-    def session_open(self, peers: int, max_tokens: int | None, name: str,
-                     idle_after_s: float | None = None) -> dict[str, Any]:
+    def session_open(self, peers: int, max_tokens: int | None, name: str, idle_after_s: float | None = None,
+                     linger_s: float | None = None, max_sessions: int | None = None) -> dict[str, Any]:
         """Rank 0: a new session (its number, secret and where to connect); ``max_tokens``: rows
-        per part, None: the deployment's live ``max_tokens_per_request`` (``set_max_tokens``);
-        ``idle_after_s``: an elastic session (``dataplane.host``)."""
-        number, secret = self.host.open(peers, max_tokens, name, idle_after_s)
+        per part, None: the deployment's live ``max_tokens_per_request`` (``set_limits``);
+        ``idle_after_s``: an elastic session, ``linger_s`` and ``max_sessions``: ``dataplane.host``."""
+        number, secret = self.host.open(peers, max_tokens, name, idle_after_s, linger_s, max_sessions)
         host, port = self.host.address
         return {"session": number, "secret": secret, "host": host, "port": port,
                 "store_port": self.host.store_port, "channel": self.host.channel_backend}
 
+    def session_close(self, number: int, reason: str) -> dict[str, Any] | None:
+        """Rank 0: end session ``number`` (its peers are told ``reason``); its last state."""
+        return self.host.close(number, reason, self.resolved.spec.bounds.close_s)
+
+    def sessions_snapshot(self) -> dict[str, Any]:
+        """Rank 0: every open session's state and the group's counters, exact at this moment."""
+        return self.host.snapshot(self.resolved.spec.bounds.call_s)
+
     def dataplane_failed(self) -> str | None:
-        """Why this rank's data plane broke (a forward failed, rank 0's link closed), if it did."""
+        """Why this rank's data plane broke (a forward failed, rank 0's link closed, a heartbeat
+        went unanswered), if it did."""
         parts = (self.host, self.link)
         return next((part.failed for part in parts if part is not None and part.failed), None)
 
-    def lane_open(self, lease_id: str, client: str, session: int | None) -> None:
-        self.lane.open(lease_id, client, session)
+    def dataplane_health(self) -> dict[str, Any]:
+        """This rank's data-plane health (the replica's health check: no collective, so it never
+        waits on sessions): ``failed`` and, on rank 0, how long the forward under way has run."""
+        health = self.host.health() if self.host is not None else {"failed": None, "forward_running_s": None}
+        failed = health["failed"] or self.dataplane_failed() or self.reported
+        return {**health, "rank": self.rank, "failed": failed}
 
-    def lane_close(self, lease_id: str, reason: str = "the lease ended") -> dict[str, Any]:
-        """End the lease (rank 0: and its session, whose peers are told ``reason``)."""
-        if self.lane.lease_id == lease_id and self.lane.session is not None and self.host is not None:
-            self.host.close(self.lane.session, reason, self.resolved.spec.bounds.close_s)
-        state = self.lane_state()
-        self.lane.close(lease_id)
-        return state
+    def dataplane_report(self, reason: str) -> None:
+        """A client saw a call outlive its bound (main thread: it answers while the data plane's
+        thread is stuck); the replica's health check then breaks the group."""
+        self.reported = self.reported or reason
 
-    def lane_renew(self, lease_id: str) -> bool:
-        return self.lane.renew(lease_id)
-
-    def lane_expire(self, lease_id: str, term_s: float) -> bool:
-        """Rank 0: end ``lease_id`` if its term passed without a renewal (and its session with it)."""
-        number = self.lane.session
-        state = self.host.state(number) if self.host is not None and number is not None else None
-        if state is not None and state["waiting_for"]:
-            return False  # a layer in progress: the session's own bound (a stalled peer) ends it
-        expired = self.lane.expire(lease_id, term_s)
-        if expired and number is not None and self.host is not None:
-            self.host.close(number, f"lease {lease_id} expired: not renewed for {term_s:g} s",
-                            self.resolved.spec.bounds.close_s)
-        return expired
-
-    def lane_release(self, lease_id: str) -> None:
-        """The owner is done: rank 0 ends the lease's session now (its peers are told), and the
-        replica ends the lease at its next poll."""
-        number = self.lane.session if self.lane.lease_id == lease_id else None
-        self.lane.release(lease_id)
-        if number is not None and self.host is not None:
-            self.host.close(number, f"lease {lease_id} released by its owner",
-                            self.resolved.spec.bounds.close_s)
-
-    def lane_revoke(self, lease_id: str) -> None:
-        self.lane.revoke(lease_id)
-
-    def lane_fail(self, lease_id: str, reason: str) -> None:
-        """The client's report that a call of ``lease_id`` outlived its bound (main thread: it
-        answers while the data plane's thread is stuck)."""
-        self.lane.fail(lease_id, reason)
-
-    def lane_state(self) -> dict[str, Any]:
-        """The lease's counters and its session's state (rank 0), and whether the data plane broke."""
-        state = self.lane.state()
-        number = self.lane.session
-        session = self.host.state(number) if self.host is not None and number is not None else None
-        return {**state, "session": session, "failed": state["failed"] or self.dataplane_failed()}
-
-    def set_max_tokens(self, max_tokens: int) -> None:
-        """A live ``max_tokens_per_request`` (the replica's ``reconfigure``) for lane calls."""
-        self.max_tokens = max_tokens
+    def set_limits(self, max_tokens: int, max_forward: int) -> None:
+        """The live ``max_tokens_per_request`` (a part's rows) and the largest forward (the
+        replica's ``reconfigure``)."""
+        self.max_tokens, self.max_forward = max_tokens, max_forward
 
     def measure_tails(self, settings: Any, tails: list[str]) -> dict[str, dict[int, float]]:
         """Warm-up: time ``tails`` on this rank (every rank at once: the tails run collectives)."""
@@ -258,15 +230,6 @@ class TPWorker:
         from moe_runtime.tp.tuning import apply_plan
 
         apply_plan(self.runners, plan)
-
-    def barrier(self) -> int:
-        """The health collective: a tiny all-reduce that every rank must join; a rank whose data
-        plane broke fails it too (the replica is then replaced)."""
-        failed = self.dataplane_failed()
-        if failed:
-            raise RuntimeError(f"rank {self.rank}'s data plane is broken: {failed}")
-        self.comm.barrier_check()
-        return self.rank
 
     def info(self) -> dict[str, Any]:
         import torch
@@ -329,13 +292,8 @@ class SessionCompute:
             # The data plane's thread starts with OpenMP's default count; the same count as the
             # actor's main thread keeps every path bit-identical.
             torch.set_num_threads(w.threads)
-        w.lane.in_flight_tokens = x.shape[0]
-        try:
-            logits_t = None if logits is None else torch.from_numpy(logits)
-            return w.run_layer(layer, x.to_torch(writable=False), logits_t, isinstance(x, DeviceRows))
-        finally:
-            w.lane.in_flight_tokens = 0
+        logits_t = None if logits is None else torch.from_numpy(logits)
+        return w.run_layer(layer, x.to_torch(writable=False), logits_t, isinstance(x, DeviceRows))
 
-    def counted(self, session: int, layer: int, sizes: list[int], tail: str, seconds: float,
-                new_step: bool) -> None:
-        self.worker.lane.count(session, layer, sizes, tail, seconds, new_step)
+    def forward_limit(self) -> int:
+        return self.worker.max_forward

@@ -180,21 +180,12 @@ def group_roles(client: Any) -> Roles:
 def counters(client: Any) -> dict[str, Any]:
     c = client.status()["counters"]
     return {"forwards": c["forwards"], "forward_tokens": c["forward_tokens"],
-            "lane_forwards": c["lane"]["forwards"], "lane_busy_s": c["lane"]["busy_s"]}
+            "lane_forwards": c["sessions"]["forwards"], "lane_busy_s": c["sessions"]["busy_s"]}
 
 
 def settled_counters(client: Any) -> dict[str, int]:
-    """The replica's counters once two readings agree: it reads a lease's counters from its
-    ranks every LANE_POLL_S and at the lease's end, so they trail the steps by that much."""
-    from deployments.config.timeouts import LANE_POLL_S
-
-    last = counters(client)
-    while True:
-        time.sleep(2 * LANE_POLL_S)
-        now = counters(client)
-        if now == last:
-            return now
-        last = now
+    """The replica's counters: exact at each read (status() reads rank 0's session counts live)."""
+    return counters(client)
 
 
 def row(mode: str, workers: int, tokens: int, step_s: list[float], worker_steps: int, wall_s: float,
@@ -336,14 +327,12 @@ def idle_floor_app() -> int:
 
 
 def lease_ended(client: Any, timeout_s: float = 60.0) -> None:
-    """Back once the replica holds no lease: a closed session's ends at its next poll of the ranks."""
-    from deployments.config.timeouts import LANE_POLL_S
-
+    """Back once the replica has no open session (rank 0 pushes each end as it happens)."""
     deadline = time.monotonic() + timeout_s
-    while client.status()["lanes"]["active"] is not None:
+    while client.status()["sessions"]["open"]:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the replica still holds a lease {timeout_s:g} s on")
-        time.sleep(LANE_POLL_S)
+            raise TimeoutError(f"the replica still has an open session {timeout_s:g} s on")
+        time.sleep(0.1)
 
 
 def measure_idle(client: Any, session_client: Any, pids: Roles, floor_pid: int, peers: int, tokens: int,

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timeouts = {"collective_timeout_s": 4.0, "call_margin_s": 4.0}
     app = {"checkpoint": str(harness.preset_checkpoint("tiny")), "ingress_replicas": 1, "deployments": [{
-        "name": NAME, "tp_size": args.tp, "dtype": "float32", "num_replicas": 2, "lane_lease_s": 2.0,
+        "name": NAME, "tp_size": args.tp, "dtype": "float32", "num_replicas": 2,
         "health_check_period_s": 1.0, "graceful_shutdown_timeout_s": 1.0, **timeouts}]}
     if args.tp > 1:
         app["deployments"][0]["tail"] = "sharded"

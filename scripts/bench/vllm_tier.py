@@ -181,7 +181,7 @@ def status_counts(tier: Tier) -> tuple[int, int]:
     with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
         status = json.loads(r.read())
     counters = [d["counters"] for d in status["deployments"].values()]
-    return sum(c["forwards"] for c in counters), sum(c["lane"]["steps"] for c in counters)
+    return sum(c["forwards"] for c in counters), sum(c["sessions"]["steps"] for c in counters)
 
 
 def status_forwards(tier: Tier) -> int:

@@ -166,6 +166,47 @@ def test_a_killed_engine_leaves_the_others_serving(tier, models, reference, tmp_
     assert out["tokens"] == [reference[0]]
 
 
+def test_engines_decode_on_a_session_while_the_serve_path_is_answered(tier, models, reference, tmp_path):
+    """Two engines decode on one elastic session while another client sends Serve-path requests to
+    the same replica back to back over HTTP: every request is answered, both engines finish with
+    their reference tokens, and the session ends only when its holder closes it (the group is
+    shared: nothing holds it, nothing revokes the session)."""
+    import threading
+
+    import torch
+    from safetensors.torch import load as st_load
+    from safetensors.torch import save as st_save
+
+    body = st_save({"hidden_states": torch.randn(4, 128, generator=torch.Generator().manual_seed(3))})
+    url = f"http://127.0.0.1:{tier.port}/v1/layers/{MOE_LAYERS[0]}/forward"
+    answered, failed, stop_serving = [], [], threading.Event()
+
+    def serve_path() -> None:
+        while not stop_serving.is_set():
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=60) as r:
+                    answered.append(st_load(r.read())["output"].shape)
+            except Exception as e:  # noqa: BLE001 -- every failure is the test's finding
+                failed.append(repr(e))
+
+    with tier.session(tmp_path, peers=2, idle_after_s=2.0) as session:
+        specs = [({"ticket": str(session["ticket"]), "peer": i}, [PROMPTS[i]], MAX_TOKENS) for i in range(2)]
+        procs, go = start_engines(tmp_path / "engines", models["model"], specs)
+        loop = threading.Thread(target=serve_path)
+        loop.start()
+        try:
+            go.write_text("")
+            outs = [finish_engine(f, p) for f, p in procs]
+        finally:
+            stop_serving.set()
+            loop.join(timeout=120)
+    assert [out["tokens"] for out in outs] == [[reference[0]], [reference[1]]]
+    assert not failed, failed[:3]
+    assert len(answered) >= 10 and set(answered) == {torch.Size([4, 128])}, len(answered)
+    log = (tmp_path / "session.log").read_text()
+    assert "ended:" not in log and "closed" in log, log[-2000:]  # closed by its holder, never ended under it
+
+
 @pytest.mark.parametrize("alias, native", [
     ("LatentMoeQwen3MoeForCausalLM", ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock")),
     ("LatentMoeKimiK3ForConditionalGeneration", ("vllm.models.kimi_k3.nvidia.model", "KimiMoE")),

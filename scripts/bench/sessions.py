@@ -1,0 +1,264 @@
+"""Shared sessions on one replica: what an open session costs, what it does to the Serve path, and
+what two sessions stepping at once get over the same two one after the other.
+
+One private Ray serving the tiny checkpoint (``--layers`` MoE layers, float32) on one replica of
+a TP-2 group. Peers are threads of this driver, each with its own connection to rank 0 (a blocking
+wait per layer: the GIL is free while they wait).
+
+* **Idle.** The cores of the app's processes (the group's replica and its ranks) over windows of
+  ``--idle-s``, in turns: the app alone, 1 open session and 8 open sessions (each with its one
+  peer joined, no calls). Target: each open state costs <= 0.01 cores over the app alone
+  (median of the rounds).
+* **The Serve path beside stepping sessions.** p50 of ``--calls`` handle calls (T = 4, layer 1)
+  with 0, 1 and 4 sessions of one peer stepping back to back meanwhile (each stepping every layer
+  with T = 4). Target: p50 with 1 and with 4 sessions <= 2x the p50 with none.
+* **Two at once against one after the other.** Two sessions of 2 peers each (T = 4 per peer):
+  stepped together for ``--seconds``, and each alone for ``--seconds`` one after the other; the
+  peers' steps per second (worker-steps/s), the group forwards per step of the run, and the
+  group's busy fraction (forward time over wall time). Target: at once >= 1.0x one after the
+  other (median of the rounds); on a GPU node the attention of one session overlaps the experts of
+  the other, on this CPU they share the same two cores.
+
+    python -m scripts.bench.sessions            # ~4 minutes on 2 cores
+    python -m scripts.bench.sessions --quick    # ~1.5 minutes: shorter windows, 1 round
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import harness
+from .docs import Target, section_start, target, verdict, verdict_text, write_results
+from .rss import cpu_seconds, serve_replica_pid
+
+SECTION = "# Shared sessions on one replica (`scripts/bench/sessions.py`)"
+APP, NAME = "bench_sessions", "moe"
+T = 4  # rows per peer and layer, and of a Serve-path call
+STEPPING = (0, 1, 4)  # sessions stepping while the Serve path is timed
+IDLE_STATES = {"app": 0, "1 session": 1, "8 sessions": 8}
+TARGETS = {"idle_cores": 0.01, "serve_p50_ratio": 2.0, "at_once_ratio": 1.0}
+
+
+def rows(seed: int, hidden: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((T, hidden)).astype(np.float32)
+
+
+def app_pids(client: Any) -> list[int]:
+    return [serve_replica_pid(APP, NAME), *(w["pid"] for w in client.status()["workers"])]
+
+
+def idle_cores(pids: list[int], seconds: float) -> float:
+    start, t0 = cpu_seconds(pids), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(pids) - start) / (time.monotonic() - t0)
+
+
+def measure_idle(client: Any, pids: list[int], seconds: float, rounds: int) -> dict[str, list[float]]:
+    """Cores of the app's processes, the idle states in turns."""
+
+    def measure(state: str) -> float:
+        sessions = [client.session(1, max_tokens=T, name=f"idle-{i}") for i in range(IDLE_STATES[state])]
+        peers = [s.join(0) for s in sessions]
+        try:
+            return idle_cores(pids, seconds)
+        finally:
+            for s, p in zip(sessions, peers, strict=True):
+                s.close()
+                p.close()
+
+    return harness.in_turns(IDLE_STATES, rounds, measure)
+
+
+class Stepper:
+    """``peers`` peers of a session, each stepping every layer back to back on its own thread until
+    stopped; counts the steps."""
+
+    def __init__(self, client: Any, name: str, peers: int, layers: list[int], hidden: int):
+        self.session = client.session(peers, max_tokens=T, name=name)
+        self.layers, self.steps, self.stop = layers, [0] * peers, threading.Event()
+        self.x = [rows(i, hidden) for i in range(peers)]
+        self.peers = [self.session.join(i) for i in range(peers)]
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(peers)]
+
+    def _run(self, i: int) -> None:
+        while not self.stop.is_set():
+            for layer in self.layers:
+                self.peers[i].forward(self.x[i], layer)
+            self.steps[i] += 1
+
+    def start(self) -> Stepper:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def close(self) -> int:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+        for p in self.peers:
+            p.close()
+        self.session.close()
+        return sum(self.steps)
+
+
+def measure_serve_path(client: Any, layers: list[int], hidden: int, calls: int) -> dict[str, dict]:
+    """Handle-call latency with 0, 1 and 4 sessions stepping meanwhile."""
+    x, out = rows(99, hidden), {}
+    for n in STEPPING:
+        steppers = [Stepper(client, f"stepping-{i}", 1, layers, hidden).start() for i in range(n)]
+        try:
+            client.forward(x, 1)
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                client.forward(x, 1)
+                times.append(time.perf_counter() - t0)
+        finally:
+            steps = [s.close() for s in steppers]
+        out[str(n)] = {**harness.latency_ms(times), "session_steps": steps}
+    return out
+
+
+def run_pair(client: Any, layers: list[int], hidden: int, seconds: float, together: bool) -> dict[str, Any]:
+    """Two 2-peer sessions stepping together, or each alone in turn: worker-steps/s, the group's
+    forwards per session step and its busy fraction over the run."""
+    snap0, wall0 = client.status()["sessions"]["group"], time.monotonic()
+    steps = 0
+    batches = [["a", "b"]] if together else [["a"], ["b"]]
+    for names in batches:
+        steppers = [Stepper(client, f"pair-{n}", 2, layers, hidden).start() for n in names]
+        time.sleep(seconds)
+        steps += sum(s.close() for s in steppers)
+    wall = time.monotonic() - wall0
+    snap1 = client.status()["sessions"]["group"]
+    forwards, busy = snap1["forwards"] - snap0["forwards"], snap1["busy_s"] - snap0["busy_s"]
+    # a session step is one step of each of its 2 peers: forwards per step counts one per layer
+    session_steps = steps / 2
+    return {"worker_steps_per_s": steps / wall, "forwards_per_session_step": forwards / max(session_steps, 1),
+            "busy_fraction": busy / wall, "wall_s": wall, "worker_steps": steps}
+
+
+def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    idle = results["idle_cores"]
+    over = {state: statistics.median(a - b for a, b in zip(idle[state], idle["app"], strict=True))
+            for state in IDLE_STATES if state != "app"}
+    serve, pair = results["serve_path"], results["pair"]
+    ratios = [a["worker_steps_per_s"] / b["worker_steps_per_s"]
+              for a, b in zip(pair["at_once"], pair["one_after_the_other"], strict=True)]
+    p50 = {n: serve[str(n)]["p50_ms"] / serve["0"]["p50_ms"] for n in STEPPING if n}
+    return {
+        **{f"idle_{state}": verdict(over[state], "<=", TARGETS["idle_cores"]) for state in over},
+        **{f"serve_{n}": verdict(ratio, "<=", TARGETS["serve_p50_ratio"]) for n, ratio in p50.items()},
+        "at_once": verdict(statistics.median(ratios), ">=", TARGETS["at_once_ratio"]),
+    }
+
+
+def index_rows(results: dict[str, Any]) -> list[Target]:
+    v = results["verdicts"]
+    return [
+        target("cores of the app with 1 idle open session - the app alone", v["idle_1 session"], ".3f"),
+        target("cores of the app with 8 idle open sessions - the app alone", v["idle_8 sessions"], ".3f"),
+        target("Serve-path p50 with 1 stepping session / with none", v["serve_1"]),
+        target("Serve-path p50 with 4 stepping sessions / with none", v["serve_4"]),
+        target("two 2-peer sessions: worker-steps/s at once / one after the other", v["at_once"]),
+    ]
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    v, idle, serve, pair = results["verdicts"], results["idle_cores"], results["serve_path"], results["pair"]
+    what = (f"one replica of a TP-2 group, tiny checkpoint, {len(results['layers'])} MoE layers, float32, "
+            f"T = {T}; {results['rounds']} round(s)")
+    start = section_start(SECTION, "sessions", results["argv"], results["machine"], what, json_path, png_path)
+    lines = [start, "", "**Idle**: cores of the app's processes (its replica and ranks), each window "
+             f"{results['idle_s']:g} s, states in turns.", "",
+             "| state | cores, each round | median | over the app alone (median) | verdict |",
+             "|---|---|---|---|---|"]
+    for state in IDLE_STATES:
+        med = statistics.median(idle[state])
+        over = "" if state == "app" else verdict_text(v[f"idle_{state}"], ".3f")
+        lines.append(f"| {state} | {', '.join(f'{c:.3f}' for c in idle[state])} | {med:.3f} | {over} | "
+                     f"{'' if state == 'app' else v[f'idle_{state}']['verdict']} |")
+    lines += ["", f"**The Serve path beside stepping sessions**: {results['calls']} handle calls of {T} "
+              "rows, layer 1, while sessions of one peer each step every layer back to back.", "",
+              "| sessions stepping | p50 ms | p90 ms | / p50 with none | their steps meanwhile |",
+              "|---|---|---|---|---|"]
+    for n in STEPPING:
+        s = serve[str(n)]
+        ratio = "" if not n else verdict_text(v[f"serve_{n}"])
+        lines.append(f"| {n} | {s['p50_ms']:.2f} | {s['p90_ms']:.2f} | {ratio} | {s['session_steps']} |")
+    lines += ["", f"**Two 2-peer sessions**, {results['seconds']:g} s of stepping each run:", "",
+              "| round | mode | worker-steps/s | group forwards per session step | busy fraction |",
+              "|---|---|---|---|---|"]
+    for i, (a, b) in enumerate(zip(pair["at_once"], pair["one_after_the_other"], strict=True)):
+        for mode, r in (("at once", a), ("one after the other", b)):
+            lines.append(f"| {i + 1} | {mode} | {r['worker_steps_per_s']:.1f} | "
+                         f"{r['forwards_per_session_step']:.2f} | {r['busy_fraction']:.2f} |")
+    lines += ["", f"- At once / one after the other (median): {verdict_text(v['at_once'])}. Forwards per "
+              f"session step below the {len(results['layers'])} layers mean that the two sessions' "
+              "same-layer parts ran as one forward.",
+              "- Rank 0 pushes a session's counts to the replica at most once a second and nothing while "
+              "idle; the replica reads no rank on a timer."]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    fig, axes = harness.pyplot().subplots(1, 2, figsize=(9, 3.2))
+    serve = results["serve_path"]
+    axes[0].bar([str(n) for n in STEPPING], [serve[str(n)]["p50_ms"] for n in STEPPING], color="tab:blue")
+    axes[0].set_xlabel("sessions stepping")
+    axes[0].set_ylabel("Serve-path p50, ms")
+    pair = results["pair"]
+    modes = ("at_once", "one_after_the_other")
+    medians = [statistics.median(r["worker_steps_per_s"] for r in pair[m]) for m in modes]
+    axes[1].bar(["at once", "one after the other"], medians, color="tab:green")
+    axes[1].set_ylabel("worker-steps/s (median)")
+    harness.save_figure(fig, path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = harness.bench_parser(__doc__, "sessions", quick="1 round, 2 s windows, 100 calls")
+    ap.add_argument("--layers", type=int, default=2, help="MoE layers served and stepped through")
+    ap.add_argument("--idle-s", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=5.0, help="stepping per run of the pair")
+    ap.add_argument("--calls", type=int, default=300, help="Serve-path calls per number of sessions")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.idle_s, args.seconds, args.calls, args.rounds = 2.0, 2.0, 100, 1
+    from deployments.client import MoEClient
+
+    ckpt = harness.preset_checkpoint("tiny", args.layers + 1)
+    machine = harness.machine_record(with_ray=True)
+    spec = {"name": NAME, "tp_size": 2, "dtype": "float32", "tail": "sharded", "auto_tune_tokens": "none",
+            "batch_wait_timeout_s": 0.0}
+    with harness.local_app(ckpt, APP, [spec], num_cpus=8, num_gpus=2):
+        client = MoEClient.direct(NAME, APP, timeout_s=120)
+        layers = list(client.status()["layers"])
+        hidden = client.status()["workers"][0]["hidden_size"]
+        pids = app_pids(client)
+        print("idle windows", flush=True)
+        idle = measure_idle(client, pids, args.idle_s, args.rounds)
+        print("the Serve path beside stepping sessions", flush=True)
+        serve = measure_serve_path(client, layers, hidden, args.calls)
+        print("two sessions at once and one after the other", flush=True)
+        pair = {"at_once": [], "one_after_the_other": []}
+        for _ in range(args.rounds):
+            pair["at_once"].append(run_pair(client, layers, hidden, args.seconds, True))
+            pair["one_after_the_other"].append(run_pair(client, layers, hidden, args.seconds, False))
+    results = {"idle_cores": idle, "serve_path": serve, "pair": pair, "layers": layers, "idle_s": args.idle_s,
+               "seconds": args.seconds, "calls": args.calls, "rounds": args.rounds, "argv": args.argv,
+               "pid": os.getpid(), "machine": dict(machine, loadavg_after=harness.loadavg())}
+    results["verdicts"] = verdicts(results)
+    write_results(results, args.out, "sessions", plot, markdown, index_rows, args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
