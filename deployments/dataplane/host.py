@@ -438,11 +438,14 @@ class GroupHost:
         self.sessions[session.number] = session
         self.by_secret[session.secret] = session
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _busy_fraction(self) -> float:
         elapsed = time.monotonic() - self.started_at
+        return round(self.group.busy_s / elapsed, 4) if elapsed > 0 else 0.0
+
+    def _snapshot(self) -> dict[str, Any]:
         return {"sessions": {n: s.state() for n, s in self.sessions.items()}, "served": self.served.to_dict(),
                 "group": {**self.group.to_dict(), "recent_ms": list(self.recent_ms),
-                          "busy_fraction": round(self.group.busy_s / elapsed, 4) if elapsed > 0 else 0.0},
+                          "busy_fraction": self._busy_fraction()},
                 **self.health()}
 
     def _loop(self) -> None:
@@ -698,7 +701,8 @@ class GroupHost:
             return
         if self.watchers:
             states = {n: self.sessions[n].state() for n in self._dirty if n in self.sessions}
-            self._push({"event": "counts", "sessions": states, "served": self.served.to_dict()})
+            self._push({"event": "counts", "sessions": states, "served": self.served.to_dict(),
+                        "busy_fraction": self._busy_fraction()})
         self._dirty.clear()
         self._pushed_at = now
 

@@ -17,6 +17,10 @@ a ``ray_`` prefix (counters also get ``_total``), e.g.
 * ``moe_queued_tokens`` (gauge): tokens admitted and not yet answered (the autoscaler's signal).
 * ``moe_errors`` (counter, ``kind`` = ``client`` (4xx) or ``server`` (5xx)).
 * ``moe_group_healthy`` (gauge): 1 while the replica's TP group is usable, 0 once broken.
+* ``moe_sessions_open`` / ``moe_session_peers`` (gauges): clients' sessions open on the group and
+  their peers connected; ``moe_group_busy_fraction`` (gauge): the group's forward time over its
+  lifetime. Set when rank 0 pushes a change (at most once a second, nothing while idle) and at
+  every ``status()``.
 * ``moe_tail_plan`` (gauge, 1 per tier, ``tail``, ``max_tokens``) and ``moe_tail_timing_ms``
   (gauge, ``tail``, ``tokens``): the controller's decision and the warm-up timings behind it.
 """
@@ -46,9 +50,13 @@ ERRORS_METRIC = "moe_errors"
 GROUP_HEALTHY_METRIC = "moe_group_healthy"
 TAIL_PLAN_METRIC = "moe_tail_plan"
 TAIL_TIMING_METRIC = "moe_tail_timing_ms"
+SESSIONS_OPEN_METRIC = "moe_sessions_open"
+SESSION_PEERS_METRIC = "moe_session_peers"
+GROUP_BUSY_METRIC = "moe_group_busy_fraction"
 METRIC_NAMES = (
     REQUESTS_METRIC, TOKENS_METRIC, FORWARD_LATENCY_METRIC, BATCH_TOKENS_METRIC, TAIL_BATCHES_METRIC,
     QUEUED_TOKENS_METRIC, ERRORS_METRIC, GROUP_HEALTHY_METRIC, TAIL_PLAN_METRIC, TAIL_TIMING_METRIC,
+    SESSIONS_OPEN_METRIC, SESSION_PEERS_METRIC, GROUP_BUSY_METRIC,
 )
 
 
@@ -104,8 +112,12 @@ class ReplicaStats:
             TAIL_TIMING_METRIC, description="Warm-up timing of a tail at a token count (ms)",
             tag_keys=("tail", "tokens"),
         )
+        self._sessions_open = metrics.Gauge(SESSIONS_OPEN_METRIC, description="Sessions open on the group")
+        self._session_peers = metrics.Gauge(SESSION_PEERS_METRIC, description="Sessions' peers connected")
+        self._group_busy = metrics.Gauge(GROUP_BUSY_METRIC, description="The group's forward time / its age")
         self._queued.set(0)
         self._healthy.set(1)
+        self.sessions(0, 0, 0.0)
 
     # -- events ---------------------------------------------------------------------------
 
@@ -184,6 +196,12 @@ class ReplicaStats:
             self._requests.inc(requests)
         if tokens:  # a call that failed on its input answered no tokens
             self._tokens.inc(tokens)
+
+    def sessions(self, open_now: int, peers: int, busy_fraction: float) -> None:
+        """The open sessions, their connected peers and the group's busy fraction, as last heard."""
+        self._sessions_open.set(open_now)
+        self._session_peers.set(peers)
+        self._group_busy.set(busy_fraction)
 
     def decision(self, plan: TailPlan) -> None:
         """Export the plan the replica runs (once, after warm-up) and its measurements."""

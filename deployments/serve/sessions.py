@@ -59,6 +59,8 @@ class GroupSessions:
         self.opened = 0
         self._ids = itertools.count(1)
         self._last: dict[str, Any] = {}  # the clients' sessions' counts (``served``) last accounted
+        self._joined: dict[int, int] = {}  # open session -> its peers connected, as last heard
+        self._busy = 0.0
 
     # -- open -----------------------------------------------------------------------------
 
@@ -107,6 +109,7 @@ class GroupSessions:
             "workers": workers, "max_tokens": max_tokens, "elastic": idle_after_s is not None,
             "linger_s": float(linger), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.opened += 1
+        self._gauges()
         logger.info("replica %s of %r opened %s %s for client %s (%d peer(s) x %d rows, linger %g s)",
                     self.replica, spec.name, kind, session_id, client, peers, max_tokens, linger)
         return {
@@ -128,11 +131,19 @@ class GroupSessions:
         kind = event["event"]
         if kind == "counts":
             self._account(event["served"])
+            self._joined.update({int(n): st["joined"] for n, st in event["sessions"].items()})
+            self._busy = event["busy_fraction"]
         elif kind == "ended":
             known = self.open_now.pop(event["session"], None)
+            self._joined.pop(event["session"], None)
             if known is not None:
                 self.history.append({**known, **_public(event["state"]),
                                      "ended_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        self._gauges()
+
+    def _gauges(self) -> None:
+        joined = sum(n for number, n in self._joined.items() if number in self.open_now)
+        self.stats.sessions(len(self.open_now), joined, self._busy)
 
     def _account(self, served: dict[str, Any]) -> None:
         """The growth of the clients' sessions' counts (each forward once, however many sessions
@@ -157,6 +168,9 @@ class GroupSessions:
         self._account(snap["served"])  # the replica's counters exact at this read too
         sessions = [{**self.open_now[int(n)], **_public(state)} for n, state in snap["sessions"].items()
                     if int(n) in self.open_now]
+        self._joined = {int(n): state["joined"] for n, state in snap["sessions"].items()}
+        self._busy = snap["group"]["busy_fraction"]
+        self._gauges()
         group = snap["group"]
         return {"open": sessions, "opened": self.opened, "max_sessions": self.spec().max_sessions,
                 "group": {"forwards": group["forwards"], "rows": group["rows"], "busy_s": group["busy_s"],
