@@ -164,7 +164,7 @@ def test_measure_picks_the_first_count_from_which_the_second_path_always_wins(mo
     # it stops once the second path has won stop_after counts in a row
     assert len(crossover.measure(lambda m: "a", lambda m: "b", counts=(1, 2, 4, 8, 16), stop_after=2).timings) == 5
     times["b"] = {m: t / 10 for m, t in times["a"].items()}
-    assert crossover.measure(lambda m: "a", lambda m: "b", counts=(1, 2, 4, 8, 16)).timings[-1][0] == 2
+    assert crossover.measure(lambda m: "a", lambda m: "b", counts=(1, 2, 4, 8, 16)).timings[-1][0] == 4
     times["b"] = {m: t * 10 for m, t in times["a"].items()}
     never = crossover.measure(lambda m: "a", lambda m: "b", counts=(1, 2, 4, 8, 16))
     assert never.rows is None and not never.uses_second(10**6)

@@ -1,12 +1,13 @@
 """Routed-experts backends behind one registry (``base``); one module per backend.
 
 Importing the package registers every backend: ``torch`` (the reference, always there),
-``grouped`` (``torch._grouped_mm``) and ``aiter`` (AMD's fused SiTU MoE, ROCm only; the aiter
-package is imported only when that backend is built). ``check`` probes a candidate against
+``grouped`` (``torch._grouped_mm``), ``aiter`` (AMD's fused SiTU MoE, ROCm only; the aiter
+package is imported only when that backend is built) and ``vllm`` (vLLM's fused MoE kernels on
+CUDA, imported only when that backend is asked for). ``check`` probes a candidate against
 the reference before it serves.
 """
 
-from . import aiter_fused, grouped, mxfp4_cpu, torch_loop  # noqa: F401  (registration; mxfp4_cpu: the kernel)
+from . import aiter_fused, grouped, mxfp4_cpu, torch_loop, vllm_fused  # noqa: F401  (registration)
 from .base import (
     AUTO_PREFERENCE,
     DEFAULT_SCRATCH_BYTES,

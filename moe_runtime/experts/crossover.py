@@ -29,7 +29,10 @@ logger = logging.getLogger("moe_runtime")
 
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # rows per call tried
 MARGIN = 1.15  # the second path must be this much faster to be chosen (see the module doc)
-REPS = 3  # minimum of 3 interleaved calls per count: least disturbed by the other processes
+# Calls per path and count, in turns, the fastest kept: at least REPS, and short calls until
+# MIN_SECONDS of them (a call of a few microseconds that another process interrupts takes
+# milliseconds; the minimum of many does not see it), at most MAX_REPS.
+REPS, MIN_SECONDS, MAX_REPS = 3, 2e-3, 64
 
 
 @dataclass(frozen=True)
@@ -61,15 +64,17 @@ def _seconds(fn: Callable[[int], object], rows: int) -> float:
 
 
 def measure(first: Callable[[int], object], second: Callable[[int], object],
-            counts: tuple[int, ...] = COUNTS, stop_after: int = 2) -> Crossover:
-    """Time ``first(rows)`` and ``second(rows)`` (each called once untimed, then ``REPS`` times in
-    turn) at each count; stop once the second has won ``stop_after`` counts in a row."""
+            counts: tuple[int, ...] = COUNTS, stop_after: int = 3) -> Crossover:
+    """Time ``first(rows)`` and ``second(rows)`` (each called once untimed, then in turns as
+    ``REPS`` .. ``MAX_REPS`` say) at each count; stop once the second has won ``stop_after``
+    counts in a row."""
     timings, wins = [], 0
     for rows in counts:
         first(rows), second(rows)  # warm-up: page faults, oneDNN's kernel generation
-        a, b = float("inf"), float("inf")
-        for _ in range(REPS):
-            a, b = min(a, _seconds(first, rows)), min(b, _seconds(second, rows))
+        a, b, spent, calls = float("inf"), float("inf"), 0.0, 0
+        while calls < REPS or (spent < MIN_SECONDS and calls < MAX_REPS):
+            ta, tb = _seconds(first, rows), _seconds(second, rows)
+            a, b, spent, calls = min(a, ta), min(b, tb), spent + ta + tb, calls + 1
         timings.append((rows, a, b))
         wins = wins + 1 if a > MARGIN * b else 0
         if wins >= stop_after:

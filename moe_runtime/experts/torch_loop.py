@@ -17,6 +17,7 @@ Packed (MXFP4) experts take one of these paths, the same math:
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -166,17 +167,23 @@ def _crossover_key(experts: ExpertWeights) -> tuple:
 
 
 def _measure_crossover(experts: ExpertWeights, scratch_bytes: int) -> crossover.Crossover:
-    """Fused vs batched on expert 0's two projections (random rows in the compute dtype)."""
+    """Fused vs batched on both projections (random rows in the compute dtype), each call on the
+    next expert in turn: as in a forward, the weights come from memory, not from a cache that
+    one expert fits in."""
     D, I = experts.latent_size, experts.intermediate_size
     h = torch.randn(crossover.COUNTS[-1], D).to(experts.dtype)
     a = torch.randn(crossover.COUNTS[-1], I).to(experts.dtype)
     buffer = batched.tile_buffer(experts.dtype, scratch_bytes)
-    w13, s13, w2, s2 = experts.w13[0], experts.w13_scale[0], experts.w2[0], experts.w2_scale[0]
+    turn = itertools.count()
 
     def fused(m: int) -> None:
-        mxfp4_cpu.linear(h[:m], w13, s13), mxfp4_cpu.linear(a[:m], w2, s2)
+        e = next(turn) % experts.num_experts
+        mxfp4_cpu.linear(h[:m], experts.w13[e], experts.w13_scale[e])
+        mxfp4_cpu.linear(a[:m], experts.w2[e], experts.w2_scale[e])
 
     def tiles(m: int) -> None:
-        batched.linear(h[:m], w13, s13, buffer), batched.linear(a[:m], w2, s2, buffer)
+        e = next(turn) % experts.num_experts
+        batched.linear(h[:m], experts.w13[e], experts.w13_scale[e], buffer)
+        batched.linear(a[:m], experts.w2[e], experts.w2_scale[e], buffer)
 
     return crossover.measure(fused, tiles)
