@@ -20,6 +20,7 @@ from moe_runtime.checkpoint import INDEX_FILE, SINGLE_FILE, CheckpointReader, lo
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.synthetic import PRESETS
 from moe_runtime.tp.sharding import TPShard
+from moe_runtime.units import SAFETENSORS_DTYPES, torch_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 K3 = "language_model.layers.{i}.block_sparse_moe."
@@ -60,7 +61,7 @@ def layer_bytes(ckpt: Path, prefix: str) -> tuple[int, int]:
             for name in f.keys():
                 n = f.get_slice(name)
                 shape, dtype = n.get_shape(), n.get_dtype()
-                size = {"F32": 4, "BF16": 2, "F16": 2, "U8": 1}[dtype]
+                size = torch_dtype(SAFETENSORS_DTYPES[dtype]).itemsize
                 nbytes = size * int(torch.tensor(shape).prod().item()) if shape else size
                 total += nbytes
                 if name.startswith(prefix):

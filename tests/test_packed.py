@@ -29,6 +29,7 @@ from moe_runtime.tp.local_group import run_local_group
 from moe_runtime.tp.plan import TailPlan
 from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
 from moe_runtime.tp.sharding import TPShard
+from moe_runtime.units import SAFETENSORS_DTYPES, torch_dtype
 from moe_runtime.weights import ExpertWeights
 
 LAYER = 1
@@ -83,7 +84,7 @@ def _stored_bytes(ckpt: Path) -> dict[str, int]:
         with safe_open(f, "pt") as h:
             for name in h.keys():
                 view = h.get_slice(name)
-                size = {"F32": 4, "BF16": 2, "U8": 1}[view.get_dtype()]
+                size = torch_dtype(SAFETENSORS_DTYPES[view.get_dtype()]).itemsize
                 sizes[name] = size * torch.Size(view.get_shape()).numel()
     return sizes
 

@@ -31,12 +31,12 @@ from moe_runtime.tp.routed_input import (
     quantize,
 )
 from moe_runtime.tp.runner import activation_quantizer, build_rank_runners, check_activation_quant
-from moe_runtime.units import SCALE_RULES
+from moe_runtime.units import SCALE_RULES, SERVED_DTYPES, torch_dtype
 
 LAYER = 1
 P = 2
 TOKENS = (1, 33, 257)  # T = 1: rank 1 owns no row and gathers only padding
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: torch_dtype(name) for name in SERVED_DTYPES}
 TAILS = ("replicated", "sharded")
 
 

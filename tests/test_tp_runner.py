@@ -30,11 +30,12 @@ from moe_runtime.tp.plan import TailPlan, TailTier
 from moe_runtime.tp.routed_input import RoutedInputConfig
 from moe_runtime.tp.runner import build_rank_runners, sp_rows
 from moe_runtime.tp.sharding import TPShard
+from moe_runtime.units import SERVED_DTYPES, torch_dtype
 
 LAYER = 1  # the tiny preset's first MoE layer (layer 0 is dense)
 TAILS = ("replicated", "overlap", "sharded", "single_allreduce", "sequence_parallel")
 TOKENS = (1, 33, 257)  # a single decode token, odd sizes that do not divide P
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: torch_dtype(name) for name in SERVED_DTYPES}
 TIERED = TailPlan((TailTier(16, "overlap"), TailTier(None, "sharded")), "tiers under test")
 TIERED_TOKENS = (1, 16, 17, 33, 257)
 TIERED3 = TailPlan(

@@ -20,10 +20,14 @@ from moe_runtime.units import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-# A table of dtype names of its own: a safetensors code as a string, or a dtype looked up by name.
-OWN_TABLE = re.compile(r"""["'](BF16|F32|F8_E4M3)["']|getattr\(torch, [^"']|getattr\(sys\.modules\["torch"\]""")
-# aiter's check asks whether this torch has the dtypes it needs: a presence check, not a name rule.
-PRESENCE_CHECKS = {"moe_runtime/experts/aiter_fused.py"}
+# A table of dtype names of its own: a safetensors code as a string, a dtype looked up by name, or
+# a name -> dtype dict.
+OWN_TABLE = re.compile(r"""["'](BF16|F32|F8_E4M3)["']|getattr\(torch, [^"']|getattr\(sys\.modules\["torch"\]"""
+                       r"""|["'](float32|bfloat16)["']: torch\.""")
+# aiter's check asks whether this torch has the dtypes it needs (a presence check, not a name
+# rule); the experts backends' benchmarks and test are other work's at the moment.
+EXEMPT = {"moe_runtime/experts/aiter_fused.py", "scripts/bench/experts.py", "scripts/bench/real.py",
+          "tests/test_grouped_experts.py", "tests/test_units.py"}
 
 
 def test_every_name_is_the_torch_dtype_of_that_name():
@@ -40,8 +44,8 @@ def test_numpy_holds_what_files_and_the_wire_carry_at_the_same_width():
 
 
 def test_no_other_module_keeps_a_dtype_table():
-    found = [f"{path.relative_to(ROOT)}:{n}" for folder in ("deployments", "moe_runtime")
+    found = [f"{path.relative_to(ROOT)}:{n}" for folder in ("deployments", "moe_runtime", "scripts", "tests", "examples")
              for path in (ROOT / folder).rglob("*.py")
-             if path.name != "units.py" and str(path.relative_to(ROOT)) not in PRESENCE_CHECKS
+             if path.name != "units.py" and str(path.relative_to(ROOT)) not in EXEMPT
              for n, line in enumerate(path.read_text().splitlines(), 1) if OWN_TABLE.search(line)]
     assert found == []
