@@ -80,9 +80,11 @@ def rayless_peer(ticket, index: int, hidden: int, want: dict) -> subprocess.Pope
     return proc
 
 
-def own_counts(client: MoEClient, name: str) -> dict:
-    (mine,) = [s for s in client.status()["deployments"]["moe"]["sessions"]["open"] if s["client"] == name]
-    return {"forwards": mine["forwards"], "rows": mine["rows"]}
+def own_counts(client: MoEClient, name: str) -> tuple[dict, list[str]]:
+    """The session ``name``'s counts as the replica reports them now, and every open session's name."""
+    sessions = client.status()["deployments"]["moe"]["sessions"]["open"]
+    (mine,) = [s for s in sessions if s["client"] == name]
+    return {"forwards": mine["forwards"], "rows": mine["rows"]}, sorted(s["client"] for s in sessions)
 
 
 def shared(client: MoEClient, layers: list[int], hidden: int) -> dict:
@@ -112,18 +114,20 @@ def shared(client: MoEClient, layers: list[int], hidden: int) -> dict:
                 client.session(peers=1, max_tokens=ROWS, name="counted") as c:
             tasks = [peer.remote(a.ticket, i, SHARED_STEPS, layers, hidden, want, TOL) for i in range(2)]
             procs = [rayless_peer(b.ticket, i, hidden, want) for i in range(2)]
-            mid = []
+            mid, opened = [], []
             with join(c.ticket, 0) as counted:
                 for n in (7, 5):  # status read between its steps equals what it sent
                     for _ in range(n):
                         for layer in layers:
                             counted.forward(rows(0, hidden), layer)
-                    mid.append(own_counts(client, "counted"))
+                    counts, names = own_counts(client, "counted")
+                    mid.append(counts)
+                    opened = opened or names
             done_a = ray.get(tasks, timeout=600)
-            outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
-            if any(p.returncode for p in procs):
+            printed = [p.stdout.read() for p in procs]  # each prints one line as it ends
+            if any(p.wait(timeout=600) for p in procs):
                 raise AssertionError(f"a Ray-less peer failed: {[p.returncode for p in procs]}")
-            opened = {s["client"] for s in client.status()["deployments"]["moe"]["sessions"]["open"]}
+            outs = [json.loads(text.strip().splitlines()[-1]) for text in printed]
     finally:
         stop.set()
         loop.join()
@@ -131,7 +135,7 @@ def shared(client: MoEClient, layers: list[int], hidden: int) -> dict:
     if mid != expect:
         raise AssertionError(f"status mid-session {mid}, the session's own counts {expect}")
     return {"steps_a": done_a, "steps_b": [o["steps"] for o in outs],
-            "rayless": not any(o["ray_imported"] for o in outs), "open_at_once": sorted(opened),
+            "rayless": not any(o["ray_imported"] for o in outs), "open_at_once": opened,
             "serve_calls": serve["calls"] > 0, "serve_errors": serve["errors"]}
 
 
