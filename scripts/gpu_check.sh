@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU check (issue 11 item 7), bounded to under 8 minutes: the GPU-marked tests
 # (tests/test_gpu.py), then the GPU timings of scripts/bench/gpu_timings.py: torch vs grouped experts
-# backend at Kimi-K3 per-rank shapes for T = 1..8192, all-reduce / reduce-scatter of the latent,
+# backend (and vLLM's fused MoE kernels, the vllm backend, where this Python has vLLM on CUDA) at
+# Kimi-K3 per-rank shapes for T = 1..8192, each against the HBM floor of the bytes its point reads,
+# all-reduce / reduce-scatter of the latent,
 # and a TP-2 tail comparison when two GPUs exist; last, the vLLM plugin's Kimi-K3 alias on the GPU
 # (scripts/bench/vllm_kimi_gpu.py: a tiny Kimi-K3 with its MoE blocks on the tier against vLLM's own
 # Kimi-K3 with the same experts; skipped, and listed as such, where this Python has no vLLM).
@@ -54,7 +56,7 @@ info = {'python': sys.version.split()[0], 'torch': torch.__version__, 'hip': tor
         'cuda': torch.version.cuda, 'cuda_available': torch.cuda.is_available(),
         'gpus': [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         'grouped_mm': hasattr(torch, '_grouped_mm')}
-for mod in ('pytest', 'safetensors', 'yaml', 'aiter'):
+for mod in ('pytest', 'safetensors', 'yaml', 'aiter', 'vllm'):
     try:
         __import__(mod); info[mod] = True
     except Exception as exc:

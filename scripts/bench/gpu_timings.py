@@ -9,7 +9,12 @@ measured and lacks only the closing record (``read_rows`` reports it as partial)
   shapes (D = 3584, E = 896, K = 16, I_local = 3072 / P; default P = 8, one MI300X node), dense
   bf16 and MXFP4-packed experts, T = 1 ... 8192 tokens, on synthetic in-memory weights (random
   values, random top-K routing: no checkpoint needed). Each point also records the two backends'
-  max difference relative to max|L|.
+  max difference relative to max|L|, and every backend's fraction of its HBM floor: the bytes of
+  the experts the point touches (active experts, in their format) over the device's copy
+  bandwidth measured at the start ((read + written bytes) / s of a 1 GiB ``clone``). Where vLLM
+  is installed (CUDA), its fused MoE kernels (the ``vllm`` backend) too: on the layer's SiTU
+  when that vLLM names it, else the error is recorded and, for T <= 64, vLLM is timed on plain
+  SiLU against the torch backend on plain SiLU (a figure for its kernels, not the layer's).
 * ``collectives``: all-reduce and reduce-scatter of the latent ``[T, D]`` (bf16 and fp32) over
   every GPU of the machine (NCCL; RCCL on ROCm). One GPU gives a world of one: a launch-overhead
   figure only, and the JSON says so.
@@ -40,7 +45,7 @@ import torch.multiprocessing as mp
 from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.experts import get_backend
+from moe_runtime.experts import get_backend, unavailable_reason
 from moe_runtime.experts.check import TOLERANCE
 from moe_runtime.tp.collectives import Collectives, free_port, init_group
 from moe_runtime.units import dtype_name
@@ -111,31 +116,75 @@ def routing(T: int, E: int, K: int, device, seed: int):
     return ids, weights / weights.sum(1, keepdim=True)
 
 
+def copy_gbps(device: torch.device, reps: int, nbytes: int = 2**30) -> float:
+    """The device's copy bandwidth: (read + written bytes) / s of an ``nbytes`` clone, best of ``reps``."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return 2 * nbytes / 1e9 / min(time_calls(x.clone, reps, sync=synchronizer(device)).seconds)
+
+
+def expert_bytes(ex: ExpertWeights) -> int:
+    """Bytes one expert holds in its format (packed nibbles + scales, or dense)."""
+    tensors = [ex.w13, ex.w2] + ([ex.w13_scale, ex.w2_scale] if ex.packed else [])
+    return sum(t[0].numel() * t.element_size() for t in tensors)
+
+
+def time_backend(be, h, ids, w, ex, act, device, args) -> tuple[dict, torch.Tensor | None]:
+    """Median ms of one backend at one point and its output; a backend that raises is recorded."""
+    call = partial(be, h, ids, w, ex, act)
+    try:
+        with torch.inference_mode():
+            return median_ms(call, device, args.reps, args.point_budget_s), call()
+    except Exception as exc:  # an optional backend that cannot run these experts says why
+        return {"error": f"{type(exc).__name__}: {exc}"}, None
+
+
 def run_experts(args) -> None:
     device = device_of(args.smoke)
     shape, tokens = (SMOKE, SMOKE_TOKENS) if args.smoke else (K3, TOKENS)
     P = 1 if args.smoke else args.tp  # the tiny smoke experts hold one MXFP4 block per row at P = 1
     backends = {name: get_backend(name) for name in ("torch", "grouped")}
+    skipped = {"vllm": unavailable_reason("vllm")}
+    if skipped["vllm"] is None:
+        backends["vllm"] = get_backend("vllm")
+    hbm = copy_gbps(device, args.reps)
     out = RowWriter(args.out, what="experts", shape=dict(shape, P=P, I_local=shape["I"] // P),
-                    dtype="bfloat16", machine=machine(device))
+                    dtype="bfloat16", machine=machine(device), copy_gbps=hbm,
+                    skipped={k: v for k, v in skipped.items() if v})
     for fmt in ("dense", "mxfp4"):
         ex = synthetic_experts(shape, P, torch.bfloat16, fmt == "mxfp4", device)
         for T in tokens:
             h = torch.randn(T, shape["D"], device=device, dtype=torch.bfloat16)
             ids, w = routing(T, shape["E"], shape["K"], device, seed=T)
-            outs, row = {}, {"format": fmt, "T": T, "active_experts": int(torch.unique(ids).numel())}
+            active = int(torch.unique(ids).numel())
+            floor_ms = active * expert_bytes(ex) / 1e9 / hbm * 1e3
+            outs, row = {}, {"format": fmt, "T": T, "active_experts": active, "floor_ms": floor_ms}
             for name, be in backends.items():
-                call = partial(be, h, ids, w, ex, SITU)
-                with torch.inference_mode():
-                    row[name] = median_ms(call, device, args.reps, args.point_budget_s)
-                    outs[name] = call()
+                row[name], outs[name] = time_backend(be, h, ids, w, ex, SITU, device, args)
+                if "median_ms" in row[name]:
+                    row[name]["hbm_fraction"] = floor_ms / row[name]["median_ms"]
             ref = outs["torch"].abs().max().item() or 1.0
             row["grouped_vs_torch_rel_diff"] = (outs["grouped"] - outs["torch"]).abs().max().item() / ref
             row["grouped_speedup"] = row["torch"]["median_ms"] / row["grouped"]["median_ms"]
-            row["within_tolerance"] = row["grouped_vs_torch_rel_diff"] <= TOLERANCE[torch.bfloat16]
+            within = row["grouped_vs_torch_rel_diff"] <= TOLERANCE[torch.bfloat16]
+            if outs.get("vllm") is not None:
+                row["vllm_vs_torch_rel_diff"] = (outs["vllm"] - outs["torch"]).abs().max().item() / ref
+                within = within and row["vllm_vs_torch_rel_diff"] <= TOLERANCE[torch.bfloat16]
+            elif "vllm" in backends and T <= 64:  # its kernels on plain SiLU, against torch on SiLU
+                silu = GatedActivation()
+                row["vllm_silu"], got = time_backend(backends["vllm"], h, ids, w, ex, silu, device, args)
+                if got is not None:
+                    row["vllm_silu"]["hbm_fraction"] = floor_ms / row["vllm_silu"]["median_ms"]
+                    want = backends["torch"](h, ids, w, ex, silu)
+                    diff = (got - want).abs().max().item() / (want.abs().max().item() or 1.0)
+                    row["vllm_silu_vs_torch_rel_diff"] = diff
+                    within = within and diff <= TOLERANCE[torch.bfloat16]
+            row["within_tolerance"] = within
+            fractions = ", ".join(f"{n} {row[n]['hbm_fraction']:.0%}" for n in (*backends, "vllm_silu")
+                                  if "hbm_fraction" in row.get(n, {}))
             print(f"experts {fmt:5} T={T:5d}: torch {row['torch']['median_ms']:9.3f} ms, grouped "
                   f"{row['grouped']['median_ms']:9.3f} ms ({row['grouped_speedup']:.2f}x), rel diff "
-                  f"{row['grouped_vs_torch_rel_diff']:.1e}", flush=True)
+                  f"{row['grouped_vs_torch_rel_diff']:.1e}; HBM floor {floor_ms:.3f} ms: {fractions}",
+                  flush=True)
             out.row(row)
     out.close()
 
