@@ -75,7 +75,7 @@ from .leases import (
     check_seconds,
     default_client_name,
     endpoint,
-    served_layers,
+    layers_by_deployment,
 )
 
 DEFAULT_MAX_TOKENS = 1  # rows per worker and step (decode: one token per sequence)
@@ -507,19 +507,7 @@ class Cohort:
         if step_timeout_s is not None:
             check_seconds(step_timeout_s=step_timeout_s)
         self.name = name or f"cohort-{default_client_name()}-{uuid.uuid4().hex[:4]}"
-        if client.deployment is not None:
-            status = client.group_handle(client.deployment).status.remote().result(timeout_s=client.timeout_s)
-            served = tuple(status["layers"])
-            chosen = served if layers is None else tuple(sorted({int(x) for x in layers}))
-            unknown = sorted(set(chosen) - set(served))
-            if unknown:
-                raise ValueError(f"layer(s) {unknown} are not served by deployment {client.deployment!r} "
-                                 f"(it serves {list(served)})")
-            by_layer = dict.fromkeys(chosen, client.deployment)
-        else:
-            chosen = served_layers(client, layers)
-            routes = client.layer_routes()
-            by_layer = {x: routes.choose(x, None) for x in chosen}
+        chosen, by_layer = layers_by_deployment(client, layers)
         core = CohortCore(client, self.name, workers, chosen, by_layer, max_tokens, float(retry_s))
         self._core = core
         self._close = weakref.finalize(self, core.close)

@@ -72,6 +72,23 @@ def served_layers(client: Any, layers: Iterable[int] | None) -> tuple[int, ...]:
     return tuple(wanted)
 
 
+def layers_by_deployment(client: Any, layers: Iterable[int] | None) -> tuple[tuple[int, ...], dict[int, str]]:
+    """The layers a session serves (None: every layer of the client's app, or of its deployment for
+    a client bound to one: ``MoEClient.direct``) and the deployment serving each."""
+    if client.deployment is None:
+        chosen = served_layers(client, layers)
+        routes = client.layer_routes()
+        return chosen, {x: routes.choose(x, None) for x in chosen}
+    status = client.group_handle(client.deployment).status.remote().result(timeout_s=client.timeout_s)
+    served = tuple(status["layers"])
+    chosen = served if layers is None else tuple(sorted({int(x) for x in layers}))
+    unknown = sorted(set(chosen) - set(served))
+    if unknown:
+        raise ValueError(f"layer(s) {unknown} are not served by deployment {client.deployment!r} "
+                         f"(it serves {list(served)})")
+    return chosen, dict.fromkeys(chosen, client.deployment)
+
+
 class GroupLease:
     """One deployment's session for an owner (a lane, a cohort or a session): the grant, or why not.
 

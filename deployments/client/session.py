@@ -37,7 +37,7 @@ from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S, RANK_POLL_S
 from ..dataplane.errors import Action, SessionError
 from ..dataplane.peer import SessionPeer, SessionTicket
 from .errors import raise_for
-from .leases import GroupLease, default_client_name, endpoint, served_layers
+from .leases import GroupLease, default_client_name, endpoint, layers_by_deployment
 
 
 class SessionRefused(RuntimeError):
@@ -57,9 +57,7 @@ class Session:
             raise ValueError(f"max_tokens must be a positive integer (rows per peer and layer), "
                              f"got {max_tokens!r}")
         self.name = name or f"session-{default_client_name()}"
-        chosen = served_layers(client, layers)
-        routes = client.layer_routes()
-        by_layer = {x: routes.choose(x, None) for x in chosen}
+        chosen, by_layer = layers_by_deployment(client, layers)
         self.leases = {d: GroupLease(client, d, self.name, max_tokens, DEFAULT_RETRY_S, peers=peers,
                                      idle_after_s=idle_after_s, linger_s=linger_s)
                        for d in sorted(set(by_layer.values()))}

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_text, write_results
+from .docs import Target, section_start, target, verdict, verdict_text, verdict_word, write_results
 from .rss import cpu_seconds, serve_replica_pid
 
 SECTION = "# Shared sessions on one replica (`scripts/bench/sessions.py`)"
@@ -183,8 +183,9 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     for state in IDLE_STATES:
         med = statistics.median(idle[state])
         over = "" if state == "app" else verdict_text(v[f"idle_{state}"], ".3f")
-        lines.append(f"| {state} | {', '.join(f'{c:.3f}' for c in idle[state])} | {med:.3f} | {over} | "
-                     f"{'' if state == 'app' else v[f'idle_{state}']['verdict']} |")
+        word = "" if state == "app" else verdict_word(v[f"idle_{state}"]["met"])
+        each = ", ".join(f"{c:.3f}" for c in idle[state])
+        lines.append(f"| {state} | {each} | {med:.3f} | {over} | {word} |")
     lines += ["", f"**The Serve path beside stepping sessions**: {results['calls']} handle calls of {T} "
               "rows, layer 1, while sessions of one peer each step every layer back to back.", "",
               "| sessions stepping | p50 ms | p90 ms | / p50 with none | their steps meanwhile |",
