@@ -1,7 +1,8 @@
 """Python clients of the MoE app: Serve handles (``MoEClient``, ``moe_client``), their per-layer
 lanes (``MoEClient.lane``, ``lane``), cohorts of attention workers (``MoEClient.cohort``,
 ``cohort``; workers subclass ``AttentionWorker``), sessions of independent peer processes
-(``MoEClient.session``, ``join``, ``session``; ``SessionTicket``, ``SessionError``), HTTP (``HTTPMoEClient``,
+(``MoEClient.session``, ``join``, ``session``; ``SessionTicket``, ``SessionError``,
+``SessionRefused``), HTTP (``HTTPMoEClient``,
 ``AsyncHTTPMoEClient``, ``http_client``) and the errors they raise (``errors``). A decoder whose
 MoE layers run on the tier, built on these, is an example: ``examples/afd.py``."""
 
@@ -14,10 +15,10 @@ from .errors import MoEOverloadedError, MoERequestError, MoEServeError, MoEServe
 from .http_client import AsyncHTTPMoEClient, HTTPMoEClient
 from .lane import Lane
 from .moe_client import MoEClient
-from .session import Peer, Session, join
+from .session import Peer, Session, SessionRefused, join
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "AsyncHTTPMoEClient", "AttentionWorker", "Cohort", "HTTPMoEClient", "Lane",
     "MoEClient", "MoEOverloadedError", "MoERequestError", "MoEServeError", "MoEServerError", "Peer",
-    "Session", "SessionError", "SessionTicket", "WorkerError", "join",
+    "Session", "SessionError", "SessionRefused", "SessionTicket", "WorkerError", "join",
 ]
