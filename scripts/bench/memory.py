@@ -10,7 +10,7 @@ generated checkpoint (``--preset``, TP 1) and runs one forward of T tokens, and 
   allowance ``T x activation_bytes_per_token`` and its whole workspace (+ decode scratch):
   ``ratio`` = measured / activation allowance (<= 1: the allowance bounds what was measured).
 
-Writes ``memory.json`` and ``memory.png`` to ``--out``, and its page (docs/benchmarks/memory.md) and
+Writes ``memory.json`` to ``--out``, and its page (docs/benchmarks/memory.md) and
 rows of the index to ``--docs``.
 """
 
@@ -74,7 +74,7 @@ def index_rows(results: dict) -> list[Target]:
 def markdown(results: dict, json_path: str, png_path: str) -> str:
     lines = [section_start(SECTION, "memory", results["argv"], results["machine"],
                            f"preset `{results['preset']}`, TP 1, one fresh process per row, 1 torch thread",
-                           json_path, png_path), "",
+                           json_path), "",
              "| checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB "
              "| workspace MB | ratio |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
     for r in results["rows"]:
@@ -85,26 +85,6 @@ def markdown(results: dict, json_path: str, png_path: str) -> str:
     lines.append("")
     lines += [f"- {t.target}: {t.measured}" for t in index_rows(results)]
     return "\n".join(lines)
-
-
-def plot(results: dict, path: Path) -> None:
-    rows = results["rows"]
-    fig, ax = harness.pyplot().subplots(figsize=(7, 4))
-    for fmt in ("dense", "mxfp4"):
-        for dtype in ("float32", "bfloat16"):
-            sel = [r for r in rows if r["checkpoint_format"] == fmt and r["dtype"] == dtype]
-            ax.plot([r["tokens"] for r in sel], [r["forward_peak_growth_bytes"] / 1e6 for r in sel], "o-",
-                    label=f"measured {fmt} {dtype}")
-            if fmt == "dense":
-                style = "k--" if dtype == "float32" else "k:"
-                allowance = [r["activation_allowance_bytes"] / 1e6 for r in sel]
-                ax.plot([r["tokens"] for r in sel], allowance, style, label=f"planner allowance {dtype}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per forward")
-    ax.set_ylabel("MB")
-    ax.set_title(f"forward peak RSS growth vs planner activation allowance ({results['preset']}, TP 1)")
-    ax.legend(fontsize=7)
-    harness.save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['activation_allowance_bytes'] / 1e6:7.1f} MB (ratio {row['ratio']:.2f})")
     results = {"argv": args.argv, "preset": args.preset, "rows": rows,
                "machine": dict(machine, loadavg_after=harness.loadavg())}
-    write_results(results, args.out, "memory", plot, markdown, index_rows, args.docs)
+    write_results(results, args.out, "memory", None, markdown, index_rows, args.docs)
     return 0 if all(r["weights_exact"] for r in rows) else 1
 
 

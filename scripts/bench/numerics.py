@@ -14,7 +14,7 @@ random-normal blocks and on the layer's own activations (the latent ``h`` and ev
 gated activation), with each rule's quantisation error there, and compares W4A4 with W4A16 on
 one device under each rule.
 
-Writes JSON + PNG under ``--out``, its page (docs/benchmarks/numerics.md) and its rows of the index
+Writes JSON under ``--out``, its page (docs/benchmarks/numerics.md) and its rows of the index
 (``--docs``; '' skips).
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ from moe_runtime.tp.local_group import run_local_group
 from moe_runtime.tp.plan import TailPlan
 from moe_runtime.tp.routed_input import RoutedInputConfig
 from moe_runtime.tp.runner import build_rank_runners
-from moe_runtime.units import SCALE_RULES
+from moe_runtime.units import SCALE_RULES, SERVED_DTYPES, torch_dtype
 
 from . import harness
 from .docs import Target, model_text, section_start, target, verdict, write_results
@@ -45,7 +44,7 @@ SECTION = ("# Numerics: routed-input modes and W4A4 under both MXFP4 scale rules
            "(`scripts/bench/numerics.py`)")
 LAYER = 1
 REQUEST = 16  # the request whose batch dependence is measured
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: torch_dtype(name) for name in SERVED_DTYPES}
 RULES = SCALE_RULES  # ("even", "floor"): even first, the default
 RANDOM_BLOCKS = 8228  # as many random-normal blocks as the first measurement of the two rules had
 
@@ -192,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    write_results(results, args.out, "numerics", plot, markdown, index_rows, args.docs)
+    write_results(results, args.out, "numerics", None, markdown, index_rows, args.docs)
     return 0
 
 
@@ -215,7 +214,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
             SECTION, "numerics", results["argv"], env,
             f"{env['seconds']} s (the numbers below are exact and deterministic, load changes only the "
             f"time); `{results['preset']}` preset ({model_text(m)}, random weights), layer {LAYER}, "
-            f"batch {results['batch']}", json_path, png_path),
+            f"batch {results['batch']}", json_path),
         "",
         "**Where the two MXFP4 scale rules differ.** `even` (the default: AMD Quark's, as vLLM's "
         "emulation and aiter's Triton quantiser round) against `floor` (plain OCP), per non-zero "
@@ -304,22 +303,6 @@ def reading(results: dict[str, Any]) -> str:
             f"{approx['even']['batch_dependence']:.1%} / {approx['floor']['batch_dependence']:.1%}."
         )
     return " ".join(parts)
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    rows = results["rows"]
-    fig, axes = harness.pyplot().subplots(1, 2, figsize=(13, 5))
-    for ax, key, title in (
-        (axes[0], "rms_rel", "rms error vs fp32 single device"),
-        (axes[1], "batch_dependence", f"{results['request']}-token request: alone vs in the batch"),
-    ):
-        sel = [r for r in rows if r[key] is not None]
-        labels = [f"{r['dtype'][:4]} {r['experts']} {r['rule']} {r['routed_input']}" for r in sel]
-        ax.barh(labels, [max(r[key], 1e-9) for r in sel],
-                color=["tab:orange" if r["rule"] == "floor" else "tab:blue" for r in sel])
-        ax.set(xscale="log", title=title, xlabel="relative (floor: orange)")
-        ax.tick_params(axis="y", labelsize=7)
-    harness.save_figure(fig, path)
 
 
 if __name__ == "__main__":

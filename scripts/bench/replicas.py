@@ -27,7 +27,6 @@ PSS; against ``floor_torch``, each of ours uses less CPU and holds less PSS.
 """
 
 import statistics
-from pathlib import Path
 from typing import Any
 
 from . import harness
@@ -105,21 +104,6 @@ def medians(results: dict[str, Any], role: str, metric: str) -> dict[str, float]
     return {n: statistics.median(values) for n, values in per_round(results, role, metric).items()}
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    fig, axes = harness.pyplot().subplots(1, 2, figsize=(9, 3.2))
-    labels = {"cpu_s": "CPU-s used (median)", "pss_mb": "PSS, MB (median)"}
-    width = 0.4
-    for ax, (metric, label) in zip(axes, labels.items(), strict=True):
-        for i, role in enumerate(ROLES):
-            values = list(medians(results, role, metric).values())
-            ax.bar([j + (i - 0.5) * width for j in range(len(APPS))], values, width, label=ROLES[role])
-        ax.set_xticks(range(len(APPS)), list(APPS))
-        ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"an app's replicas after one call, {results['reps']} rounds", fontsize=10)
-    harness.save_figure(fig, path, dpi=100)
-
-
 def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The targets of the module docstring, from the measured results."""
     out = {}
@@ -155,7 +139,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     return "\n".join([
         section_start(SECTION, "replicas", results["argv"], results["machine"],
                       "each app deployed, called once over HTTP, its two replicas measured, then "
-                      f"deleted, in turns, {results['reps']} rounds", json_path, png_path), "",
+                      f"deleted, in turns, {results['reps']} rounds", json_path), "",
         *tables,
         *(f"- {label.capitalize()}, ours over the floor: {verdict_text(v[f'{role}_cpu_over_floor'])} CPU-s, "
           f"{verdict_text(v[f'{role}_pss_over_floor'], '.1f')} MB PSS; as a share of the floor that imports "
@@ -176,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         APPS, args.reps, 1, lambda app, url: deploy_call_measure(app, app_args, url, body))
     results = {"rounds": rounds, "reps": args.reps, "argv": args.argv, "machine": machine}
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "replicas", plot, markdown, index_rows, args.docs)
+    write_results(results, args.out, "replicas", None, markdown, index_rows, args.docs)
     return 0 if all(v["met"] for v in results["verdicts"].values()) else 1
 
 

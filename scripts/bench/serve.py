@@ -11,7 +11,7 @@ deployments of the same checkpoint -- ``batched`` (max_batch_tokens = --max-batc
 
 It measures tokens/s, requests/s and p50/p99 latency, and runs the same batch sizes on the
 in-process runner (``moe_runtime`` only: ``local_group`` ranks joined by gloo, no Ray) in the
-same run for the served / in-process ratio. Results: JSON + PNG under --out, its page,
+same run for the served / in-process ratio. Results: JSON under --out, its page,
 docs/benchmarks/serve.md, and its rows of the index (--docs).
 
     python -m scripts.bench.serve                    # small preset, a few minutes on 2 cores

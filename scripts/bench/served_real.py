@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.tp.collectives import free_port
+from moe_runtime.units import torch_dtype
 
 from . import ROOT, harness
 from .docs import model_text, no_targets, section_start, write_results
@@ -86,13 +87,55 @@ def wait_ready(client, proc: subprocess.Popen, timeout_s: float) -> float | None
     return None
 
 
+def cli_reference(args: argparse.Namespace, ckpt: Path, layer: int, work: Path,
+                  env: dict[str, str]) -> tuple[dict[str, Any], torch.Tensor]:
+    """``python -m moe_runtime forward`` on the run's input: its memory record and its output."""
+    cli = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(ckpt), "--layer", str(layer),
+           "--input", str(work / "in.safetensors"), "--output", str(work / "cli.safetensors"),
+           "--tp", str(args.tp), "--dtype", args.dtype, "--tail", args.tail]
+    rc, cli_mem = measure(cli, args.interval, cwd=ROOT, env=env)
+    if rc != 0:
+        raise SystemExit(f"the CLI reference failed (exit {rc}): {' '.join(cli)}")
+    return cli_mem, load_file(str(work / "cli.safetensors"))["output"]
+
+
+def post_once(client: Any, proc: subprocess.Popen, args: argparse.Namespace, x: torch.Tensor, layer: int,
+              ref: torch.Tensor) -> dict[str, Any]:
+    """`serve run`'s time to ready, then one POST: its time and error against the CLI's answer."""
+    start = time.perf_counter()
+    if wait_ready(client, proc, args.ready_timeout) is None:
+        raise SystemExit(f"`serve run` was not ready within {args.ready_timeout} s (exit {proc.poll()})")
+    served: dict[str, Any] = {"ready_s": round(time.perf_counter() - start, 2)}
+    t0 = time.perf_counter()
+    out = client.forward(x, layer)
+    served["answer_s"] = round(time.perf_counter() - t0, 3)
+    status = client.status()  # after the first forward, which decides the group transport
+    served["status"] = 200  # HTTPMoEClient raises on anything else
+    served.update(rel_error(out.float(), ref.float()))
+    dep = next(iter(status.get("deployments", {}).values()), status)
+    served["experts_backend"] = dep.get("experts_backend") if isinstance(dep, dict) else None
+    served["group_transport"] = dep.get("group_transport") if isinstance(dep, dict) else None
+    return served
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """What Ctrl-C does (Serve tears the app down), then SIGKILL if it has not ended in 2 minutes."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from deployments.client import HTTPMoEClient
 
     ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = args.layer or cfg.moe_layers[0]
-    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=args.seed, dtype=getattr(torch, args.dtype))
+    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=args.seed, dtype=torch_dtype(args.dtype))
     save_file({"hidden_states": x.contiguous()}, str(work / "in.safetensors"))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     result: dict[str, Any] = {
@@ -101,61 +144,29 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "tp": args.tp, "dtype": args.dtype, "layer": layer, "tokens": args.tokens, "seed": args.seed,
         "tail": args.tail,
     }
-
     print("CLI reference ...", flush=True)
-    cli = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(ckpt), "--layer", str(layer),
-           "--input", str(work / "in.safetensors"), "--output", str(work / "cli.safetensors"),
-           "--tp", str(args.tp), "--dtype", args.dtype, "--tail", args.tail]
-    rc, cli_mem = measure(cli, args.interval, cwd=ROOT, env=env)
-    if rc != 0:
-        raise SystemExit(f"the CLI reference failed (exit {rc}): {' '.join(cli)}")
-    result["cli"] = cli_mem
-    ref = load_file(str(work / "cli.safetensors"))["output"]
-
+    result["cli"], ref = cli_reference(args, ckpt, layer, work, env)
     port = free_port()
     (work / "serve.yaml").write_text(yaml.safe_dump(serve_config(ckpt, args.tp, args.dtype, layer, port,
                                                                  args.tokens, args.tail)))
-    serve_bin = str(Path(sys.executable).with_name("serve"))
     print(f"serve run (HTTP on 127.0.0.1:{port}) ...", flush=True)
     start = time.perf_counter()
-    log = (work / "serve.log").open("w")
     # Started in the background, this process has SIGINT ignored and `serve run` would inherit
     # that, ignoring the Ctrl-C that stops it below; a handler is reset to the default at exec.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    proc = subprocess.Popen([serve_bin, "run", str(work / "serve.yaml")], cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    sampler = TreeSampler(proc.pid, args.interval).start()
-    client = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=args.ready_timeout)
-    served: dict[str, Any] = {}
-    try:
-        ready = wait_ready(client, proc, args.ready_timeout)
-        if ready is None:
-            raise SystemExit(f"`serve run` was not ready within {args.ready_timeout} s (exit "
-                             f"{proc.poll()}); log: {work / 'serve.log'}")
-        served["ready_s"] = round(time.perf_counter() - start, 2)
-        t0 = time.perf_counter()
-        out = client.forward(x, layer)
-        served["answer_s"] = round(time.perf_counter() - t0, 3)
-        status = client.status()  # after the first forward, which decides the group transport
-        served["status"] = 200  # HTTPMoEClient raises on anything else
-        served.update(rel_error(out.float(), ref.float()))
-        dep = next(iter(status.get("deployments", {}).values()), status)
-        served["experts_backend"] = dep.get("experts_backend") if isinstance(dep, dict) else None
-        served["group_transport"] = dep.get("group_transport") if isinstance(dep, dict) else None
-    finally:
-        client.close()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: Serve tears the app down
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        sampler.stop()
-        log.close()
-    served.update(sampler.to_dict())
-    served["seconds_total"] = round(time.perf_counter() - start, 2)
-    result["served"] = served
+    with (work / "serve.log").open("w") as log:
+        serve_run = [str(Path(sys.executable).with_name("serve")), "run", str(work / "serve.yaml")]
+        proc = subprocess.Popen(serve_run, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        sampler = TreeSampler(proc.pid, args.interval).start()
+        client = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=args.ready_timeout)
+        try:
+            served = post_once(client, proc, args, x, layer, ref)
+        finally:
+            client.close()
+            stop(proc)
+            sampler.stop()
+    result["served"] = {**served, **sampler.to_dict(), "seconds_total": round(time.perf_counter() - start, 2)}
     result["env"]["loadavg_after"] = harness.loadavg()
     return result
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from . import harness
@@ -73,14 +72,6 @@ def deploy_call_delete_s(name: str, app_args: dict[str, Any], x: Any) -> float:
     return time.perf_counter() - t0
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    fig, ax = harness.pyplot().subplots(figsize=(6, 3.2))
-    ax.bar(list(APPS), [statistics.median(results["delete_s"][n]) for n in APPS], color="tab:blue")
-    ax.set_ylabel("serve.delete of an idle app, s (median)")
-    ax.set_title(f"{results['reps']} rounds, drain poll {results['drain_poll_s']:g} s", fontsize=10)
-    harness.save_figure(fig, path, dpi=100)
-
-
 def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The targets of the module docstring, from the measured results."""
     med = {n: statistics.median(v) for n, v in results["delete_s"].items()}
@@ -103,7 +94,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     return "\n".join([
         section_start(SECTION, "shutdown", results["argv"], results["machine"],
                       f"each app deployed, called once, then deleted, in turns, {results['reps']} rounds",
-                      json_path, png_path), "",
+                      json_path), "",
         *rows, "",
         f"- Ours over the fast floor: {verdict_text(over)} s; ours as a share of Serve's default "
         f"floor: {verdict_text(default)}.",
@@ -122,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"delete_s": measured, "reps": args.reps, "drain_poll_s": DRAIN_POLL_S, "argv": args.argv,
                "machine": machine}
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "shutdown", plot, markdown, index_rows, args.docs)
+    write_results(results, args.out, "shutdown", None, markdown, index_rows, args.docs)
     return 0 if all(v["met"] for v in results["verdicts"].values()) else 1
 
 

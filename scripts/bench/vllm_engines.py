@@ -168,24 +168,12 @@ def targets_of(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    plt = harness.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    rows = results["rows"]
-    labels = [f"{r['mode']} x{r['engines']}" for r in rows]
-    colors = {"in_process": "#888", "tier": "#4a7", "shared": "#47a", "separate": "#a74"}
-    ax.bar(labels, [r["tokens_per_s"] for r in rows], color=[colors[r["mode"]] for r in rows])
-    ax.set_ylabel("decode tokens/s (all engines)")
-    ax.set_title(f"vLLM engines on the tier: {results['prompts']} prompts x {results['tokens']} tokens each")
-    harness.save_figure(fig, path)
-
-
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     t, layers, cpus = targets_of(results), results["layers"], results["machine"]["cpus"]
     in_process = find(results["rows"], "in_process", 1)
     lines = [section_start("## vLLM engines on the tier", "vllm_engines", results["argv"], results["machine"],
                            f"{results['prompts']} prompts x {results['tokens']} tokens per engine, tiny "
-                           f"model and tier (TP 2, float32), {layers} MoE layers", json_path, png_path), "",
+                           f"model and tier (TP 2, float32), {layers} MoE layers", json_path), "",
              "| mode | engines | engine core | tokens | decode s | tokens/s | machine cores busy "
              "| group forwards | group steps | forwards per step | engines per group step |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -245,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per engine (default 4)")
     args = ap.parse_args(argv)
     results = measure(args)
-    write_results(results, args.out, "vllm_engines", plot, markdown, index_rows, args.docs)
+    write_results(results, args.out, "vllm_engines", None, markdown, index_rows, args.docs)
     return 0
 
 
