@@ -8,7 +8,7 @@ replaced replica reuses the plan). One run, one local Ray instance, CPU ranks.
 
 Each phase deploys the same app (TP --tp, tail auto, ``auto_tune_tokens`` 1,16,128,1024, the
 default ``warmup_limit_s``) and sends one --tokens forward; it checks that the answer equals the
-first phase's bit for bit. Writes JSON + PNG under --out and its page, docs/benchmarks/warmup.md,
+first phase's bit for bit. Writes JSON under --out and its page, docs/benchmarks/warmup.md,
 and its rows of the index (--docs); verdicts come from the data.
 Target: warm start <= cold start - the cold measurement's time (nothing measured again), and a
 replaced replica answers again without measuring (plan_source: reused). After the rank's SIGKILL:
@@ -75,16 +75,6 @@ def answer_after_rank_kill(x: torch.Tensor, layer: int, deadline_s: float) -> di
     raise TimeoutError(f"no answer within {deadline_s:.0f} s after the rank was killed")
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    phases = ["cold", "warm", "replaced"]
-    values = [results[p]["answered_s"] for p in phases]
-    fig, ax = harness.pyplot().subplots(figsize=(6, 3.5))
-    ax.bar(phases, values, color=["tab:red", "tab:green", "tab:blue"])
-    ax.set(ylabel="seconds to the first answer",
-           title=f"warm-up, {results['checkpoint_name']} TP {results['tp']} {results['dtype']}")
-    harness.save_figure(fig, path, dpi=120)
-
-
 def index_rows(results: dict[str, Any]) -> list[Target]:
     warm, rep = results["warm"], results["replaced"]
     return [target("warm start reuses the stored plan", warm["plan_source"] == "reused"),
@@ -103,7 +93,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         section_start(
             SECTION, "warmup", results["argv"], results["machine"],
             f"checkpoint `{results['checkpoint_name']}`, TP {results['tp']}, {results['dtype']}, "
-            "CPU ranks", json_path, png_path), "",
+            "CPU ranks", json_path), "",
         "| phase | plan | ready (s) | first answer (s) |", "|---|---|---|---|",
         f"| cold: nothing stored | {cold['plan_source']} | {cold['ready_s']:.1f} "
         f"| {cold['answered_s']:.1f} |",
@@ -177,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": dict(machine, loadavg_after=harness.loadavg()),
         "answers_equal": all(torch.equal(cold_out, out) for out in (warm_out, kill["out"], replaced_out)),
     }
-    write_results(results, args.out, "warmup", plot, markdown, index_rows, args.docs)
+    write_results(results, args.out, "warmup", None, markdown, index_rows, args.docs)
     return 0
 
 
