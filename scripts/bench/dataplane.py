@@ -543,8 +543,9 @@ def before_lanes_note(results: dict[str, Any]) -> list[str]:
             "passed from worker to worker its rate is an upper bound."]
 
 
-def findings(results: dict[str, Any]) -> list[str]:
-    v, L, rows = results["verdicts"], results["layers"], results["rows"]
+def call_findings(results: dict[str, Any]) -> list[str]:
+    """The A = 1, T = 1 call against the in-process forward, and where its time goes."""
+    v = results["verdicts"]
     one = next((c for c in call_rows(results) if c["T"] == 1), None)
     call = ("not measured" if one is None else
             f"lane p50 {one['lane_p50_ms']:.3f} ms, in-process {one['inprocess_ms']:.2f} ms (the CLI's "
@@ -561,6 +562,13 @@ def findings(results: dict[str, Any]) -> list[str]:
             f"call, lane p50 - served forward, is {one['lane_p50_ms'] - served:.3f} ms (the peer's frames, "
             f"rank 0's checks and answer, the replies' wake-ups) against the floor's "
             f"{one['floor_p50_ms']:.3f} ms for a whole round trip.")
+    return lines
+
+
+def step_findings(results: dict[str, Any]) -> list[str]:
+    """The A = 4, T = 4 rates and where a session step goes."""
+    v, L, rows = results["verdicts"], results["layers"], results["rows"]
+    lines: list[str] = []
     s4, o4, c4 = (pick(rows, m, 4, 4) for m in ("session", "own_sessions", "cgraph_before"))
     rate = ", ".join(f"{name} {r['worker_steps_per_s']:.1f}" for name, r in
                      (("session", s4), ("own_sessions", o4), ("cgraph_before", c4)) if r)
@@ -590,6 +598,12 @@ def findings(results: dict[str, Any]) -> list[str]:
                      f"{results['seconds']:g} s timed windows spanned {o4['span_s']:.1f} s together (they "
                      f"overlapped {o4['overlap']:.2f}-fold of 4): one replica serves one lease at a time, so "
                      "the others wait for it or take the Serve path behind it.")
+    return lines
+
+
+def findings(results: dict[str, Any]) -> list[str]:
+    v, L, rows = results["verdicts"], results["layers"], results["rows"]
+    lines = call_findings(results) + step_findings(results)
     lines.append(f"- Group forwards per session step = MoE layers ({L}) at every A and T: largest deviation "
                  f"{value_text(v['forwards_per_step'])}.")
     exact = yes_no(v["exact"]["met"])
