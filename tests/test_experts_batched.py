@@ -29,7 +29,7 @@ from test_fused_cpu import (
     gamma,
 )
 
-from moe_runtime import mxfp4
+from moe_runtime import logs, mxfp4
 from moe_runtime.activation import GatedActivation
 from moe_runtime.experts import TorchExperts, batched, crossover, mxfp4_cpu, torch_loop
 
@@ -138,6 +138,7 @@ def test_batched_and_mixed_experts_equal_decode_path(dtype, monkeypatch) -> None
 def test_prepare_measures_the_crossover_once_and_reports_it(monkeypatch, caplog) -> None:
     experts = _experts(torch.bfloat16, E=2)
     monkeypatch.setattr(torch_loop, "_CROSSOVERS", {})
+    monkeypatch.setattr(logs, "_logged", set())  # log_once: as in a fresh process
     measured = []
     monkeypatch.setattr(crossover, "measure", lambda a, b: measured.append(1) or crossover.Crossover(
         6, ((1, 2e-3, 4e-3), (6, 9e-3, 3e-3))))

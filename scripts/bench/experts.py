@@ -18,8 +18,15 @@ FLOPs of the stage: ``2 * T * K * (2I * D + I * D) = 6 * T * K * D * I`` (the ac
 the weighted combine are not counted). ``torch``, ``grouped`` and ``dense`` are called in turn
 (interleaved) so that a shared machine slows them alike; times are medians (the best-of ratio is
 kept too).
-Writes ``experts.json`` and ``experts.png`` to ``--out``, and its page (docs/benchmarks/experts.md)
-and rows of the index to ``--docs``. Legend: T tokens, D latent, K experts per token, I intermediate.
+With ``--packed-checkpoint`` (an MXFP4 checkpoint: the real-size Kimi-K3 one), also the packed
+CPU experts *before* and *after* issue 48 in the same process, in turns, the median of
+``--packed-reps`` each (*before*: the AVX2 build of the fused kernel for every expert; *after*: the
+build this CPU gets, the batched path from the crossover measured at load), on the layer's own
+routing of T random tokens: the memory-bound limit (the active experts' packed bytes over a
+memcpy measured in the same run) and GFLOP/s against torch's bf16 GEMM peak measured in the same
+run. Writes ``experts.json`` and ``experts.png`` to ``--out``, and its page
+(docs/benchmarks/experts.md) and rows of the index to ``--docs``. Legend: T tokens, D latent, K
+experts per token, I intermediate.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.experts import get_backend
+from moe_runtime.experts import TorchExperts, crossover, get_backend, mxfp4_cpu
 from moe_runtime.layer import down_project
 from moe_runtime.router import route
 from moe_runtime.units import dtype_name
@@ -152,6 +159,93 @@ def bench_one(cfg: LatentMoEConfig, w, ex: ExpertWeights, fmt: str, T: int, dtyp
     }
 
 
+PACKED_MODES = {"before": {mxfp4_cpu.ISA_ENV: "avx2", mxfp4_cpu.BATCHED_ENV: "0"}, "after": {}}
+PEAK_SHAPE = (2048, 3584, 6144)  # the bf16 GEMM peak: a K3 expert's gate|up over 2048 rows
+
+
+def set_mode(mode: str) -> None:
+    for key in (mxfp4_cpu.ISA_ENV, mxfp4_cpu.BATCHED_ENV):
+        os.environ.pop(key, None)
+    os.environ.update(PACKED_MODES[mode])
+
+
+def bench_packed(ckpt: Path, tokens: list[int], reps: int) -> dict:
+    """The packed CPU experts stage of ``ckpt``'s first MoE layer, before and after (module doc)."""
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    layer = cfg.moe_layers[0]
+    memcpy = harness.memcpy_gbps()
+    w = load_layer_weights(ckpt, cfg, layer, dtype=torch.bfloat16)
+    ex, act, backend = w.experts, GatedActivation.from_config(cfg), TorchExperts()
+    set_mode("after")
+    backend.prepare(ex)  # the crossover, measured as at load
+    per_expert = sum(t[0].numel() for t in (ex.w13, ex.w2, ex.w13_scale, ex.w2_scale))
+    m, k, n = PEAK_SHAPE
+    x, wt = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    peak = 2 * m * k * n / min(harness.time_calls(lambda: x @ wt.t(), 3).seconds) / 1e9
+    rows = []
+    with torch.inference_mode():
+        for T in tokens:
+            x_TH = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
+            h_TD = down_project(x_TH, w)
+            ids, weights = route(x_TH, w.gate_EH, w.bias_E, cfg)
+            load0 = harness.loadavg()
+            times: dict[str, list[float]] = {mode: [] for mode in PACKED_MODES}
+            outs = {}
+            for _ in range(reps):
+                for mode in PACKED_MODES:
+                    set_mode(mode)
+                    start = time.perf_counter()
+                    outs[mode] = backend(h_TD, ids, weights, ex, act)
+                    times[mode].append(time.perf_counter() - start)
+            set_mode("after")
+            active = int(torch.unique(ids).numel())
+            floor_s = active * per_expert / 1e9 / memcpy
+            D, I, K = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token
+            flops = 6 * T * K * D * I
+            diff = (outs["after"] - outs["before"]).abs().max() / outs["before"].abs().max()
+            row = {"T": T, "active_experts": active, "must_read_bytes": active * per_expert,
+                   "floor_ms": floor_s * 1e3, "loadavg": [load0[0], harness.loadavg()[0]],
+                   "after_vs_before": diff.item()}
+            for mode, t in times.items():
+                med = statistics.median(t)
+                row[mode] = {"ms": med * 1e3, "all_ms": [1e3 * v for v in t],
+                             "memory_bound_fraction": floor_s / med, "gflops": flops / med / 1e9,
+                             "peak_fraction": flops / med / 1e9 / peak}
+            rows.append(row)
+            b, a = row["before"], row["after"]
+            print(f"packed T={T}: before {b['ms']:.1f} ms ({b['memory_bound_fraction']:.2f} of the limit), "
+                  f"after {a['ms']:.1f} ms ({a['memory_bound_fraction']:.2f})", flush=True)
+    return {"checkpoint": ckpt.name, "layer": layer, "memcpy_gbps": memcpy, "bf16_peak_gflops": peak,
+            "gemm_engine": crossover.gemm_engine(), "isa": mxfp4_cpu.isa(), "reps": reps,
+            "experts_path": backend.path(ex)[1], "rows": rows}
+
+
+def packed_table(packed: dict) -> list[str]:
+    lines = [
+        f"**Packed MXFP4 experts on CPU, before and after issue 48** (`{packed['checkpoint']}`, layer "
+        f"{packed['layer']}, bf16): the routed-experts stage alone on the layer's routing of T random "
+        f"tokens, *before* (the AVX2 fused kernel for every expert) and *after* (the {packed['isa']} build, "
+        f"the batched path from the measured crossover) in turns, medians of {packed['reps']}. Memory-bound "
+        f"limit: the active experts' packed bytes over memcpy {packed['memcpy_gbps']:.2f} GB/s (same run). "
+        f"bf16 GEMM peak "
+        f"{packed['bf16_peak_gflops']:.0f} GFLOP/s (torch, [{PEAK_SHAPE[0]}, {PEAK_SHAPE[1]}] x "
+        f"[{PEAK_SHAPE[1]}, {PEAK_SHAPE[2]}], {packed['gemm_engine']}). Path: {packed['experts_path']}.", "",
+        "| T | active | must read GB | memory-bound ms | before ms | after ms | before % of limit "
+        "| after % of limit | before GFLOP/s | after GFLOP/s | after % of bf16 peak | after vs before "
+        "| load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in packed["rows"]:
+        b, a = r["before"], r["after"]
+        lines.append(
+            f"| {r['T']} | {r['active_experts']} | {r['must_read_bytes'] / 1e9:.3f} | {r['floor_ms']:.1f} "
+            f"| {b['ms']:.1f} | {a['ms']:.1f} | {100 * b['memory_bound_fraction']:.0f} % "
+            f"| {100 * a['memory_bound_fraction']:.0f} % | {b['gflops']:.1f} | {a['gflops']:.1f} "
+            f"| {100 * a['peak_fraction']:.0f} % | {r['after_vs_before']:.1e} "
+            f"| {r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f} |")
+    return lines
+
+
 def describe(r: dict) -> str:
     note = f" (naive timed on {r['naive_tokens_timed']} tokens, scaled)" if r["naive_scaled"] else ""
     return (
@@ -248,6 +342,8 @@ def markdown(results: dict, json_path: str, png_path: str) -> str:
     lines = [section_start(SECTION, "experts", results["argv"], m, details, json_path, png_path), "",
              markdown_table(results["rows"]), ""]
     lines += [f"- {what}: {verdict_text(v)}" for what, v in target_verdicts(results)]
+    if "packed" in results:
+        lines += ["", *packed_table(results["packed"])]
     return "\n".join(lines)
 
 
@@ -295,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--packed-checkpoint", type=Path,
+                    help="an MXFP4 checkpoint: also its packed CPU experts before and after issue 48")
+    ap.add_argument("--packed-tokens", default="1,4,16,64,256,1024")
+    ap.add_argument("--packed-reps", type=int, default=3)
     args = ap.parse_args(argv)
 
     if args.threads:
@@ -341,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
               + (" -- the numbers are disturbed, rerun on an idle machine" if busy > 0.1 else ""))
     results = {"argv": args.argv, "preset": args.preset, "layer": layer, "config": cfg.to_dict(),
                "machine": info, "rows": rows}
+    if args.packed_checkpoint:
+        packed_tokens = [int(t) for t in args.packed_tokens.split(",")]
+        results["packed"] = bench_packed(args.packed_checkpoint, packed_tokens, args.packed_reps)
+        info["loadavg_after"] = harness.loadavg()
     write_results(results, args.out, "experts", plot, markdown, index_rows, args.docs)
     return 0
 

@@ -14,27 +14,35 @@ Per TP size, side by side in one run:
   slowest rank's seconds); each rank's own rate is printed too. Peak RSS per rank
   (anonymous + shared memory, sampled from /proc; page cache of the mapped checkpoint is
   reclaimable and not counted) over the packed bytes it read;
-- **forward** at each ``--tokens`` T: ms (best of ``--reps``) and tokens/s; for T = 1 and
-  16 the memory-bound limit (bytes the forward must read: active experts packed + every dense
-  tensor of the rank, over this machine's memcpy bandwidth measured in the same run) and the
-  fraction reached (target >= 25 %); for T >= 512 the forward's GFLOP/s over the dense GEMM
-  GFLOP/s of the same shapes and dtypes (torch matmul of each of the forward's GEMMs with dense
-  weights, measured in the rank right after its forwards; target >= 50 %); the MXFP4 decode cost
-  of the batch's active experts timed alone, for reference. These targets are set at TP 1;
-  TP > 1 rows print the same fractions per rank and, since the ranks share the memory bus, the
-  group's memory-bound fraction (every rank's bytes over memcpy, over the slowest rank's time).
+- **forward** at each ``--tokens`` T, *before* and *after* issue 48 side by side in the same rank
+  (``BEFORE``: the AVX2 build of the fused kernel at every expert and the bf16 kernel for every
+  dense GEMM, as the release before; *after*: the defaults, AVX-512 where the CPU has it, the
+  batched path and torch's GEMM from their measured crossovers), timed in turns, ``--reps`` each,
+  the median kept (a 2-core machine is shared: one slow call moves a ratio, the median does not).
+  For every T the memory-bound limit (bytes the forward must read: active experts packed + every
+  dense tensor of the rank, over this machine's memcpy bandwidth measured in the same run) and
+  the fraction each path reaches (targets on *after*: >= 0.9 at T = 1, >= 0.8 at T = 16 and 64);
+  GFLOP/s against torch's bf16 GEMM peak measured in the rank (a [2048, 3584] x [3584, 6144]
+  GEMM: AMX where the CPU has it, else AVX512-BF16 or AVX-512/AVX2); for T >= 512 the forward's
+  GFLOP/s over the dense GEMM GFLOP/s of the same shapes and dtypes (torch matmul of each of the
+  forward's GEMMs with dense weights, measured in the rank right after its forwards; target
+  >= 50 %). The two paths' outputs are compared (max |after - before| over max |before|).
+  These targets are set at TP 1; TP > 1 rows print the same fractions per rank and, since the
+  ranks share the memory bus, the group's memory-bound fraction (every rank's bytes over memcpy,
+  over the slowest rank's time).
 
 The TP 2 output is checked against the TP 1 output within bf16 tolerance. Writes JSON + PNG under
 ``--out``, its page (docs/benchmarks/real.md) and its rows of the index (``--docs``; '' for none),
 verdicts computed from the data, with the machine's load average.
 
     python scripts/make_checkpoint.py --preset kimi-k3 --mxfp4 --moe-layers 1 --out /work/ckpt/k3-1layer
-    python -m scripts.bench.real --checkpoint /work/ckpt/k3-1layer --tp 1 2 --tokens 1 16 512
+    python -m scripts.bench.real --checkpoint /work/ckpt/k3-1layer --tp 1
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from collections import Counter
@@ -47,7 +55,7 @@ import torch
 from moe_runtime.checkpoint import load_threads
 from moe_runtime.cli import process_rss
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.experts import DEFAULT_SCRATCH_BYTES
+from moe_runtime.experts import DEFAULT_SCRATCH_BYTES, crossover, mxfp4_cpu
 from moe_runtime.router import route
 from moe_runtime.tp.collectives import Collectives  # the rank's type
 from moe_runtime.tp.local_group import run_local_group
@@ -58,15 +66,31 @@ from . import harness
 from .docs import Target, section_start, target, verdict, verdict_word, write_results
 from .rss import TreeSampler, proc_bytes
 
-SECTION = "# Real-size layer with the fused CPU path (`scripts/bench/real.py`)"
+SECTION = "# Real-size layer on CPU: fused, batched and AVX-512 experts (`scripts/bench/real.py`)"
 NAME = "real"
 LAYER = 1
 GB = 1e9
 READ_CHUNK = 64 * 2**20
 # the targets, judged at TP 1
 LOAD_TARGET = 0.5  # load GB/s / sequential read GB/s
-MEMORY_BOUND_TOKENS, MEMORY_BOUND_TARGET = (1, 16), 0.25  # memory-bound limit / forward time
+MEMORY_BOUND_TARGETS = {1: 0.9, 16: 0.8, 64: 0.8}  # T -> memory-bound limit / forward time (after)
 GEMM_FROM_TOKENS, GEMM_TARGET = 512, 0.5  # forward GFLOP/s / dense GEMM GFLOP/s
+# the environment of each path (the "before" one is the release before issue 48: see the module doc)
+MODES = {"before": {mxfp4_cpu.ISA_ENV: "avx2", mxfp4_cpu.BATCHED_ENV: "0"}, "after": {}}
+PEAK_SHAPE = (2048, 3584, 6144)  # m, k, n of the bf16 GEMM peak: a K3 expert's gate|up, 2048 rows
+
+
+def set_mode(mode: str) -> None:
+    for key in (mxfp4_cpu.ISA_ENV, mxfp4_cpu.BATCHED_ENV):
+        os.environ.pop(key, None)
+    os.environ.update(MODES[mode])
+
+
+def bf16_peak_gflops(reps: int) -> float:
+    """torch's bf16 GEMM GFLOP/s on ``PEAK_SHAPE``, best of ``reps``."""
+    m, k, n = PEAK_SHAPE
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    return 2 * m * k * n / min(harness.time_calls(lambda: x @ w.t(), reps).seconds) / GB
 
 
 def sequential_read(files: list[Path], keep: bool, chunk: int = READ_CHUNK) -> dict[str, float]:
@@ -166,11 +190,11 @@ def _lone_rank(_: Collectives, world: int, *args) -> dict:
 
 
 def _rank(
-    comm: Collectives, ckpt: str, tokens: list[int], reps: int, scratch_bytes: int, decode_sample: int,
-    check_tokens: int,
+    comm: Collectives, ckpt: str, tokens: list[int], reps: int, scratch_bytes: int, check_tokens: int,
 ) -> dict:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     plan = resolve_tail("auto", cfg, comm.world)
+    set_mode("after")  # the load measures the experts' crossover
     runner = build_rank_runners(
         ckpt, cfg, [LAYER], comm, plan, dtype=torch.bfloat16, scratch_bytes=scratch_bytes,
         progress=comm.rank == 0 and sys.stderr.isatty(),
@@ -185,62 +209,71 @@ def _rank(
         "rss_after_load": process_rss(),
         "tail_plan": plan.describe(),
         "experts_path": f"{runner.experts_path} ({runner.experts_path_reason})",
+        "isa": mxfp4_cpu.isa(),
+        "gemm_engine": crossover.gemm_engine(),
         "forward": [],
     }
     parts = runner.resident_bytes_by_part()
     dense_bytes = sum(v for k, v in parts.items() if k != "experts_packed")
     packed_per_expert = parts["experts_packed"] // runner.w.experts.num_experts
-    ex = runner.w.experts
-    per_chunk = max(1, scratch_bytes // ex.decoded_bytes_per_expert())
-    decoded_bytes_per_expert = 3 * ex.intermediate_size * ex.latent_size * 2  # bf16 w13 + w2
     with torch.inference_mode():
+        warm = harness.seeded_randn(tokens[0], cfg.hidden_size, seed=0, dtype=torch.bfloat16)
+        for mode in MODES:  # builds the AVX2 kernel, measures the dense crossovers
+            set_mode(mode)
+            runner.forward(warm)
         for T in tokens:
             x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
             load0 = harness.loadavg()
-            times, out = harness.time_calls(lambda x=x: runner.forward(x), reps, warmup=0)
+            times: dict[str, list[float]] = {mode: [] for mode in MODES}
+            outs = {}
+            for _ in range(reps):  # in turns, so a disturbance slows both paths alike
+                for mode in MODES:
+                    set_mode(mode)
+                    start = time.perf_counter()
+                    outs[mode] = runner.forward(x)
+                    times[mode].append(time.perf_counter() - start)
+            set_mode("after")
             load1 = harness.loadavg()
             ids, _ = route(x, runner.w.gate_EH, runner.w.bias_E, cfg)
-            active = torch.unique(ids)
-            # Decode cost per forward: the batch's active experts decoded alone, in the backend's
-            # chunks; beyond ``decode_sample`` experts the per-expert time is extrapolated.
-            sample = active[:decode_sample]
-            start = time.perf_counter()
-            for first in range(0, len(sample), per_chunk):
-                ex.decode(sample[first : first + per_chunk])
-            decode_s = (time.perf_counter() - start) * len(active) / len(sample)
-            gemms = forward_gemms(cfg, runner, T, len(active))
+            active = len(torch.unique(ids))
+            gemms = forward_gemms(cfg, runner, T, active)
+            before, after = outs["before"].float(), outs["after"].float()
             row = {
                 "T": T,
-                "ms": min(times) * 1e3,
-                "first_ms": times[0] * 1e3,
+                "ms": statistics.median(times["after"]) * 1e3,  # after; before's under "before"
+                "before": {"ms": statistics.median(times["before"]) * 1e3},
+                "all_ms": {mode: [s * 1e3 for s in t] for mode, t in times.items()},
                 "loadavg": [load0[0], load1[0]],
                 # what this forward must read at least: the active experts' packed bytes and every
                 # dense tensor (shared experts, projections, router) once
-                "must_read_bytes": len(active) * packed_per_expert + dense_bytes,
-                "active_experts": len(active),
-                "decode_sampled_experts": len(sample),
-                "decode_ms": decode_s * 1e3,
-                "decode_gbps": len(active) * decoded_bytes_per_expert / decode_s / GB,
+                "must_read_bytes": active * packed_per_expert + dense_bytes,
+                "active_experts": active,
                 "flops": sum(g.flops for g in gemms),
+                "after_vs_before": (after - before).abs().max().item() / before.abs().max().item(),
             }
             if T >= GEMM_FROM_TOKENS:
                 row["dense_gemm_s"], row["dense_gemms"] = dense_gemm_seconds(gemms, reps)
             if T == check_tokens:
-                res["check_out"] = out.float()
+                res["check_out"] = after
             res["forward"].append(row)
+            print(f"  T {T}: before {row['before']['ms']:.1f} ms, after {row['ms']:.1f} ms "
+                  f"(medians of {reps}); after vs before {row['after_vs_before']:.2e}", flush=True)
+        res["bf16_peak_gflops"] = bf16_peak_gflops(reps)
+        res["dense_crossovers"] = {str(list(k[:2])): c.describe("bf16 kernel", "torch")
+                                   for k, c in mxfp4_cpu._DENSE_CROSSOVERS.items()}
     return res
 
 
 def run_tp(
-    ckpt: str, files: list[Path], P: int, tokens: list[int], reps: int, scratch_bytes: int,
-    decode_sample: int, lone: bool, check_tokens: int,
+    ckpt: str, files: list[Path], P: int, tokens: list[int], reps: int, scratch_bytes: int, lone: bool,
+    check_tokens: int,
 ) -> dict:
     # this TP size's loads are compared with them (see the module doc)
     seq = sequential_read(files, keep=True)
     cached = max((sequential_read(files, keep=False) for _ in range(2)), key=lambda r: r["gbps"])
     print(f"TP {P}: sequential read of {seq['bytes'] / GB:.2f} GB kept at {seq['gbps']:.2f} GB/s, "
           f"into a reused buffer at {cached['gbps']:.2f} GB/s; loading and running ...", flush=True)
-    args = (ckpt, tokens, reps, scratch_bytes, decode_sample, check_tokens)
+    args = (ckpt, tokens, reps, scratch_bytes, check_tokens)
     # anon + shmem of every process (PSS is not read: smaps_rollup of a 16 GB rank is slow)
     with TreeSampler(os.getpid(), 0.1, pss=False) as sampler:
         start = time.perf_counter()
@@ -264,22 +297,26 @@ def run_tp(
 
 
 def forward_verdicts(results: dict[str, Any]) -> None:
-    """Per forward row: the memory-bound limit and, at T >= 512, the dense GEMM comparison, each
-    with its target's verdict where one is set (TP 1); at TP > 1 the group's memory-bound
-    fraction next to each rank's."""
+    """Per forward row, for *after* (its top-level fields) and *before* (under ``before``): the
+    memory-bound fraction and GFLOP/s (after's share of the rank's bf16 GEMM peak too); at T >= 512
+    the dense GEMM comparison; each target's verdict on *after* where one is set (TP 1); at TP > 1
+    the group's memory-bound fraction next to each rank's."""
     for run in results["runs"]:
         for r in run["ranks"]:
             for f in r["forward"]:
                 f["memory_bound_ms"] = f["must_read_bytes"] / GB / results["memcpy_gbps"] * 1e3
-                f["memory_bound_fraction"] = f["memory_bound_ms"] / f["ms"]
-                f["gflops"] = f["flops"] / GB / (f["ms"] / 1e3)
+                for path in (f, f["before"]):
+                    path["memory_bound_fraction"] = f["memory_bound_ms"] / path["ms"]
+                    path["gflops"] = f["flops"] / GB / (path["ms"] / 1e3)
+                f["peak_fraction"] = f["gflops"] / r["bf16_peak_gflops"]
                 if "dense_gemm_s" in f:
                     f["dense_gemm_gflops"] = f["flops"] / GB / f["dense_gemm_s"]
                     f["gemm_fraction"] = f["gflops"] / f["dense_gemm_gflops"]
                 if run["P"] > 1:
                     continue
-                if f["T"] in MEMORY_BOUND_TOKENS:
-                    f["verdict"] = verdict(f["memory_bound_fraction"], ">=", MEMORY_BOUND_TARGET)
+                if f["T"] in MEMORY_BOUND_TARGETS:
+                    goal = MEMORY_BOUND_TARGETS[f["T"]]
+                    f["verdict"] = verdict(f["memory_bound_fraction"], ">=", goal)
                 elif f["T"] >= GEMM_FROM_TOKENS:
                     f["verdict"] = verdict(f.get("gemm_fraction"), ">=", GEMM_TARGET)
         if run["P"] > 1 and not run["lone_rank"]:
@@ -315,15 +352,14 @@ def compare_with_tp1(runs: list[dict], check_tokens: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = harness.bench_parser(__doc__, NAME)
     ap.add_argument("--checkpoint", type=Path, required=True)
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 512])
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    ap.add_argument("--reps", type=int, default=3, help="forwards per path and T (the median is kept)")
     ap.add_argument(
         "--lone-rank", action="store_true",
         help="run only rank 0 of each TP size (identity collectives): per-rank memory and compute "
         "when the machine cannot hold every rank",
     )
-    ap.add_argument("--decode-sample", type=int, default=8, help="experts decoded to time decoding")
     ap.add_argument("--scratch-mb", type=float, default=DEFAULT_SCRATCH_BYTES / 2**20)
     args = ap.parse_args(argv)
     ckpt = str(args.checkpoint)
@@ -343,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"memcpy: {memcpy:.2f} GB/s", flush=True)
     runs = []
     for P in args.tp:
-        run = run_tp(ckpt, files, P, args.tokens, args.reps, scratch, args.decode_sample, args.lone_rank,
-                     check_tokens)
+        run = run_tp(ckpt, files, P, args.tokens, args.reps, scratch, args.lone_rank, check_tokens)
         runs.append(run)
         for rank, r in enumerate(run["ranks"]):
             print(f"  rank {rank}: load {r['load_s']:.2f} s, read {r['bytes_read'] / GB:.2f} GB at "
@@ -361,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "memcpy_gbps": memcpy,
         "runs": runs,
         "tp_vs_tp1": compare_with_tp1(runs, check_tokens),
+        "reps": args.reps,
     }
     forward_verdicts(results)
     write_results(results, args.out, NAME, plot, markdown, index_rows, args.docs)
@@ -391,7 +427,7 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
     for run in results["runs"]:
         for f in run["ranks"][0]["forward"]:
             if f.get("verdict") is not None:
-                what = "memory-bound limit / forward" if f["T"] in MEMORY_BOUND_TOKENS else \
+                what = "memory-bound limit / forward" if f["T"] in MEMORY_BOUND_TARGETS else \
                     "forward GFLOP/s / dense GEMM's"
                 rows.append(target(f"{what}, TP {run['P']}, T = {f['T']}", f["verdict"]))
     return rows
@@ -418,7 +454,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "| group ÷ kept | group ÷ reused | verdict | reader threads | peak RSS GB | ÷ packed |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    load_verdicts, fwd_verdicts = [], {"memory": [], "gemm": []}
+    load_verdicts = []
     for run in results["runs"]:
         seq, cached = run["sequential_read"]["gbps"], run["sequential_read_reused"]["gbps"]
         v = run["load_verdict"]
@@ -429,41 +465,53 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                 f"{r['bytes_read'] / GB:.3f} | {r['load_gbps']:.2f} | {run['group_load_gbps']:.2f} | "
                 f"{_pct(v['value'])} | {_pct(run['group_load_gbps'] / cached)} | {verdict_word(v['met'])} | "
                 f"{r['load_threads']} | {r['peak_rss'] / GB:.2f} | {r['peak_rss_over_packed']:.3f} |")
+    peak = first["bf16_peak_gflops"]
     lines += [
-        "", f"**Forward**: best of the reps. T in {list(MEMORY_BOUND_TOKENS)}: the memory-bound "
-        f"limit (bytes the forward must read: active experts packed + every dense tensor of the rank, over "
-        f"the memcpy above), target >= {_pct(MEMORY_BOUND_TARGET)}; T >= {GEMM_FROM_TOKENS}: the forward's "
-        f"GFLOP/s over torch's dense GEMM GFLOP/s on the same shapes and dtypes (measured in the rank "
-        f"after its forwards), target >= {_pct(GEMM_TARGET)}. These targets are set at TP 1; TP > 1 "
-        "rows show the same fractions and, as the ranks share the memory bus, the group's (every "
-        "rank's bytes over memcpy, over the slowest rank's time). Decode: the active experts' MXFP4 "
-        "decode timed alone (what the fallback path would add).", "",
-        "| TP | rank | T | fwd ms | first ms | tok/s | active | must read GB | memory-bound ms | % of limit "
-        "| group % of limit | GFLOP/s | dense GEMM GFLOP/s | % of GEMM | verdict | decode ms | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "", "**Forward**, *before* and *after* issue 48 in the same rank, in turns, the median of "
+        f"{results['reps']} each. *Before*: the AVX2 build of the fused MXFP4 kernel for every expert "
+        "and the bf16 kernel for every dense GEMM (the release before). *After*: the "
+        f"{first['isa']} build, the batched path (decoded tiles x torch's GEMM) for experts from the "
+        "crossover measured at load, torch's GEMM for dense parts from theirs. Memory-bound limit: "
+        "the bytes the forward must read (active experts packed + every dense tensor of the rank) "
+        f"over the memcpy above. Targets on *after*: "
+        + ", ".join(f"T = {t} >= {_pct(v)}" for t, v in MEMORY_BOUND_TARGETS.items())
+        + f" of the limit; T >= {GEMM_FROM_TOKENS}: the forward's GFLOP/s over torch's dense GEMM "
+        f"GFLOP/s on the same shapes and dtypes (measured in the rank after its forwards) >= "
+        f"{_pct(GEMM_TARGET)}. bf16 GEMM peak: {peak:.0f} GFLOP/s, torch's "
+        f"[{PEAK_SHAPE[0]}, {PEAK_SHAPE[1]}] x [{PEAK_SHAPE[1]}, {PEAK_SHAPE[2]}] bf16 GEMM in the rank "
+        f"({first['gemm_engine']}). TP > 1 rows also show the group's fraction (every rank's bytes "
+        "over memcpy, over the slowest rank's time).", "",
+        "| TP | rank | T | active | must read GB | memory-bound ms | before ms | after ms | after / before "
+        "| before % of limit | after % of limit | group % of limit | before GFLOP/s | after GFLOP/s "
+        "| after % of bf16 peak | % of GEMM | after vs before | verdict | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    verdicts = []
     for run in results["runs"]:
         for rank, r in enumerate(run["ranks"]):
             for f in r["forward"]:
                 v = f.get("verdict")
                 if v is not None:
-                    kind = "memory" if f["T"] in MEMORY_BOUND_TOKENS else "gemm"
-                    fwd_verdicts[kind].append((f"TP {run['P']} rank {rank} T {f['T']}", v))
-                dense = f.get("dense_gemm_gflops")
-                lines.append(
-                    f"| {run['P']} | {rank} | {f['T']} | {f['ms']:.1f} | {f['first_ms']:.1f} | "
-                    f"{f['T'] / f['ms'] * 1e3:.1f} | {f['active_experts']} | "
-                    f"{f['must_read_bytes'] / GB:.3f} | "
-                    f"{f['memory_bound_ms']:.1f} | {_pct(f['memory_bound_fraction'])} | "
-                    f"{_pct(f.get('group_memory_bound_fraction'))} | {f['gflops']:.1f} | "
-                    f"{'' if dense is None else f'{dense:.1f}'} | {_pct(f.get('gemm_fraction'))} | "
-                    f"{'' if v is None else verdict_word(v['met'])} | {f['decode_ms']:.0f} | "
-                    f"{f['loadavg'][0]:.1f}-{f['loadavg'][1]:.1f} |")
+                    verdicts.append((f"TP {run['P']} T = {f['T']}", v))
+                b = f["before"]
+                cells = [
+                    run["P"], rank, f["T"], f["active_experts"], f"{f['must_read_bytes'] / GB:.3f}",
+                    f"{f['memory_bound_ms']:.1f}", f"{b['ms']:.1f}", f"{f['ms']:.1f}",
+                    f"{f['ms'] / b['ms']:.2f}",
+                    _pct(b["memory_bound_fraction"]), _pct(f["memory_bound_fraction"]),
+                    _pct(f.get("group_memory_bound_fraction")), f"{b['gflops']:.1f}", f"{f['gflops']:.1f}",
+                    _pct(f["peak_fraction"]), _pct(f.get("gemm_fraction")), f"{f['after_vs_before']:.1e}",
+                    "" if v is None else verdict_word(v["met"]),
+                    f"{f['loadavg'][0]:.1f}-{f['loadavg'][1]:.1f}",
+                ]
+                lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "Verdicts: " + "; ".join([
         _summary("load vs kept sequential read (group)", load_verdicts),
-        _summary(f"TP 1 memory-bound fraction at T in {list(MEMORY_BOUND_TOKENS)}", fwd_verdicts["memory"]),
-        _summary(f"TP 1 dense GEMM fraction at T >= {GEMM_FROM_TOKENS}", fwd_verdicts["gemm"]),
-    ]) + "."]
+        *(f"{where}: {_pct(v['value'])} ({v['target'].split()[0]} {_pct(float(v['target'].split()[1]))}) "
+          f"{verdict_word(v['met'])}" for where, v in verdicts),
+    ]) + ".",
+        "Crossovers measured in rank 0: experts " + first["experts_path"] + "; dense GEMMs "
+        + "; ".join(f"{shape}: {c}" for shape, c in first["dense_crossovers"].items()) + "."]
     for c in results["tp_vs_tp1"]:
         lines.append(f"TP {c['P']} vs TP 1 at T = {c['T']}: max abs error {c['max_abs_err_vs_tp1']:.4f} "
                      f"(output max {c['ref_abs_max']:.2f}): {'within' if c['ok'] else '**outside**'} the "
@@ -480,7 +528,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for run in results["runs"]:
         fw = run["ranks"][0]["forward"]
         Ts = [f["T"] for f in fw]
-        a.plot(Ts, [f["ms"] for f in fw], "o-", label=f"TP {run['P']} forward (rank 0)")
+        a.plot(Ts, [f["before"]["ms"] for f in fw], "s--", label=f"TP {run['P']} forward before (rank 0)")
+        a.plot(Ts, [f["ms"] for f in fw], "o-", label=f"TP {run['P']} forward after (rank 0)")
         a.plot(Ts, [f["memory_bound_ms"] for f in fw], "x:", label=f"TP {run['P']} memory-bound limit")
         labels.append(f"TP {run['P']}")
         load.append(run["group_load_gbps"])

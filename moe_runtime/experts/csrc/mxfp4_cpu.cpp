@@ -58,9 +58,21 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The vector operations the token loop needs, per width: 8 fp32 lanes (AVX2, 16 registers) or
+// 16 (AVX-512, 32 registers).
+struct Vec8 {
+  using T = __m256;
+  static constexpr int lanes = 8, registers = 16;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static float sum(T v) { return hsum(v); }
+};
+
 // The 32 weights of block b of one row as four 8-lane fp32 vectors, in the order x is laid out.
 struct Mxfp4Row {  // x in nibble order (see the header)
-  static constexpr int lanes = 8;
+  using V = Vec8;
   const uint8_t* p;
   const uint8_t* s;
   __m128i lut;
@@ -70,7 +82,7 @@ struct Mxfp4Row {  // x in nibble order (see the header)
 };
 
 struct Bf16Row {  // x in natural order; bf16 -> fp32 is exact (the bits shifted up by 16)
-  static constexpr int lanes = 8;
+  using V = Vec8;
   const uint16_t* w;
   inline void operator()(int64_t b, __m256 out[4]) const {
     const uint16_t* q = w + b * BLOCK;
@@ -81,39 +93,24 @@ struct Bf16Row {  // x in natural order; bf16 -> fp32 is exact (the bits shifted
   }
 };
 
-// TB tokens of one row over blocks [b0, b1), added to out[t * ldo]; NA independent accumulators
-// per token (more when TB is small, so the FMA latency chain does not bound a GEMV).
-template <int TB, int NA, class Row>
-inline void row_tokens(const Row& row, const float* x, int64_t ldx, int64_t b0, int64_t b1, float* out,
-                       int64_t ldo) {
-  __m256 acc[TB][NA];
-  for (int t = 0; t < TB; ++t)
-    for (int a = 0; a < NA; ++a) acc[t][a] = _mm256_setzero_ps();
-  for (int64_t b = b0; b < b1; ++b) {
-    __m256 w[4];
-    row(b, w);
-    const float* xb = x + b * BLOCK;
-    for (int t = 0; t < TB; ++t) {
-      const float* xt = xb + t * ldx;
-      for (int v = 0; v < 4; ++v)
-        acc[t][v % NA] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xt + 8 * v), acc[t][v % NA]);
-    }
-  }
-  for (int t = 0; t < TB; ++t) {
-    __m256 s = acc[t][0];
-    for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[t][a]);
-    out[t * ldo] += hsum(s);
-  }
-}
-
 #if defined(__AVX512F__)
 // The 16-lane variants (AVX-512F: twice the lanes and 32 registers). A block of MXFP4 weights
 // decodes through a 16-entry fp32 lookup of 2 * value, scaled once per block by 2**(s-128)
 // (exact, as above): two permutes give its 16 even and its 16 odd weights.
 inline __m512 lut16_x2() { return _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12); }
 
+struct Vec16 {
+  using T = __m512;
+  static constexpr int lanes = 16, registers = 32;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+};
+
 struct Mxfp4Row16 {  // x in nibble order
-  static constexpr int lanes = 16;
+  using V = Vec16;
   const uint8_t* p;
   const uint8_t* s;
   inline void operator()(int64_t b, __m512 w[2]) const {
@@ -126,7 +123,7 @@ struct Mxfp4Row16 {  // x in nibble order
 };
 
 struct Bf16Row16 {  // x in natural order
-  static constexpr int lanes = 16;
+  using V = Vec16;
   const uint16_t* w;
   inline void operator()(int64_t b, __m512 out[2]) const {
     const uint16_t* q = w + b * BLOCK;
@@ -136,82 +133,67 @@ struct Bf16Row16 {  // x in natural order
     }
   }
 };
+#endif
 
-// TB tokens of one row over blocks [b0, b1); with NA == 4 two blocks in flight per token (their
-// own accumulators), so one or two tokens are not bound by the FMA latency chain.
-template <int TB, int NA, class Row>
-inline void row_tokens16(const Row& row, const float* x, int64_t ldx, int64_t b0, int64_t b1, float* out,
-                         int64_t ldo) {
-  __m512 acc[TB][NA];
+// Accumulators per token for TB tokens: 4 (more independent FMA chains, so few tokens are not
+// bound by the FMA latency) while they and a block's weight vectors fit 3/4 of the registers.
+template <class V>
+constexpr int accumulators(int TB) {
+  return TB * 4 + BLOCK / V::lanes <= 3 * V::registers / 4 ? 4 : 2;
+}
+
+// TB tokens of one row over blocks [b0, b1), added to out[t * ldo]. A block gives BLOCK / lanes
+// weight vectors; with more accumulators than that, consecutive blocks use their own sets.
+template <int TB, class Row>
+inline void row_tokens(const Row& row, const float* x, int64_t ldx, int64_t b0, int64_t b1, float* out,
+                       int64_t ldo) {
+  using V = typename Row::V;
+  constexpr int per = BLOCK / V::lanes, NA = accumulators<V>(TB), sets = NA > per ? NA / per : 1;
+  typename V::T acc[TB][NA];
   for (int t = 0; t < TB; ++t)
-    for (int a = 0; a < NA; ++a) acc[t][a] = _mm512_setzero_ps();
-  auto step = [&](int64_t b, int a) {
-    __m512 w[2];
+    for (int a = 0; a < NA; ++a) acc[t][a] = V::zero();
+  auto step = [&](int64_t b, int set) {
+    typename V::T w[per];
     row(b, w);
     const float* xb = x + b * BLOCK;
-    for (int t = 0; t < TB; ++t) {
-      acc[t][a] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb + t * ldx), acc[t][a]);
-      acc[t][a + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + t * ldx + 16), acc[t][a + 1]);
-    }
+    for (int t = 0; t < TB; ++t)
+      for (int v = 0; v < per; ++v) {
+        const int a = (set * per + v) % NA;
+        acc[t][a] = V::fma(w[v], V::load(xb + t * ldx + V::lanes * v), acc[t][a]);
+      }
   };
   int64_t b = b0;
-  if constexpr (NA == 4)
-    for (; b + 2 <= b1; b += 2) {
-      step(b, 0);
-      step(b + 1, 2);
-    }
+  for (; b + sets <= b1; b += sets)
+    for (int s = 0; s < sets; ++s) step(b + s, s);
   for (; b < b1; ++b) step(b, 0);
   for (int t = 0; t < TB; ++t) {
-    __m512 s = acc[t][0];
-    for (int a = 1; a < NA; ++a) s = _mm512_add_ps(s, acc[t][a]);
-    out[t * ldo] += _mm512_reduce_add_ps(s);
+    typename V::T s = acc[t][0];
+    for (int a = 1; a < NA; ++a) s = V::add(s, acc[t][a]);
+    out[t * ldo] += V::sum(s);
   }
 }
-#endif
 
-#if defined(__AVX512F__)
-template <class Row>
-inline void one_row16(const Row& row, const float* x, int64_t T, int64_t K, int64_t b0, int64_t b1, float* out,
-                      int64_t ldo) {
-  // 8 tokens x 2 accumulators + 2 weight vectors + constants fit AVX-512's 32 registers
-  int64_t t = 0;
-  for (; t + 8 <= T; t += 8) row_tokens16<8, 2>(row, x + t * K, K, b0, b1, out + t * ldo, ldo);
-  const float* xt = x + t * K;
-  float* ot = out + t * ldo;
-  switch (T - t) {
-    case 7: row_tokens16<7, 2>(row, xt, K, b0, b1, ot, ldo); break;
-    case 6: row_tokens16<6, 2>(row, xt, K, b0, b1, ot, ldo); break;
-    case 5: row_tokens16<5, 2>(row, xt, K, b0, b1, ot, ldo); break;
-    case 4: row_tokens16<4, 2>(row, xt, K, b0, b1, ot, ldo); break;
-    case 3: row_tokens16<3, 4>(row, xt, K, b0, b1, ot, ldo); break;
-    case 2: row_tokens16<2, 4>(row, xt, K, b0, b1, ot, ldo); break;
-    case 1: row_tokens16<1, 4>(row, xt, K, b0, b1, ot, ldo); break;
-    default: break;
+// The last TB or fewer tokens (a compile-time count each).
+template <int TB, class Row>
+inline void tail_tokens(const Row& row, int64_t left, const float* x, int64_t K, int64_t b0, int64_t b1,
+                        float* out, int64_t ldo) {
+  if constexpr (TB > 0) {
+    if (left == TB)
+      row_tokens<TB>(row, x, K, b0, b1, out, ldo);
+    else
+      tail_tokens<TB - 1>(row, left, x, K, b0, b1, out, ldo);
   }
 }
-#endif
 
 template <class Row>
 inline void one_row(const Row& row, const float* x, int64_t T, int64_t K, int64_t b0, int64_t b1, float* out,
                     int64_t ldo) {
-#if defined(__AVX512F__)
-  if constexpr (Row::lanes == 16) {
-    one_row16(row, x, T, K, b0, b1, out, ldo);
-  } else
-#endif
-  {
-    // 4 tokens x 2 accumulators + 4 weight vectors + constants fit AVX2's 16 registers (6 spill)
-    int64_t t = 0;
-    for (; t + 4 <= T; t += 4) row_tokens<4, 2>(row, x + t * K, K, b0, b1, out + t * ldo, ldo);
-    const float* xt = x + t * K;
-    float* ot = out + t * ldo;
-    switch (T - t) {
-      case 3: row_tokens<3, 2>(row, xt, K, b0, b1, ot, ldo); break;
-      case 2: row_tokens<2, 4>(row, xt, K, b0, b1, ot, ldo); break;
-      case 1: row_tokens<1, 4>(row, xt, K, b0, b1, ot, ldo); break;
-      default: break;
-    }
-  }
+  // tokens per pass, 2 accumulators each: with the weight vectors 12 of AVX2's 16 registers (6
+  // tokens spilled), 18 of AVX-512's 32
+  constexpr int G = Row::V::lanes == 16 ? 8 : 4;
+  int64_t t = 0;
+  for (; t + G <= T; t += G) row_tokens<G>(row, x + t * K, K, b0, b1, out + t * ldo, ldo);
+  tail_tokens<G - 1>(row, T - t, x + t * K, K, b0, b1, out + t * ldo, ldo);
 }
 
 constexpr int64_t ROW_TILE = 8;
