@@ -31,7 +31,7 @@ from deployments.app import build_app
 from deployments.client import MoEClient
 from deployments.cluster.local import leave_ray
 from deployments.cluster.observe import tp_group_placement
-from deployments.control.autoscaling import QUEUED_TOKENS, TOKENS_PER_S
+from deployments.control.autoscaling import OPEN_SESSIONS, QUEUED_TOKENS, TOKENS_PER_S
 from deployments.control.launcher import MI300X_RESOURCE
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.config import LatentMoEConfig
@@ -152,8 +152,8 @@ def test_one_replica_one_gpu_node(sim):
     check_forward(sim)
     # What the token-aware policy is fed: nothing queued now, the forward's tokens in the rate.
     stats = sim.client.handle.record_autoscaling_stats.remote().result(timeout_s=30)
-    assert set(stats) == {QUEUED_TOKENS, TOKENS_PER_S}
-    assert stats[QUEUED_TOKENS] == 0 and stats[TOKENS_PER_S] > 0
+    assert set(stats) == {QUEUED_TOKENS, TOKENS_PER_S, OPEN_SESSIONS}
+    assert stats[QUEUED_TOKENS] == 0 and stats[TOKENS_PER_S] > 0 and stats[OPEN_SESSIONS] == 0
 
 
 def test_load_scales_up_across_nodes_and_quiet_scales_down(sim):

@@ -652,6 +652,7 @@ class GroupHost:
         if self.world == 1 or self.failed is not None or not self.linked.is_set() \
                 or time.monotonic() < self._beat_at:
             return
+        rank = 0
         try:
             self._collect_done()
             for rank in range(1, self.world):
@@ -664,13 +665,13 @@ class GroupHost:
                 finally:
                     link.settimeout(self.call_s)
                 if pong.kind is not Kind.PONG:
-                    raise RuntimeError(f"rank {rank} answered a heartbeat with a {pong.kind.name} message")
-        except TimeoutError as e:
-            self._fail_group(Failure.GROUP_TIMEOUT, f"a rank did not answer rank 0's heartbeat within "
-                             f"{self.call_s - self.heartbeat_s:.0f} s ({e})")
+                    raise RuntimeError(f"it answered a heartbeat with a {pong.kind.name} message")
+        except TimeoutError:
+            self._fail_group(Failure.GROUP_TIMEOUT, f"rank {rank} did not answer rank 0's heartbeat within "
+                             f"{self.call_s - self.heartbeat_s:.0f} s: it is stalled")
             return
         except (frames.ConnectionLost, OSError, RuntimeError) as e:
-            self._fail_group(Failure.GROUP_FAILED, f"a rank is gone: its link to rank 0 broke ({e})")
+            self._fail_group(Failure.GROUP_FAILED, f"rank {rank} is gone: its link to rank 0 broke ({e})")
             return
         self._beat_at = time.monotonic() + self.heartbeat_s
 

@@ -83,15 +83,22 @@ class TPGroup:
 
         def deliver(event: dict[str, Any]) -> None:
             if event["event"] == "failed":
-                self._break(f"{event['failure']}: {event['reason']}")
+                self._break(f"{event.get('cause', '')}{event['failure']}: {event['reason']}")
             elif event["event"] == "closed":
                 if not self.workers:  # shutting down: not a failure
                     return
-                self._break(f"rank 0's data plane closed the replica's watch connection ({event['reason']})")
+                self._break(f"{event.get('cause', '')}rank 0's data plane closed the replica's watch "
+                            f"connection ({event['reason']})")
             on_event(event)
 
-        self.watcher = Watcher(self.address, self.group_secret, self.bounds.startup_s,
-                               lambda e: loop.call_soon_threadsafe(deliver, e))
+        def hand_over(event: dict[str, Any]) -> None:  # on the watcher's thread: it may block
+            if event["event"] in ("failed", "closed") and self.workers:
+                dead = dead_actors(self.workers)  # the cause, where a rank died: rank 0 saw its effect
+                if dead:
+                    event["cause"] = f"rank {dead[0]} died ({'; '.join(f'rank {r}' for r in dead)} dead): "
+            loop.call_soon_threadsafe(deliver, event)
+
+        self.watcher = Watcher(self.address, self.group_secret, self.bounds.startup_s, hand_over)
 
     @classmethod
     def start(cls, resolved: ResolvedDeployment, accelerator: Accelerator, replica: str) -> TPGroup:
