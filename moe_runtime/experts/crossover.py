@@ -64,11 +64,11 @@ def _seconds(fn: Callable[[int], object], rows: int) -> float:
 
 
 def measure(first: Callable[[int], object], second: Callable[[int], object],
-            counts: tuple[int, ...] = COUNTS, stop_after: int = 3) -> Crossover:
+            counts: tuple[int, ...] = COUNTS) -> Crossover:
     """Time ``first(rows)`` and ``second(rows)`` (each called once untimed, then in turns as
-    ``REPS`` .. ``MAX_REPS`` say) at each count; stop once the second has won ``stop_after``
-    counts in a row."""
-    timings, wins = [], 0
+    ``REPS`` .. ``MAX_REPS`` say) at every count: a win of the second path at some count stands
+    only if it wins at every larger one too (one disturbed timing cannot move the choice down)."""
+    timings = []
     for rows in counts:
         first(rows), second(rows)  # warm-up: page faults, oneDNN's kernel generation
         a, b, spent, calls = float("inf"), float("inf"), 0.0, 0
@@ -76,9 +76,6 @@ def measure(first: Callable[[int], object], second: Callable[[int], object],
             ta, tb = _seconds(first, rows), _seconds(second, rows)
             a, b, spent, calls = min(a, ta), min(b, tb), spent + ta + tb, calls + 1
         timings.append((rows, a, b))
-        wins = wins + 1 if a > MARGIN * b else 0
-        if wins >= stop_after:
-            break
     rows = None
     for m, a, b in reversed(timings):
         if a <= MARGIN * b:
