@@ -44,7 +44,7 @@ from ..dataplane import frames
 from ..dataplane.errors import Action, Failure, SessionError
 from ..dataplane.frames import Kind, Role, new_secret
 from ..dataplane.peer import GroupEndpoint, SessionPeer, SessionTicket
-from .worker import TPWorker
+from .worker import CONCURRENCY_GROUPS, TPWorker
 
 # The replica's own session takes any batch it sends (it checked the batch against its live spec).
 OWN_SESSION_TOKENS = 2**31 - 1
@@ -112,7 +112,7 @@ class TPGroup:
                 f"deployment {spec.name!r} must run in a placement group of 1 + {spec.tp_size} bundles "
                 "(placement_group_bundles in its options, see deployments.control.serve_options)"
             )
-        actor_cls = ray.remote(TPWorker)
+        actor_cls = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(TPWorker)
         resources = worker_resources(spec, accelerator.layout)
         workers, names = [], []
         for rank in range(spec.tp_size):

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
     from ..dataplane.host import GroupHost, RankLink
 
+# Reads of a rank's data-plane state run on threads of their own (a Ray concurrency group): a
+# health check or a status read never queues behind another call to the rank, nor blocks one.
+OBSERVE = "observe"
+CONCURRENCY_GROUPS = {OBSERVE: 2}
+
 # Visibility variables Ray sets per actor (unless told not to): ROCm first, then CUDA.
 _VISIBILITY_VARS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
@@ -192,16 +197,19 @@ class TPWorker:
         """Rank 0: end session ``number`` (its peers are told ``reason``); its last state."""
         return self.host.close(number, reason, self.resolved.spec.bounds.close_s)
 
+    @ray.method(concurrency_group=OBSERVE)
     def sessions_snapshot(self) -> dict[str, Any]:
         """Rank 0: every open session's state and the group's counters, exact at this moment."""
         return self.host.snapshot(self.resolved.spec.bounds.call_s)
 
+    @ray.method(concurrency_group=OBSERVE)
     def dataplane_failed(self) -> str | None:
         """Why this rank's data plane broke (a forward failed, rank 0's link closed, a heartbeat
         went unanswered), if it did."""
         parts = (self.host, self.link)
         return next((part.failed for part in parts if part is not None and part.failed), None)
 
+    @ray.method(concurrency_group=OBSERVE)
     def dataplane_health(self) -> dict[str, Any]:
         """This rank's data-plane health (the replica's health check: no collective, so it never
         waits on sessions): ``failed`` and, on rank 0, how long the forward under way has run."""
@@ -209,6 +217,7 @@ class TPWorker:
         failed = health["failed"] or self.dataplane_failed() or self.reported
         return {**health, "rank": self.rank, "failed": failed}
 
+    @ray.method(concurrency_group=OBSERVE)
     def dataplane_report(self, reason: str) -> None:
         """A client saw a call outlive its bound (main thread: it answers while the data plane's
         thread is stuck); the replica's health check then breaks the group."""
