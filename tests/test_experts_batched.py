@@ -22,11 +22,11 @@ import pytest
 import torch
 from test_fused_cpu import (
     EXPERTS_REL_TOL,
-    _check_against_exact,
-    _experts,
-    _kernel_case,
     assert_fused_close,
+    check_against_exact,
     gamma,
+    kernel_case,
+    packed_experts,
 )
 
 from moe_runtime import logs, mxfp4
@@ -58,7 +58,7 @@ def test_decode_into_equals_reference_decode(dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_batched_linear_within_summation_bound(dtype, T) -> None:
-    x, packed, scale = _kernel_case(T, 544, 70, dtype, seed=T)
+    x, packed, scale = kernel_case(T, 544, 70, dtype, seed=T)
     w = mxfp4.decode(packed, scale).double()
     exact, magnitude = x.double() @ w.t(), x.double().abs() @ w.abs().t()
     # a 3-row tile: many tiles, the last one short (70 = 23 * 3 + 1)
@@ -81,12 +81,12 @@ def test_each_isa_build_within_fp32_summation_bound(isa, monkeypatch) -> None:
         pytest.skip(mxfp4_cpu._load()[1])
     assert mxfp4_cpu.isa() == isa
     for T in range(1, 12):  # every token-group tail of both builds (8 and 4 tokens per pass)
-        _check_against_exact(*_kernel_case(T, 96 if T % 2 else 1536, 37, torch.bfloat16, seed=T))
+        check_against_exact(*kernel_case(T, 96 if T % 2 else 1536, 37, torch.bfloat16, seed=T))
     gen = torch.Generator().manual_seed(3)
     packed = torch.randint(0, 256, (12, 32), dtype=torch.uint8, generator=gen)
     scale = torch.tensor([[0, 254], [1, 127], [2, 3], [253, 2], [127, 128], [126, 129],
                           [254, 254], [0, 253], [100, 150], [5, 250], [127, 127], [128, 126]], dtype=torch.uint8)
-    _check_against_exact(torch.randn(5, 64, generator=gen), packed, scale)
+    check_against_exact(torch.randn(5, 64, generator=gen), packed, scale)
     x, w = torch.randn(6, 544, generator=gen).bfloat16(), torch.randn(19, 544, generator=gen).bfloat16()
     exact, magnitude = x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t()
     assert ((mxfp4_cpu.bf16_linear(x, w).double() - exact).abs() <= gamma(543) * magnitude).all()
@@ -108,7 +108,7 @@ def test_isa_choice_is_checked(monkeypatch) -> None:
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batched_and_mixed_experts_equal_decode_path(dtype, monkeypatch) -> None:
-    experts, act = _experts(dtype), GatedActivation(4.0, 25.0)
+    experts, act = packed_experts(dtype), GatedActivation(4.0, 25.0)
     gen = torch.Generator().manual_seed(2)
     h = torch.randn(40, experts.latent_size, generator=gen).to(dtype)
     # expert 0 gets 30 slots, experts 1-4 22-23 each, expert 5 none
@@ -136,7 +136,7 @@ def test_batched_and_mixed_experts_equal_decode_path(dtype, monkeypatch) -> None
 
 @needs_kernel
 def test_prepare_measures_the_crossover_once_and_reports_it(monkeypatch, caplog) -> None:
-    experts = _experts(torch.bfloat16, E=2)
+    experts = packed_experts(torch.bfloat16, E=2)
     monkeypatch.setattr(torch_loop, "_CROSSOVERS", {})
     monkeypatch.setattr(logs, "_logged", set())  # log_once: as in a fresh process
     measured = []
@@ -150,7 +150,7 @@ def test_prepare_measures_the_crossover_once_and_reports_it(monkeypatch, caplog)
     path, why = backend.path(experts)
     assert path == "fused" and "batched from 6 rows" in why and "torch's GEMM on" in why
     assert any("CPU GEMMs: torch's bf16 GEMM runs on" in r.getMessage() for r in caplog.records)
-    TorchExperts(packed="fused").prepare(_experts(torch.float32, E=2))  # nothing to choose
+    TorchExperts(packed="fused").prepare(packed_experts(torch.float32, E=2))  # nothing to choose
     assert measured == [1]
 
 

@@ -65,7 +65,7 @@ def gamma(n: int) -> float:
     return n * U / (1 - n * U)
 
 
-def _kernel_case(T: int, K: int, N: int, dtype: torch.dtype, seed: int = 0):
+def kernel_case(T: int, K: int, N: int, dtype: torch.dtype, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=gen) * torch.exp2(torch.randint(-20, 20, (N, 1), generator=gen).float())
     packed, scale = mxfp4.encode(w)
@@ -73,7 +73,7 @@ def _kernel_case(T: int, K: int, N: int, dtype: torch.dtype, seed: int = 0):
     return x, packed, scale
 
 
-def _check_against_exact(x, packed, scale) -> None:
+def check_against_exact(x, packed, scale) -> None:
     w = mxfp4.decode(packed, scale).double()
     exact = x.double() @ w.t()
     magnitude = x.double().abs() @ w.abs().t()
@@ -98,7 +98,7 @@ def _check_against_exact(x, packed, scale) -> None:
 @pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13])  # every token-group tail (6, 5..1)
 @pytest.mark.parametrize("K", [32, 96, 1536])  # one block, odd block count, a TP 2 w2 width
 def test_kernel_within_fp32_summation_bound(dtype, T, K) -> None:
-    _check_against_exact(*_kernel_case(T, K, 37, dtype, seed=T + K))
+    check_against_exact(*kernel_case(T, K, 37, dtype, seed=T + K))
 
 
 @needs_kernel
@@ -115,14 +115,14 @@ def test_kernel_edge_scales_saturation_and_nonfinite() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(5, K, generator=gen).to(dtype)
         x[0, :5] = 0  # 0 * inf = NaN must match
-        _check_against_exact(x, packed, scale)
+        check_against_exact(x, packed, scale)
     # the OCP encoder saturates outliers to +-6 * scale: the kernel reads them back exactly
     w = torch.tensor([[1e3] + [1.0] * 31, [-1e3] + [-0.01] * 31])
     p, s = mxfp4.encode(w)
-    _check_against_exact(torch.eye(32), p, s)
+    check_against_exact(torch.eye(32), p, s)
 
 
-def _experts(dtype: torch.dtype, E=6, I=64, D=96, seed=0) -> ExpertWeights:
+def packed_experts(dtype: torch.dtype, E=6, I=64, D=96, seed=0) -> ExpertWeights:
     gen = torch.Generator().manual_seed(seed)
     (p13, s13), (p2, s2) = mxfp4.encode(torch.randn(E, 2 * I, D, generator=gen) * D**-0.5), mxfp4.encode(
         torch.randn(E, D, I, generator=gen) * I**-0.5)
@@ -133,7 +133,7 @@ def _experts(dtype: torch.dtype, E=6, I=64, D=96, seed=0) -> ExpertWeights:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act_quant", [None, mxfp4.quantize_dequantize])
 def test_fused_backend_equals_decode_backend(dtype, act_quant) -> None:
-    experts, act = _experts(dtype), GatedActivation(4.0, 25.0)
+    experts, act = packed_experts(dtype), GatedActivation(4.0, 25.0)
     gen = torch.Generator().manual_seed(1)
     for T in (1, 33, 40):
         h = torch.randn(T, experts.latent_size, generator=gen).to(dtype)
@@ -149,14 +149,14 @@ def test_fused_backend_equals_decode_backend(dtype, act_quant) -> None:
 
 
 def test_default_path_and_fallback(monkeypatch, caplog) -> None:
-    packed = _experts(torch.bfloat16, E=2)
+    packed = packed_experts(torch.bfloat16, E=2)
     dense = ExpertWeights(*packed.decode(torch.arange(2)), dtype=torch.bfloat16)
     assert packed_path(dense)[0] == "dense"
     assert packed_path(packed, "decode")[0] == "decode"
     expected = "fused" if mxfp4_cpu.unavailable_reason() is None else "decode"
     assert packed_path(packed)[0] == expected  # fused is the CPU default when it builds
     # fp16: the decode path's fp16 weights under/overflow where fp32 does not: decode keeps them
-    assert packed_path(_experts(torch.float16, E=2))[0] == "decode"
+    assert packed_path(packed_experts(torch.float16, E=2))[0] == "decode"
     # no compiler (or any build failure): a WARNING with the reason, and the decode path serves
     monkeypatch.setattr(mxfp4_cpu, "_load", lambda: (None, "no C++ compiler found (test)"))
     with caplog.at_level(logging.WARNING, logger="moe_runtime"):
