@@ -78,20 +78,27 @@ def measure_idle(client: Any, pids: list[int], seconds: float, rounds: int) -> d
 
 class Stepper:
     """``peers`` peers of a session, each stepping every layer back to back on its own thread until
-    stopped; counts the steps."""
+    the session is closed (its peers' waiting layer then ends as ``session_ended``); counts the
+    steps each finished."""
 
     def __init__(self, client: Any, name: str, peers: int, layers: list[int], hidden: int):
         self.session = client.session(peers, max_tokens=T, name=name)
-        self.layers, self.steps, self.stop = layers, [0] * peers, threading.Event()
+        self.layers, self.steps = layers, [0] * peers
         self.x = [rows(i, hidden) for i in range(peers)]
         self.peers = [self.session.join(i) for i in range(peers)]
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(peers)]
 
     def _run(self, i: int) -> None:
-        while not self.stop.is_set():
-            for layer in self.layers:
-                self.peers[i].forward(self.x[i], layer)
-            self.steps[i] += 1
+        from deployments.client import SessionError
+
+        try:
+            while True:
+                for layer in self.layers:
+                    self.peers[i].forward(self.x[i], layer)
+                self.steps[i] += 1
+        except SessionError as e:
+            if e.failure.value != "session_ended":
+                raise
 
     def start(self) -> Stepper:
         for t in self.threads:
@@ -99,12 +106,13 @@ class Stepper:
         return self
 
     def close(self) -> int:
-        self.stop.set()
+        """Close the session (a strict session's peers must stop together: closing it ends the
+        layer each waits on), then the peers; the steps they finished."""
+        self.session.close()
         for t in self.threads:
             t.join()
         for p in self.peers:
             p.close()
-        self.session.close()
         return sum(self.steps)
 
 
