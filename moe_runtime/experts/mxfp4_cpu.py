@@ -15,8 +15,11 @@ header) for the batched experts path (``batched.py``), which multiplies decoded 
 torch's GEMM (oneDNN: AMX where the CPU has it).
 
 The same library holds ``bf16_linear``: the dense parts (shared experts, latent down- and
-up-projections) in bf16 on a CPU without bf16 arithmetic, where torch's bf16 GEMM reaches ~5
-GFLOP/s at any T (measured, docs/benchmarks/fused_cpu.md); ``dense_linear`` picks it for bf16 CPU GEMMs.
+up-projections) in bf16, fp32 in registers, a memory-bound GEMV. ``dense_linear`` picks it for
+bf16 CPU GEMMs: at every T on a CPU without bf16 arithmetic (torch's bf16 GEMM reached ~5 GFLOP/s
+at any T on the AVX2 machines measured), and on one with AMX or AVX512-BF16 up to the row count
+from which torch's GEMM is measured faster (``dense_crossover``, once per shape): forcing the
+kernel there made the T = 16-64 forwards compute-bound (issue 48).
 
 When it cannot be used (not x86-64 with AVX2 + FMA, no compiler, a failed build, or
 ``MOE_RUNTIME_MXFP4_CPU=0``), ``unavailable_reason()`` says why; the ``torch`` experts backend
@@ -52,6 +55,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what the 16-lane build is compiled for
 ISAS = {"avx2": FLAGS, "avx512": FLAGS + tuple(f"-m{f}" for f in AVX512)}
 ENV_SWITCH = "MOE_RUNTIME_MXFP4_CPU"  # "0": never use the fused kernel (the decode fallback)
+CACHE_ENV = "MOE_RUNTIME_CACHE"  # where built kernels live (default ~/.cache/moe_runtime)
+KERNEL_NAME = "mxfp4_cpu"
 ISA_ENV = "MOE_RUNTIME_MXFP4_ISA"  # "avx2" | "avx512" | unset: the widest this CPU runs
 # "0": no torch GEMM where a kernel can serve: packed experts fused at every count, bf16 dense parts
 # through bf16_linear at every T (the choices before issue 48; benchmarks time them side by side)
@@ -61,8 +66,6 @@ BATCHED_ENV = "MOE_RUNTIME_CPU_BATCHED"
 def batched_enabled() -> bool:
     """False when ``BATCHED_ENV=0``: the measured crossovers to torch's GEMM are not used."""
     return os.environ.get(BATCHED_ENV, "1") != "0"
-CACHE_ENV = "MOE_RUNTIME_CACHE"  # where built kernels live (default ~/.cache/moe_runtime)
-KERNEL_NAME = "mxfp4_cpu"
 
 
 def _compiler() -> str | None:
