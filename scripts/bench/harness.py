@@ -38,17 +38,19 @@ class BenchParser(argparse.ArgumentParser):
 
 
 def bench_parser(doc: str, name: str, *, docs_default: Path | None = PAGES,
-                 quick: str | None = None) -> BenchParser:
+                 quick: str | None = None, tp: int | None = None) -> BenchParser:
     """A benchmark's parser with the options benchmarks share: ``--out`` (the folder of its results,
     default artifacts/NAME), ``--docs`` (the folder of the benchmark pages whose page NAME.md and
-    index a run rewrites, default ``docs_default``; '' for none) and ``--quick`` (help: ``quick``)
-    where the benchmark has a short mode."""
+    index a run rewrites, default ``docs_default``; '' for none), ``--quick`` (help: ``quick``)
+    where the benchmark has a short mode, and ``--tp`` (default ``tp``) where it serves one TP size."""
     ap = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / name, help="folder for the results")
     ap.add_argument("--docs", default=docs_default and str(docs_default),
                     help="the benchmark pages' folder whose page and index this run rewrites ('' for none)")
     if quick:
         ap.add_argument("--quick", action="store_true", help=quick)
+    if tp is not None:
+        ap.add_argument("--tp", type=int, default=tp, help="the TP size served")
     return ap
 
 

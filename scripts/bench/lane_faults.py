@@ -178,8 +178,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "lane_faults")
-    ap.add_argument("--tp", type=int, default=2)
+    ap = harness.bench_parser(__doc__, "lane_faults", tp=2)
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--rank", type=int, default=1, help="the rank to kill / stop")
     ap.add_argument("--warm-s", type=float, default=3.0)

@@ -146,9 +146,8 @@ def single_device(ckpts: dict[str, str], cfg: LatentMoEConfig, x: torch.Tensor) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "numerics")
+    ap = harness.bench_parser(__doc__, "numerics", tp=2)
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--tail", default="sharded")
     args = ap.parse_args(argv)

@@ -250,10 +250,9 @@ def computed_notes(results: dict[str, Any]) -> str:
 
 
 def parser() -> Any:
-    ap = harness.bench_parser(__doc__, "serve", quick="short windows; only the two target scenarios")
+    ap = harness.bench_parser(__doc__, "serve", quick="short windows; only the two target scenarios", tp=2)
     ap.add_argument("--preset", default="small", choices=["tiny", "small"])
     ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
-    ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--tail", default="sharded")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--large-tokens", type=int, default=2048)

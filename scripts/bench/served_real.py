@@ -204,10 +204,9 @@ def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "served_real")
+    ap = harness.bench_parser(__doc__, "served_real", tp=2)
     ap.add_argument("--checkpoint", type=Path, help="default: the --preset checkpoint under checkpoints/")
     ap.add_argument("--preset", default="tiny", choices=("tiny", "medium", "small"))
-    ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--layer", type=int, help="default: the first MoE layer")
     ap.add_argument("--tail", default="sharded", help="the same tail for the CLI and the deployment")

@@ -119,9 +119,8 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "warmup")
+    ap = harness.bench_parser(__doc__, "warmup", tp=2)
     ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/small (written once)")
-    ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--layers", default=None, help="served layers (default: all)")
     ap.add_argument("--tokens", type=int, default=4)
