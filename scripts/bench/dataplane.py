@@ -40,8 +40,8 @@ peers with no calls, and Ray Serve's floor (an idle trivial deployment); and eac
 Targets (issue 37, item 9): A = 1, T = 1: lane call p50 - in-process forward <= 0.5 ms; A = 4,
 T = 4: session worker-steps/s >= 2x own_sessions and >= 1.5x cgraph_before; group forwards per
 session step = MoE layers; an open session with no calls costs <= 0.05 cores over the idle app
-(measured in turns; a cohort's idle cores are reported beside it). Results: JSON +
-PNG under --out, its page, docs/benchmarks/dataplane.md, and its rows of the index (--docs).
+(measured in turns; a cohort's idle cores are reported beside it). Results: JSON under --out,
+its page, docs/benchmarks/dataplane.md, and its rows of the index (--docs).
 """
 
 from __future__ import annotations
@@ -634,8 +634,7 @@ def findings(results: dict[str, Any]) -> list[str]:
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     what = (f"tiny preset, TP {results['tp']}, {results['layers']} MoE layers, one replica, float32, sharded "
             f"tail, {results['seconds']:g} s per configuration")
-    lines = [section_start(SECTION, "dataplane", results["argv"], results["machine"], what, json_path,
-                           png_path), ""]
+    lines = [section_start(SECTION, "dataplane", results["argv"], results["machine"], what, json_path), ""]
     lines += ["Modes: `session` = the A workers as the peers of one data-plane session "
               "(`MoEClient.cohort`: one group forward per MoE layer of all A workers' rows); "
               "`own_sessions` = each worker on a lane of its own (a session of one peer); `serve` = each "
@@ -672,35 +671,8 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    plt = harness.pyplot()
-    tokens = results["tokens"]
-    fig, axes = plt.subplots(1, len(tokens) + 1, figsize=(5 * (len(tokens) + 1), 4), squeeze=False)
-    for ax, T in zip(axes[0], tokens, strict=False):
-        for mode in MODES:
-            pts = sorted((r["workers"], r["worker_steps_per_s"]) for r in results["rows"]
-                         if r["mode"] == mode and r["tokens"] == T)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
-        ax.set(title=f"T = {T}", xlabel="workers A", ylabel="worker-steps/s", xscale="log", yscale="log")
-        workers = sorted({r["workers"] for r in results["rows"]})
-        ax.set_xticks(workers, [str(w) for w in workers])
-        ax.minorticks_off()
-        ax.legend(fontsize=7)
-    ax, calls = axes[0][-1], call_rows(results)
-    for key, label in (("lane_p50_ms", "lane call p50"), ("inprocess_ms", "in-process forward"),
-                       ("floor_p50_ms", "transport floor p50")):
-        ax.plot([c["T"] for c in calls], [c[key] for c in calls], marker="o", label=label)
-    ax.set(title="A = 1: one layer's call", xlabel="T", ylabel="ms", xscale="log", yscale="log")
-    ax.set_xticks(tokens, [str(T) for T in tokens])
-    ax.minorticks_off()
-    ax.legend(fontsize=7)
-    harness.save_figure(fig, path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "dataplane", quick="A = 1 4, T = 4, 2 s per configuration")
-    ap.add_argument("--tp", type=int, default=2)
+    ap = harness.bench_parser(__doc__, "dataplane", quick="A = 1 4, T = 4, 2 s per configuration", tp=2)
     ap.add_argument("--layers", type=int, default=3, help="MoE layers served and stepped through")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8], help="A: workers (peers)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32], help="T: rows per worker and layer")
@@ -736,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
                    cohort_idle_s=args.cohort_idle_s, before=before, argv=args.argv,
                    machine=dict(machine, loadavg_after=harness.loadavg()))
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "dataplane", plot, markdown, index_rows, args.docs)
+    write_results(results, args.out, "dataplane", None, markdown, index_rows, args.docs)
     return 0 if results["verdicts"]["exact"]["met"] else 1
 
 
