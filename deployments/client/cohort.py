@@ -28,9 +28,9 @@ asking for the sessions again every ``retry_s``.
 failure kind to action) and the retry rule is the tier's one (``common.retry``). A step that
 met a broken group -- a rank died or failed, or a rank stalled past the call bound -- is aborted
 on every worker (``abort()``; calls of the aborted attempt are refused by an epoch) and run once
-more, on another replica of that deployment (a new lease and session) or else on the Serve path,
+more, on another replica of that deployment (a new session) or else on the Serve path,
 never on the failed replica: the caller sees no error and the same tokens while a healthy
-replica exists. A step that met an ended lease never ran: it starts over once. A worker whose
+replica exists. A step that met an ended session never ran: it starts over once. A worker whose
 own code raised, sent bad rows, stalled (the session ends within the call bound, naming it) or
 died raises :class:`~deployments.client.errors.WorkerError` naming it, after the step was aborted
 on every other worker; a dead worker also closes the cohort. A bad input never reaches a rank

@@ -54,7 +54,7 @@ from moe_runtime.planning.cost import STARTUP_FLOOR_S
 
 HEALTH_MARGIN_S = 5.0  # the health all-reduce over the collective timeout, and Serve's over that
 REQUEST_MARGIN_S = 30.0  # the ingress's wait over the slowest group call
-ROUTING_STATS_PERIOD_S = 0.5  # replicas report health / lease to the request router this often
+ROUTING_STATS_PERIOD_S = 0.5  # replicas report health / session load to the request router this often
 RANK_POLL_S = 5.0  # a rank slower than this to answer a state call counts as not answering
 HEARTBEAT_S = 2.0  # rank 0 pings each other rank after this long without a batch (idle liveness)
 EVENTS_PUSH_S = 1.0  # rank 0 pushes changed session counts to the replica at most this often

@@ -32,7 +32,7 @@ and the transport's floor for one call; and what the TP group
 costs while idle, in rounds of --idle-s windows (the replica's and ranks' CPU plus this driver's,
 which owns the session and its peers): the app alone (no lease), an open session of max(A) joined
 peers with no calls, and Ray Serve's floor (an idle trivial deployment); and each cohort idle for
---cohort-idle-s right after it stepped (within half a lease term: its session is still held).
+--cohort-idle-s right after it stepped (its session still open).
 
     python -m scripts.bench.dataplane            # TP 2, 3 layers, A = 1 2 4 8, T = 1 4 32: ~12 min, 2 cores
     python -m scripts.bench.dataplane --quick    # A = 1 4, T = 4 (a smoke run)
@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=300, help="per-layer calls per T at A = 1 (all rounds)")
     ap.add_argument("--idle-s", type=float, default=3.0, help="each idle window")
     ap.add_argument("--cohort-idle-s", type=float, default=2.0,
-                    help="a cohort's idle window right after it stepped (under half a lease term)")
+                    help="a cohort's idle window right after it stepped (its session still open)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the per-layer calls and idle windows")
     ap.add_argument("--before-workers", type=int, nargs="+", default=[1, 4], help="A of the release before")
     ap.add_argument("--before-tokens", type=int, nargs="+", default=[4], help="T of the release before")
