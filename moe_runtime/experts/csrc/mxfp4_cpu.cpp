@@ -201,6 +201,9 @@ constexpr int64_t X_CHUNK_BYTES = 16384;  // x's slice of a K chunk for all toke
 
 // out [T, N] = x [T, K] . W^T, rows of W from make_row(n). Row tiles in parallel; within a tile,
 // K in chunks whose x slice stays in L1 while every row of the tile and every token uses it.
+// Tiles are handed out in small runs as threads free up, not in one static half each: on a shared
+// machine a thread that loses its core for a while no longer holds up the call's end (every row is
+// still computed by one thread in one order: the results do not depend on the schedule).
 template <class MakeRow>
 void linear(const float* x, int64_t T, int64_t K, int64_t N, float* out, int64_t ldo, int nthreads,
             MakeRow make_row) {
@@ -208,7 +211,7 @@ void linear(const float* x, int64_t T, int64_t K, int64_t N, float* out, int64_t
   int64_t chunk = X_CHUNK_BYTES / (4 * BLOCK * (T > 0 ? T : 1));
   chunk = chunk < 8 ? 8 : chunk;  // >= 256 elements: the per-chunk horizontal sums stay cheap
   const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads)
   for (int64_t tile = 0; tile < tiles; ++tile) {
     const int64_t n0 = tile * ROW_TILE, n1 = n0 + ROW_TILE < N ? n0 + ROW_TILE : N;
     for (int64_t n = n0; n < n1; ++n)
@@ -238,7 +241,7 @@ inline void store_block(const __m256 w[4], uint16_t* out) {
 template <class Out>
 void decode_rows(const uint8_t* packed, const uint8_t* scale, int64_t N, int64_t K, Out* out, int nthreads) {
   const int64_t nblocks = K / BLOCK;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
+#pragma omp parallel for schedule(dynamic, 32) num_threads(nthreads)  // as linear's tiles
   for (int64_t n = 0; n < N; ++n) {
     const uint8_t* p = packed + n * (K / 2);
     const uint8_t* s = scale + n * nblocks;
