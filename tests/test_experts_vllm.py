@@ -119,6 +119,22 @@ def test_situ_needs_a_vllm_that_names_it(fake_vllm) -> None:
     assert not calls
 
 
+def test_a_vllm_that_takes_the_activation_enum_gets_it(fake_vllm) -> None:
+    calls, modules = fake_vllm
+    MoEActivation = modules["vllm.model_executor.layers.fused_moe.activation"].MoEActivation  # noqa: N806
+    plain = modules["vllm.model_executor.layers.fused_moe"].fused_experts
+
+    def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation: MoEActivation = None,
+                      quant_config=None):
+        assert isinstance(activation, MoEActivation)
+        return plain(hidden_states, w1, w2, topk_weights, topk_ids, activation.value, quant_config)
+
+    modules["vllm.model_executor.layers.fused_moe"] = types.SimpleNamespace(fused_experts=fused_experts)
+    h, ids, weights, experts = _case(False)
+    vllm_fused.VllmExperts()(h, ids, weights, experts, GatedActivation())
+    assert calls[-1]["activation"] == "silu"
+
+
 def test_inputs_it_refuses(fake_vllm) -> None:
     h, ids, weights, experts = _case(False)
     backend = vllm_fused.VllmExperts()

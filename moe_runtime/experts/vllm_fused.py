@@ -108,5 +108,7 @@ class VllmExperts:
         unknown = sorted(k for k in kwargs if k not in params)
         if unknown:
             raise ValueError(f"this vLLM's fused_experts takes no {unknown}: it cannot run these experts")
+        if "MoEActivation" in str(params["activation"].annotation):  # vLLMs that take the enum, not its name
+            kwargs["activation"] = _module(f"{FUSED_MOE}.activation").MoEActivation(kwargs["activation"])
         out = fused_experts(h_TD, topk_weights=weights_TK.float(), topk_ids=ids_TK.to(torch.int32), **kwargs)
         return out.float()
