@@ -315,7 +315,9 @@ def full_latent(ckpt: str, dtype: torch.dtype, T: int) -> torch.Tensor:
 def test_none_mode_equals_replicated_down_projection(group, ckpt, dname: str, T: int) -> None:
     """Each row is the same H-long dot products whichever rank computes it; only the GEMM's
     blocking over a different number of rows can differ, i.e. at most an fp32 rounding
-    step (1e-6 relative) or one bf16 ulp (2**-8 relative)."""
+    step (1e-6 relative) or one bf16 ulp: 2**-7 of the value's power of two, so up to 2**-7
+    relative to a value just above it (measured: 4.8e-7 on a value of 9.2e-5, 1/192, where the
+    rank's bf16 GEMM and the reference's block the 257 rows differently)."""
     ref = full_latent(ckpt, DTYPES[dname], T)
     for rank in range(P):
         h, counts = group[rank][("latent", dname, "none", T)]
@@ -324,7 +326,7 @@ def test_none_mode_equals_replicated_down_projection(group, ckpt, dname: str, T:
         if dname == "float32":
             torch.testing.assert_close(h, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
         else:
-            torch.testing.assert_close(h, ref, rtol=2**-8, atol=0)
+            torch.testing.assert_close(h, ref, rtol=2**-7, atol=0)
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
