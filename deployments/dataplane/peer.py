@@ -1,7 +1,8 @@
 """The peers' side of the data plane: a ticket names a session's groups, a peer joins by its index.
 
-    ticket = client.session(peers=4, max_tokens=8)      # the process that leases (deployments.client)
-    peer = ticket.join(2)                               # any process that can reach the ranks' nodes
+    session = client.session(peers=4, max_tokens=8)     # the process that opens it (deployments.client)
+    text = session.ticket.to_json()                     # handed to the peers by any channel
+    peer = SessionTicket.from_json(text).join(2)        # any process that can reach the ranks' nodes
     out, tail = peer.forward(rows, layer)               # blocks until this peer's slice comes back
 
 A :class:`SessionTicket` is small and serialisable (``to_json``/``from_json``, or pickled by Ray):
