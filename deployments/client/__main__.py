@@ -23,9 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..config.timeouts import DEFAULT_WAIT_S
-
-WATCH_S = 5.0  # a held session's state is read this often (to exit when it ends)
+from ..config.timeouts import DEFAULT_WAIT_S, HOLDER_WATCH_S
 
 
 def parser() -> argparse.ArgumentParser:
@@ -102,7 +100,7 @@ def hold(args: argparse.Namespace) -> int:
         if args.detach:
             return 0
         why = None
-        while why is None and not stop.wait(WATCH_S):
+        while why is None and not stop.wait(HOLDER_WATCH_S):
             why = ended(session)
         session.close("its holder was stopped" if why is None else why)
         if args.counters:

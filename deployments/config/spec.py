@@ -19,7 +19,7 @@ from moe_runtime.planning.budget import DEFAULT_MEMORY_FRACTION, MI300X_MEMORY_G
 from moe_runtime.tp.plan import check_sequence_parallel_tail
 from moe_runtime.units import SERVED_DTYPES, check_mxfp4_scale_rule
 
-from .timeouts import MAX_SESSIONS, SESSION_LINGER_S, Bounds, check_order, request_bound
+from .timeouts import MAX_LINGER_S, MAX_SESSIONS, SESSION_LINGER_S, Bounds, check_order, request_bound
 
 Tail = Literal["auto", "sharded", "replicated", "overlap", "single_allreduce"]
 DType = Literal[SERVED_DTYPES]
@@ -176,7 +176,7 @@ class DeploymentSpec(BaseModel):
     # sessions are open on one group at once. lanes: false refuses every session (the Serve
     # path only).
     lanes: bool = True
-    session_linger_s: float = Field(SESSION_LINGER_S, gt=0, le=86400)
+    session_linger_s: float = Field(SESSION_LINGER_S, gt=0, le=MAX_LINGER_S)
     max_sessions: int = Field(MAX_SESSIONS, ge=1, le=4096)
     # Bounded queue: past this many requests waiting for a replica, a call is refused at once
     # (handle: BackPressureError, HTTP: 503 + Retry-After); -1: unbounded (Serve's default).

@@ -33,12 +33,11 @@ from typing import Any
 
 from .. import logger
 from ..common.errors import ServeInputError, TooLargeError, error_message
-from ..config.timeouts import RANK_POLL_S
+from ..config.timeouts import MAX_LINGER_S, RANK_POLL_S
 from ..dataplane.host import check_idle_after
 
 MAX_PEERS = 256  # peers of one session (each is a connection to rank 0)
 HISTORY = 16  # ended sessions kept for status()
-MAX_LINGER_S = 86400.0
 
 
 def _positive_int(name: str, value: Any, upper: int | None = None) -> int:
