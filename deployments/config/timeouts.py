@@ -14,7 +14,7 @@ bound               value                                    what it bounds
 ``health_s``        ``collective_s + HEALTH_MARGIN_S``       the replica's health all-reduce
 ``serve_health_s``  ``health_check_timeout_s`` or            Serve's health probe of the replica
                     ``health_s + HEALTH_MARGIN_S``
-``close_s``         ``max(RANK_POLL_S, collective_s)``       every rank closing a lane/cohort lease
+``close_s``         ``max(RANK_POLL_S, collective_s)``       rank 0 closing a session (its peers told)
 ``warmup_s``        ``call_s + warmup_limit_s``              one warm-up measurement call
 ``startup_s``       ``startup_timeout_s`` or the planner's   workers start, join and load their shards
                     floor
@@ -71,7 +71,7 @@ INGRESS_HEALTH_S = 5.0  # the ingress's wait for a deployment's cheap health vie
 LEASE_ATTEMPT_S = 1.0  # one session request's wait on the replica it reached, and between refusals
 DEFAULT_WAIT_S = 5.0  # a lane's, cohort's or session's wait for its groups (API and CLI alike)
 DEFAULT_RETRY_S = 5.0  # and how often a lane or cohort on the Serve path asks again
-RELEASE_S = 10.0  # a client's release of a lease on rank 0
+RELEASE_S = 10.0  # a client closing its session on rank 0
 CLIENT_TIMEOUT_S = 120.0  # a client's default wait for one answer (handle or HTTP)
 DRAIN_POLL_S = 0.2  # a stopping replica looks this often whether its requests are done (Serve: 2 s)
 
