@@ -37,6 +37,7 @@ import resource
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -125,37 +126,42 @@ def bench_one(cfg: LatentMoEConfig, w, ex: ExpertWeights, fmt: str, T: int, dtyp
     t_backend, t_grouped, t_dense = (stats(timed[k]) for k in ("torch", "grouped", "dense"))
     t_naive = stats(harness.time_calls(run_naive, 1, min_time_s=args.min_time, sync=sync).seconds)
 
-    # sanity: the backend and the naive loop agree on the tokens the loop ran
-    out_b, out_n = run_backend()[:n_naive], run_naive()
-    scale = out_n.abs().max().item() or 1.0
-    max_rel_diff = (out_b - out_n).abs().max().item() / scale
-    out_t, out_g = run_backend(), run_grouped()
-    grouped_diff = (out_g - out_t).abs().max().item() / (out_t.abs().max().item() or 1.0)
-
-    backend_s, grouped_s = t_backend["median_s"], t_grouped["median_s"]
-    dense_s = t_dense["median_s"]
-    naive_s = t_naive["median_s"] * T / n_naive
+    diffs = agreement(run_backend, run_grouped, run_naive, n_naive)
     active = int(torch.bincount(ids_TK.reshape(-1), minlength=E).gt(0).sum())
+    return timing_row(T, dtype, fmt, K, active, flops, n_naive,
+                      {"torch": t_backend, "grouped": t_grouped, "dense": t_dense, "naive": t_naive}, diffs)
+
+
+def agreement(run_backend, run_grouped, run_naive, n_naive: int) -> dict[str, float]:
+    """The backend against the naive loop on the tokens the loop ran, and grouped against the
+    backend: each max abs difference over the reference's largest value."""
+    def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+        return (out - ref).abs().max().item() / (ref.abs().max().item() or 1.0)
+
+    out_t = run_backend()
+    return {"backend_vs_naive_max_rel_diff": rel(out_t[:n_naive], run_naive()),
+            "grouped_vs_torch_max_rel_diff": rel(run_grouped(), out_t)}
+
+
+def timing_row(T: int, dtype: torch.dtype, fmt: str, K: int, active: int, flops: float, n_naive: int,
+               t: dict[str, dict], diffs: dict[str, float]) -> dict:
+    """One row of the results from the timings ``t`` (median/min seconds and reps per path)."""
+    backend_s, grouped_s, dense_s = (t[k]["median_s"] for k in ("torch", "grouped", "dense"))
+    naive_s = t["naive"]["median_s"] * T / n_naive
     return {
-        "T": T, "dtype": dtype_name(dtype), "format": fmt, "slots": T * K,
-        "active_experts": active,
+        "T": T, "dtype": dtype_name(dtype), "format": fmt, "slots": T * K, "active_experts": active,
         "flops": flops,
         "torch_ms": 1e3 * backend_s, "grouped_ms": 1e3 * grouped_s, "dense_ms": 1e3 * dense_s,
-        "naive_ms": 1e3 * naive_s,
-        "naive_tokens_timed": n_naive, "naive_scaled": n_naive < T,
+        "naive_ms": 1e3 * naive_s, "naive_tokens_timed": n_naive, "naive_scaled": n_naive < T,
         "torch_gflops": flops / backend_s / 1e9, "grouped_gflops": flops / grouped_s / 1e9,
-        "dense_gflops": flops / dense_s / 1e9,
-        "naive_gflops": flops / naive_s / 1e9,
-        "torch_vs_dense": dense_s / backend_s, "torch_vs_dense_best": t_dense["min_s"] / t_backend["min_s"],
-        "torch_vs_naive": naive_s / backend_s,
-        "grouped_speedup": backend_s / grouped_s,
-        "grouped_speedup_best": t_backend["min_s"] / t_grouped["min_s"],
-        "reps": {"torch": t_backend["reps"], "grouped": t_grouped["reps"], "dense": t_dense["reps"],
-                 "naive": t_naive["reps"]},
-        "min_ms": {"torch": 1e3 * t_backend["min_s"], "grouped": 1e3 * t_grouped["min_s"],
-                   "dense": 1e3 * t_dense["min_s"]},
-        "backend_vs_naive_max_rel_diff": max_rel_diff,
-        "grouped_vs_torch_max_rel_diff": grouped_diff,
+        "dense_gflops": flops / dense_s / 1e9, "naive_gflops": flops / naive_s / 1e9,
+        "torch_vs_dense": dense_s / backend_s,
+        "torch_vs_dense_best": t["dense"]["min_s"] / t["torch"]["min_s"],
+        "torch_vs_naive": naive_s / backend_s, "grouped_speedup": backend_s / grouped_s,
+        "grouped_speedup_best": t["torch"]["min_s"] / t["grouped"]["min_s"],
+        "reps": {k: t[k]["reps"] for k in ("torch", "grouped", "dense", "naive")},
+        "min_ms": {k: 1e3 * t[k]["min_s"] for k in ("torch", "grouped", "dense")},
+        **diffs,
     }
 
 
@@ -375,7 +381,7 @@ def plot(results: dict, path: Path) -> None:
     harness.save_figure(fig, path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> Any:
     ap = harness.bench_parser(__doc__, "experts")
     ap.add_argument("--checkpoint", type=Path,
                     help="checkpoint folder (written there from --preset if it does not exist; "
@@ -395,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="an MXFP4 checkpoint: also its packed CPU experts before and after issue 48")
     ap.add_argument("--packed-tokens", default="1,4,16,64,256,1024")
     ap.add_argument("--packed-reps", type=int, default=3)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
 
     if args.threads:

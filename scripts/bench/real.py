@@ -189,6 +189,44 @@ def _lone_rank(_: Collectives, world: int, *args) -> dict:
     return _rank(LoneRank(0, world), *args)
 
 
+def forward_row(runner: Any, cfg: LatentMoEConfig, T: int, reps: int, active_bytes: int, dense_bytes: int
+                ) -> tuple[dict[str, Any], torch.Tensor]:
+    """``T`` tokens through both paths, in turns (a disturbance slows both alike), ``reps`` times:
+    the row (medians, what the forward must read, its FLOPs) and the *after* output."""
+    x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
+    load0 = harness.loadavg()
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    outs = {}
+    for _ in range(reps):
+        for mode in MODES:
+            set_mode(mode)
+            start = time.perf_counter()
+            outs[mode] = runner.forward(x)
+            times[mode].append(time.perf_counter() - start)
+    set_mode("after")
+    load1 = harness.loadavg()
+    ids, _ = route(x, runner.w.gate_EH, runner.w.bias_E, cfg)
+    active = len(torch.unique(ids))
+    gemms = forward_gemms(cfg, runner, T, active)
+    before, after = outs["before"].float(), outs["after"].float()
+    row = {
+        "T": T,
+        "ms": statistics.median(times["after"]) * 1e3,  # after; before's under "before"
+        "before": {"ms": statistics.median(times["before"]) * 1e3},
+        "all_ms": {mode: [s * 1e3 for s in t] for mode, t in times.items()},
+        "loadavg": [load0[0], load1[0]],
+        # what this forward must read at least: the active experts' packed bytes and every
+        # dense tensor (shared experts, projections, router) once
+        "must_read_bytes": active * active_bytes + dense_bytes,
+        "active_experts": active,
+        "flops": sum(g.flops for g in gemms),
+        "after_vs_before": (after - before).abs().max().item() / before.abs().max().item(),
+    }
+    if T >= GEMM_FROM_TOKENS:
+        row["dense_gemm_s"], row["dense_gemms"] = dense_gemm_seconds(gemms, reps)
+    return row, after
+
+
 def _rank(
     comm: Collectives, ckpt: str, tokens: list[int], reps: int, scratch_bytes: int, check_tokens: int,
 ) -> dict:
@@ -222,37 +260,7 @@ def _rank(
             set_mode(mode)
             runner.forward(warm)
         for T in tokens:
-            x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
-            load0 = harness.loadavg()
-            times: dict[str, list[float]] = {mode: [] for mode in MODES}
-            outs = {}
-            for _ in range(reps):  # in turns, so a disturbance slows both paths alike
-                for mode in MODES:
-                    set_mode(mode)
-                    start = time.perf_counter()
-                    outs[mode] = runner.forward(x)
-                    times[mode].append(time.perf_counter() - start)
-            set_mode("after")
-            load1 = harness.loadavg()
-            ids, _ = route(x, runner.w.gate_EH, runner.w.bias_E, cfg)
-            active = len(torch.unique(ids))
-            gemms = forward_gemms(cfg, runner, T, active)
-            before, after = outs["before"].float(), outs["after"].float()
-            row = {
-                "T": T,
-                "ms": statistics.median(times["after"]) * 1e3,  # after; before's under "before"
-                "before": {"ms": statistics.median(times["before"]) * 1e3},
-                "all_ms": {mode: [s * 1e3 for s in t] for mode, t in times.items()},
-                "loadavg": [load0[0], load1[0]],
-                # what this forward must read at least: the active experts' packed bytes and every
-                # dense tensor (shared experts, projections, router) once
-                "must_read_bytes": active * packed_per_expert + dense_bytes,
-                "active_experts": active,
-                "flops": sum(g.flops for g in gemms),
-                "after_vs_before": (after - before).abs().max().item() / before.abs().max().item(),
-            }
-            if T >= GEMM_FROM_TOKENS:
-                row["dense_gemm_s"], row["dense_gemms"] = dense_gemm_seconds(gemms, reps)
+            row, after = forward_row(runner, cfg, T, reps, packed_per_expert, dense_bytes)
             if T == check_tokens:
                 res["check_out"] = after
             res["forward"].append(row)
@@ -433,27 +441,9 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
     return rows
 
 
-def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
-    first = results["runs"][0]["ranks"][0]
-    lines = [
-        section_start(
-            SECTION, NAME, results["argv"], results["machine"],
-            f"checkpoint `{results['checkpoint_name']}` ({results['shard_bytes'] / GB:.2f} GB of "
-            f"shards), bfloat16, experts path {first['experts_path']}; memcpy "
-            f"{results['memcpy_gbps']:.2f} GB/s in the same run", json_path, png_path), "",
-        "**Load**: right before each TP size's loads, plain sequential reads of the same "
-        "files in 64 MiB reads: *kept* (into one fresh buffer of the files' size, held to the end, as "
-        "a load holds what it reads) and *reused* (into one 64 MiB buffer, twice, the faster "
-        "counted). A reused read of cached files runs at page-cache speed, which no load reaches "
-        "here: files that the page cache cannot hold beside the bytes already loaded come partly from "
-        f"disk. Target: load GB/s >= {_pct(LOAD_TARGET)} of the kept read, judged on the group (the "
-        "ranks load at the same time from the same disk: every rank's bytes over the slowest rank's "
-        "seconds). Peak RSS is anonymous + shared memory (the mapped checkpoint's page cache is not "
-        "counted) over the packed bytes the rank read.", "",
-        "| TP | rank | kept read GB/s | reused read GB/s | load s | GB read | load GB/s | group GB/s "
-        "| group ÷ kept | group ÷ reused | verdict | reader threads | peak RSS GB | ÷ packed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def load_table(results: dict[str, Any]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """The load table's rows and each TP size's load verdict."""
+    lines: list[str] = []
     load_verdicts = []
     for run in results["runs"]:
         seq, cached = run["sequential_read"]["gbps"], run["sequential_read_reused"]["gbps"]
@@ -465,9 +455,16 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                 f"{r['bytes_read'] / GB:.3f} | {r['load_gbps']:.2f} | {run['group_load_gbps']:.2f} | "
                 f"{_pct(v['value'])} | {_pct(run['group_load_gbps'] / cached)} | {verdict_word(v['met'])} | "
                 f"{r['load_threads']} | {r['peak_rss'] / GB:.2f} | {r['peak_rss_over_packed']:.3f} |")
+    return lines, load_verdicts
+
+
+def forward_table(results: dict[str, Any]) -> tuple[list[str], list[tuple[str, Any]]]:
+    """The forward table (its introduction, header and rows) and the forwards' verdicts."""
+    first = results["runs"][0]["ranks"][0]
+    lines: list[str] = []
     peak = first["bf16_peak_gflops"]
     lines += [
-        "", "**Forward**, *before* and *after* issue 48 in the same rank, in turns, the median of "
+        "", "**Forward**, *before* and *after* in the same rank, in turns, the median of "
         f"{results['reps']} each. *Before*: the AVX2 build of the fused MXFP4 kernel for every expert "
         "and the bf16 kernel for every dense GEMM (the release before). *After*: the "
         f"{first['isa']} build, the batched path (decoded tiles x torch's GEMM) for experts from the "
@@ -505,6 +502,33 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                     f"{f['loadavg'][0]:.1f}-{f['loadavg'][1]:.1f}",
                 ]
                 lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines, verdicts
+
+
+def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
+    first = results["runs"][0]["ranks"][0]
+    lines = [
+        section_start(
+            SECTION, NAME, results["argv"], results["machine"],
+            f"checkpoint `{results['checkpoint_name']}` ({results['shard_bytes'] / GB:.2f} GB of "
+            f"shards), bfloat16, experts path {first['experts_path']}; memcpy "
+            f"{results['memcpy_gbps']:.2f} GB/s in the same run", json_path, png_path), "",
+        "**Load**: right before each TP size's loads, plain sequential reads of the same "
+        "files in 64 MiB reads: *kept* (into one fresh buffer of the files' size, held to the end, as "
+        "a load holds what it reads) and *reused* (into one 64 MiB buffer, twice, the faster "
+        "counted). A reused read of cached files runs at page-cache speed, which no load reaches "
+        "here: files that the page cache cannot hold beside the bytes already loaded come partly from "
+        f"disk. Target: load GB/s >= {_pct(LOAD_TARGET)} of the kept read, judged on the group (the "
+        "ranks load at the same time from the same disk: every rank's bytes over the slowest rank's "
+        "seconds). Peak RSS is anonymous + shared memory (the mapped checkpoint's page cache is not "
+        "counted) over the packed bytes the rank read.", "",
+        "| TP | rank | kept read GB/s | reused read GB/s | load s | GB read | load GB/s | group GB/s "
+        "| group ÷ kept | group ÷ reused | verdict | reader threads | peak RSS GB | ÷ packed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    load_lines, load_verdicts = load_table(results)
+    forward_lines, verdicts = forward_table(results)
+    lines += load_lines + forward_lines
     lines += ["", "Verdicts: " + "; ".join([
         _summary("load vs kept sequential read (group)", load_verdicts),
         *(f"{where}: {_pct(v['value'])} ({v['target'].split()[0]} {_pct(float(v['target'].split()[1]))}) "
@@ -520,6 +544,8 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         lines.append("Lone-rank runs: only rank 0 ran, its collectives the identity (other ranks' partials "
                      "count as zero): its timings and memory are a rank's, its output is not the layer's.")
     return "\n".join(lines)
+
+
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
