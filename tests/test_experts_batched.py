@@ -187,16 +187,16 @@ def test_dense_linear_takes_torch_from_the_measured_crossover(monkeypatch) -> No
     w = torch.randn(24, 96, generator=gen).bfloat16()
     x = torch.randn(9, 96, generator=gen).bfloat16()
     kernel = mxfp4_cpu.bf16_linear(x, w).to(torch.bfloat16)
-    monkeypatch.setattr(mxfp4_cpu, "_DENSE_CROSSOVERS", {})
+    monkeypatch.setattr(mxfp4_cpu, "DENSE_CROSSOVERS", {})
     monkeypatch.setattr(crossover, "native_bf16", lambda: False)  # torch widens bf16 in software
     assert mxfp4_cpu.dense_crossover(w) is crossover.NEVER
     assert torch.equal(mxfp4_cpu.dense_linear(x, w), kernel)
-    monkeypatch.setattr(mxfp4_cpu, "_DENSE_CROSSOVERS", {(24, 96, torch.get_num_threads()): crossover.Crossover(4, ())})
+    monkeypatch.setattr(mxfp4_cpu, "DENSE_CROSSOVERS", {(24, 96, torch.get_num_threads()): crossover.Crossover(4, ())})
     assert torch.equal(mxfp4_cpu.dense_linear(x[:3], w), kernel[:3])
     assert torch.equal(mxfp4_cpu.dense_linear(x, w), x @ w.t())
     monkeypatch.setenv(mxfp4_cpu.BATCHED_ENV, "0")
     assert torch.equal(mxfp4_cpu.dense_linear(x, w), kernel)
-    monkeypatch.setattr(mxfp4_cpu, "_DENSE_CROSSOVERS", {})
+    monkeypatch.setattr(mxfp4_cpu, "DENSE_CROSSOVERS", {})
     monkeypatch.setattr(crossover, "native_bf16", lambda: True)
     monkeypatch.setattr(crossover, "measure", lambda a, b: a(2) is not None and b(2) is not None
                         and crossover.Crossover(None, ((2, 1.0, 2.0),)))

@@ -229,7 +229,7 @@ def bf16_linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_DENSE_CROSSOVERS: dict[tuple[int, int, int], crossover.Crossover] = {}
+DENSE_CROSSOVERS: dict[tuple[int, int, int], crossover.Crossover] = {}
 
 
 def dense_crossover(w_NK: torch.Tensor) -> crossover.Crossover:
@@ -237,16 +237,16 @@ def dense_crossover(w_NK: torch.Tensor) -> crossover.Crossover:
     per shape and thread count on a CPU with native bf16 (AMX or AVX512-BF16); never elsewhere,
     where torch widens bf16 in software."""
     key = (*w_NK.shape, torch.get_num_threads())
-    if key not in _DENSE_CROSSOVERS:
+    if key not in DENSE_CROSSOVERS:
         if not crossover.native_bf16():
-            _DENSE_CROSSOVERS[key] = crossover.NEVER
+            DENSE_CROSSOVERS[key] = crossover.NEVER
         else:
             xs = torch.randn(crossover.COUNTS[-1], w_NK.shape[1]).bfloat16()
-            _DENSE_CROSSOVERS[key] = found = crossover.measure(
+            DENSE_CROSSOVERS[key] = found = crossover.measure(
                 lambda m: bf16_linear(xs[:m], w_NK).to(torch.bfloat16), lambda m: xs[:m] @ w_NK.t())
             crossover.log_engine()
             logger.info(f"bf16 GEMM {list(w_NK.shape)}: {found.describe('bf16 kernel', 'torch')}")
-    return _DENSE_CROSSOVERS[key]
+    return DENSE_CROSSOVERS[key]
 
 
 def dense_linear(x_TK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:

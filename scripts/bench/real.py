@@ -268,7 +268,7 @@ def _rank(
                   f"(medians of {reps}); after vs before {row['after_vs_before']:.2e}", flush=True)
         res["bf16_peak_gflops"] = bf16_peak_gflops(reps)
         res["dense_crossovers"] = {str(list(k[:2])): c.describe("bf16 kernel", "torch")
-                                   for k, c in mxfp4_cpu._DENSE_CROSSOVERS.items()}
+                                   for k, c in mxfp4_cpu.DENSE_CROSSOVERS.items()}
     return res
 
 
