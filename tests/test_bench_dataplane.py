@@ -4,19 +4,15 @@ its peers in step."""
 from __future__ import annotations
 
 
-def results(session_rate: float = 200.0, valid: bool = True, before: bool = True) -> dict:
+def results(session_rate: float = 200.0, valid: bool = True, own: bool = True) -> dict:
     def row(mode: str, workers: int, tokens: int, rate: float, **extra) -> dict:
         return {"mode": mode, "workers": workers, "tokens": tokens, "worker_steps_per_s": rate, **extra}
 
-    session = {"forwards_per_step": 3.0, "exact": valid, "on_session": True, "valid": valid,
-               "idle_cores_used": 0.02, "idle_held": True}
-    rows = [row("session", 1, 1, 50.0, **session), row("session", 4, 4, session_rate, **session),
-            row("own_sessions", 4, 4, 80.0)]
-    if before:
-        rows.append(row("cgraph_before", 4, 4, 120.0))
-    idle = {state: [{"cores_used": c}, {"cores_used": c + 0.01}, {"cores_used": c + 0.02}]
-            for state, c in (("app", 0.01), ("session", 0.03), ("serve_floor", 0.005))}
-    return {"layers": 3, "tokens": [1, 4], "rows": rows, "idle": idle,
+    session = {"forwards_per_step": 3.0, "exact": valid, "on_session": True, "valid": valid}
+    rows = [row("session", 1, 1, 50.0, **session), row("session", 4, 4, session_rate, **session)]
+    if own:
+        rows.append(row("own_sessions", 4, 4, 80.0))
+    return {"layers": 3, "tokens": [1, 4], "rows": rows,
             "calls": {str(T): {"lane": {"p50_ms": 2.0 + T, "p90_ms": 3.0 + T}, "inprocess_ms": 1.7 + T,
                                "paired_ms": [0.2, 0.3, 0.4], "over_inprocess_ms": 0.3, "exact": True,
                                "on_lane": True} for T in (1, 4)},
@@ -29,20 +25,17 @@ def test_dataplane_verdicts_come_from_the_rows() -> None:
     v = bench_dataplane.verdicts(results())
     assert abs(v["call_over_inprocess"]["value"] - 0.3) < 1e-9 and v["call_over_inprocess"]["met"]
     assert v["m4_vs_own_sessions"]["value"] == 2.5 and v["m4_vs_own_sessions"]["met"]
-    assert abs(v["m4_vs_cgraph"]["value"] - 200 / 120) < 1e-9 and v["m4_vs_cgraph"]["met"]
     assert v["forwards_per_step"]["met"] and v["exact"]["met"]
-    # an idle session's cost: the median of its rounds over the app's alone (0.04 - 0.02)
-    assert abs(v["idle_session"]["value"] - 0.02) < 1e-9 and v["idle_session"]["met"]
     slow = bench_dataplane.verdicts(results(session_rate=100.0))
-    assert not slow["m4_vs_own_sessions"]["met"] and not slow["m4_vs_cgraph"]["met"]
+    assert not slow["m4_vs_own_sessions"]["met"]
 
 
 def test_dataplane_verdicts_say_what_was_not_measured_or_not_valid() -> None:
     from scripts.bench import dataplane as bench_dataplane
 
-    v = bench_dataplane.verdicts(results(before=False))
-    assert v["m4_vs_cgraph"]["value"] is None and v["m4_vs_cgraph"]["met"] is None
-    assert "not measured" in bench_dataplane.value_text(v["m4_vs_cgraph"])
+    v = bench_dataplane.verdicts(results(own=False))
+    assert v["m4_vs_own_sessions"]["value"] is None and v["m4_vs_own_sessions"]["met"] is None
+    assert "not measured" in bench_dataplane.value_text(v["m4_vs_own_sessions"])
     bad = bench_dataplane.verdicts(results(valid=False))  # fast but wrong: no target met
     assert bad["m4_vs_own_sessions"]["value"] == 2.5 and bad["m4_vs_own_sessions"]["met"] is False
     assert bad["exact"]["met"] is False

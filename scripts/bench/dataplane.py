@@ -1,5 +1,4 @@
-"""The data plane against the transport's own floor and the Compiled-Graph release before it, in one
-run on one machine.
+"""The data plane against the transport's own floor, in one run on one machine.
 
 One local Ray instance (CPU, logical GPUs) serves --layers MoE layers of the tiny preset on one
 TP --tp deployment (float32, sharded tail, one replica). A attention workers (Ray actors whose
@@ -10,16 +9,12 @@ decode steps; per (A, T) the modes are
   session, and per MoE layer the group's rank 0 gathers all A parts and runs one forward; a step
   is checked bit for bit against the Serve path's forward of the same concatenated rows;
 * own_sessions: each worker on a lane of its own (``MoEClient(app).lane()``: a session of one
-  peer), called once per layer; the only replica's lease passes from worker to worker;
+  peer), called once per layer;
 * serve: each worker calls ``MoEClient.forward`` once per layer (the replica's token-budget
   batching merges whatever arrives together);
 * floor: the transport's own floor (``bench.floor``): A peer processes -> one gathering rank
   process -> TP - 1 echo ranks -> back, over raw TCP with blocking reads, T x H float32 rows per
-  peer and layer; no project code, no Ray;
-* cgraph_before, cgraph_before_lanes: the release before the data plane (commit 575090b, Ray
-  Compiled Graphs): its own ``scripts/bench_cohort.py``, run from a git worktree of that commit
-  (removed afterwards) before this run starts its Ray, at --before-workers x --before-tokens;
-  its ``cohort`` and ``lanes`` rows.
+  peer and layer; no project code, no Ray.
 
 Per row: worker-steps/s, step p50/p90, group forwards per step of all A workers and tokens per
 forward (the replica's own counters), and the cores busy while stepping: the whole machine's
@@ -28,32 +23,23 @@ forward (the replica's own counters), and the cores busy while stepping: the who
 Also: at A = 1, per T, the per-layer call p50 of a lane (``MoEClient.lane``, layer 1) against
 the in-process forward of the same layer (``python -m moe_runtime forward``, same TP and tail,
 ``bench.harness.cli_forward_ms``), in --rounds rounds with the app up (the same load for both),
-and the transport's floor for one call; and what the TP group
-costs while idle, in rounds of --idle-s windows (the replica's and ranks' CPU plus this driver's,
-which owns the session and its peers): the app alone (no lease), an open session of max(A) joined
-peers with no calls, and Ray Serve's floor (an idle trivial deployment); and each cohort idle for
---cohort-idle-s right after it stepped (its session still open).
+and the transport's floor for one call. (What an idle open session costs is ``scripts.bench.sessions``'
+measure; the Compiled-Graph release before the data plane is no longer compared.)
 
     python -m scripts.bench.dataplane            # TP 2, 3 layers, A = 1 2 4 8, T = 1 4 32: ~12 min, 2 cores
     python -m scripts.bench.dataplane --quick    # A = 1 4, T = 4 (a smoke run)
 
-Targets (issue 37, item 9): A = 1, T = 1: lane call p50 - in-process forward <= 0.5 ms; A = 4,
-T = 4: session worker-steps/s >= 2x own_sessions and >= 1.5x cgraph_before; group forwards per
-session step = MoE layers; an open session with no calls costs <= 0.05 cores over the idle app
-(measured in turns; a cohort's idle cores are reported beside it). Results: JSON under --out,
-its page, docs/benchmarks/dataplane.md, and its rows of the index (--docs).
+Targets: A = 1, T = 1: lane call p50 - in-process forward <= 0.5 ms; A = 4, T = 4: session
+worker-steps/s >= 2x own_sessions; group forwards per session step = MoE layers; every session step
+bit-equal to the Serve path's. Results: JSON under --out, its page, docs/benchmarks/dataplane.md,
+and its rows of the index (--docs).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -62,20 +48,18 @@ import torch
 
 from examples.rows import RowsWorker
 
-from . import ROOT, harness
-from .docs import Target, rounds_table, section_start, target, verdict, verdict_word, write_results, yes_no
+from . import harness
+from .docs import Target, section_start, target, verdict, verdict_word, write_results, yes_no
 from .floor import echo_floor
 from .rss import cpu_seconds, serve_replica_pid
 
-APP, NAME, FLOOR_APP = "dataplanebench", "moe", "idlefloor"
-SECTION = "# Data plane vs the transport's floor and the Compiled-Graph release (scripts/bench/dataplane.py)"
-BEFORE = "575090b"  # the last release on Ray Compiled Graphs
-BEFORE_MODES = {"cohort": "cgraph_before", "lanes": "cgraph_before_lanes"}
+APP, NAME = "dataplanebench", "moe"
+SECTION = "# Data plane vs the transport's floor (scripts/bench/dataplane.py)"
 CALL_LAYER = 1  # the layer of the per-call measurement
 HIDDEN = 128  # the tiny preset's hidden size
 WARMUP = 2  # untimed steps a worker takes on its own before timing
-TARGETS = {"call_over_inprocess_ms": 0.5, "m4_vs_own_sessions": 2.0, "m4_vs_cgraph": 1.5, "idle_cores": 0.05}
-MODES = ("session", "own_sessions", "serve", "floor", "cgraph_before", "cgraph_before_lanes")
+TARGETS = {"call_over_inprocess_ms": 0.5, "m4_vs_own_sessions": 2.0}
+MODES = ("session", "own_sessions", "serve", "floor")
 
 
 class SyntheticWorker(RowsWorker):
@@ -165,12 +149,6 @@ class Cores:
                 "cores_used": round(sum(by_role.values()), 4), "by_role": by_role}
 
 
-def idle_cores(roles: Roles, seconds: float) -> dict[str, Any]:
-    cores = Cores(roles)
-    time.sleep(seconds)
-    return cores.read()
-
-
 def group_roles(client: Any) -> Roles:
     """The replica's and its ranks' processes, and this driver's."""
     ranks = {f"rank{w['rank']}": [w["pid"]] for w in client.status()["workers"]}
@@ -207,8 +185,8 @@ def row(mode: str, workers: int, tokens: int, step_s: list[float], worker_steps:
 
 
 def measure_session(client: Any, workers: list[Any], pids: Roles, tokens: int, layers: int,
-                    seconds: float, idle_s: float) -> dict[str, Any]:
-    """The A workers as one session's peers (a cohort): stepping, then idle for ``idle_s``."""
+                    seconds: float) -> dict[str, Any]:
+    """The A workers as one session's peers (a cohort), stepping."""
     import ray
 
     M = len(workers)
@@ -219,8 +197,6 @@ def measure_session(client: Any, workers: list[Any], pids: Roles, tokens: int, l
         steps = timed(lambda: cohort.step([None] * M), seconds, warmup=0)
         stepping = cores.read()
         outs = ray.get([w.outputs.remote() for w in workers])  # the last step's rows
-        held = cohort.status()
-        idle = idle_cores(pids, idle_s)  # open, nothing steps
         status = cohort.status()
     after = settled_counters(client)
     exact = True  # the last step's rows against the Serve path's forward of all of them
@@ -229,10 +205,7 @@ def measure_session(client: Any, workers: list[Any], pids: Roles, tokens: int, l
         want = torch.split(client.forward(torch.cat(xs), layer), tokens)
         exact &= all(torch.equal(outs[i][layer], want[i]) for i in range(M))
     on_session = status["serve_steps"] == 0 and status["reruns"] == 0 and status["path"] == "session"
-    idle_held = status["sessions"] == held["sessions"] and status["path"] == "session"
     return row("session", M, tokens, steps, M * len(steps), sum(steps), stepping, before, after,
-               idle_cores_busy=idle["cores_busy"], idle_cores_used=idle["cores_used"],
-               idle_by_role=idle["by_role"], idle_held=idle_held,
                exact=exact, on_session=on_session, valid=exact and on_session,
                **{k: status[k] for k in ("session_steps", "serve_steps", "reruns", "sessions", "aborts")})
 
@@ -247,8 +220,7 @@ def measure_independent(client: Any, workers: list[Any], pids: Roles, mode: str,
     after = settled_counters(client)
     flat = [s for run in runs for s in run["steps"]]
     # Every timed step over the span from the first timed step's start to the last one's end: the
-    # workers' windows overlap where they run side by side, and follow each other where they wait
-    # for the one replica's lease.
+    # workers' windows overlap where they run side by side, and follow each other where they wait.
     span = max(run["window"][1] for run in runs) - min(run["window"][0] for run in runs)
     overlap = sum(run["window"][1] - run["window"][0] for run in runs) / span
     extra = {} if mode != "own_sessions" else {k: sum(run[k] for run in runs)
@@ -297,7 +269,7 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
         # The lane's last per_round forwards were the first T's calls alone.
         if settled["lane_forwards"] - before["lane_forwards"] >= per_round:
             out[tokens[0]]["served_ms"] += client.status()["counters"]["forward_ms"]["recent"][-per_round:]
-        on_lane = status["path"] == "lane" and status["serve_calls"] == 0 and status["fallbacks"] == 0
+        on_lane = status["path"] == "session" and status["serve_calls"] == 0 and status["fallbacks"] == 0
         for T in tokens:
             got = out[T]
             got["times"] += times[T]
@@ -312,20 +284,6 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
     return out
 
 
-def idle_floor_app() -> int:
-    """Ray Serve's floor: a trivial deployment, idle; its replica's process."""
-    from ray import serve
-
-    @serve.deployment(ray_actor_options={"num_cpus": 0})
-    class Idle:
-        def __call__(self) -> str:
-            return "ok"
-
-    handle = serve.run(Idle.bind(), name=FLOOR_APP, route_prefix=None)
-    handle.remote().result()
-    return serve_replica_pid(FLOOR_APP, "Idle")
-
-
 def lease_ended(client: Any, timeout_s: float = 60.0) -> None:
     """Back once the replica has no open session (rank 0 pushes each end as it happens)."""
     deadline = time.monotonic() + timeout_s
@@ -333,77 +291,6 @@ def lease_ended(client: Any, timeout_s: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the replica still has an open session {timeout_s:g} s on")
         time.sleep(0.1)
-
-
-def measure_idle(client: Any, session_client: Any, pids: Roles, floor_pid: int, peers: int, tokens: int,
-                 seconds: float, rounds: int) -> dict[str, list[dict[str, Any]]]:
-    """The TP group's processes (and this driver) idle, in turns: no lease, an open session of
-    ``peers`` joined peers with no calls; and Serve's floor (its trivial replica, this driver).
-    Each window opens once the previous turn's session has left the replica (``client``: its
-    direct handle)."""
-
-    def measure(state: str) -> dict[str, Any]:
-        lease_ended(client)
-        if state == "serve_floor":
-            return idle_cores({"replica": [floor_pid], "driver": [os.getpid()]}, seconds)
-        if state == "app":
-            return idle_cores(pids, seconds)
-        with session_client.session(peers, max_tokens=tokens, name="bench-idle") as session:
-            joined = [session.join(i) for i in range(peers)]
-            try:
-                return idle_cores(pids, seconds)
-            finally:
-                for peer in joined:
-                    peer.close()
-
-    return harness.in_turns(["app", "session", "serve_floor"], rounds, measure)
-
-
-# -- the release before ----------------------------------------------------------------------------
-
-
-def git(*args: str) -> None:
-    subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True)
-
-
-def run_before(args: Any) -> dict[str, Any]:
-    """The release before the data plane: its own bench_cohort.py in a worktree of ``BEFORE``, with
-    this venv's Python (PYTHONPATH: the worktree, so its ``deployments`` is the one that runs) and
-    this checkout's checkpoints; its cohort and lanes rows and where they came from."""
-    cmd = ["scripts/bench_cohort.py", "--docs", "", "--tp", str(args.tp), "--layers", str(args.layers),
-           "--workers", *map(str, args.before_workers), "--tokens", *map(str, args.before_tokens),
-           "--seconds", f"{args.seconds:g}"]
-    info: dict[str, Any] = {"commit": BEFORE, "command": "python " + shlex.join(cmd), "attempts": []}
-    with tempfile.TemporaryDirectory(prefix="bench-before-") as tmp:
-        tree, out = Path(tmp) / "tree", Path(tmp) / "out"
-        git("worktree", "add", "--detach", str(tree), BEFORE)
-        try:
-            (tree / "checkpoints").symlink_to(harness.CHECKPOINTS)
-            results_file = out / "bench_cohort.json"
-            for _ in range(2):  # once more if it left no results (its Ray may not start on a busy machine)
-                started = time.perf_counter()
-                proc = subprocess.Popen([sys.executable, *cmd, "--out", str(out)], cwd=tree,
-                                        env={**os.environ, "PYTHONPATH": str(tree)})
-                try:
-                    code = proc.wait(args.before_timeout_s)
-                except subprocess.TimeoutExpired:  # its Ray stops on the way out of its KeyboardInterrupt
-                    proc.send_signal(signal.SIGINT)
-                    code = proc.wait(120)
-                info["attempts"].append({"exit": code, "wall_s": round(time.perf_counter() - started, 1)})
-                if results_file.is_file():
-                    break
-        finally:
-            (tree / "checkpoints").unlink(missing_ok=True)
-            git("worktree", "remove", "--force", str(tree))
-        info.update(info["attempts"][-1])
-        if not results_file.is_file():
-            info["error"] = f"no results after {len(info['attempts'])} attempt(s) (exits {info['attempts']})"
-            return info
-        data = json.loads(results_file.read_text())
-    info.update(machine=data["machine"], verdicts=data["verdicts"], seconds=data["seconds"],
-                rows=[{**r, "mode": BEFORE_MODES[r["mode"]]} for r in data["rows"]
-                      if r["mode"] in BEFORE_MODES])
-    return info
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -453,10 +340,6 @@ def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     s4 = pick(rows, "session", 4, 4)
     out["m4_vs_own_sessions"] = ratio_verdict(s4, pick(rows, "own_sessions", 4, 4),
                                               TARGETS["m4_vs_own_sessions"])
-    out["m4_vs_cgraph"] = ratio_verdict(s4, pick(rows, "cgraph_before", 4, 4), TARGETS["m4_vs_cgraph"])
-    # What an open, idle session costs: its processes' CPU over the app's alone, measured in turns.
-    idle = {k: statistics.median(r["cores_used"] for r in vs) for k, vs in results["idle"].items()}
-    out["idle_session"] = verdict(idle["session"] - idle["app"], "<=", TARGETS["idle_cores"])
     out["exact"] = verdict(float(all(r["exact"] for r in sessions)), ">=", 1.0)
     return out
 
@@ -465,9 +348,7 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
     v = verdicts(results)
     return [target("lane - in-process per-layer call, A = 1, T = 1", v["call_over_inprocess"], "+.3f", " ms"),
             target("worker-steps/s, session / own sessions, A = 4, T = 4", v["m4_vs_own_sessions"]),
-            target("worker-steps/s, session / Compiled-Graph cohort, A = 4, T = 4", v["m4_vs_cgraph"]),
             target("group forwards per session step - MoE layers, largest", v["forwards_per_step"]),
-            target("cores of an idle open session over the app's", v["idle_session"], ".3f"),
             target("every session step bit-equal to the Serve path's", v["exact"]["met"])]
 
 
@@ -484,22 +365,17 @@ def cell(r: dict[str, Any], key: str, fmt: str) -> str:
 def table(rows: list[dict[str, Any]], T: int) -> list[str]:
     lines = [f"**T = {T} rows per worker and layer**", "",
              "| mode | A | worker-steps/s | step p50 ms | step p90 ms | forwards/step | tokens/forward "
-             "| cores busy (machine) | cores used (its processes) | idle cores (machine / processes) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| cores busy (machine) | cores used (its processes) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for mode in MODES:
         ours = sorted((r for r in rows if r["mode"] == mode and r["tokens"] == T), key=lambda r: r["workers"])
         for r in ours:
-            idle = "-"
-            if "idle_cores_used" in r:
-                idle = f"{r['idle_cores_busy']:.2f} / {r['idle_cores_used']:.3f}"
-            elif "idle_cores_busy" in r:  # the release before: the machine only
-                idle = f"{r['idle_cores_busy']:.2f} / -"
             flag = "" if r.get("valid", True) else " (**invalid**)"
             lines.append(f"| {mode}{flag} | {r['workers']} | {r['worker_steps_per_s']:.1f} "
                          f"| {r['step_p50_ms']:.2f} | {r['step_p90_ms']:.2f} "
                          f"| {cell(r, 'forwards_per_step', '.2f')} "
                          f"| {cell(r, 'tokens_per_forward', '.1f')} | {cell(r, 'cores_busy', '.2f')} "
-                         f"| {cell(r, 'cores_used', '.2f')} | {idle} |")
+                         f"| {cell(r, 'cores_used', '.2f')} |")
     return lines + [""]
 
 
@@ -513,34 +389,6 @@ def call_table(results: dict[str, Any]) -> list[str]:
                      f"| {c['inprocess_ms']:.2f} | **{c['over_inprocess_ms']:+.3f}** ({rounds}) "
                      f"| {c['floor_p50_ms']:.3f} | {c['over_floor_ms']:+.3f} | {yes_no(c['valid'])} |")
     return lines
-
-
-def before_lines(results: dict[str, Any]) -> list[str]:
-    b = results["before"]
-    if "machine" not in b:  # it left no results
-        return [f"- The release before ({b['commit']}, `{b['command']}` in a worktree of it): **no rows** -- "
-                f"{b.get('error', 'no results')}; its targets below are not measured."]
-    m = b["machine"]
-    load = f"1-minute load average {m['loadavg_before'][0]:.2f} before, {m['loadavg_after'][0]:.2f} after"
-    return [f"- `cgraph_before` / `cgraph_before_lanes`: the release before the data plane "
-            f"({b['commit']}, Ray Compiled Graphs), its own `{b['command']}` run from a worktree of that "
-            f"commit at {m['date']} ({load}; exit {b['exit']}, {b['wall_s']:.0f} s, attempt "
-            f"{len(b['attempts'])}) just before this run's "
-            "own Ray: its `cohort` and `lanes` rows. Its idle cores are the machine's while its cohort's "
-            "compiled graph idled 1 s.", *before_lanes_note(results)]
-
-
-def before_lanes_note(results: dict[str, Any]) -> list[str]:
-    """That script's lanes rate divides every timed step by one worker's window: an upper bound when
-    the workers' leases followed each other (its rows keep the whole measurement's wall time)."""
-    lanes = [r for r in results["rows"] if r["mode"] == "cgraph_before_lanes" and r["workers"] > 1]
-    if not lanes:
-        return []
-    took = ", ".join(f"A = {r['workers']}, T = {r['tokens']}: {r['elapsed_s']:.1f} s" for r in lanes)
-    return [f"- `cgraph_before_lanes` divides every worker's timed steps by one worker's "
-            f"{results['before']['seconds']:g} s window (as that script counts; this run's own rows divide "
-            f"by the span of all the windows), while its whole measurement took {took}: where the lease "
-            "passed from worker to worker its rate is an upper bound."]
 
 
 def call_findings(results: dict[str, Any]) -> list[str]:
@@ -569,35 +417,26 @@ def step_findings(results: dict[str, Any]) -> list[str]:
     """The A = 4, T = 4 rates and where a session step goes."""
     v, L, rows = results["verdicts"], results["layers"], results["rows"]
     lines: list[str] = []
-    s4, o4, c4 = (pick(rows, m, 4, 4) for m in ("session", "own_sessions", "cgraph_before"))
+    s4, o4 = (pick(rows, m, 4, 4) for m in ("session", "own_sessions"))
     rate = ", ".join(f"{name} {r['worker_steps_per_s']:.1f}" for name, r in
-                     (("session", s4), ("own_sessions", o4), ("cgraph_before", c4)) if r)
+                     (("session", s4), ("own_sessions", o4)) if r)
     lines += [f"- A = 4, T = 4: worker-steps/s {rate or 'not measured'}; session over own_sessions "
-              f"{value_text(v['m4_vs_own_sessions'])}; session over the Compiled-Graph cohort "
-              f"{value_text(v['m4_vs_cgraph'])}."]
-    if s4 and c4 and s4.get("group_forward_ms"):
+              f"{value_text(v['m4_vs_own_sessions'])}."]
+    if s4 and s4.get("group_forward_ms"):
         step_ms = 4e3 / s4["worker_steps_per_s"]  # one group step of the 4 workers
-        need_ms = 4e3 / (TARGETS["m4_vs_cgraph"] * c4["worker_steps_per_s"])
         forwards_ms = L * s4["group_forward_ms"]
         lines.append(
             f"- Where an A = 4, T = 4 session step goes: {step_ms:.1f} ms per group step (from "
-            f"worker-steps/s), "
-            f"of which the group's {L} forwards take {forwards_ms:.1f} ms ({s4['group_forward_ms']:.2f} ms "
-            f"each, rank 0's busy time per forward, mean) and the rest -- the workers' own step, the "
-            f"peers' frames and wake-ups -- {step_ms - forwards_ms:.1f} ms, while the machine's cores were "
-            f"{s4['cores_busy']:.2f} busy. {TARGETS['m4_vs_cgraph']:g}x the Compiled-Graph cohort needs "
-            f"{need_ms:.1f} ms per group step: " + (
-                "less than the forwards alone, so no transport reaches it on this machine."
-                if forwards_ms >= need_ms else
-                f"the rest may take up to {need_ms - forwards_ms:.1f} ms" + (
-                    " (it does)." if step_ms <= need_ms else ".")))
+            f"worker-steps/s), of which the group's {L} forwards take {forwards_ms:.1f} ms "
+            f"({s4['group_forward_ms']:.2f} ms each, rank 0's busy time per forward, mean) and the rest -- "
+            f"the workers' own step, the peers' frames and wake-ups -- {step_ms - forwards_ms:.1f} ms, "
+            f"while the machine's cores were {s4['cores_busy']:.2f} busy.")
     if o4 and "lane_calls" in o4:
         share = o4["lane_calls"] / max(1, o4["lane_calls"] + o4["serve_calls"])
         lines.append(f"- own_sessions at A = 4, T = 4: {o4['lane_calls']} calls on a worker's own session, "
                      f"{o4['serve_calls']} on the Serve path ({share:.0%} on sessions); the workers' "
                      f"{results['seconds']:g} s timed windows spanned {o4['span_s']:.1f} s together (they "
-                     f"overlapped {o4['overlap']:.2f}-fold of 4): one replica serves one lease at a time, so "
-                     "the others wait for it or take the Serve path behind it.")
+                     f"overlapped {o4['overlap']:.2f}-fold of 4).")
     return lines
 
 
@@ -611,24 +450,13 @@ def findings(results: dict[str, Any]) -> list[str]:
     lines.append(f"- Every session step checked equals the Serve path's forward of the same concatenated "
                  f"rows bit for bit: {exact}; every timed step ran on the session (no Serve-path step, no "
                  f"rerun): {on}.")
-    idle = {k: statistics.median(r["cores_used"] for r in vs) for k, vs in results["idle"].items()}
-    worst = max((r for r in rows if r["mode"] == "session"), key=lambda r: r["idle_cores_used"])
-    held = yes_no(all(r["idle_held"] for r in rows if r["mode"] == "session"))
-    lines.append(f"- Idle: an open session of {results['idle_peers']} joined peer(s) with no calls costs "
-                 f"{value_text(v['idle_session'], '.3f')} cores over the app alone: "
-                 f"{idle['session']:.3f} for the replica, ranks and this driver against {idle['app']:.3f} "
-                 f"(medians of {len(results['idle']['session'])} rounds, in turns); Ray Serve's floor (an "
-                 f"idle trivial replica and this driver) {idle['serve_floor']:.3f}. A cohort idle for "
-                 f"{results['cohort_idle_s']:g} s right after stepping (replica, ranks, its idle worker "
-                 f"actors and this driver), worst at A = {worst['workers']}, T = {worst['tokens']}: "
-                 f"{worst['idle_cores_used']:.3f} cores; its session held throughout: {held}.")
     T = 4 if 4 in results["tokens"] else results["tokens"][0]
-    scaling = {m: (pick(rows, m, 4, T), pick(rows, m, 1, T)) for m in ("floor", "session", "cgraph_before")}
+    scaling = {m: (pick(rows, m, 4, T), pick(rows, m, 1, T)) for m in ("floor", "session")}
     per_mode = ", ".join(f"{mode} {a['worker_steps_per_s'] / b['worker_steps_per_s']:.2f}x"
                          for mode, (a, b) in scaling.items() if a and b)
     if per_mode:
         lines.append(f"- Worker-steps/s at A = 4 over A = 1 (T = {T}): {per_mode}.")
-    return lines + before_lines(results)
+    return lines
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
@@ -640,9 +468,8 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
               "`own_sessions` = each worker on a lane of its own (a session of one peer); `serve` = each "
               "worker calling `MoEClient.forward` per layer; `floor` = the transport's own floor "
               "(`scripts/bench/floor.py`: A peer processes -> a gathering rank process -> "
-              f"{results['tp'] - 1} echo rank(s) -> back over raw TCP, blocking reads, no project code); "
-              "`cgraph_before` / `cgraph_before_lanes` = the Compiled-Graph cohort and lanes of the release "
-              "before. Worker-steps/s is decode steps finished per second summed over the A workers; "
+              f"{results['tp'] - 1} echo rank(s) -> back over raw TCP, blocking reads, no project code). "
+              "Worker-steps/s is decode steps finished per second summed over the A workers; "
               "forwards/step counts the group's forwards per decode step of all A workers (the replica's "
               "counters); cores busy (machine) is the whole machine's non-idle CPU while stepping, cores "
               "used the replica's, ranks', workers' and this driver's own CPU.", "",
@@ -657,18 +484,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     lines += call_table(results) + [""]
     for T in results["tokens"]:
         lines += table(results["rows"], T)
-    what = {"app": "the app with nothing leased: replica, ranks, this driver",
-            "session": f"an open session of {results['idle_peers']} joined peers, no calls: the same "
-                       "processes",
-            "serve_floor": "Ray Serve's floor: an idle trivial deployment's replica, this driver"}
-    lines += [f"Idle, {results['idle_s']:g} s windows in turns (cores the processes named used):", ""]
-    used = {k: [r["cores_used"] for r in vs] for k, vs in results["idle"].items()}
-    lines += rounds_table("state", "cores", used, what, ".3f")
-    lines += ["", "By process (median of rounds, cores): " + "; ".join(
-        f"{state}: " + ", ".join(f"{role} {statistics.median(r['by_role'][role] for r in vs):.3f}"
-                                 for role in vs[0]["by_role"])
-        for state, vs in results["idle"].items()) + "."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -678,34 +494,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 32], help="T: rows per worker and layer")
     ap.add_argument("--seconds", type=float, default=3.0, help="timed stepping per configuration")
     ap.add_argument("--calls", type=int, default=300, help="per-layer calls per T at A = 1 (all rounds)")
-    ap.add_argument("--idle-s", type=float, default=3.0, help="each idle window")
-    ap.add_argument("--cohort-idle-s", type=float, default=2.0,
-                    help="a cohort's idle window right after it stepped (its session still open)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the per-layer calls and idle windows")
-    ap.add_argument("--before-workers", type=int, nargs="+", default=[1, 4], help="A of the release before")
-    ap.add_argument("--before-tokens", type=int, nargs="+", default=[4], help="T of the release before")
-    ap.add_argument("--before-timeout-s", type=float, default=900.0)
-    ap.add_argument("--no-before", action="store_true", help="skip the release before")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the per-layer calls")
     args = ap.parse_args(argv)
     if args.quick:
         args.workers, args.tokens, args.seconds, args.calls, args.rounds = [1, 4], [4], 2.0, 100, 2
-        args.before_workers, args.before_tokens = [1, 4], [4]
     ckpt = harness.preset_checkpoint("tiny", args.layers + 1)
     machine = harness.machine_record(with_ray=True)
-    before = {"commit": BEFORE, "command": "-", "error": "skipped (--no-before)"}
-    if not args.no_before:  # one Ray at a time: the release before runs its own, then this run starts one
-        print(f"the release before ({BEFORE}): its bench_cohort.py", flush=True)
-        before = run_before(args)
     print("the transport's floor", flush=True)
     call_floor = {str(T): harness.latency_ms(echo_floor(1, T, HIDDEN, 1, args.tp, min_steps=args.calls,
                                                         warmup=10).steps[0]) for T in args.tokens}
     rows = [measure_floor(M, T, args.layers, args.tp, args.seconds)
             for M in args.workers for T in args.tokens]
-    rows += before.pop("rows", [])
     results = run_served(args, ckpt, rows)
     results.update(tp=args.tp, layers=args.layers, tokens=args.tokens, seconds=args.seconds, rows=rows,
-                   call_floor=call_floor, calls_per_t=args.calls, idle_s=args.idle_s,
-                   cohort_idle_s=args.cohort_idle_s, before=before, argv=args.argv,
+                   call_floor=call_floor, calls_per_t=args.calls, argv=args.argv,
                    machine=dict(machine, loadavg_after=harness.loadavg()))
     results["verdicts"] = verdicts(results)
     write_results(results, args.out, "dataplane", None, markdown, index_rows, args.docs)
@@ -713,8 +515,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_served(args: Any, ckpt: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """This run's own Ray: the session, own_sessions and serve rows (appended to ``rows``), the
-    per-layer calls at A = 1 and the idle rounds."""
+    """This run's own Ray: the session, own_sessions and serve rows (appended to ``rows``) and the
+    per-layer calls at A = 1."""
     import ray
     from ray import cloudpickle
 
@@ -735,19 +537,14 @@ def run_served(args: Any, ckpt: Path, rows: list[dict[str, Any]]) -> dict[str, A
                 workers = [ray.remote(SyntheticWorker).options(num_cpus=0).remote(T, HIDDEN, i, layers)
                            for i in range(M)]
                 taking_part = {**pids, "workers": ray.get([w.pid.remote() for w in workers])}
-                rows.append(measure_session(client, workers, taking_part, T, len(layers), args.seconds,
-                                            args.cohort_idle_s))
+                rows.append(measure_session(client, workers, taking_part, T, len(layers), args.seconds))
                 for mode in ("own_sessions", "serve"):
                     rows.append(measure_independent(client, workers, taking_part, mode, T, args.seconds))
                 for actor in workers:
                     ray.kill(actor)
         print("per-layer calls at A = 1, and the in-process forwards (the CLI)", flush=True)
         calls = measure_calls(client, ckpt, args.tp, args.tokens, args.calls, args.rounds)
-        print("idle", flush=True)
-        floor_pid = idle_floor_app()
-        idle = measure_idle(client, MoEClient(APP, timeout_s=300), pids, floor_pid, max(args.workers),
-                            max(args.tokens), args.idle_s, args.rounds)
-    return {"calls": {str(T): c for T, c in calls.items()}, "idle": idle, "idle_peers": max(args.workers)}
+    return {"calls": {str(T): c for T, c in calls.items()}}
 
 
 if __name__ == "__main__":
