@@ -173,6 +173,7 @@ class GroupSessions:
         group = snap["group"]
         return {"open": sessions, "opened": self.opened, "max_sessions": self.spec().max_sessions,
                 "group": {"forwards": group["forwards"], "rows": group["rows"], "busy_s": group["busy_s"],
+                          "recent_ms": group["recent_ms"],
                           "rows_per_forward": round(group["rows"] / group["forwards"], 2) if group["forwards"]
                           else None, "busy_fraction": group["busy_fraction"]},
                 "history": list(self.history)}

@@ -244,7 +244,8 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
     alone, and closed. Per T: the lane's latencies over all rounds, the CLI's medians, each round's
     lane p50 minus the CLI's median, and whether every answer came on the lane and equals the Serve
     path's bit for bit; for the first T also the served forward's own times (rank 0's, from the
-    replica's ``forward_ms.recent``), which split the lane's call into forward and data plane."""
+    group's forward times, ``status()["sessions"]["group"]["recent_ms"]``), which split the lane's
+    call into forward and data plane."""
     xs = {T: harness.seeded_randn(T, HIDDEN, seed=T) for T in tokens}
     per_round = max(1, calls // rounds)
     tail = "sharded" if tp > 1 else None
@@ -268,7 +269,7 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
         settled = settled_counters(client)
         # The lane's last per_round forwards were the first T's calls alone.
         if settled["lane_forwards"] - before["lane_forwards"] >= per_round:
-            out[tokens[0]]["served_ms"] += client.status()["counters"]["forward_ms"]["recent"][-per_round:]
+            out[tokens[0]]["served_ms"] += client.status()["sessions"]["group"]["recent_ms"][-per_round:]
         on_lane = status["path"] == "session" and status["serve_calls"] == 0 and status["fallbacks"] == 0
         for T in tokens:
             got = out[T]
