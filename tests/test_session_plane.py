@@ -5,6 +5,7 @@ threads, a stand-in forward (``out = 2 x + layer`` in float32: exact, so results
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -484,6 +485,16 @@ def test_elastic_idle_after_is_checked(group, bad):
 # -- many sessions on one group: shared, lasting, watched --------------------------------------
 
 
+def frames_waiting(host: GroupHost, n: int) -> None:
+    """Until ``n`` peers' sockets on rank 0 hold unread bytes (their frames came while the loop is
+    held)."""
+    def readable() -> bool:
+        socks = [s for session in host.sessions.values() for s in session.sockets if s is not None]
+        return len(select.select(socks, [], [], 0)[0]) >= n
+
+    wait_for(readable, f"{n} peers' frames in rank 0's sockets")
+
+
 def hold_loop(host: GroupHost) -> threading.Event:
     """Hold rank 0's loop (a command that waits) until the event is set: frames sent meanwhile
     wait in its sockets and are all read in its next round."""
@@ -503,7 +514,7 @@ def test_sessions_pending_together_share_one_forward_and_each_peer_gets_its_slic
     gate = hold_loop(host)
     with ThreadPoolExecutor(3) as pool:
         sent = {k: pool.submit(p.forward, xs[k], 1) for k, p in (("a0", a0), ("a1", a1), ("b0", b0))}
-        time.sleep(0.3)  # every frame is in rank 0's sockets
+        frames_waiting(host, 3)
         gate.set()
         outs = {k: f.result(timeout=10)[0] for k, f in sent.items()}
     for key, out in outs.items():
@@ -521,7 +532,7 @@ def test_ready_layers_of_different_layers_or_over_the_limit_run_in_arrival_order
     with ThreadPoolExecutor(3) as pool:
         sent = [pool.submit(p.forward, rows(4, i), layer) for i, (p, layer) in enumerate(zip(sessions, [1, 2, 1],
                                                                                         strict=True))]
-        time.sleep(0.3)  # all three frames wait in rank 0's sockets
+        frames_waiting(host, 3)
         gate.set()
         [f.result(timeout=10) for f in sent]
     # every layer alone (over the limit, or another layer); none waited for more than the others
