@@ -221,11 +221,6 @@ class Prepared:
     checked: dict[int, Any]  # peer -> (layer, rows, logits), or the Exception that refused it
     good: list[tuple[int, Any]]  # (peer, checked part) with rows
     new_step: bool
-    end_step: bool
-
-    @property
-    def logits(self) -> bool:
-        return any(c[2] is not None for _, c in self.good)
 
 
 def pending_shape(session: Session) -> tuple[int, int, bool]:
@@ -777,8 +772,7 @@ class GroupHost:
                 checked[i] = e
         good = [(i, c) for i, c in checked.items() if not isinstance(c, Exception) and c[1].shape[0]]
         flags = [frame.flags for frame, _ in parts.values()]
-        return Prepared(session, layer, peers, parts, checked, good, all(f & frames.NEW_STEP for f in flags),
-                        all(f & frames.END_STEP for f in flags))
+        return Prepared(session, layer, peers, parts, checked, good, all(f & frames.NEW_STEP for f in flags))
 
     def _run_batch(self, batch: list[Prepared]) -> None:
         """One forward of every prepared layer's good parts; each peer answered its slice."""

@@ -183,17 +183,6 @@ class GroupSessions:
         replica and the router weigh."""
         return sum(s["peers"] * s["max_tokens"] for s in self.open_now.values())
 
-    async def close_all(self, reason: str) -> None:
-        """End every open session (the replica is stopping); their peers are told ``reason``."""
-        rank0 = self.group.workers[0] if self.group.workers else None
-        for number in list(self.open_now):
-            if rank0 is None:
-                break
-            try:
-                await asyncio.wait_for(rank0.session_close.remote(number, reason), RANK_POLL_S)
-            except Exception as e:  # the group is going away with the replica anyway
-                logger.info("replica %s: session %s did not close cleanly: %s", self.replica, number, e)
-
 
 def _public(state: dict[str, Any]) -> dict[str, Any]:
     """A session's state as ``status()`` shows it."""
