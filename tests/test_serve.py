@@ -374,10 +374,12 @@ def test_a_dead_worker_gets_the_replica_replaced(app):
         # Polled here, not by wait_until: a timeout is asserted below, once the callers stopped.
         while time.monotonic() - killed_at < RECOVERY_BOUND_S:
             await asyncio.sleep(0.5)
-            ok_after = [s for s, e, err in results if err is None and s > killed_at]
+            # ray.kill returns before the rank is gone: a request started just after it may
+            # still succeed, so recovery is an answer that started after the last failure
             failed = [s for s, e, err in results if err is not None]
-            if failed and ok_after and min(ok_after) > max(failed):
-                recovered_at = min(e for s, e, err in results if err is None and s > max(failed))
+            ok_since = [e for s, e, err in results if err is None and failed and s > max(failed)]
+            if ok_since:
+                recovered_at = min(ok_since)
                 break
         stop.set()
         await asyncio.gather(*callers)
@@ -390,7 +392,10 @@ def test_a_dead_worker_gets_the_replica_replaced(app):
     # the dead rank is the cause given, not Ray's TypeError from reading the broken channel
     assert not any("not iterable" in e.message for e in errors), [e.message for e in errors]
     assert all(e.status in (503, 504) for e in errors), [(e.status, e.message) for e in errors]
-    assert recovered_at is not None, f"no successful request within {RECOVERY_BOUND_S} s of the kill"
+    assert recovered_at is not None, (
+        f"no successful request within {RECOVERY_BOUND_S} s of the kill: "
+        f"{[(round(s - killed_at, 1), err and err.message) for s, _, err in results if s > killed_at][-8:]}"
+    )
     # every failed request was ended by the tier (its group's bound or the dead rank), none by the
     # client giving up on it
     assert not any(e.kind in ("TimeoutError", "GetTimeoutError") for e in errors), [e.message for e in errors]
