@@ -18,6 +18,7 @@ scale after the sum), a few fp32 ulps on O(1) values; ``1e-5`` leaves a ~10x mar
 
 from __future__ import annotations
 
+import inspect
 import time
 import urllib.request
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 from deployments.config.spec import DeploymentSpec
 from deployments.control.decide import AUTO_MEASURED, MeasureSettings, TailDecision, decide, measured_plan
 from moe_runtime.synthetic import preset_config
-from moe_runtime.tp.tuning import current_measurement, resolve_clock
+from moe_runtime.tp.tuning import resolve_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 MI300X = "accelerator_type:AMD-Instinct-MI300X-OAM"
@@ -217,7 +218,6 @@ def test_clock_resolution():
                          ("time:timezone", "not callable")]:
         with pytest.raises(ValueError, match=message):
             resolve_clock(bad)
-    assert current_measurement() is None
 
 
 def test_measure_settings_validation():
@@ -245,12 +245,37 @@ EXPECTED_TIERS = [{"max_tokens": 1, "tail": "single_allreduce"}, {"max_tokens": 
 _fake_now = [0.0]
 
 
+def timed_pair() -> tuple[str, int]:
+    """The (tail, tokens) being timed: the loop variables of ``time_tails``, the clock's caller."""
+    caller = inspect.currentframe().f_back.f_back
+    assert caller.f_code.co_name == "time_tails", caller.f_code.co_name
+    return caller.f_locals["tail"], caller.f_locals["T"]
+
+
 def scripted_clock() -> float:
     """Injected tune clock (resolved on the workers): each reading advances by the cost of the
     pair being timed, so every timed sample (one start and one stop reading) is that cost."""
-    tail, tokens = current_measurement()
+    tail, tokens = timed_pair()
     _fake_now[0] += COST_MS[tail][tokens] / 1e3
     return _fake_now[0]
+
+
+def test_the_scripted_clock_times_each_pair_at_its_cost(tiny_ckpt):
+    """No Ray: the warm-up measurement of one runner, on the scripted clock resolved by name."""
+    from moe_runtime.config import LatentMoEConfig
+    from moe_runtime.tp.collectives import Collectives
+    from moe_runtime.tp.plan import TailPlan
+    from moe_runtime.tp.runner import build_rank_runners
+    from moe_runtime.tp.tuning import measure_runners
+
+    cfg = LatentMoEConfig.from_pretrained(tiny_ckpt)
+    runner = build_rank_runners(tiny_ckpt, cfg, [1], Collectives(), TailPlan.single("replicated", "t"),
+                                dtype=torch.float32)[1]
+    tails = [t for t in COST_MS if t in runner.legal_tails]
+    timings = measure_runners({1: runner}, TUNE_TOKENS, 2, f"{__name__}:{scripted_clock.__name__}", tails)
+    assert len(tails) >= 2 and timings.keys() == set(tails)
+    for tail in tails:  # float sums of the scripted clock: exact up to rounding
+        assert timings[tail] == pytest.approx({T: COST_MS[tail][T] for T in TUNE_TOKENS}, rel=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ the sequence-parallel deployments run the fifth.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import signal
 import subprocess
@@ -26,7 +27,6 @@ import pytest
 import torch
 
 from deployments.config.timeouts import EVENTS_PUSH_S, ROUTING_STATS_PERIOD_S
-from moe_runtime.tp.tuning import current_measurement
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -43,9 +43,16 @@ TAIL_AT = {1: "single_allreduce", 3: "overlap", 16: "replicated", 40: "sharded"}
 _fake_now = [0.0]
 
 
+def timed_pair() -> tuple[str, int]:
+    """The (tail, tokens) being timed: the loop variables of ``time_tails``, the clock's caller."""
+    caller = inspect.currentframe().f_back.f_back
+    assert caller.f_code.co_name == "time_tails", caller.f_code.co_name
+    return caller.f_locals["tail"], caller.f_locals["T"]
+
+
 def scripted_clock() -> float:
     """Injected tune clock: every timed sample of (tail, tokens) reads as its scripted cost."""
-    tail, tokens = current_measurement()
+    tail, tokens = timed_pair()
     _fake_now[0] += COST_MS[tail][tokens] / 1e3
     return _fake_now[0]
 

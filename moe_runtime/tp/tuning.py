@@ -8,7 +8,6 @@ ranks agree; the caller distributes it.
 
 from __future__ import annotations
 
-import contextvars
 import importlib
 import statistics
 import time
@@ -19,10 +18,6 @@ import torch
 
 from .plan import Clock, TailPlan, Timings
 from .runner import LatentMoERunner
-
-_measuring: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
-    "moe_tail_measurement", default=None
-)
 
 
 def time_tails(
@@ -58,11 +53,6 @@ def time_tails(
 # -- what a TP rank runs at warm-up (the Serve workers call these; no Ray here) ----------------
 
 
-def current_measurement() -> tuple[str, int] | None:
-    """``(tail, tokens)`` while :func:`measure_runners` times that pair, else None (fake clocks)."""
-    return _measuring.get()
-
-
 def resolve_clock(path: str | None) -> Clock:
     """``"module:callable"`` -> the callable (a zero-argument clock in seconds)."""
     if path is None:
@@ -93,11 +83,7 @@ def measure_runners(runners: Mapping[int, LatentMoERunner], token_counts: Sequen
     with torch.inference_mode():
         for T in token_counts:
             for tail in tails:
-                token = _measuring.set((tail, T))
-                try:
-                    timings[tail][T] = time_tails(runner, [T], [tail], reps, tick)[tail][T]
-                finally:
-                    _measuring.reset(token)
+                timings[tail][T] = time_tails(runner, [T], [tail], reps, tick)[tail][T]
     return timings
 
 
