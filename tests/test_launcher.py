@@ -129,7 +129,7 @@ def test_docker_commands_of_head_and_worker(path: Path) -> None:
 
 
 # The fast experts backends need torch >= 2.8 (aiter: torch.float4_e2m1fn_x2; grouped:
-# torch._grouped_mm); below it `auto` would serve with the slow per-expert loop.
+# torch's grouped GEMM); below it `auto` would serve with the slow per-expert loop.
 MIN_WORKER_TORCH = (2, 8)
 
 

@@ -1,7 +1,7 @@
 """The fast experts backends say which torch feature is missing instead of failing later.
 
 ``aiter`` views its MXFP4 operands as ``torch.float4_e2m1fn_x2`` / ``torch.float8_e8m0fnu`` and
-``grouped`` calls ``torch._grouped_mm``; torch 2.7 lacks the first and the last. Each test takes the
+``grouped`` calls torch's grouped GEMM op; torch 2.7 lacks the first and the last. Each test takes the
 attribute away (as an older torch would have it) and checks the backend's reason names the torch
 version and what is missing, through the backend module and through the registry that ``auto``
 uses; building the backend anyway is a ValueError with that reason, not an AttributeError.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_runtime import private_api as torch_api
 from moe_runtime.experts import backend_candidates, get_backend, unavailable_reason
 from moe_runtime.experts.aiter_fused import AiterExperts, aiter_unavailable_reason, torch_dtypes_reason
 from moe_runtime.experts.grouped import grouped_mm_fails_on, grouped_unavailable_reason
@@ -50,8 +51,8 @@ def test_grouped_reason_names_the_torch_version(monkeypatch) -> None:
     assert grouped_unavailable_reason() is None  # torch 2.13 CPU: the op runs here
     monkeypatch.delattr(torch, "_grouped_mm")
     for reason in (grouped_unavailable_reason(), unavailable_reason("grouped")):
-        assert reason == f"torch {torch.__version__} has no torch._grouped_mm (it needs torch >= 2.8)"
-    with pytest.raises(ValueError, match="no torch._grouped_mm"):
+        assert reason == f"torch {torch.__version__} has no {torch_api.GROUPED_MM} (it needs torch >= 2.8)"
+    with pytest.raises(ValueError, match=f"no {torch_api.GROUPED_MM}"):
         get_backend("grouped")
 
 

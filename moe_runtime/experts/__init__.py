@@ -1,7 +1,7 @@
 """Routed-experts backends behind one registry (``base``); one module per backend.
 
 Importing the package registers every backend: ``torch`` (the reference, always there),
-``grouped`` (``torch._grouped_mm``), ``aiter`` (AMD's fused SiTU MoE, ROCm only; the aiter
+``grouped`` (torch's grouped GEMM), ``aiter`` (AMD's fused SiTU MoE, ROCm only; the aiter
 package is imported only when that backend is built) and ``vllm`` (vLLM's fused MoE kernels on
 CUDA, imported only when that backend is asked for). ``check`` probes a candidate against
 the reference before it serves.

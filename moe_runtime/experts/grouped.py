@@ -1,10 +1,8 @@
 """The ``grouped`` experts backend: one grouped GEMM per projection for all active experts.
 
-``torch._grouped_mm(A [M, K], B [G, K, N], offs=int32 [G])`` multiplies row block ``g`` of ``A``
-(rows ``offs[g-1]:offs[g]``, ``offs`` the running row ends, empty blocks allowed) by ``B[g]`` in
-one call; torch 2.13 runs it on CPU (fp32, bf16, fp16), CUDA and ROCm builds (bf16 takes the
-fused kernel on recent GPUs, other dtypes a per-group loop inside the op). The ``torch`` backend
-instead launches two GEMMs per active expert from Python, up to 2 * E launches per layer.
+torch's grouped GEMM (``private_api.grouped_mm(A [M, K], B [G, K, N], offs)``) multiplies each row
+block of ``A`` by its matrix of ``B`` in one call. The ``torch`` backend instead launches two GEMMs
+per active expert from Python, up to 2 * E launches per layer.
 
 Dense experts are used in place: every expert is a group, inactive ones empty, so a batch costs
 two grouped GEMMs and no weight copy. Packed (MXFP4) experts are decoded only when active, a chunk
@@ -18,6 +16,7 @@ import functools
 
 import torch
 
+from .. import private_api as torch_api
 from ..activation import GatedActivation
 from ..weights import ExpertWeights
 from .base import DEFAULT_SCRATCH_BYTES, check_scratch_bytes, register_backend, slots_by_expert
@@ -27,8 +26,8 @@ GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def grouped_unavailable_reason() -> str | None:
     """None when this torch has the grouped GEMM op (and, on a GPU, it runs), else why not."""
-    if not callable(getattr(torch, "_grouped_mm", None)):
-        return f"torch {torch.__version__} has no torch._grouped_mm (it needs torch >= 2.8)"
+    if not torch_api.has_grouped_mm():
+        return f"torch {torch.__version__} has no {torch_api.GROUPED_MM} (it needs torch >= 2.8)"
     if torch.cuda.is_available():
         return grouped_mm_fails_on(f"cuda:{torch.cuda.current_device()}")
     return None
@@ -36,27 +35,27 @@ def grouped_unavailable_reason() -> str | None:
 
 @functools.cache
 def grouped_mm_fails_on(device: str) -> str | None:
-    """One tiny bf16 ``torch._grouped_mm`` on ``device``: None when it runs, else the error. Some
+    """One tiny bf16 grouped GEMM on ``device``: None when it runs, else the error. Some
     builds have the op but no kernel for the device (ROCm torch 2.8 raises "grouped gemm is not
     supported on ROCM"; ROCm's 2.9 builds carry a fallback)."""
     try:
         a = torch.ones(4, 8, dtype=torch.bfloat16, device=device)
         b = torch.ones(2, 8, 8, dtype=torch.bfloat16, device=device)
-        torch._grouped_mm(a, b, offs=torch.tensor([2, 4], dtype=torch.int32, device=device))
+        torch_api.grouped_mm(a, b, torch.tensor([2, 4], dtype=torch.int32, device=device))
     except Exception as exc:  # RuntimeError / NotImplementedError from the op's dispatch
-        return f"torch {torch.__version__}'s torch._grouped_mm does not run on {device}: {exc}"
+        return f"torch {torch.__version__}'s {torch_api.GROUPED_MM} does not run on {device}: {exc}"
     return None
 
 
 def _experts_mm(x_MD, counts_G, w13_GFD, w2_GDI, act: GatedActivation, act_quant):
     """Both projections of ``G`` experts on their sorted rows: ``[M, D]`` in the input dtype."""
     offs = torch.cumsum(counts_G, 0, dtype=torch.int32)
-    gate_up = torch._grouped_mm(x_MD, w13_GFD.transpose(1, 2), offs=offs)
+    gate_up = torch_api.grouped_mm(x_MD, w13_GFD.transpose(1, 2), offs)
     half = w13_GFD.shape[1] // 2
     a = act(gate_up[:, :half], gate_up[:, half:]).to(x_MD.dtype)
     if act_quant is not None:
         a = act_quant(a)
-    return torch._grouped_mm(a, w2_GDI.transpose(1, 2), offs=offs)
+    return torch_api.grouped_mm(a, w2_GDI.transpose(1, 2), offs)
 
 
 @register_backend("grouped", unavailable=grouped_unavailable_reason)

@@ -6,7 +6,7 @@ times, in one run and on the same inputs:
 * ``torch``: ``moe_runtime.experts.get_backend("torch")`` on the router's ids/weights
   (``router.route``) and the down-projected latent ``h`` (``layer.down_project``): two GEMMs
   per active expert;
-* ``grouped``: ``get_backend("grouped")`` on the same inputs: one ``torch._grouped_mm`` per
+* ``grouped``: ``get_backend("grouped")`` on the same inputs: one grouped GEMM per
   projection over all active experts (per scratch-sized chunk of them when packed);
 * ``naive``: a Python loop over tokens and slots (one GEMV pair per token-slot); for large T
   only the first ``--naive-max-tokens`` tokens are timed and the time is scaled by T / n;
