@@ -7,6 +7,8 @@ K experts per token, S shared intermediate (local).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from .activation import GatedActivation
@@ -33,9 +35,18 @@ def check_hidden(x_TH: object, hidden_size: int, dtype: torch.dtype, max_tokens:
         raise ValueError(not_finite(what))
 
 
+class LayerSizes(Protocol):
+    """What the input check reads from a layer's config (the latent and the standard ones)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+
+
 def check_input(
     x_TH: object,
-    cfg: LatentMoEConfig,
+    cfg: LayerSizes,
     dtype: torch.dtype,
     router_logits_TE: object = None,
     max_tokens: int | None = None,
@@ -84,12 +95,19 @@ def latent_norm(L_TD: torch.Tensor, w: LayerWeights, eps: float) -> torch.Tensor
     return L * torch.rsqrt(L.pow(2).mean(-1, keepdim=True) + eps) * w.norm_D
 
 
+def gated_mlp(x_TH: torch.Tensor, gate_SH: torch.Tensor, up_SH: torch.Tensor, down_HS: torch.Tensor,
+              act: GatedActivation) -> torch.Tensor:
+    """``act(x·Wg^T, x·Wu^T) · Wd^T`` in the input dtype (a partial sum when the weights are
+    intermediate-dimension TP shards): the shared experts of every MoE layer of the package."""
+    a = act(dense_linear(x_TH, gate_SH), dense_linear(x_TH, up_SH)).to(x_TH.dtype)
+    return dense_linear(a, down_HS)
+
+
 def shared_experts(x_TH: torch.Tensor, w: LayerWeights, act: GatedActivation) -> torch.Tensor | None:
     """``S = act(x·Wsg^T, x·Wsu^T) · Wsd^T`` in the input dtype (partial under TP)."""
     if not w.has_shared:
         return None
-    a = act(dense_linear(x_TH, w.shared_gate_SH), dense_linear(x_TH, w.shared_up_SH)).to(x_TH.dtype)
-    return dense_linear(a, w.shared_down_HS)
+    return gated_mlp(x_TH, w.shared_gate_SH, w.shared_up_SH, w.shared_down_HS, act)
 
 
 def moe_forward(

@@ -5,9 +5,29 @@ Legend: T tokens, H hidden, E experts, K experts per token, G expert groups.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from .config import LatentMoEConfig
+
+class RouterConfig(Protocol):
+    """What routing reads from a config: ``LatentMoEConfig`` is one, and the standard layers'
+    configs (``moe_runtime.standard``) hand theirs over as a ``RouterSpec``."""
+
+    @property
+    def moe_router_activation_func(self) -> str: ...  # "sigmoid" | "softmax"
+    @property
+    def num_experts_per_token(self) -> int: ...
+    @property
+    def moe_renormalize(self) -> bool: ...
+    @property
+    def routed_scaling_factor(self) -> float: ...
+    @property
+    def grouped(self) -> bool: ...  # grouped top-k in force (groups > 1)
+    @property
+    def num_expert_group(self) -> int: ...
+    @property
+    def topk_group(self) -> int: ...
 
 
 def _stable_topk_ids(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
@@ -16,7 +36,7 @@ def _stable_topk_ids(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-def _group_mask(select_TE: torch.Tensor, cfg: LatentMoEConfig) -> torch.Tensor:
+def _group_mask(select_TE: torch.Tensor, cfg: RouterConfig) -> torch.Tensor:
     """Boolean [T, E] mask of the experts inside each token's top ``topk_group`` groups.
 
     A group's score is the sum of its two best selection scores (one if the group has a
@@ -36,7 +56,7 @@ def route(
     x_TH: torch.Tensor,
     gate_EH: torch.Tensor,
     bias_E: torch.Tensor,
-    cfg: LatentMoEConfig,
+    cfg: RouterConfig,
     router_logits_TE: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(ids_TK int64, weights_TK float32)``.
