@@ -11,9 +11,11 @@ the report of ``scripts/gpu_check.sh``; ``measure_rss`` samples any command's me
 
 The harness:
 
-* ``harness``: command-line options, the machine record, timing loops and percentiles, a private
-  local Ray + Serve, checkpoints written once, seeded inputs, plots;
-* ``docs``: each benchmark's page and its rows of the index, verdicts from the data;
+* ``harness``: command-line options, the machine record, timing loops, percentiles and medians of
+  rounds, the packed experts' before / after modes, a private local Ray + Serve, checkpoints written
+  once, seeded inputs, plots, and ``report`` (a run's JSON, its page and its index rows);
+* ``docs``: each benchmark's page (its opening line, tables, verdicts from the data) and its rows of
+  the index;
 * ``rows``: JSON-lines results that keep up with the measurement (no torch import);
 * ``rss``: the resident memory of a process tree, sampled from /proc;
 * ``floor``: the transport's own floor, raw TCP between processes;

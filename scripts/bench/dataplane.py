@@ -1,38 +1,24 @@
 """The data plane against the transport's own floor, in one run on one machine.
 
-One local Ray instance (CPU, logical GPUs) serves --layers MoE layers of the tiny preset on one
-TP --tp deployment (float32, sharded tail, one replica). A attention workers (Ray actors whose
-attention is synthetic: T seeded rows per layer, so what is measured is the tier's fast path)
-decode steps; per (A, T) the modes are
+One local Ray instance (CPU, logical GPUs) serves --layers MoE layers of the tiny preset on one TP
+--tp deployment (float32, sharded tail, one replica). A attention workers (Ray actors whose attention
+is synthetic: T seeded rows per layer) decode steps; per (A, T) the modes (the page says more) are
 
-* session: ``MoEClient(app).cohort(workers)``: the A workers are the peers of one data-plane
-  session, and per MoE layer the group's rank 0 gathers all A parts and runs one forward; a step
-  is checked bit for bit against the Serve path's forward of the same concatenated rows;
-* own_sessions: each worker on a lane of its own (``MoEClient(app).lane()``: a session of one
-  peer), called once per layer;
-* serve: each worker calls ``MoEClient.forward`` once per layer (the replica's token-budget
-  batching merges whatever arrives together);
-* floor: the transport's own floor (``bench.floor``): A peer processes -> one gathering rank
-  process -> TP - 1 echo ranks -> back, over raw TCP with blocking reads, T x H float32 rows per
-  peer and layer; no project code, no Ray.
+* session: the A workers as the peers of one session (``MoEClient(app).cohort(workers)``), one
+  group forward per MoE layer; a step is checked bit for bit against the Serve path's forward;
+* own_sessions: each worker on a lane of its own (``MoEClient(app).lane()``);
+* serve: each worker calls ``MoEClient.forward`` once per layer;
+* floor: the transport's own floor (``bench.floor``): the same message pattern over raw TCP.
 
-Per row: worker-steps/s, step p50/p90, group forwards per step of all A workers and tokens per
-forward (the replica's own counters), and the cores busy while stepping: the whole machine's
-(/proc/stat) and the taking-part processes' own (replica, ranks, workers, this driver).
-
-Also: at A = 1, per T, the per-layer call p50 of a lane (``MoEClient.lane``, layer 1) against
-the in-process forward of the same layer (``python -m moe_runtime forward``, same TP and tail,
-``bench.harness.cli_forward_ms``), in --rounds rounds with the app up (the same load for both),
-and the transport's floor for one call. (What an idle open session costs is ``scripts.bench.sessions``'
-measure; the Compiled-Graph release before the data plane is no longer compared.)
+Also, at A = 1 per T, a lane's per-layer call p50 against the in-process forward of the same layer
+(``bench.harness.cli_forward_ms``), in --rounds rounds with the app up, and the floor for one call.
 
     python -m scripts.bench.dataplane            # TP 2, 3 layers, A = 1 2 4 8, T = 1 4 32: ~12 min, 2 cores
     python -m scripts.bench.dataplane --quick    # A = 1 4, T = 4 (a smoke run)
 
 Targets: A = 1, T = 1: lane call p50 - in-process forward <= 0.5 ms; A = 4, T = 4: session
 worker-steps/s >= 2x own_sessions; group forwards per session step = MoE layers; every session step
-bit-equal to the Serve path's. Results: JSON under --out, its page, docs/benchmarks/dataplane.md,
-and its rows of the index (--docs).
+bit-equal to the Serve path's.
 """
 
 from __future__ import annotations
@@ -49,7 +35,7 @@ import torch
 from examples.rows import RowsWorker
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_word, write_results, yes_no
+from .docs import Target, section_start, table, target, verdict, verdict_text, yes_no
 from .floor import echo_floor
 from .rss import cpu_seconds, serve_replica_pid
 
@@ -117,18 +103,6 @@ class SyntheticWorker(RowsWorker):
 # -- measuring -------------------------------------------------------------------------------------
 
 
-def timed(step: Any, seconds: float, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 3:
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 Roles = dict[str, list[int]]  # a part the processes play (replica, rank0, workers, driver) -> their pids
 
 
@@ -161,11 +135,6 @@ def counters(client: Any) -> dict[str, Any]:
             "lane_forwards": c["sessions"]["forwards"], "lane_busy_s": c["sessions"]["busy_s"]}
 
 
-def settled_counters(client: Any) -> dict[str, int]:
-    """The replica's counters: exact at each read (status() reads rank 0's session counts live)."""
-    return counters(client)
-
-
 def row(mode: str, workers: int, tokens: int, step_s: list[float], worker_steps: int, wall_s: float,
         cores: dict[str, float], before: dict[str, int] | None = None, after: dict[str, int] | None = None,
         untimed: int = 0, **extra: Any) -> dict[str, Any]:
@@ -193,12 +162,12 @@ def measure_session(client: Any, workers: list[Any], pids: Roles, tokens: int, l
     with client.cohort(workers, max_tokens=tokens, name=f"bench-{M}x{tokens}") as cohort:
         for _ in range(3):  # untimed, before the counters are read
             cohort.step([None] * M)
-        before, cores = settled_counters(client), Cores(pids)
-        steps = timed(lambda: cohort.step([None] * M), seconds, warmup=0)
+        before, cores = counters(client), Cores(pids)
+        steps = harness.time_calls(lambda: cohort.step([None] * M), 3, warmup=0, min_time_s=seconds).seconds
         stepping = cores.read()
         outs = ray.get([w.outputs.remote() for w in workers])  # the last step's rows
         status = cohort.status()
-    after = settled_counters(client)
+    after = counters(client)
     exact = True  # the last step's rows against the Serve path's forward of all of them
     for layer in range(1, layers + 1):
         xs = [harness.seeded_randn(tokens, HIDDEN, 1000 * i + layer) for i in range(M)]
@@ -217,7 +186,7 @@ def measure_independent(client: Any, workers: list[Any], pids: Roles, mode: str,
     before, cores, start = counters(client), Cores(pids), time.perf_counter()
     runs = ray.get([w.run_for.remote(APP, mode, tokens, seconds, WARMUP) for w in workers])
     wall, stepping = time.perf_counter() - start, cores.read()
-    after = settled_counters(client)
+    after = counters(client)
     flat = [s for run in runs for s in run["steps"]]
     # Every timed step over the span from the first timed step's start to the last one's end: the
     # workers' windows overlap where they run side by side, and follow each other where they wait.
@@ -266,7 +235,7 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
                 call(lane, tokens[0])
             status = lane.status()["deployments"][NAME]
         lease_ended(client)
-        settled = settled_counters(client)
+        settled = counters(client)
         # The lane's last per_round forwards were the first T's calls alone.
         if settled["lane_forwards"] - before["lane_forwards"] >= per_round:
             out[tokens[0]]["served_ms"] += client.status()["sessions"]["group"]["recent_ms"][-per_round:]
@@ -354,42 +323,35 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
 
 
 def value_text(v: dict[str, Any], fmt: str = ".2f", unit: str = "") -> str:
-    if v["value"] is None:
-        return f"not measured (target {v['target']}{unit})"
-    return f"**{v['value']:{fmt}}{unit}** (target {v['target']}{unit}: {verdict_word(v['met'])})"
+    return f"not measured (target {v['target']}{unit})" if v["value"] is None else verdict_text(v, fmt, unit)
 
 
 def cell(r: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if r.get(key) is None else f"{r[key]:{fmt}}"
 
 
-def table(rows: list[dict[str, Any]], T: int) -> list[str]:
-    lines = [f"**T = {T} rows per worker and layer**", "",
-             "| mode | A | worker-steps/s | step p50 ms | step p90 ms | forwards/step | tokens/forward "
-             "| cores busy (machine) | cores used (its processes) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for mode in MODES:
-        ours = sorted((r for r in rows if r["mode"] == mode and r["tokens"] == T), key=lambda r: r["workers"])
-        for r in ours:
-            flag = "" if r.get("valid", True) else " (**invalid**)"
-            lines.append(f"| {mode}{flag} | {r['workers']} | {r['worker_steps_per_s']:.1f} "
-                         f"| {r['step_p50_ms']:.2f} | {r['step_p90_ms']:.2f} "
-                         f"| {cell(r, 'forwards_per_step', '.2f')} "
-                         f"| {cell(r, 'tokens_per_forward', '.1f')} | {cell(r, 'cores_busy', '.2f')} "
-                         f"| {cell(r, 'cores_used', '.2f')} |")
-    return lines + [""]
+def step_table(rows: list[dict[str, Any]], T: int) -> list[str]:
+    head = ("mode | A | worker-steps/s | step p50 ms | step p90 ms | forwards/step | tokens/forward "
+            "| cores busy (machine) | cores used (its processes)")
+    ours = sorted((r for r in rows if r["tokens"] == T), key=lambda r: (MODES.index(r["mode"]), r["workers"]))
+    cells = [[r["mode"] + ("" if r.get("valid", True) else " (**invalid**)"), r["workers"],
+              f"{r['worker_steps_per_s']:.1f}", f"{r['step_p50_ms']:.2f}", f"{r['step_p90_ms']:.2f}",
+              cell(r, "forwards_per_step", ".2f"), cell(r, "tokens_per_forward", ".1f"),
+              cell(r, "cores_busy", ".2f"), cell(r, "cores_used", ".2f")] for r in ours]
+    return [f"**T = {T} rows per worker and layer**", "", *table(head, cells, "ll" + "r" * 7), ""]
 
 
 def call_table(results: dict[str, Any]) -> list[str]:
-    lines = ["| T | lane p50 ms | lane p90 ms | in-process ms | lane - in-process (rounds) "
-             "| transport floor p50 | lane - in-process - floor | bit-equal, on the lane |",
-             "|---|---:|---:|---:|---|---:|---:|---|"]
+    head = ("T | lane p50 ms | lane p90 ms | in-process ms | lane - in-process (rounds) "
+            "| transport floor p50 | lane - in-process - floor | bit-equal, on the lane")
+    cells = []
     for c in call_rows(results):
         rounds = ", ".join(f"{v:+.2f}" for v in c["rounds_ms"])
-        lines.append(f"| {c['T']} | {c['lane_p50_ms']:.3f} | {c['lane_p90_ms']:.3f} "
-                     f"| {c['inprocess_ms']:.2f} | **{c['over_inprocess_ms']:+.3f}** ({rounds}) "
-                     f"| {c['floor_p50_ms']:.3f} | {c['over_floor_ms']:+.3f} | {yes_no(c['valid'])} |")
-    return lines
+        cells.append([c["T"], f"{c['lane_p50_ms']:.3f}", f"{c['lane_p90_ms']:.3f}",
+                      f"{c['inprocess_ms']:.2f}", f"**{c['over_inprocess_ms']:+.3f}** ({rounds})",
+                      f"{c['floor_p50_ms']:.3f}",
+                      f"{c['over_floor_ms']:+.3f}", yes_no(c["valid"])])
+    return table(head, cells, "lrrrlrrl")
 
 
 def call_findings(results: dict[str, Any]) -> list[str]:
@@ -484,7 +446,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
               ""]
     lines += call_table(results) + [""]
     for T in results["tokens"]:
-        lines += table(results["rows"], T)
+        lines += step_table(results["rows"], T)
     return "\n".join(lines)
 
 
@@ -508,11 +470,9 @@ def main(argv: list[str] | None = None) -> int:
             for M in args.workers for T in args.tokens]
     results = run_served(args, ckpt, rows)
     results.update(tp=args.tp, layers=args.layers, tokens=args.tokens, seconds=args.seconds, rows=rows,
-                   call_floor=call_floor, calls_per_t=args.calls, argv=args.argv,
-                   machine=dict(machine, loadavg_after=harness.loadavg()))
-    results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "dataplane", None, markdown, index_rows, args.docs)
-    return 0 if results["verdicts"]["exact"]["met"] else 1
+                   call_floor=call_floor, calls_per_t=args.calls)
+    results["verdicts"] = v = verdicts(results)
+    return harness.report(args, results, machine, markdown, index_rows, ok=v["exact"]["met"])
 
 
 def run_served(args: Any, ckpt: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:

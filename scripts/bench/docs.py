@@ -21,7 +21,7 @@ import operator
 import re
 import shlex
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -87,9 +87,9 @@ def yes_no(ok: bool) -> str:
     return "yes" if ok else "**no**"
 
 
-def verdict_text(v: dict[str, Any], fmt: str = ".2f") -> str:
+def verdict_text(v: dict[str, Any], fmt: str = ".2f", unit: str = "") -> str:
     """A :func:`verdict` in words: '**0.70** (target <= 0.75: met)'."""
-    return f"**{v['value']:{fmt}}** (target {v['target']}: {verdict_word(v['met'])})"
+    return f"**{v['value']:{fmt}}{unit}** (target {v['target']}{unit}: {verdict_word(v['met'])})"
 
 
 def is_contended(load_before: list[float] | float, cpus: int) -> bool:
@@ -134,6 +134,19 @@ def section_start(heading: str, script: str, argv: list[str] | str, machine: dic
     plot = f", plot: `{png_path}`" if png_path else ""
     return (f"{heading}\n\nRun: {command(script, argv)} -- {machine['date']}, {machine['cpus']} CPUs, torch "
             f"{machine['torch']}{ray}; {details}; {load}. Raw data: `{json_path}`{plot}.")
+
+
+def table(head: str, rows: Iterable[Iterable[Any]], align: str = "") -> list[str]:
+    """A markdown table: ``head`` the column names joined by ' | ', then a row per sequence of cells;
+    ``align`` an 'l' or 'r' per column (default: all left)."""
+    align = align or "l" * len(head.split(" | "))
+    return [f"| {head} |", "|" + "".join("---:|" if a == "r" else "---|" for a in align),
+            *("| " + " | ".join(map(str, cells)) + " |" for cells in rows)]
+
+
+def pct(value: float | None) -> str:
+    """A fraction as a whole percentage ('' for none)."""
+    return "" if value is None else f"{100 * value:.0f} %"
 
 
 def rounds_table(kind: str, measure: str, values: dict[str, list[float]], what: dict[str, str],

@@ -1,32 +1,21 @@
 """Benchmark the routed-experts stage (DESIGN §2 steps 3-4): the ``torch`` and ``grouped`` backends.
 
-For each token count T and experts format (dense, or MXFP4-packed and decoded per batch) it
-times, in one run and on the same inputs:
+For each token count T and experts format (dense, or MXFP4-packed and decoded per batch), in one run
+on the same inputs (the router's ids and weights, the down-projected latent):
 
-* ``torch``: ``moe_runtime.experts.get_backend("torch")`` on the router's ids/weights
-  (``router.route``) and the down-projected latent ``h`` (``layer.down_project``): two GEMMs
-  per active expert;
-* ``grouped``: ``get_backend("grouped")`` on the same inputs: one grouped GEMM per
-  projection over all active experts (per scratch-sized chunk of them when packed);
-* ``naive``: a Python loop over tokens and slots (one GEMV pair per token-slot); for large T
-  only the first ``--naive-max-tokens`` tokens are timed and the time is scaled by T / n;
-* ``dense``: two plain GEMMs with the same FLOPs, ``[T*K, D] x [D, 2I]`` then
-  ``[T*K, I] x [I, D]`` (no gather, no activation, no combine): the roofline the grouped
-  expert loop is measured against.
+* ``torch``: ``get_backend("torch")``, two GEMMs per active expert;
+* ``grouped``: ``get_backend("grouped")``, one grouped GEMM per projection over all active experts
+  (per scratch-sized chunk of them when packed);
+* ``naive``: a Python loop over tokens and slots (a GEMV pair per token-slot); for large T only the
+  first ``--naive-max-tokens`` tokens are timed and the time is scaled by T / n;
+* ``dense``: two plain GEMMs with the same FLOPs, ``[T*K, D] x [D, 2I]`` then ``[T*K, I] x [I, D]``:
+  the roofline the expert loop is measured against (target: ``torch`` >= 40 % of it at T = 4096).
 
-FLOPs of the stage: ``2 * T * K * (2I * D + I * D) = 6 * T * K * D * I`` (the activation and
-the weighted combine are not counted). ``torch``, ``grouped`` and ``dense`` are called in turn
-(interleaved) so that a shared machine slows them alike; times are medians (the best-of ratio is
-kept too).
-With ``--packed-checkpoint`` (an MXFP4 checkpoint: the real-size Kimi-K3 one), also the packed
-CPU experts *before* and *after* issue 48 in the same process, in turns, the median of
-``--packed-reps`` each (*before*: the AVX2 build of the fused kernel for every expert; *after*: the
-build this CPU gets, the batched path from the crossover measured at load), on the layer's own
-routing of T random tokens: the memory-bound limit (the active experts' packed bytes over a
-memcpy measured in the same run) and GFLOP/s against torch's bf16 GEMM peak measured in the same
-run. Writes ``experts.json`` and ``experts.png`` to ``--out``, and its page
-(docs/benchmarks/experts.md) and rows of the index to ``--docs``. Legend: T tokens, D latent, K
-experts per token, I intermediate.
+FLOPs = ``6 * T * K * D * I``. ``torch``, ``grouped`` and ``dense`` are called in turn, medians kept.
+With ``--packed-checkpoint`` (the real-size MXFP4 Kimi-K3 one), also the packed CPU experts *before*
+and *after* issue 48 (``harness.packed_mode``), in turns, on the layer's own routing: the fraction of
+the memory-bound limit (active experts' packed bytes over memcpy) and of torch's bf16 GEMM peak.
+Legend: T tokens, D latent, K experts per token, I intermediate.
 """
 
 from __future__ import annotations
@@ -52,7 +41,7 @@ from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_text, write_results
+from .docs import Target, pct, section_start, table, target, verdict, verdict_text
 
 SECTION = "# Experts backends: `torch` and `grouped` against a dense GEMM (scripts/bench/experts.py)"
 
@@ -165,14 +154,30 @@ def timing_row(T: int, dtype: torch.dtype, fmt: str, K: int, active: int, flops:
     }
 
 
-PACKED_MODES = {"before": {mxfp4_cpu.ISA_ENV: "avx2", mxfp4_cpu.BATCHED_ENV: "0"}, "after": {}}
-PEAK_SHAPE = (2048, 3584, 6144)  # the bf16 GEMM peak: a K3 expert's gate|up over 2048 rows
-
-
-def set_mode(mode: str) -> None:
-    for key in (mxfp4_cpu.ISA_ENV, mxfp4_cpu.BATCHED_ENV):
-        os.environ.pop(key, None)
-    os.environ.update(PACKED_MODES[mode])
+def packed_row(backend: Any, w: Any, cfg: LatentMoEConfig, T: int, reps: int, per_expert: int,
+               memcpy: float, peak: float) -> dict[str, Any]:
+    """The packed experts of ``w`` on the layer's routing of ``T`` random tokens, before and after."""
+    x_TH = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
+    h_TD = down_project(x_TH, w)
+    ids, weights = route(x_TH, w.gate_EH, w.bias_E, cfg)
+    act = GatedActivation.from_config(cfg)
+    load0 = harness.loadavg()
+    times, outs = harness.before_and_after(lambda: backend(h_TD, ids, weights, w.experts, act), reps)
+    active = int(torch.unique(ids).numel())
+    floor_s = active * per_expert / 1e9 / memcpy
+    flops = 6 * T * cfg.num_experts_per_token * cfg.routed_expert_hidden_size * cfg.moe_intermediate_size
+    diff = (outs["after"] - outs["before"]).abs().max() / outs["before"].abs().max()
+    row = {"T": T, "active_experts": active, "must_read_bytes": active * per_expert,
+           "floor_ms": floor_s * 1e3, "loadavg": [load0[0], harness.loadavg()[0]],
+           "after_vs_before": diff.item()}
+    for mode, t in times.items():
+        med = statistics.median(t)
+        row[mode] = {"ms": med * 1e3, "all_ms": [1e3 * v for v in t], "memory_bound_fraction": floor_s / med,
+                     "gflops": flops / med / 1e9, "peak_fraction": flops / med / 1e9 / peak}
+    b, a = row["before"], row["after"]
+    print(f"packed T={T}: before {b['ms']:.1f} ms ({b['memory_bound_fraction']:.2f} of the limit), "
+          f"after {a['ms']:.1f} ms ({a['memory_bound_fraction']:.2f})", flush=True)
+    return row
 
 
 def bench_packed(ckpt: Path, tokens: list[int], reps: int) -> dict:
@@ -181,75 +186,37 @@ def bench_packed(ckpt: Path, tokens: list[int], reps: int) -> dict:
     layer = cfg.moe_layers[0]
     memcpy = harness.memcpy_gbps()
     w = load_layer_weights(ckpt, cfg, layer, dtype=torch.bfloat16)
-    ex, act, backend = w.experts, GatedActivation.from_config(cfg), TorchExperts()
-    set_mode("after")
+    ex, backend = w.experts, TorchExperts()
+    harness.packed_mode("after")
     backend.prepare(ex)  # the crossover, measured as at load
     per_expert = sum(t[0].numel() for t in (ex.w13, ex.w2, ex.w13_scale, ex.w2_scale))
-    m, k, n = PEAK_SHAPE
-    x, wt = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-    peak = 2 * m * k * n / min(harness.time_calls(lambda: x @ wt.t(), 3).seconds) / 1e9
-    rows = []
+    peak = harness.bf16_peak_gflops(3)
     with torch.inference_mode():
-        for T in tokens:
-            x_TH = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
-            h_TD = down_project(x_TH, w)
-            ids, weights = route(x_TH, w.gate_EH, w.bias_E, cfg)
-            load0 = harness.loadavg()
-            times: dict[str, list[float]] = {mode: [] for mode in PACKED_MODES}
-            outs = {}
-            for _ in range(reps):
-                for mode in PACKED_MODES:
-                    set_mode(mode)
-                    start = time.perf_counter()
-                    outs[mode] = backend(h_TD, ids, weights, ex, act)
-                    times[mode].append(time.perf_counter() - start)
-            set_mode("after")
-            active = int(torch.unique(ids).numel())
-            floor_s = active * per_expert / 1e9 / memcpy
-            D, I, K = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_token
-            flops = 6 * T * K * D * I
-            diff = (outs["after"] - outs["before"]).abs().max() / outs["before"].abs().max()
-            row = {"T": T, "active_experts": active, "must_read_bytes": active * per_expert,
-                   "floor_ms": floor_s * 1e3, "loadavg": [load0[0], harness.loadavg()[0]],
-                   "after_vs_before": diff.item()}
-            for mode, t in times.items():
-                med = statistics.median(t)
-                row[mode] = {"ms": med * 1e3, "all_ms": [1e3 * v for v in t],
-                             "memory_bound_fraction": floor_s / med, "gflops": flops / med / 1e9,
-                             "peak_fraction": flops / med / 1e9 / peak}
-            rows.append(row)
-            b, a = row["before"], row["after"]
-            print(f"packed T={T}: before {b['ms']:.1f} ms ({b['memory_bound_fraction']:.2f} of the limit), "
-                  f"after {a['ms']:.1f} ms ({a['memory_bound_fraction']:.2f})", flush=True)
+        rows = [packed_row(backend, w, cfg, T, reps, per_expert, memcpy, peak) for T in tokens]
     return {"checkpoint": ckpt.name, "layer": layer, "memcpy_gbps": memcpy, "bf16_peak_gflops": peak,
             "gemm_engine": crossover.gemm_engine(), "isa": mxfp4_cpu.isa(), "reps": reps,
             "experts_path": backend.path(ex)[1], "rows": rows}
 
 
 def packed_table(packed: dict) -> list[str]:
-    lines = [
+    intro = (
         f"**Packed MXFP4 experts on CPU, before and after issue 48** (`{packed['checkpoint']}`, layer "
         f"{packed['layer']}, bf16): the routed-experts stage alone on the layer's routing of T random "
         f"tokens, *before* (the AVX2 fused kernel for every expert) and *after* (the {packed['isa']} build, "
         f"the batched path from the measured crossover) in turns, medians of {packed['reps']}. Memory-bound "
         f"limit: the active experts' packed bytes over memcpy {packed['memcpy_gbps']:.2f} GB/s (same run). "
-        f"bf16 GEMM peak "
-        f"{packed['bf16_peak_gflops']:.0f} GFLOP/s (torch, [{PEAK_SHAPE[0]}, {PEAK_SHAPE[1]}] x "
-        f"[{PEAK_SHAPE[1]}, {PEAK_SHAPE[2]}], {packed['gemm_engine']}). Path: {packed['experts_path']}.", "",
-        "| T | active | must read GB | memory-bound ms | before ms | after ms | before % of limit "
-        "| after % of limit | before GFLOP/s | after GFLOP/s | after % of bf16 peak | after vs before "
-        "| load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in packed["rows"]:
-        b, a = r["before"], r["after"]
-        lines.append(
-            f"| {r['T']} | {r['active_experts']} | {r['must_read_bytes'] / 1e9:.3f} | {r['floor_ms']:.1f} "
-            f"| {b['ms']:.1f} | {a['ms']:.1f} | {100 * b['memory_bound_fraction']:.0f} % "
-            f"| {100 * a['memory_bound_fraction']:.0f} % | {b['gflops']:.1f} | {a['gflops']:.1f} "
-            f"| {100 * a['peak_fraction']:.0f} % | {r['after_vs_before']:.1e} "
-            f"| {r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f} |")
-    return lines
+        f"bf16 GEMM peak {harness.peak_text(packed['bf16_peak_gflops'], packed['gemm_engine'])}. "
+        f"Path: {packed['experts_path']}.")
+    head = ("T | active | must read GB | memory-bound ms | before ms | after ms | before % of limit "
+            "| after % of limit | before GFLOP/s | after GFLOP/s | after % of bf16 peak | after vs before "
+            "| load avg")
+    cells = [[r["T"], r["active_experts"], f"{r['must_read_bytes'] / 1e9:.3f}", f"{r['floor_ms']:.1f}",
+              f"{b['ms']:.1f}", f"{a['ms']:.1f}", pct(b["memory_bound_fraction"]),
+              pct(a["memory_bound_fraction"]), f"{b['gflops']:.1f}", f"{a['gflops']:.1f}",
+              pct(a["peak_fraction"]), f"{r['after_vs_before']:.1e}",
+              f"{r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f}"]
+             for r in packed["rows"] for b, a in [(r["before"], r["after"])]]
+    return [intro, "", *table(head, cells)]
 
 
 def describe(r: dict) -> str:
@@ -303,23 +270,19 @@ def machine_info(device: torch.device) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| dtype | experts | T | slots T·K | active experts | torch ms | grouped ms | grouped speedup "
+    head = ("dtype | experts | T | slots T·K | active experts | torch ms | grouped ms | grouped speedup "
             "(median; best) | dense ms | naive ms | torch GFLOP/s | grouped GFLOP/s | dense GFLOP/s "
-            "| torch / dense (median; best) | torch vs naive |")
-    lines = [head, "|" + "---|" * 15]
-    for r in rows:
-        naive = f"{r['naive_ms']:.1f}" + ("*" if r["naive_scaled"] else "")
-        lines.append(
-            f"| {r['dtype']} | {r['format']} | {r['T']} | {r['slots']} | {r['active_experts']} "
-            f"| {r['torch_ms']:.2f} | {r['grouped_ms']:.2f} | {r['grouped_speedup']:.2f}x; "
-            f"{r['grouped_speedup_best']:.2f}x | {r['dense_ms']:.2f} | {naive} | {r['torch_gflops']:.1f} "
-            f"| {r['grouped_gflops']:.1f} | {r['dense_gflops']:.1f} | {100 * r['torch_vs_dense']:.0f}%; "
-            f"{100 * r['torch_vs_dense_best']:.0f}% | {r['torch_vs_naive']:.1f}x |"
-        )
+            "| torch / dense (median; best) | torch vs naive")
+    cells = [[r["dtype"], r["format"], r["T"], r["slots"], r["active_experts"], f"{r['torch_ms']:.2f}",
+              f"{r['grouped_ms']:.2f}", f"{r['grouped_speedup']:.2f}x; {r['grouped_speedup_best']:.2f}x",
+              f"{r['dense_ms']:.2f}", f"{r['naive_ms']:.1f}" + ("*" if r["naive_scaled"] else ""),
+              f"{r['torch_gflops']:.1f}", f"{r['grouped_gflops']:.1f}", f"{r['dense_gflops']:.1f}",
+              f"{100 * r['torch_vs_dense']:.0f}%; {100 * r['torch_vs_dense_best']:.0f}%",
+              f"{r['torch_vs_naive']:.1f}x"] for r in rows]
+    lines = table(head, cells)
     if any(r["naive_scaled"] for r in rows):
-        lines.append("")
-        lines.append("\\* naive loop timed on the first tokens only and scaled by T / n "
-                     "(see `naive_tokens_timed` in the results JSON).")
+        lines += ["", "\\* naive loop timed on the first tokens only and scaled by T / n "
+                  "(see `naive_tokens_timed` in the results JSON)."]
     return "\n".join(lines)
 
 
@@ -443,21 +406,17 @@ def main(argv: list[str] | None = None) -> int:
                 r = bench_one(cfg, w, ex, fmt, T, dtype, device, args)
                 rows.append(r)
                 print(describe(r), flush=True)
-    info["loadavg_after"] = harness.loadavg()
     info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
 
     busy = info["other_processes_cpu_fraction"]
     if busy is not None:
         print(f"other processes used {100 * busy:.0f}% of the machine's CPU time during the run"
               + (" -- the numbers are disturbed, rerun on an idle machine" if busy > 0.1 else ""))
-    results = {"argv": args.argv, "preset": args.preset, "layer": layer, "config": cfg.to_dict(),
-               "machine": info, "rows": rows}
+    results = {"preset": args.preset, "layer": layer, "config": cfg.to_dict(), "rows": rows}
     if args.packed_checkpoint:
         packed_tokens = [int(t) for t in args.packed_tokens.split(",")]
         results["packed"] = bench_packed(args.packed_checkpoint, packed_tokens, args.packed_reps)
-        info["loadavg_after"] = harness.loadavg()
-    write_results(results, args.out, "experts", plot, markdown, index_rows, args.docs)
-    return 0
+    return harness.report(args, results, info, markdown, index_rows, plot)
 
 
 if __name__ == "__main__":

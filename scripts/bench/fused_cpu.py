@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from moe_runtime import mxfp4
 from moe_runtime.experts import batched, crossover, mxfp4_cpu
 
 from . import harness
-from .docs import Target, is_contended, section_start, target, verdict, write_results
+from .docs import Target, is_contended, section_start, table, target, verdict
 
 D, I = 3584, 3072
 SHAPES = {"w13": (2 * I, D), "w2": (D, I)}
@@ -41,15 +40,7 @@ SECTION = "# Packed MXFP4 experts on CPU: fused AVX2 / AVX-512 and batched (`scr
 
 def walk_seconds(paths: dict, reps: int) -> dict[str, float]:
     """Median seconds of each path's call, ``reps`` calls in turns after one untimed call each."""
-    for fn in paths.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(reps):
-        for name, fn in paths.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in harness.time_interleaved(paths, reps).items()}
 
 
 def run(args) -> dict:
@@ -142,22 +133,22 @@ def markdown(results: dict, json_rel: str, png_rel: str) -> str:
         "torch's GEMM. Medians of the reps, in turns. Rows marked * were measured while other work held at "
         "least half the CPUs.",
         "",
-        "| threads | T | memcpy GB/s | avx2 ms | avx2 % memcpy | fused ms | fused % memcpy | batched ms "
-        "| batched % memcpy | avx2 GFLOP/s | fused GFLOP/s | batched GFLOP/s | torch bf16 GFLOP/s "
-        "| best / torch bf16 | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *table("threads | T | memcpy GB/s | avx2 ms | avx2 % memcpy | fused ms | fused % memcpy | batched ms "
+               "| batched % memcpy | avx2 GFLOP/s | fused GFLOP/s | batched GFLOP/s | torch bf16 GFLOP/s "
+               "| best / torch bf16 | load avg", map(row_cells, rows)),
+        "",
     ]
-    for r in rows:
-        cells = [r["threads"], r["T"], f"{r['memcpy_GBs']:.2f}"]
-        cells += [c for p in PATHS for c in (f"{r[p]['ms']:.2f}", f"{100 * r[p]['vs_memcpy']:.0f}%")]
-        cells += [f"{r[p]['GFLOPs']:.1f}" for p in PATHS]
-        cells += [f"{r['torch_bf16_GFLOPs']:.1f}", f"{r[r['best']]['vs_torch_bf16']:.2f} ({r['best']})",
-                  f"{r['loadavg_start'][0]:.1f}-{r['loadavg_end'][0]:.1f}{' *' if r['loaded'] else ''}"]
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    lines.append("")
     lines += [f"- {t.target}: {t.measured} ({'met' if t.met else 'missed' if t.met is False else '-'})"
               for t in index_rows(results)]
     return "\n".join(lines)
+
+
+def row_cells(r: dict) -> list:
+    cells = [r["threads"], r["T"], f"{r['memcpy_GBs']:.2f}"]
+    cells += [c for p in PATHS for c in (f"{r[p]['ms']:.2f}", f"{100 * r[p]['vs_memcpy']:.0f}%")]
+    cells += [f"{r[p]['GFLOPs']:.1f}" for p in PATHS]
+    return cells + [f"{r['torch_bf16_GFLOPs']:.1f}", f"{r[r['best']]['vs_torch_bf16']:.2f} ({r['best']})",
+                    f"{r['loadavg_start'][0]:.1f}-{r['loadavg_end'][0]:.1f}{' *' if r['loaded'] else ''}"]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -190,10 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the fused kernel is unavailable here: {reason}")
         return 1
     machine = harness.machine_record()
-    results = run(args)
-    results.update(argv=args.argv, machine=dict(machine, loadavg_after=harness.loadavg()))
-    write_results(results, args.out, "fused_cpu", plot, markdown, index_rows, args.docs)
-    return 0
+    return harness.report(args, run(args), machine, markdown, index_rows, plot)
 
 
 if __name__ == "__main__":

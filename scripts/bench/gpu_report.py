@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ROOT, harness
-from .docs import Target, load_label, publish, repo_relative, target, verdict, verdict_text, yes_no
+from .docs import Target, load_label, publish, repo_relative, table, target, verdict, verdict_text, yes_no
 from .gpu_check_summary import TIMING_STAGES, junit_counts
 from .rows import read_rows
 
@@ -136,12 +136,11 @@ def opening(record: dict[str, Any], json_path: str, png_path: str) -> str:
 
 def stages_text(record: dict[str, Any]) -> list[str]:
     summary = record.get("summary") or {}
-    lines = ["| stage | exit | seconds | limit s | rows | complete |", "|---|---:|---:|---:|---:|---|"]
-    for name, s in summary.get("stages", {}).items():
-        complete = "" if "complete" not in s else ("yes" if s["complete"] else "**no** (cut off)")
-        limit = " (time limit)" if s.get("timed_out") else ""
-        lines.append(f"| {name} | {s.get('exit', '-')}{limit} | {s.get('seconds', '-')} "
-                     f"| {s.get('limit_s', '-')} | {s.get('rows', '')} | {complete} |")
+    lines = table("stage | exit | seconds | limit s | rows | complete", (
+        [name, f"{s.get('exit', '-')}{' (time limit)' if s.get('timed_out') else ''}", s.get("seconds", "-"),
+         s.get("limit_s", "-"), s.get("rows", ""),
+         "" if "complete" not in s else ("yes" if s["complete"] else "**no** (cut off)")]
+        for name, s in summary.get("stages", {}).items()), "lrrrrl")
     lines += ["", f"Total {summary.get('total_seconds', '-')} s."]
     tests = record.get("gpu_tests")
     if tests is None:
@@ -167,13 +166,12 @@ def experts_text(record: dict[str, Any]) -> list[str]:
         "grouped ms; rel diff = max|grouped - torch| / max|torch|; within tolerance = within the experts "
         f"backends' check tolerance for {stage['header'].get('dtype')}.",
         "",
-        "| format | T | active experts | torch ms | grouped ms | speedup | rel diff | within tolerance |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        *table("format | T | active experts | torch ms | grouped ms | speedup | rel diff | within tolerance",
+               ([r["format"], r["T"], r["active_experts"], f"{r['torch']['median_ms']:.3f}",
+                 f"{r['grouped']['median_ms']:.3f}", f"{r['grouped_speedup']:.2f}x",
+                 f"{r['grouped_vs_torch_rel_diff']:.1e}", yes_no(r["within_tolerance"])] for r in rows),
+               "lrrrrrrl"),
     ]
-    for r in rows:
-        lines.append(f"| {r['format']} | {r['T']} | {r['active_experts']} | {r['torch']['median_ms']:.3f} "
-                     f"| {r['grouped']['median_ms']:.3f} | {r['grouped_speedup']:.2f}x "
-                     f"| {r['grouped_vs_torch_rel_diff']:.1e} | {yes_no(r['within_tolerance'])} |")
     slowest = min(r["grouped_speedup"] for r in rows)
     outside = sum(not r["within_tolerance"] for r in rows)
     lines += ["", f"- grouped is not slower than torch in every row: lowest speedup "
@@ -203,11 +201,9 @@ def collectives_text(record: dict[str, Any]) -> list[str]:
     note = f": {h['note']}" if h.get("note") else ""
     lines = [f"**Latent collectives** ({h.get('backend')}, world {h.get('world')}, D = {h.get('D')}{note}).",
              "",
-             "| dtype | T | bytes | all_reduce ms | reduce_scatter ms |", "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['dtype']} | {r['T']} | {size(r['bytes'])} | {r['all_reduce']['median_ms']:.4f} "
-                     f"| {r['reduce_scatter']['median_ms']:.4f} |")
-    lines.append("")
+             *table("dtype | T | bytes | all_reduce ms | reduce_scatter ms",
+                    ([r["dtype"], r["T"], size(r["bytes"]), f"{r['all_reduce']['median_ms']:.4f}",
+                      f"{r['reduce_scatter']['median_ms']:.4f}"] for r in rows), "lrrrr"), ""]
     nbytes = [r["bytes"] for r in rows]
     over = f"over {size(min(nbytes))} to {size(max(nbytes))}"
     for op in ("all_reduce", "reduce_scatter"):
@@ -222,12 +218,11 @@ def tail_text(record: dict[str, Any]) -> list[str]:
         return ["**TP-2 tail**: no tail.jsonl."]
     if stage["skipped"]:
         return [f"**TP-2 tail**: skipped ({stage['skipped']})."]
-    lines = ["**TP-2 tail** against the single-GPU layer:", "",
-             "| tail | T | layer ms | rel diff | within tolerance |", "|---|---:|---:|---:|---|"]
-    for r in stage["rows"]:
-        lines.append(f"| {r['tail']} | {r['T']} | {r['layer']['median_ms']:.3f} "
-                     f"| {r['rel_diff_vs_single_gpu']:.1e} | {yes_no(r['within_tolerance'])} |")
-    return lines
+    return ["**TP-2 tail** against the single-GPU layer:", "",
+            *table("tail | T | layer ms | rel diff | within tolerance",
+                   ([r["tail"], r["T"], f"{r['layer']['median_ms']:.3f}",
+                     f"{r['rel_diff_vs_single_gpu']:.1e}", yes_no(r["within_tolerance"])]
+                    for r in stage["rows"]), "lrrrl")]
 
 
 def markdown(record: dict[str, Any], json_path: str, png_path: str) -> str:

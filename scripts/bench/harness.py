@@ -1,5 +1,5 @@
-"""What every benchmark script does the same way: its options, the machine record, timing loops
-and percentiles, a private Ray + Serve, checkpoints written once, seeded inputs and plots.
+"""What every benchmark script does the same way: its options, the machine record and its report,
+timing loops and percentiles, a private Ray + Serve, checkpoints written once, seeded inputs and plots.
 
 Heavy modules (torch, Ray, matplotlib, the project's own) are imported where they are used, so
 importing the harness costs nothing: ``rows`` and ``rss`` build on it without torch.
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import ROOT
+from .docs import PAGES, write_results
 
-PAGES = ROOT / "docs" / "benchmarks"  # each benchmark's page, and their index
 CHECKPOINTS = ROOT / "checkpoints"
 
 # -- options -------------------------------------------------------------------------------------
@@ -44,6 +44,7 @@ def bench_parser(doc: str, name: str, *, docs_default: Path | None = PAGES,
     index a run rewrites, default ``docs_default``; '' for none), ``--quick`` (help: ``quick``)
     where the benchmark has a short mode, and ``--tp`` (default ``tp``) where it serves one TP size."""
     ap = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.set_defaults(bench=name)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / name, help="folder for the results")
     ap.add_argument("--docs", default=docs_default and str(docs_default),
                     help="the benchmark pages' folder whose page and index this run rewrites ('' for none)")
@@ -99,6 +100,16 @@ MODEL_FIELDS = ("hidden_size", "routed_expert_hidden_size", "num_experts", "num_
 def model_record(cfg: Any) -> dict[str, int]:
     """The shape of the measured layer (a ``LatentMoEConfig``), for a run's JSON."""
     return {k: getattr(cfg, k) for k in MODEL_FIELDS}
+
+
+def report(args: argparse.Namespace, results: dict[str, Any], machine: dict[str, Any], markdown: Any,
+           index_rows: Any, plot: Any = None, ok: bool = True) -> int:
+    """``results`` of the benchmark ``args.bench`` with its command and ``machine`` (the load average
+    after the run added), written under ``args.out`` with its page and index rows in ``args.docs``
+    (``docs.write_results``): the run's exit status, 1 where the run says it is not ``ok``."""
+    results.update(argv=args.argv, machine=dict(machine, loadavg_after=loadavg()))
+    write_results(results, args.out, args.bench, plot, markdown, index_rows, args.docs)
+    return 0 if ok else 1
 
 
 # -- timing loops and percentiles ------------------------------------------------------------------
@@ -190,6 +201,10 @@ def memcpy_gbps(reps: int = 5, nbytes: int = 256 * 2**20) -> float:
     return nbytes / min(time_calls(lambda: dst.copy_(src), reps).seconds) / 1e9
 
 
+def median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3
+
+
 def seeded_randn(rows: int, cols: int, seed: int, dtype: Any = None) -> Any:
     """A ``[rows, cols]`` standard-normal input from its own generator (the same on every run and
     rank), cast to ``dtype`` when given."""
@@ -197,6 +212,54 @@ def seeded_randn(rows: int, cols: int, seed: int, dtype: Any = None) -> Any:
 
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
     return x if dtype is None else x.to(dtype)
+
+
+# -- the packed CPU experts before and after issue 48 ------------------------------------------------
+
+PACKED_MODES = ("before", "after")
+PEAK_SHAPE = (2048, 3584, 6144)  # m, k, n of the bf16 GEMM peak: a K3 expert's gate|up over 2048 rows
+
+
+def packed_mode(mode: str) -> None:
+    """The packed experts' environment of ``mode``: *before* is the release before issue 48 (the
+    AVX2 build of the fused kernel at every expert, no batched path, the bf16 kernel for every dense
+    GEMM), *after* the defaults."""
+    from moe_runtime.experts import mxfp4_cpu
+
+    for key in (mxfp4_cpu.ISA_ENV, mxfp4_cpu.BATCHED_ENV):
+        os.environ.pop(key, None)
+    if mode == "before":
+        os.environ.update({mxfp4_cpu.ISA_ENV: "avx2", mxfp4_cpu.BATCHED_ENV: "0"})
+
+
+def before_and_after(call: Callable[[], Any], reps: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """``call`` under each packed mode in turns, ``reps`` rounds: each mode's seconds, and its last
+    answer; the *after* mode is left set."""
+    outs: dict[str, Any] = {}
+
+    def timed(mode: str) -> float:
+        packed_mode(mode)
+        start = time.perf_counter()
+        outs[mode] = call()
+        return time.perf_counter() - start
+
+    times = in_turns(PACKED_MODES, reps, timed)
+    packed_mode("after")
+    return times, outs
+
+
+def bf16_peak_gflops(reps: int) -> float:
+    """torch's bf16 GEMM GFLOP/s on ``PEAK_SHAPE``, best of ``reps``."""
+    import torch
+
+    m, k, n = PEAK_SHAPE
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    return 2 * m * k * n / min(time_calls(lambda: x @ w.t(), reps).seconds) / 1e9
+
+
+def peak_text(gflops: float, engine: str) -> str:
+    m, k, n = PEAK_SHAPE
+    return f"{gflops:.0f} GFLOP/s (torch's [{m}, {k}] x [{k}, {n}] bf16 GEMM, {engine})"
 
 
 # -- the in-process forward -------------------------------------------------------------------------

@@ -15,9 +15,6 @@ One local Ray instance (CPU, logical GPUs), one deployment of 2 replicas, each a
   another replica, each within the call timeout (collective_timeout_s + call_margin_s); the bound
   is three call timeouts plus 15 s of slack for the replica-side watcher.
 
-Writes JSON + PNG under --out, its page, docs/benchmarks/lane_faults.md, and its rows of the index
-(--docs; '' to skip); verdicts are computed from the data.
-
     python -m scripts.bench.lane_faults            # tiny checkpoint, ~2-3 minutes on 2 cores
 """
 
@@ -34,7 +31,7 @@ from typing import Any
 import torch
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_word, write_results
+from .docs import Target, section_start, target, verdict, verdict_word
 
 APP, NAME, LAYER = "lanefaults", "pair", 1
 SECTION = "# Lane faults (scripts/bench/lane_faults.py)"
@@ -204,10 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         call_timeout = timeouts["collective_timeout_s"] + timeouts["call_margin_s"]
         kill["replaced_after_s"] = wait_for_replicas(client, 2, timeout_s=600)  # Serve replaced the victim
         stalled = stall(client, x, args.rank, bound_s=3 * call_timeout + 15)
-    results = {"kill": kill, "stall": stalled, "tp": args.tp, "tokens": args.tokens, "rank": args.rank,
-               "argv": args.argv, "machine": dict(machine, loadavg_after=harness.loadavg())}
-    write_results(results, args.out, "lane_faults", plot, markdown, index_rows, args.docs)
-    return 0 if not kill["errors"] and not kill["wrong"] else 1
+    results = {"kill": kill, "stall": stalled, "tp": args.tp, "tokens": args.tokens, "rank": args.rank}
+    ok = not kill["errors"] and not kill["wrong"]
+    return harness.report(args, results, machine, markdown, index_rows, plot, ok=ok)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,6 @@ generated checkpoint (``--preset``, TP 1) and runs one forward of T tokens, and 
   ``/proc/self/clear_refs``, minus ``VmRSS`` before the forward) vs the planner's activation
   allowance ``T x activation_bytes_per_token`` and its whole workspace (+ decode scratch):
   ``ratio`` = measured / activation allowance (<= 1: the allowance bounds what was measured).
-
-Writes ``memory.json`` to ``--out``, and its page (docs/benchmarks/memory.md) and
-rows of the index to ``--docs``.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import sys
 from pathlib import Path
 
 from . import ROOT, harness
-from .docs import Target, section_start, target, write_results
+from .docs import Target, section_start, table, target
 from .rss import proc_bytes
 
 SECTION = "# Memory planner vs measured memory (scripts/bench/memory.py)"
@@ -71,18 +68,20 @@ def index_rows(results: dict) -> list[Target]:
                   all(r["forward_peak_growth_bytes"] <= r["workspace_bytes"] for r in rows))]
 
 
+def row_cells(r: dict) -> list:
+    sizes = ("forward_peak_growth_bytes", "activation_allowance_bytes", "workspace_bytes")
+    mb = [f"{r[k] / 1e6:.1f}" for k in sizes]
+    return [r["checkpoint_format"], r["experts_held"], r["dtype"], r["tokens"], r["weights_exact"], *mb,
+            f"{r['ratio']:.2f}"]
+
+
 def markdown(results: dict, json_path: str, png_path: str) -> str:
     lines = [section_start(SECTION, "memory", results["argv"], results["machine"],
                            f"preset `{results['preset']}`, TP 1, one fresh process per row, 1 torch thread",
                            json_path), "",
-             "| checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB "
-             "| workspace MB | ratio |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
-    for r in results["rows"]:
-        lines.append(f"| {r['checkpoint_format']} | {r['experts_held']} | {r['dtype']} | {r['tokens']} | "
-                     f"{r['weights_exact']} | {r['forward_peak_growth_bytes'] / 1e6:.1f} | "
-                     f"{r['activation_allowance_bytes'] / 1e6:.1f} | {r['workspace_bytes'] / 1e6:.1f} "
-                     f"| {r['ratio']:.2f} |")
-    lines.append("")
+             *table("checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB "
+                    "| workspace MB | ratio",
+                    map(row_cells, results["rows"]), "lllrlrrrr"), ""]
     lines += [f"- {t.target}: {t.measured}" for t in index_rows(results)]
     return "\n".join(lines)
 
@@ -109,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{fmt:5s} {dtype:8s} T={T:5d}: weights exact {row['weights_exact']}, forward peak "
                       f"{row['forward_peak_growth_bytes'] / 1e6:7.1f} MB vs allowance "
                       f"{row['activation_allowance_bytes'] / 1e6:7.1f} MB (ratio {row['ratio']:.2f})")
-    results = {"argv": args.argv, "preset": args.preset, "rows": rows,
-               "machine": dict(machine, loadavg_after=harness.loadavg())}
-    write_results(results, args.out, "memory", None, markdown, index_rows, args.docs)
-    return 0 if all(r["weights_exact"] for r in rows) else 1
+    ok = all(r["weights_exact"] for r in rows)
+    return harness.report(args, {"preset": args.preset, "rows": rows}, machine, markdown, index_rows, ok=ok)
 
 
 if __name__ == "__main__":

@@ -13,14 +13,10 @@ and ``floor`` (plain OCP). It also counts where the two rules quantise a block d
 random-normal blocks and on the layer's own activations (the latent ``h`` and every expert's
 gated activation), with each rule's quantisation error there, and compares W4A4 with W4A16 on
 one device under each rule.
-
-Writes JSON under ``--out``, its page (docs/benchmarks/numerics.md) and its rows of the index
-(``--docs``; '' skips).
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -38,7 +34,7 @@ from moe_runtime.tp.runner import build_rank_runners
 from moe_runtime.units import SCALE_RULES, SERVED_DTYPES, torch_dtype
 
 from . import harness
-from .docs import Target, model_text, section_start, target, verdict, write_results
+from .docs import Target, model_text, run_record, section_start, table, target, verdict
 
 SECTION = ("# Numerics: routed-input modes and W4A4 under both MXFP4 scale rules "
            "(`scripts/bench/numerics.py`)")
@@ -51,10 +47,6 @@ RANDOM_BLOCKS = 8228  # as many random-normal blocks as the first measurement of
 
 def make_input(T: int, H: int) -> torch.Tensor:
     return harness.seeded_randn(T, H, seed=11)
-
-
-def _qdq(rule: str):
-    return functools.partial(mxfp4.quantize_dequantize, scale_rule=rule)
 
 
 def _rank(comm: Collectives, dense: str, packed: str, batch: int, tail: str) -> dict:
@@ -177,9 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"dtype": dname, "experts": experts.split("-")[0], "case": f"TP {args.tp}",
                          "routed_input": mode, "rule": rule, **_err(out, truth[experts]),
                          "batch_dependence": dep})
+    machine["seconds"] = round(time.perf_counter() - start, 1)
     results = {
-        "argv": args.argv,
-        "env": dict(machine, loadavg_after=harness.loadavg(), seconds=round(time.perf_counter() - start, 1)),
         "model": harness.model_record(cfg),
         "preset": args.preset, "tp": args.tp, "batch": args.batch, "request": REQUEST, "tail": args.tail,
         "blocks": blocks,
@@ -190,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
-    write_results(results, args.out, "numerics", None, markdown, index_rows, args.docs)
-    return 0
+    return harness.report(args, results, machine, markdown, index_rows)
 
 
 def index_rows(results: dict[str, Any]) -> list[Target]:
@@ -207,7 +197,7 @@ def _fmt(v: float | None) -> str:
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
-    env, m, b, sd = results["env"], results["model"], results["blocks"], results["single_device_fp32"]
+    env, m, b, sd = run_record(results), results["model"], results["blocks"], results["single_device_fp32"]
     lines = [
         section_start(
             SECTION, "numerics", results["argv"], env,
@@ -220,27 +210,18 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "32-block; error = the rule's quantise-dequantise against the unquantised block: the worst "
         "block's max|x - q| / amax, and the RMS of x - q relative to the RMS of x:",
         "",
-        "| tensor (fp32) | blocks | quantised differently | worst block, even | floor "
-        "| rms rel error, even | floor |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, s in b.items():
-        lines.append(
-            f"| {name} | {s['blocks']} | {s['differ']} ({s['differ'] / s['blocks']:.1%}) | "
-            f"{s['even']['worst_block']:.3f} | {s['floor']['worst_block']:.3f} | "
-            f"{s['even']['rms_rel']:.4f} | {s['floor']['rms_rel']:.4f} |"
-        )
-    lines += [
+        *table("tensor (fp32) | blocks | quantised differently | worst block, even | floor "
+               "| rms rel error, even | floor",
+               ([name, s["blocks"], f"{s['differ']} ({s['differ'] / s['blocks']:.1%})",
+                 f"{s['even']['worst_block']:.3f}", f"{s['floor']['worst_block']:.3f}",
+                 f"{s['even']['rms_rel']:.4f}", f"{s['floor']['rms_rel']:.4f}"] for name, s in b.items()),
+               "lrrrrrr"),
         "",
         "**W4A4 against W4A16, one device, fp32** (the MXFP4 checkpoint's experts, activations "
         "fake-quantised or not; relative to max|out| and to the output RMS):",
         "",
-        "| comparison | max rel | rms rel |",
-        "|---|---:|---:|",
-    ]
-    for name, e in sd.items():
-        lines.append(f"| {name} | {e['max_rel']:.2e} | {e['rms_rel']:.2e} |")
-    lines += [
+        *table("comparison | max rel | rms rel",
+               ([name, f"{e['max_rel']:.2e}", f"{e['rms_rel']:.2e}"] for name, e in sd.items()), "lrr"),
         "",
         f"**On a TP {results['tp']} gloo group** (tail `{results['tail']}`, min_sharded_tokens "
         f"{results['request'] + 1}). Error = max|out - ref| / max|ref| against the single-device fp32 "
@@ -251,19 +232,19 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "other experts (a routing flip), which shows in the max column first; the rms and "
         "batch-dependence columns compare across dtypes.",
         "",
-        "| dtype | experts | MXFP4 rule | routed input | max rel error | rms rel error | batch dependence |",
-        "|---|---|---|---|---:|---:|---:|",
-    ]
-    for r in results["rows"]:
-        mode = "mxfp4 (exact, deferred)" if r["routed_input"] == "mxfp4" else r["routed_input"]
-        if r["case"] == "single device":
-            mode = "off, single device"
-        dep = r["batch_dependence"]
-        dep_s = _fmt(dep) if dep is None or dep < 1e-3 else f"**{dep:.1e}**"
-        lines.append(f"| {r['dtype']} | {r['experts']} | {r['rule']} | {mode} | {r['max_rel']:.1e} | "
-                     f"{r['rms_rel']:.1e} | {dep_s} |")
-    lines += ["", reading(results)]
+        *table("dtype | experts | MXFP4 rule | routed input | max rel error | rms rel error "
+               "| batch dependence", map(case_cells, results["rows"]), "llllrrr"),
+        "", reading(results)]
     return "\n".join(lines)
+
+
+def case_cells(r: dict[str, Any]) -> list[Any]:
+    mode = "mxfp4 (exact, deferred)" if r["routed_input"] == "mxfp4" else r["routed_input"]
+    if r["case"] == "single device":
+        mode = "off, single device"
+    dep = r["batch_dependence"]
+    dep_text = _fmt(dep) if dep is None or dep < 1e-3 else f"**{dep:.1e}**"
+    return [r["dtype"], r["experts"], r["rule"], mode, f"{r['max_rel']:.1e}", f"{r['rms_rel']:.1e}", dep_text]
 
 
 def reading(results: dict[str, Any]) -> str:

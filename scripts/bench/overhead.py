@@ -36,7 +36,7 @@ from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
 
 from . import harness
-from .docs import Target, section_start, verdict, verdict_word, write_results
+from .docs import Target, section_start, table, verdict, verdict_word
 
 APP, FLOOR_APP = "overhead", "floors"
 LAYER = 1
@@ -129,7 +129,7 @@ def serve_calls(ckpt: Path, H: int, url: str, app_overrides: dict[str, Any]) -> 
     return calls, http
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> int:
     ckpt = args.checkpoint or harness.preset_checkpoint("tiny")
     H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
     machine = harness.machine_record(with_ray=True, hidden_size=H, calls_per_path=args.calls,
@@ -149,8 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 samples.setdefault(name, []).extend(harness.time_calls(call, per_round, warmup=0).seconds)
         http.close()
     paths = {k: {"n": len(v), **harness.latency_ms(v)} for k, v in samples.items()}
-    return {"machine": dict(machine, loadavg_after=harness.loadavg()), "argv": args.argv, "paths": paths,
-            "overheads": overheads(paths)}
+    results = {"paths": paths, "overheads": overheads(paths)}
+    return harness.report(args, results, machine, markdown, index_rows)
 
 
 def overheads(paths: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
@@ -187,7 +187,7 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
-    m = results["machine"]
+    m, keys = results["machine"], ("inprocess", "direct", "app", "http", "floor")
     lines = [
         section_start(SECTION, "overhead", results["argv"], m,
                       f"`tiny` preset (H = {m['hidden_size']}), float32, layer {LAYER}; "
@@ -198,16 +198,16 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "input), `serve_actorP` (Serve handle -> a deployment awaiting one call on each of P actors: the "
         "shape of the replica -> TP group hop); ours: `direct` (`MoEClient.direct`), `app` (the ingress "
         "handle), `http` (proxy and ingress). A lane's call: [dataplane](dataplane.md). p50 / p90 / p99 "
-        "per call, ms:", "", "| path | p50 ms | p90 ms | p99 ms |", "|---|---:|---:|---:|",
-        *(f"| {k} | {v['p50_ms']:.2f} | {v['p90_ms']:.2f} | {v['p99_ms']:.2f} |"
-          for k, v in results["paths"].items()),
+        "per call, ms:", "",
+        *table("path | p50 ms | p90 ms | p99 ms",
+               ([k, *(f"{v[q]:.2f}" for q in ("p50_ms", "p90_ms", "p99_ms"))]
+                for k, v in results["paths"].items()), "lrrr"),
         "", "Overheads (p50, ms; fwd = in-process, floor = `serve_actorP`, P = TP size):", "",
-        "| TP | T | in-process | direct | app | HTTP | floor | direct - fwd - floor | app - direct "
-        "| HTTP - direct |",
-        "|---|---|" + "---:|" * 8]
-    keys = ("inprocess", "direct", "app", "http", "floor")
-    lines += [f"| {r['tp']} | {r['T']} | " + " | ".join(f"{r[f'{k}_ms']:.2f}" for k in keys) + " | "
-              + " | ".join(f"{r[f'{k}_ms']:+.2f}" for k in TARGETS_MS) + " |" for r in results["overheads"]]
+        *table("TP | T | in-process | direct | app | HTTP | floor | direct - fwd - floor | app - direct "
+               "| HTTP - direct",
+               ([r["tp"], r["T"], *(f"{r[f'{k}_ms']:.2f}" for k in keys),
+                 *(f"{r[f'{k}_ms']:+.2f}" for k in TARGETS_MS)] for r in results["overheads"]),
+               "ll" + "r" * 8)]
     lines += ["", "Targets (a target is met only when every (TP, T) row meets it):", ""]
     for key, t in targets(results).items():
         w, b = t["worst"], t["best"]
@@ -224,9 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=150, help="timed calls per path (all rounds)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--app-args", default="{}", help="JSON merged into the app's args (e.g. batching knobs)")
-    args = ap.parse_args(argv)
-    write_results(run(args), args.out, "overhead", None, markdown, index_rows, args.docs)
-    return 0
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,39 +1,19 @@
 """Real-size benchmark: one Kimi-K3 MoE layer (MXFP4 experts held packed) at TP 1 and 2, bf16.
 
-Per TP size, side by side in one run:
+Per TP size, in one run:
 
-- **load**: before each TP size's loads, plain sequential reads of the same
-  checkpoint files in 64 MiB reads: *kept* (into one fresh buffer of the files' size, held to the
-  end, as a load holds what it reads) and *reused* (into one 64 MiB buffer, twice back to back,
-  the faster counted). A reused read of files the page cache holds runs at page-cache speed, but
-  no load can: while it keeps the bytes it read, files larger than what the cache can hold beside
-  them (16 GB of files + 16 GB loaded on a 24 GB machine) come partly from disk. The target
-  (>= 50 %) is judged against the kept read; the reused one is printed too. Then per rank the load
-  seconds, the bytes its slices hold and their GB/s. The ranks of a TP size load at the same time
-  from the same disk, so the target is judged on the group's rate (every rank's bytes over the
-  slowest rank's seconds); each rank's own rate is printed too. Peak RSS per rank
-  (anonymous + shared memory, sampled from /proc; page cache of the mapped checkpoint is
-  reclaimable and not counted) over the packed bytes it read;
-- **forward** at each ``--tokens`` T, *before* and *after* issue 48 side by side in the same rank
-  (``BEFORE``: the AVX2 build of the fused kernel at every expert and the bf16 kernel for every
-  dense GEMM, as the release before; *after*: the defaults, AVX-512 where the CPU has it, the
-  batched path and torch's GEMM from their measured crossovers), timed in turns, ``--reps`` each,
-  the median kept (a 2-core machine is shared: one slow call moves a ratio, the median does not).
-  For every T the memory-bound limit (bytes the forward must read: active experts packed + every
-  dense tensor of the rank, over this machine's memcpy bandwidth measured in the same run) and
-  the fraction each path reaches (targets on *after*: >= 0.9 at T = 1, >= 0.8 at T = 16 and 64);
-  GFLOP/s against torch's bf16 GEMM peak measured in the rank (a [2048, 3584] x [3584, 6144]
-  GEMM: AMX where the CPU has it, else AVX512-BF16 or AVX-512/AVX2); for T >= 512 the forward's
-  GFLOP/s over the dense GEMM GFLOP/s of the same shapes and dtypes (torch matmul of each of the
-  forward's GEMMs with dense weights, measured in the rank right after its forwards; target
-  >= 50 %). The two paths' outputs are compared (max |after - before| over max |before|).
-  These targets are set at TP 1; TP > 1 rows print the same fractions per rank and, since the
-  ranks share the memory bus, the group's memory-bound fraction (every rank's bytes over memcpy,
-  over the slowest rank's time).
+- **load**: right before the TP size's loads, plain sequential reads of the same checkpoint files in
+  64 MiB reads, *kept* (into one buffer of the files' size, held, as a load holds what it reads) and
+  *reused* (into one 64 MiB buffer, twice, the faster counted); then per rank the load's seconds,
+  bytes and GB/s, the group's GB/s (every rank's bytes over the slowest rank's seconds; target:
+  >= 50 % of the kept read) and each rank's peak anon + shmem RSS over the packed bytes it read;
+- **forward** at each ``--tokens`` T, *before* and *after* issue 48 in the same rank, in turns,
+  ``--reps`` each, the median kept (``harness.packed_mode``): the fraction of the memory-bound limit
+  each reaches (the bytes the forward must read over memcpy measured in the same run; targets on
+  *after* at TP 1: >= 0.9 at T = 1, >= 0.8 at T = 16 and 64), GFLOP/s against torch's bf16 GEMM
+  peak, and for T >= 512 against torch's dense GEMMs of the forward's shapes (target >= 50 %).
 
-The TP 2 output is checked against the TP 1 output within bf16 tolerance. Writes JSON + PNG under
-``--out``, its page (docs/benchmarks/real.md) and its rows of the index (``--docs``; '' for none),
-verdicts computed from the data, with the machine's load average.
+TP 2's output is checked against TP 1's within bf16 tolerance.
 
     python scripts/make_checkpoint.py --preset kimi-k3 --mxfp4 --moe-layers 1 --out /work/ckpt/k3-1layer
     python -m scripts.bench.real --checkpoint /work/ckpt/k3-1layer --tp 1
@@ -42,7 +22,6 @@ verdicts computed from the data, with the machine's load average.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections import Counter
@@ -63,7 +42,7 @@ from moe_runtime.tp.plan import resolve_tail
 from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_word, write_results
+from .docs import Target, pct, section_start, table, target, verdict, verdict_word
 from .rss import TreeSampler, proc_bytes
 
 SECTION = "# Real-size layer on CPU: fused, batched and AVX-512 experts (`scripts/bench/real.py`)"
@@ -75,24 +54,6 @@ READ_CHUNK = 64 * 2**20
 LOAD_TARGET = 0.5  # load GB/s / sequential read GB/s
 MEMORY_BOUND_TARGETS = {1: 0.9, 16: 0.8, 64: 0.8}  # T -> memory-bound limit / forward time (after)
 GEMM_FROM_TOKENS, GEMM_TARGET = 512, 0.5  # forward GFLOP/s / dense GEMM GFLOP/s
-# the environment of each path (the "before" one is the release before issue 48: see the module doc)
-MODES = {"before": {mxfp4_cpu.ISA_ENV: "avx2", mxfp4_cpu.BATCHED_ENV: "0"}, "after": {}}
-PEAK_SHAPE = (2048, 3584, 6144)  # m, k, n of the bf16 GEMM peak: a K3 expert's gate|up, 2048 rows
-
-
-def set_mode(mode: str) -> None:
-    for key in (mxfp4_cpu.ISA_ENV, mxfp4_cpu.BATCHED_ENV):
-        os.environ.pop(key, None)
-    os.environ.update(MODES[mode])
-
-
-def bf16_peak_gflops(reps: int) -> float:
-    """torch's bf16 GEMM GFLOP/s on ``PEAK_SHAPE``, best of ``reps``."""
-    m, k, n = PEAK_SHAPE
-    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-    return 2 * m * k * n / min(harness.time_calls(lambda: x @ w.t(), reps).seconds) / GB
-
-
 def sequential_read(files: list[Path], keep: bool, chunk: int = READ_CHUNK) -> dict[str, float]:
     """A plain sequential read of ``files`` in ``chunk``-byte reads: into one fresh buffer of their
     size, held until the read ends (``keep``: what a load does with what it reads), or into one
@@ -195,26 +156,17 @@ def forward_row(runner: Any, cfg: LatentMoEConfig, T: int, reps: int, active_byt
     the row (medians, what the forward must read, its FLOPs) and the *after* output."""
     x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
     load0 = harness.loadavg()
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    outs = {}
-    for _ in range(reps):
-        for mode in MODES:
-            set_mode(mode)
-            start = time.perf_counter()
-            outs[mode] = runner.forward(x)
-            times[mode].append(time.perf_counter() - start)
-    set_mode("after")
-    load1 = harness.loadavg()
+    times, outs = harness.before_and_after(lambda: runner.forward(x), reps)
     ids, _ = route(x, runner.w.gate_EH, runner.w.bias_E, cfg)
     active = len(torch.unique(ids))
     gemms = forward_gemms(cfg, runner, T, active)
     before, after = outs["before"].float(), outs["after"].float()
     row = {
         "T": T,
-        "ms": statistics.median(times["after"]) * 1e3,  # after; before's under "before"
-        "before": {"ms": statistics.median(times["before"]) * 1e3},
+        "ms": harness.median_ms(times["after"]),  # after; before's under "before"
+        "before": {"ms": harness.median_ms(times["before"])},
         "all_ms": {mode: [s * 1e3 for s in t] for mode, t in times.items()},
-        "loadavg": [load0[0], load1[0]],
+        "loadavg": [load0[0], harness.loadavg()[0]],
         # what this forward must read at least: the active experts' packed bytes and every
         # dense tensor (shared experts, projections, router) once
         "must_read_bytes": active * active_bytes + dense_bytes,
@@ -232,7 +184,7 @@ def _rank(
 ) -> dict:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     plan = resolve_tail("auto", cfg, comm.world)
-    set_mode("after")  # the load measures the experts' crossover
+    harness.packed_mode("after")  # the load measures the experts' crossover
     runner = build_rank_runners(
         ckpt, cfg, [LAYER], comm, plan, dtype=torch.bfloat16, scratch_bytes=scratch_bytes,
         progress=comm.rank == 0 and sys.stderr.isatty(),
@@ -256,9 +208,7 @@ def _rank(
     packed_per_expert = parts["experts_packed"] // runner.w.experts.num_experts
     with torch.inference_mode():
         warm = harness.seeded_randn(tokens[0], cfg.hidden_size, seed=0, dtype=torch.bfloat16)
-        for mode in MODES:  # builds the AVX2 kernel, measures the dense crossovers
-            set_mode(mode)
-            runner.forward(warm)
+        harness.before_and_after(lambda: runner.forward(warm), 1)  # the AVX2 build, the dense crossovers
         for T in tokens:
             row, after = forward_row(runner, cfg, T, reps, packed_per_expert, dense_bytes)
             if T == check_tokens:
@@ -266,7 +216,7 @@ def _rank(
             res["forward"].append(row)
             print(f"  T {T}: before {row['before']['ms']:.1f} ms, after {row['ms']:.1f} ms "
                   f"(medians of {reps}); after vs before {row['after_vs_before']:.2e}", flush=True)
-        res["bf16_peak_gflops"] = bf16_peak_gflops(reps)
+        res["bf16_peak_gflops"] = harness.bf16_peak_gflops(reps)
         res["dense_crossovers"] = {str(list(k[:2])): c.describe("bf16 kernel", "torch")
                                    for k, c in mxfp4_cpu.DENSE_CROSSOVERS.items()}
     return res
@@ -395,8 +345,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"read, peak RSS {r['peak_rss'] / GB:.2f} GB = {r['peak_rss_over_packed']:.3f} x packed",
                   flush=True)
     results = {
-        "argv": args.argv,
-        "machine": dict(machine, loadavg_after=harness.loadavg()),
         "checkpoint": ckpt,
         "checkpoint_name": args.checkpoint.name,
         "shard_bytes": shard_bytes,
@@ -407,12 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "reps": args.reps,
     }
     forward_verdicts(results)
-    write_results(results, args.out, NAME, plot, markdown, index_rows, args.docs)
-    return 0
-
-
-def _pct(value: float | None) -> str:
-    return "" if value is None else f"{100 * value:.0f} %"
+    return harness.report(args, results, machine, markdown, index_rows, plot)
 
 
 def _summary(name: str, verdicts: list[tuple[str, dict]]) -> str:
@@ -420,9 +363,9 @@ def _summary(name: str, verdicts: list[tuple[str, dict]]) -> str:
     measured = [(where, v) for where, v in verdicts if v["met"] is not None]
     if not measured:
         return f"{name}: not measured"
-    missed = [f"{where} {_pct(v['value'])}" for where, v in measured if not v["met"]]
+    missed = [f"{where} {pct(v['value'])}" for where, v in measured if not v["met"]]
     op, value = measured[0][1]["target"].split()
-    target = f"{op} {_pct(float(value))}"
+    target = f"{op} {pct(float(value))}"
     if not missed:
         return f"{name} ({target}): met on all {len(measured)} rows"
     return f"{name} ({target}): **missed** on {len(missed)} of {len(measured)} rows ({'; '.join(missed)})"
@@ -442,71 +385,64 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
 
 
 def load_table(results: dict[str, Any]) -> tuple[list[str], list[tuple[str, Any]]]:
-    """The load table's rows and each TP size's load verdict."""
-    lines: list[str] = []
-    load_verdicts = []
+    """The load table and each TP size's load verdict."""
+    cells, load_verdicts = [], []
     for run in results["runs"]:
         seq, cached = run["sequential_read"]["gbps"], run["sequential_read_reused"]["gbps"]
         v = run["load_verdict"]
         load_verdicts.append((f"TP {run['P']}", v))
-        for rank, r in enumerate(run["ranks"]):
-            lines.append(
-                f"| {run['P']} | {rank} | {seq:.2f} | {cached:.2f} | {r['load_s']:.2f} | "
-                f"{r['bytes_read'] / GB:.3f} | {r['load_gbps']:.2f} | {run['group_load_gbps']:.2f} | "
-                f"{_pct(v['value'])} | {_pct(run['group_load_gbps'] / cached)} | {verdict_word(v['met'])} | "
-                f"{r['load_threads']} | {r['peak_rss'] / GB:.2f} | {r['peak_rss_over_packed']:.3f} |")
-    return lines, load_verdicts
+        cells += [[run["P"], rank, f"{seq:.2f}", f"{cached:.2f}", f"{r['load_s']:.2f}",
+                   f"{r['bytes_read'] / GB:.3f}", f"{r['load_gbps']:.2f}", f"{run['group_load_gbps']:.2f}",
+                   pct(v["value"]), pct(run["group_load_gbps"] / cached), verdict_word(v["met"]),
+                   r["load_threads"], f"{r['peak_rss'] / GB:.2f}", f"{r['peak_rss_over_packed']:.3f}"]
+                  for rank, r in enumerate(run["ranks"])]
+    head = ("TP | rank | kept read GB/s | reused read GB/s | load s | GB read | load GB/s | group GB/s "
+            "| group ÷ kept | group ÷ reused | verdict | reader threads | peak RSS GB | ÷ packed")
+    return table(head, cells), load_verdicts
+
+
+def forward_cells(P: int, rank: int, f: dict[str, Any]) -> list[Any]:
+    b, v = f["before"], f.get("verdict")
+    return [P, rank, f["T"], f["active_experts"], f"{f['must_read_bytes'] / GB:.3f}",
+            f"{f['memory_bound_ms']:.1f}", f"{b['ms']:.1f}", f"{f['ms']:.1f}", f"{f['ms'] / b['ms']:.2f}",
+            pct(b["memory_bound_fraction"]), pct(f["memory_bound_fraction"]),
+            pct(f.get("group_memory_bound_fraction")), f"{b['gflops']:.1f}", f"{f['gflops']:.1f}",
+            pct(f["peak_fraction"]), pct(f.get("gemm_fraction")), f"{f['after_vs_before']:.1e}",
+            "" if v is None else verdict_word(v["met"]), f"{f['loadavg'][0]:.1f}-{f['loadavg'][1]:.1f}"]
 
 
 def forward_table(results: dict[str, Any]) -> tuple[list[str], list[tuple[str, Any]]]:
     """The forward table (its introduction, header and rows) and the forwards' verdicts."""
     first = results["runs"][0]["ranks"][0]
-    lines: list[str] = []
-    peak = first["bf16_peak_gflops"]
-    lines += [
-        "", "**Forward**, *before* and *after* in the same rank, in turns, the median of "
-        f"{results['reps']} each. *Before*: the AVX2 build of the fused MXFP4 kernel for every expert "
-        "and the bf16 kernel for every dense GEMM (the release before). *After*: the "
-        f"{first['isa']} build, the batched path (decoded tiles x torch's GEMM) for experts from the "
-        "crossover measured at load, torch's GEMM for dense parts from theirs. Memory-bound limit: "
-        "the bytes the forward must read (active experts packed + every dense tensor of the rank) "
-        f"over the memcpy above. Targets on *after*: "
-        + ", ".join(f"T = {t} >= {_pct(v)}" for t, v in MEMORY_BOUND_TARGETS.items())
-        + f" of the limit; T >= {GEMM_FROM_TOKENS}: the forward's GFLOP/s over torch's dense GEMM "
-        f"GFLOP/s on the same shapes and dtypes (measured in the rank after its forwards) >= "
-        f"{_pct(GEMM_TARGET)}. bf16 GEMM peak: {peak:.0f} GFLOP/s, torch's "
-        f"[{PEAK_SHAPE[0]}, {PEAK_SHAPE[1]}] x [{PEAK_SHAPE[1]}, {PEAK_SHAPE[2]}] bf16 GEMM in the rank "
-        f"({first['gemm_engine']}). TP > 1 rows also show the group's fraction (every rank's bytes "
-        "over memcpy, over the slowest rank's time).", "",
-        "| TP | rank | T | active | must read GB | memory-bound ms | before ms | after ms | after / before "
-        "| before % of limit | after % of limit | group % of limit | before GFLOP/s | after GFLOP/s "
-        "| after % of bf16 peak | % of GEMM | after vs before | verdict | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    verdicts = []
+    intro = (
+        f"**Forward**, *before* and *after* in the same rank, in turns, the median of {results['reps']} "
+        "each. *Before*: the AVX2 build of the fused MXFP4 kernel for every expert and the bf16 kernel for "
+        f"every dense GEMM (the release before). *After*: the {first['isa']} build, the batched path "
+        "(decoded tiles x torch's GEMM) for experts from the crossover measured at load, torch's GEMM for "
+        "dense parts from theirs. Memory-bound limit: the bytes the forward must read (active experts "
+        "packed + every dense tensor of the rank) over the memcpy above. Targets on *after*: "
+        + ", ".join(f"T = {t} >= {pct(v)}" for t, v in MEMORY_BOUND_TARGETS.items())
+        + f" of the limit; T >= {GEMM_FROM_TOKENS}: the forward's GFLOP/s over torch's dense GEMM GFLOP/s "
+        f"on the same shapes and dtypes (measured in the rank after its forwards) >= {pct(GEMM_TARGET)}. "
+        f"bf16 GEMM peak: {harness.peak_text(first['bf16_peak_gflops'], first['gemm_engine'])}, in the "
+        "rank. TP > 1 rows also show the group's fraction (every rank's bytes over memcpy, over the "
+        "slowest rank's time).")
+    head = ("TP | rank | T | active | must read GB | memory-bound ms | before ms | after ms | after / before "
+            "| before % of limit | after % of limit | group % of limit | before GFLOP/s | after GFLOP/s "
+            "| after % of bf16 peak | % of GEMM | after vs before | verdict | load avg")
+    cells, verdicts = [], []
     for run in results["runs"]:
         for rank, r in enumerate(run["ranks"]):
-            for f in r["forward"]:
-                v = f.get("verdict")
-                if v is not None:
-                    verdicts.append((f"TP {run['P']} T = {f['T']}", v))
-                b = f["before"]
-                cells = [
-                    run["P"], rank, f["T"], f["active_experts"], f"{f['must_read_bytes'] / GB:.3f}",
-                    f"{f['memory_bound_ms']:.1f}", f"{b['ms']:.1f}", f"{f['ms']:.1f}",
-                    f"{f['ms'] / b['ms']:.2f}",
-                    _pct(b["memory_bound_fraction"]), _pct(f["memory_bound_fraction"]),
-                    _pct(f.get("group_memory_bound_fraction")), f"{b['gflops']:.1f}", f"{f['gflops']:.1f}",
-                    _pct(f["peak_fraction"]), _pct(f.get("gemm_fraction")), f"{f['after_vs_before']:.1e}",
-                    "" if v is None else verdict_word(v["met"]),
-                    f"{f['loadavg'][0]:.1f}-{f['loadavg'][1]:.1f}",
-                ]
-                lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return lines, verdicts
+            cells += [forward_cells(run["P"], rank, f) for f in r["forward"]]
+            verdicts += [(f"TP {run['P']} T = {f['T']}", f["verdict"]) for f in r["forward"]
+                         if rank == 0 and f.get("verdict") is not None]
+    return ["", intro, "", *table(head, cells)], verdicts
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     first = results["runs"][0]["ranks"][0]
+    load_lines, load_verdicts = load_table(results)
+    forward_lines, verdicts = forward_table(results)
     lines = [
         section_start(
             SECTION, NAME, results["argv"], results["machine"],
@@ -518,34 +454,24 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "a load holds what it reads) and *reused* (into one 64 MiB buffer, twice, the faster "
         "counted). A reused read of cached files runs at page-cache speed, which no load reaches "
         "here: files that the page cache cannot hold beside the bytes already loaded come partly from "
-        f"disk. Target: load GB/s >= {_pct(LOAD_TARGET)} of the kept read, judged on the group (the "
+        f"disk. Target: load GB/s >= {pct(LOAD_TARGET)} of the kept read, judged on the group (the "
         "ranks load at the same time from the same disk: every rank's bytes over the slowest rank's "
         "seconds). Peak RSS is anonymous + shared memory (the mapped checkpoint's page cache is not "
         "counted) over the packed bytes the rank read.", "",
-        "| TP | rank | kept read GB/s | reused read GB/s | load s | GB read | load GB/s | group GB/s "
-        "| group ÷ kept | group ÷ reused | verdict | reader threads | peak RSS GB | ÷ packed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    load_lines, load_verdicts = load_table(results)
-    forward_lines, verdicts = forward_table(results)
-    lines += load_lines + forward_lines
-    lines += ["", "Verdicts: " + "; ".join([
-        _summary("load vs kept sequential read (group)", load_verdicts),
-        *(f"{where}: {_pct(v['value'])} ({v['target'].split()[0]} {_pct(float(v['target'].split()[1]))}) "
-          f"{verdict_word(v['met'])}" for where, v in verdicts),
-    ]) + ".",
+        *load_lines, *forward_lines, "",
+        "Verdicts: " + "; ".join([
+            _summary("load vs kept sequential read (group)", load_verdicts),
+            *(f"{where}: {pct(v['value'])} ({v['target'].split()[0]} {pct(float(v['target'].split()[1]))}) "
+              f"{verdict_word(v['met'])}" for where, v in verdicts)]) + ".",
         "Crossovers measured in rank 0: experts " + first["experts_path"] + "; dense GEMMs "
         + "; ".join(f"{shape}: {c}" for shape, c in first["dense_crossovers"].items()) + "."]
-    for c in results["tp_vs_tp1"]:
-        lines.append(f"TP {c['P']} vs TP 1 at T = {c['T']}: max abs error {c['max_abs_err_vs_tp1']:.4f} "
-                     f"(output max {c['ref_abs_max']:.2f}): {'within' if c['ok'] else '**outside**'} the "
-                     "bf16 tolerance (2 % of the output scale + 0.01).")
+    lines += [f"TP {c['P']} vs TP 1 at T = {c['T']}: max abs error {c['max_abs_err_vs_tp1']:.4f} (output max "
+              f"{c['ref_abs_max']:.2f}): {'within' if c['ok'] else '**outside**'} the bf16 tolerance (2 % of "
+              "the output scale + 0.01)." for c in results["tp_vs_tp1"]]
     if any(run["lone_rank"] for run in results["runs"]):
         lines.append("Lone-rank runs: only rank 0 ran, its collectives the identity (other ranks' partials "
                      "count as zero): its timings and memory are a rank's, its output is not the layer's.")
     return "\n".join(lines)
-
-
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -568,7 +494,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     b.bar([i - 0.2 for i in x], seq, 0.4, label="sequential read of the files, kept")
     b.bar([i + 0.2 for i in x], load, 0.4, label="load (all ranks together)")
     b.plot([i + 0.2 for i in x], [LOAD_TARGET * s for s in seq], "r_", ms=20,
-           label=f"target {_pct(LOAD_TARGET)}")
+           label=f"target {pct(LOAD_TARGET)}")
     b.set_xticks(list(x), labels)
     b.set(ylabel="GB/s", title="load vs sequential read, same run")
     b.legend(fontsize=7)

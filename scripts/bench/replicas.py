@@ -30,7 +30,7 @@ import statistics
 from typing import Any
 
 from . import harness
-from .docs import Target, rounds_table, section_start, target, verdict, verdict_text, write_results
+from .docs import Target, rounds_table, section_start, target, verdict, verdict_text
 from .rss import cpu_seconds, process_memory, serve_replica_pid
 
 SECTION = "# An app's replicas at start: CPU and memory (`scripts/bench/replicas.py`)"
@@ -158,10 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     body = encode_request(x)
     rounds, machine = harness.apps_in_turns(
         APPS, args.reps, 1, lambda app, url: deploy_call_measure(app, app_args, url, body))
-    results = {"rounds": rounds, "reps": args.reps, "argv": args.argv, "machine": machine}
+    results = {"rounds": rounds, "reps": args.reps}
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "replicas", None, markdown, index_rows, args.docs)
-    return 0 if all(v["met"] for v in results["verdicts"].values()) else 1
+    ok = all(v["met"] for v in results["verdicts"].values())
+    return harness.report(args, results, machine, markdown, index_rows, ok=ok)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ deployments of the same checkpoint -- ``batched`` (max_batch_tokens = --max-batc
 
 It measures tokens/s, requests/s and p50/p99 latency, and runs the same batch sizes on the
 in-process runner (``moe_runtime`` only: ``local_group`` ranks joined by gloo, no Ray) in the
-same run for the served / in-process ratio. Results: JSON under --out, its page,
-docs/benchmarks/serve.md, and its rows of the index (--docs).
+same run for the served / in-process ratio.
 
     python -m scripts.bench.serve                    # small preset, a few minutes on 2 cores
     python -m scripts.bench.serve --quick            # shorter windows, fewer scenarios
@@ -36,7 +35,7 @@ from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
 
 from . import harness
-from .docs import Target, commentary, section_start, target, verdict, verdict_text, write_results
+from .docs import Target, commentary, run_record, section_start, table, target, verdict, verdict_text
 
 APP = "bench"
 SECTION = "# Serving (scripts/bench/serve.py)"
@@ -173,7 +172,7 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
-    env, t = results["env"], results["targets"]
+    env, t, mbt = run_record(results), results["targets"], results["max_batch_tokens"]
     lines = [
         section_start(
             SECTION, "serve", results["argv"], env,
@@ -184,27 +183,16 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "",
         "In-process runner (moe_runtime `local_group`, no Ray), same TP size and batch sizes:",
         "",
-        "| T (tokens/forward) | forward ms | tokens/s |",
-        "|---:|---:|---:|",
-    ]
-    for T, r in results["inprocess"].items():
-        lines.append(f"| {T} | {r['forward_ms']:.1f} | {r['tokens_per_s']:.0f} |")
-    lines += [
+        *table("T (tokens/forward) | forward ms | tokens/s",
+               ([T, f"{r['forward_ms']:.1f}", f"{r['tokens_per_s']:.0f}"]
+                for T, r in results["inprocess"].items()), "rrr"),
         "",
         "Served (through Serve):",
         "",
-        "| scenario | path | deployment (max_batch_tokens) | clients x tokens | tokens/s | req/s | p50 ms "
-        "| p99 ms | forwards | mean batch |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        *table("scenario | path | deployment (max_batch_tokens) | clients x tokens | tokens/s | req/s "
+               "| p50 ms | p99 ms | forwards | mean batch",
+               (scenario_cells(r, mbt) for r in results["scenarios"]), "llllrrrrrr"),
     ]
-    mbt = results["max_batch_tokens"]
-    for r in results["scenarios"]:
-        lines.append(
-            f"| {r['scenario']} | {r['path']} | {r['deployment']} ({mbt[r['deployment']]}) | "
-            f"{r['clients']} x {r['tokens_per_request']} | {r['tokens_per_s']:.0f} | "
-            f"{r['requests_per_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['forwards']} | "
-            f"{r['mean_batch_tokens'] or 0:.0f} |"
-        )
     handle, batching = t["handle_vs_inprocess"], t["batching_speedup"]
     lines += [
         "",
@@ -224,6 +212,13 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def scenario_cells(r: dict[str, Any], mbt: dict[str, int]) -> list[Any]:
+    return [r["scenario"], r["path"], f"{r['deployment']} ({mbt[r['deployment']]})",
+            f"{r['clients']} x {r['tokens_per_request']}", f"{r['tokens_per_s']:.0f}",
+            f"{r['requests_per_s']:.1f}", f"{r['p50_ms']:.1f}", f"{r['p99_ms']:.1f}", r["forwards"],
+            f"{r['mean_batch_tokens'] or 0:.0f}"]
 
 
 def computed_notes(results: dict[str, Any]) -> str:
@@ -326,16 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
     H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
     mbt = {"batched": args.max_batch_tokens, "unbatched": 16}
-    env = harness.machine_record(
+    machine = harness.machine_record(
         with_ray=True, preset=args.preset, hidden_size=H, dtype=args.dtype, tp_size=args.tp, tail=args.tail,
         duration_s=args.duration, worker_niceness=args.worker_niceness,
         worker_nice_increment=args.worker_nice_increment)
     inprocess, rows = measure(args, ckpt, H, mbt)
-    results = {"argv": args.argv, "env": dict(env, loadavg_after=harness.loadavg()), "max_batch_tokens": mbt,
-               "inprocess": inprocess, "scenarios": rows}
+    results = {"max_batch_tokens": mbt, "inprocess": inprocess, "scenarios": rows}
     results["targets"] = targets_of(results, args.large_tokens)
-    write_results(results, args.out, "serve", None, markdown, index_rows, args.docs)
-    return 0
+    return harness.report(args, results, machine, markdown, index_rows)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,7 @@ What the README's real-size served run claims, as a script. For a checkpoint, TP
 4. Ctrl-C (SIGINT) to `serve run`, which tears the app and its Ray instance down.
 
 Peaks are anonymous + shmem RSS summed over the tree, and PSS (shared pages divided among the
-processes that map them); see scripts/bench/rss.py. Writes JSON under --out, its page,
-docs/benchmarks/served_real.md, and the index (--docs; '' to skip).
+processes that map them); see scripts/bench/rss.py.
 
     python -m scripts.bench.served_real --preset tiny --tp 2            # seconds of compute, ~1-2 min
     python -m scripts.bench.served_real --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 \\
@@ -46,7 +45,7 @@ from moe_runtime.tp.collectives import free_port
 from moe_runtime.units import torch_dtype
 
 from . import ROOT, harness
-from .docs import model_text, no_targets, section_start, write_results
+from .docs import model_text, no_targets, run_record, section_start
 from .rss import TreeSampler, measure
 
 SECTION = "# Served layer: `serve run`, one POST, vs the CLI (scripts/bench/served_real.py)"
@@ -139,7 +138,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     save_file({"hidden_states": x.contiguous()}, str(work / "in.safetensors"))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     result: dict[str, Any] = {
-        "argv": args.argv, "env": harness.machine_record(), "model": harness.model_record(cfg),
+        "machine": harness.machine_record(), "model": harness.model_record(cfg),
         "checkpoint": str(ckpt), "preset": None if args.checkpoint else args.preset,
         "tp": args.tp, "dtype": args.dtype, "layer": layer, "tokens": args.tokens, "seed": args.seed,
         "tail": args.tail,
@@ -167,12 +166,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             stop(proc)
             sampler.stop()
     result["served"] = {**served, **sampler.to_dict(), "seconds_total": round(time.perf_counter() - start, 2)}
-    result["env"]["loadavg_after"] = harness.loadavg()
     return result
 
 
 def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
-    env, s, c, m = r["env"], r["served"], r["cli"], r["model"]
+    env, s, c, m = run_record(r), r["served"], r["cli"], r["model"]
     what = f"`{r['preset']}` preset" if r["preset"] else f"checkpoint `{r['checkpoint']}`"
     lines = [
         section_start(
@@ -217,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="served_real_") as tmp:
         result = run(args, Path(tmp))
-    write_results(result, args.out, "served_real", None, markdown, no_targets, args.docs)
-    return 0
+    return harness.report(args, result, result.pop("machine"), markdown, no_targets)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_text, verdict_word, write_results
+from .docs import Target, section_start, table, target, verdict, verdict_text, verdict_word
 from .rss import cpu_seconds, serve_replica_pid
 
 SECTION = "# Shared sessions on one replica (`scripts/bench/sessions.py`)"
@@ -122,12 +122,7 @@ def measure_serve_path(client: Any, layers: list[int], hidden: int, calls: int) 
     for n in STEPPING:
         steppers = [Stepper(client, f"stepping-{i}", 1, layers, hidden).start() for i in range(n)]
         try:
-            client.forward(x, 1)
-            times = []
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                client.forward(x, 1)
-                times.append(time.perf_counter() - t0)
+            times = harness.time_calls(lambda: client.forward(x, 1), calls).seconds
         finally:
             steps = [s.close() for s in steppers]
         out[str(n)] = {**harness.latency_ms(times), "session_steps": steps}
@@ -179,42 +174,40 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
     ]
 
 
+def idle_cells(state: str, cores: list[float], v: dict[str, Any]) -> list[Any]:
+    judged = state != "app"
+    return [state, ", ".join(f"{c:.3f}" for c in cores), f"{statistics.median(cores):.3f}",
+            verdict_text(v[f"idle_{state}"], ".3f") if judged else "",
+            verdict_word(v[f"idle_{state}"]["met"]) if judged else ""]
+
+
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     v, idle, serve, pair = results["verdicts"], results["idle_cores"], results["serve_path"], results["pair"]
     what = (f"one replica of a TP-2 group, tiny checkpoint, {len(results['layers'])} MoE layers, float32, "
             f"T = {T}; {results['rounds']} round(s)")
     start = section_start(SECTION, "sessions", results["argv"], results["machine"], what, json_path, png_path)
-    lines = [start, "", "**Idle**: cores of the app's processes (its replica and ranks), each window "
-             f"{results['idle_s']:g} s, states in turns.", "",
-             "| state | cores, each round | median | over the app alone (median) | verdict |",
-             "|---|---|---|---|---|"]
-    for state in IDLE_STATES:
-        med = statistics.median(idle[state])
-        over = "" if state == "app" else verdict_text(v[f"idle_{state}"], ".3f")
-        word = "" if state == "app" else verdict_word(v[f"idle_{state}"]["met"])
-        each = ", ".join(f"{c:.3f}" for c in idle[state])
-        lines.append(f"| {state} | {each} | {med:.3f} | {over} | {word} |")
-    lines += ["", f"**The Serve path beside stepping sessions**: {results['calls']} handle calls of {T} "
-              "rows, layer 1, while sessions of one peer each step every layer back to back.", "",
-              "| sessions stepping | p50 ms | p90 ms | / p50 with none | their steps meanwhile |",
-              "|---|---|---|---|---|"]
-    for n in STEPPING:
-        s = serve[str(n)]
-        ratio = "" if not n else verdict_text(v[f"serve_{n}"])
-        lines.append(f"| {n} | {s['p50_ms']:.2f} | {s['p90_ms']:.2f} | {ratio} | {s['session_steps']} |")
-    lines += ["", f"**Two 2-peer sessions**, {results['seconds']:g} s of stepping each run:", "",
-              "| round | mode | worker-steps/s | group forwards per session step | busy fraction |",
-              "|---|---|---|---|---|"]
-    for i, (a, b) in enumerate(zip(pair["at_once"], pair["one_after_the_other"], strict=True)):
-        for mode, r in (("at once", a), ("one after the other", b)):
-            lines.append(f"| {i + 1} | {mode} | {r['worker_steps_per_s']:.1f} | "
-                         f"{r['forwards_per_session_step']:.2f} | {r['busy_fraction']:.2f} |")
-    lines += ["", f"- At once / one after the other (median): {verdict_text(v['at_once'])}. Forwards per "
-              f"session step below the {len(results['layers'])} layers mean that the two sessions' "
-              "same-layer parts ran as one forward.",
-              "- Rank 0 pushes a session's counts to the replica at most once a second and nothing while "
-              "idle; the replica reads no rank on a timer."]
-    return "\n".join(lines)
+    serve_cells = [[n, f"{serve[str(n)]['p50_ms']:.2f}", f"{serve[str(n)]['p90_ms']:.2f}",
+                    verdict_text(v[f"serve_{n}"]) if n else "", serve[str(n)]["session_steps"]]
+                   for n in STEPPING]
+    pair_cells = [[i + 1, mode, f"{r['worker_steps_per_s']:.1f}", f"{r['forwards_per_session_step']:.2f}",
+                   f"{r['busy_fraction']:.2f}"]
+                  for i, rounds in enumerate(zip(pair["at_once"], pair["one_after_the_other"], strict=True))
+                  for mode, r in zip(("at once", "one after the other"), rounds, strict=True)]
+    return "\n".join([
+        start, "", "**Idle**: cores of the app's processes (its replica and ranks), each window "
+        f"{results['idle_s']:g} s, states in turns.", "",
+        *table("state | cores, each round | median | over the app alone (median) | verdict",
+               (idle_cells(state, idle[state], v) for state in IDLE_STATES)),
+        "", f"**The Serve path beside stepping sessions**: {results['calls']} handle calls of {T} rows, "
+        "layer 1, while sessions of one peer each step every layer back to back.", "",
+        *table("sessions stepping | p50 ms | p90 ms | / p50 with none | their steps meanwhile", serve_cells),
+        "", f"**Two 2-peer sessions**, {results['seconds']:g} s of stepping each run:", "",
+        *table("round | mode | worker-steps/s | group forwards per session step | busy fraction", pair_cells),
+        "", f"- At once / one after the other (median): {verdict_text(v['at_once'])}. Forwards per session "
+        f"step below the {len(results['layers'])} layers mean that the two sessions' same-layer parts ran "
+        "as one forward.",
+        "- Rank 0 pushes a session's counts to the replica at most once a second and nothing while idle; "
+        "the replica reads no rank on a timer."])
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -262,11 +255,9 @@ def main(argv: list[str] | None = None) -> int:
             pair["at_once"].append(run_pair(client, layers, hidden, args.seconds, True))
             pair["one_after_the_other"].append(run_pair(client, layers, hidden, args.seconds, False))
     results = {"idle_cores": idle, "serve_path": serve, "pair": pair, "layers": layers, "idle_s": args.idle_s,
-               "seconds": args.seconds, "calls": args.calls, "rounds": args.rounds, "argv": args.argv,
-               "pid": os.getpid(), "machine": dict(machine, loadavg_after=harness.loadavg())}
+               "seconds": args.seconds, "calls": args.calls, "rounds": args.rounds, "pid": os.getpid()}
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "sessions", plot, markdown, index_rows, args.docs)
-    return 0
+    return harness.report(args, results, machine, markdown, index_rows, plot)
 
 
 if __name__ == "__main__":

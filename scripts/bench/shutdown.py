@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from . import harness
-from .docs import Target, rounds_table, section_start, target, verdict, verdict_text, write_results
+from .docs import Target, rounds_table, section_start, target, verdict, verdict_text
 
 SECTION = "# Deleting an idle app: how fast replicas stop (`scripts/bench/shutdown.py`)"
 APPS = ("ours", "floor_default", "floor_fast")
@@ -110,11 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     app_args, x = harness.tiny_app(tp_size=2, tail="sharded")
     measured, machine = harness.apps_in_turns(APPS, args.reps, 2,
                                               lambda app, _: deploy_call_delete_s(app, app_args, x))
-    results = {"delete_s": measured, "reps": args.reps, "drain_poll_s": DRAIN_POLL_S, "argv": args.argv,
-               "machine": machine}
+    results = {"delete_s": measured, "reps": args.reps, "drain_poll_s": DRAIN_POLL_S}
     results["verdicts"] = verdicts(results)
-    write_results(results, args.out, "shutdown", None, markdown, index_rows, args.docs)
-    return 0 if all(v["met"] for v in results["verdicts"].values()) else 1
+    met = [v["met"] for v in results["verdicts"].values()]
+    return harness.report(args, results, machine, markdown, index_rows, ok=all(met))
 
 
 if __name__ == "__main__":

@@ -14,11 +14,6 @@ Stage times come from the same replays as the totals: each replay is timed whole
 replay's and the stage breakdown is that same replay's, so the stages of a row never add up to
 more than its total (``other`` is the rest: Python between the marks).
 
-The load average before and after the run goes into the JSON (the machine may be shared; a run
-started on a loaded machine is labelled contended). Writes JSON under --out, its page,
-docs/benchmarks/tail.md, and its rows of the index (--docs; '' to skip), targets and their verdicts
-computed from the data.
-
     python -m scripts.bench.tail --tp 1 2 --tokens 1 16 256 2048       # small preset, minutes
     python -m scripts.bench.tail --preset tiny --tp 1 2 --tokens 1 16 --docs ''   # seconds
 """
@@ -42,16 +37,7 @@ from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
 from moe_runtime.units import torch_dtype
 
 from . import harness
-from .docs import (
-    Target,
-    model_text,
-    render_section,
-    section_start,
-    target,
-    verdict,
-    verdict_text,
-    write_results,
-)
+from .docs import Target, model_text, render_section, section_start, table, target, verdict, verdict_text
 
 LAYER = 1
 SECTION = "# Tails (scripts/bench/tail.py)"
@@ -229,6 +215,16 @@ def _stage(r: dict, key: str, stage: str) -> str:
     return "" if v is None else f"{v:.2f}"
 
 
+def tail_cells(r: dict) -> list:
+    def ms(v: float | None) -> str:
+        return "" if v is None else f"{v:.2f}"
+
+    return [r["P"], r["T"], r["tail"], f"{r['tail_ms']:.2f}", _stage(r, "tail_stages_ms", "collectives"),
+            _stage(r, "tail_stages_ms", "up_proj"), f"{r['tail_other_ms']:.2f}", ms(r["layer_ms"]),
+            *(_stage(r, "layer_stages_ms", s) for s in ("down_proj", "experts", "collectives", "up_proj")),
+            ms(r["layer_other_ms"]), f"{r['collective_bytes_per_token']:.0f}"]
+
+
 def markdown(result: dict, json_path: str, png_path: str) -> str:
     m, model = result["machine"], result["model"]
     lines = [
@@ -244,22 +240,10 @@ def markdown(result: dict, json_path: str, png_path: str) -> str:
         "are the stages *of that same replay* (one timed call gives the total and its stages), so they "
         "never add up to more than the total; `other` is the rest (Python between the stage marks).",
         "",
-        "| P | T | tail | tail ms | tail: collectives | tail: up-proj | tail: other | layer ms "
-        "| layer: down-proj | layer: experts | layer: collectives | layer: up-proj | layer: other "
-        "| B/token |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table("P | T | tail | tail ms | tail: collectives | tail: up-proj | tail: other | layer ms "
+               "| layer: down-proj | layer: experts | layer: collectives | layer: up-proj | layer: other "
+               "| B/token", map(tail_cells, result["rows"]), "rrlrrrrrrrrrrr"),
     ]
-    for r in result["rows"]:
-        layer = "" if r["layer_ms"] is None else f"{r['layer_ms']:.2f}"
-        lother = "" if r["layer_other_ms"] is None else f"{r['layer_other_ms']:.2f}"
-        lines.append(
-            f"| {r['P']} | {r['T']} | {r['tail']} | {r['tail_ms']:.2f} "
-            f"| {_stage(r, 'tail_stages_ms', 'collectives')} "
-            f"| {_stage(r, 'tail_stages_ms', 'up_proj')} | {r['tail_other_ms']:.2f} | {layer} "
-            f"| {_stage(r, 'layer_stages_ms', 'down_proj')} | {_stage(r, 'layer_stages_ms', 'experts')} "
-            f"| {_stage(r, 'layer_stages_ms', 'collectives')} | {_stage(r, 'layer_stages_ms', 'up_proj')} "
-            f"| {lother} | {r['collective_bytes_per_token']:.0f} |"
-        )
     lines += ["", f"`{WIDE}` is the earlier fp32 `[S | (gamma*L)Wup^T | L]` packing, replayed for comparison "
               "(tail only). Fastest tail per token count (sequence_parallel and the wide replay excluded: "
               "the first returns only a rank's rows):", ""]
@@ -269,14 +253,12 @@ def markdown(result: dict, json_path: str, png_path: str) -> str:
     if result["routed_input"]:
         lines += ["", "Token-sharded routed input (per rank): the routed-input modes by their deployment "
                   "names; `fp8-approx` and `mxfp4-approx` are lossy (they change a request's output with "
-                  "its batch), "
-                  "`none` is the exact token-sharded gather, `off` the replicated down-projection. "
-                  "Stages of the median replay, as above:", "",
-                  "| P | T | routed input | total ms | down-proj ms | all-gather (+quant) ms | other ms |",
-                  "|---:|---:|---|---:|---:|---:|---:|"]
-        for x in result["routed_input"]:
-            lines.append(f"| {x['P']} | {x['T']} | {x['routed_input']} | {x['total_ms']:.2f} | "
-                         f"{x['down_proj_ms']:.2f} | {x['gather_ms']:.2f} | {x['other_ms']:.2f} |")
+                  "its batch), `none` is the exact token-sharded gather, `off` the replicated "
+                  "down-projection. Stages of the median replay, as above:", "",
+                  *table("P | T | routed input | total ms | down-proj ms | all-gather (+quant) ms | other ms",
+                         ([x["P"], x["T"], x["routed_input"], *(f"{x[k]:.2f}" for k in (
+                             "total_ms", "down_proj_ms", "gather_ms", "other_ms"))]
+                          for x in result["routed_input"]), "rrlrrrr")]
     lines += ["", "Targets (ratios of the medians above; verdicts computed by the script):", ""]
     if not result["targets"]:
         lines.append("- none measurable with these TP sizes and token counts")
@@ -345,13 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                               timeout_s=3600)
         rows += res[0]["rows"]
         routed += res[0]["routed_input"]
-    machine["loadavg_after"] = harness.loadavg()
     preset = args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}"
-    result = {"argv": args.argv, "preset": preset, "tp": args.tp, "machine": machine, "dtype": args.dtype,
-              "model": harness.model_record(cfg), "rows": rows, "routed_input": routed,
-              "crossovers": _crossovers(rows), "targets": compute_targets(rows, routed, args.tp, args.tokens)}
-    write_results(result, args.out, "tail", None, markdown, index_rows, args.docs)
-    return 0
+    result = {"preset": preset, "tp": args.tp, "dtype": args.dtype, "model": harness.model_record(cfg),
+              "rows": rows, "routed_input": routed, "crossovers": _crossovers(rows),
+              "targets": compute_targets(rows, routed, args.tp, args.tokens)}
+    return harness.report(args, result, machine, markdown, index_rows)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_text, write_results
+from .docs import Target, section_start, table, target, verdict, verdict_text
 from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engines, status_counts
 
 # An engine whose requests are done stops stepping without a word; the others wait this long, once,
@@ -97,7 +97,7 @@ def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool,
             "forwards": forwards, "steps": steps}
 
 
-def measure(args: Any) -> dict[str, Any]:
+def measure(args: Any) -> int:
     record = harness.machine_record()
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     models = make_models(work / "models")
@@ -127,11 +127,10 @@ def measure(args: Any) -> dict[str, Any]:
             rows.append(row("separate", k, turns, False, core))
     finally:
         tier.stop()
-    record["loadavg_after"] = harness.loadavg()
-    return {"machine": record, "argv": args.argv, "tokens": args.tokens, "prompts": args.prompts,
-            "layers": len(MOE_LAYERS), "rows": rows,
-            "tier_vs_in_process": (find(rows, "tier", 1)["tokens_per_s"]
-                                   / find(rows, "in_process", 1)["tokens_per_s"])}
+    results = {"tokens": args.tokens, "prompts": args.prompts, "layers": len(MOE_LAYERS), "rows": rows,
+               "tier_vs_in_process": (find(rows, "tier", 1)["tokens_per_s"]
+                                      / find(rows, "in_process", 1)["tokens_per_s"])}
+    return harness.report(args, results, record, markdown, index_rows)
 
 
 def find(rows: list[dict[str, Any]], mode: str, engines: int, core: str = CORE_IN_PROCESS) -> dict[str, Any]:
@@ -174,14 +173,13 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     lines = [section_start("## vLLM engines on the tier", "vllm_engines", results["argv"], results["machine"],
                            f"{results['prompts']} prompts x {results['tokens']} tokens per engine, tiny "
                            f"model and tier (TP 2, float32), {layers} MoE layers", json_path), "",
-             "| mode | engines | engine core | tokens | decode s | tokens/s | machine cores busy "
-             "| group forwards | group steps | forwards per step | engines per group step |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results["rows"]:
-        fps, eps = forwards_per_step(r), engines_per_step(results, r) if r["mode"] == "shared" else None
-        lines.append(f"| {r['mode']} | {r['engines']} | {r['core']} | {r['tokens']} | {r['decode_s']:.2f} | "
-                     f"{r['tokens_per_s']:.1f} | {r['cores_busy']:.2f} of {cpus} | {dash(r['forwards'])} | "
-                     f"{dash(r['steps'])} | {dash(fps, '.2f')} | {dash(eps, '.2f')} |")
+             *table("mode | engines | engine core | tokens | decode s | tokens/s | machine cores busy "
+                    "| group forwards | group steps | forwards per step | engines per group step",
+                    ([r["mode"], r["engines"], r["core"], r["tokens"], f"{r['decode_s']:.2f}",
+                      f"{r['tokens_per_s']:.1f}", f"{r['cores_busy']:.2f} of {cpus}", dash(r["forwards"]),
+                      dash(r["steps"]), dash(forwards_per_step(r), ".2f"),
+                      dash(engines_per_step(results, r) if r["mode"] == "shared" else None, ".2f")]
+                     for r in results["rows"]), "lrlrrrrrrrr")]
     lines += ["", f"- One engine on the tier: {results['tier_vs_in_process']:.2f}x the tokens/s of the same "
               "engine with its MoE in-process (no target: what the tier's round trips cost a single engine)."]
     lines.append(f"- One vLLM engine decoding with its MoE in-process keeps {in_process['cores_busy']:.2f} "
@@ -231,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = harness.bench_parser(__doc__, "vllm_engines")
     ap.add_argument("--tokens", type=int, default=64, help="tokens each prompt decodes (default 64)")
     ap.add_argument("--prompts", type=int, default=4, help="prompts per engine (default 4)")
-    args = ap.parse_args(argv)
-    results = measure(args)
-    write_results(results, args.out, "vllm_engines", None, markdown, index_rows, args.docs)
-    return 0
+    return measure(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

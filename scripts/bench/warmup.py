@@ -8,8 +8,7 @@ replaced replica reuses the plan). One run, one local Ray instance, CPU ranks.
 
 Each phase deploys the same app (TP --tp, tail auto, ``auto_tune_tokens`` 1,16,128,1024, the
 default ``warmup_limit_s``) and sends one --tokens forward; it checks that the answer equals the
-first phase's bit for bit. Writes JSON under --out and its page, docs/benchmarks/warmup.md,
-and its rows of the index (--docs); verdicts come from the data.
+first phase's bit for bit.
 Target: warm start <= cold start - the cold measurement's time (nothing measured again), and a
 replaced replica answers again without measuring (plan_source: reused). After the rank's SIGKILL:
 answered again within 1.5x the warm start (a load without measuring; the cold
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_word, write_results
+from .docs import Target, section_start, target, verdict, verdict_word
 
 APP = "warmup"
 SECTION = "# Warm-up (scripts/bench/warmup.py)"
@@ -162,12 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                               "plan_source": ctl["plan_source"]}
         replaced_out = MoEClient(APP, timeout_s=600).forward(x, layer)
     results = {
-        **phases, "checkpoint_name": ckpt.name, "tp": args.tp, "dtype": args.dtype, "argv": args.argv,
-        "machine": dict(machine, loadavg_after=harness.loadavg()),
+        **phases, "checkpoint_name": ckpt.name, "tp": args.tp, "dtype": args.dtype,
         "answers_equal": all(torch.equal(cold_out, out) for out in (warm_out, kill["out"], replaced_out)),
     }
-    write_results(results, args.out, "warmup", None, markdown, index_rows, args.docs)
-    return 0
+    return harness.report(args, results, machine, markdown, index_rows)
 
 
 if __name__ == "__main__":
