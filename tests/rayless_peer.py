@@ -32,7 +32,7 @@ def main() -> None:
     with ticket.join(index) as peer:
         for _ in range(steps):
             for layer in ticket.layers:
-                out, _ = peer.forward(x, layer)
+                out, _ = peer.forward_wire(x, layer)
                 worst = max(worst, float(np.abs(out.float32() - want[layer]).max()))
                 if worst > TOL:
                     raise AssertionError(f"peer {index}, layer {layer}: {worst:.2e} off the Serve path's rows")

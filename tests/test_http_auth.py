@@ -145,7 +145,7 @@ def test_fuzz_every_route_from_its_openapi_schema(app):
     schema = schemathesis.openapi.from_url(f"{app.url}/openapi.json", timeout=CLIENT_TIMEOUT_S)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert sorted(f"{op.method.upper()} {op.path}" for op in operations) == [
-        "GET /healthz", "GET /v1/status", "POST /v1/layers/{layer}/forward",
+        "GET /healthz", "GET /v1/status", "POST /v1/layers/{layer}/forward", "POST /v1/sessions/move",
         "POST /v1/{deployment}/layers/{layer}/forward",
     ]
     forward = next(op for op in operations if op.path == "/v1/layers/{layer}/forward")

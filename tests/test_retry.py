@@ -123,7 +123,7 @@ def failed_lane_call(exc: BaseException) -> tuple[object, list]:
     client = LeaseClient()
     core = LaneCore(client, "lane", (1,), {1: "d"}, None, 1, 5.0)
     lease = core.leases["d"]
-    lease.grant = {"replica": "r1", "lease_id": "r1:1", "call_timeout_s": 8.0, "ranks": []}
+    lease.grant = {"replica": "r1", "session_id": "r1:1", "call_timeout_s": 8.0, "ranks": []}
     lease.report_timeout = lambda reason: client.calls.append(("reported", reason))
     try:
         return core._after_failure("d", exc, X, 1, None), client.calls
@@ -195,7 +195,7 @@ def lease_asks(*outcomes) -> tuple[GroupLease, list]:
 
 
 def test_lease_path():
-    grant = {"granted": True, "replica": "r2", "world": 2, "lease_id": "l"}
+    grant = {"granted": True, "replica": "r2", "world": 2, "session_id": "l"}
     # the replica asked has a broken group: asked once more, elsewhere, and leased there
     lease, asks = lease_asks(BROKEN, grant)
     assert lease.acquire(1.0) and lease.replica == "r2" and asks == [None, "r1"]

@@ -19,7 +19,7 @@ from waiting import wait_until
 
 from deployments.common.wire import DeviceRows, WireTensor
 from deployments.dataplane import frames
-from deployments.dataplane.errors import Action, Failure, SessionError
+from deployments.dataplane.errors import Action, Failure, JoinRefused, SessionError
 from deployments.dataplane.host import GroupHost, RankLink
 from deployments.dataplane.peer import GroupEndpoint, SessionTicket
 
@@ -116,7 +116,7 @@ def test_one_forward_per_layer_over_every_peer(group):
         got = []
         for layer in LAYERS:
             x = rows(sizes[i], 10 * i + layer)
-            out, tail = peer.forward(x, layer)
+            out, tail = peer.forward_wire(x, layer)
             assert tail == "replicated"
             assert np.array_equal(out.array, x.array * 2 + layer)
             got.append(out.shape)
@@ -137,14 +137,14 @@ def test_bad_rows_fail_their_peer_only(group):
     bad = WireTensor(np.full((1, H), np.nan, np.float32), "float32")
 
     def step(peer, i):
-        return peer.forward(bad if i else rows(2, i), 1)
+        return peer.forward_wire(bad if i else rows(2, i), 1)
 
     (ok, err), peers = run_peers(t, step)
     assert ok[0].shape == (2, H)
     assert isinstance(err, SessionError) and err.failure is Failure.INPUT and "peer 1" in str(err)
     assert err.action is Action.CALLER_ERROR
     # the session goes on: both peers step again
-    again, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 2)[0].shape, peers)
+    again, _ = run_peers(t, lambda p, i: p.forward_wire(rows(1, i), 2)[0].shape, peers)
     assert again == [(1, H), (1, H)]
     assert rank_runs(computes, 2) == [(1, 2), (2, 2)]
 
@@ -156,12 +156,12 @@ def test_a_peers_own_failure_ends_the_layer_for_all_and_the_session_stays(group)
     def step(peer, i):
         if i == 1:
             raise peer.fail(1, "attend raised KeyError")
-        return peer.forward(rows(1, 0), 1)
+        return peer.forward_wire(rows(1, 0), 1)
 
     results, peers = run_peers(t, step)
     assert all(isinstance(e, SessionError) and e.failure is Failure.PEER_FAILED and e.peer == 1 for e in results)
     assert "attend raised KeyError" in str(results[0])
-    again, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 1)[0].shape, peers)
+    again, _ = run_peers(t, lambda p, i: p.forward_wire(rows(1, i), 1)[0].shape, peers)
     assert again == [(1, H), (1, H)]
 
 
@@ -176,7 +176,7 @@ def test_a_dead_peer_ends_the_session_naming_it(group):
                 time.sleep(0.01)
             peer.close("killed")
             return None
-        return peer.forward(rows(1, i), 1)
+        return peer.forward_wire(rows(1, i), 1)
 
     results, _ = run_peers(t, step, peers)
     for e in results[:2]:
@@ -184,14 +184,14 @@ def test_a_dead_peer_ends_the_session_naming_it(group):
         assert e.action is Action.SESSION_OVER
     assert host.state(number)["failure"] == "peer_gone"
     with pytest.raises(SessionError) as closed:
-        peers[0].forward(rows(1, 0), 2)
+        peers[0].forward_wire(rows(1, 0), 2)
     assert closed.value.failure is Failure.SESSION_ENDED
 
 
 def test_a_stalled_peer_ends_the_session_within_the_call_bound(group):
     host, _ = group
     t, _ = ticket(host, 2)
-    results, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 1) if i == 0 else None)
+    results, _ = run_peers(t, lambda p, i: p.forward_wire(rows(1, i), 1) if i == 0 else None)
     e = results[0]
     assert isinstance(e, SessionError) and e.failure is Failure.PEER_STALLED and e.peer == 1
     assert f"{CALL_S:.0f} s" in str(e)
@@ -200,7 +200,7 @@ def test_a_stalled_peer_ends_the_session_within_the_call_bound(group):
 def test_peers_out_of_step(group):
     host, _ = group
     t, _ = ticket(host, 2)
-    results, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), LAYERS[i]))
+    results, _ = run_peers(t, lambda p, i: p.forward_wire(rows(1, i), LAYERS[i]))
     assert all(isinstance(e, SessionError) and e.failure is Failure.OUT_OF_STEP for e in results)
 
 
@@ -211,9 +211,9 @@ def test_a_failed_rank_breaks_the_group(group):
     finds it, every peer hears the group failed, and the host opens nothing more."""
     host, _ = group
     t, _ = ticket(host, 2)
-    results, peers = run_peers(t, lambda p, i: p.forward(rows(1, i), 2))
+    results, peers = run_peers(t, lambda p, i: p.forward_wire(rows(1, i), 2))
     assert [r[0].shape for r in results] == [(1, H), (1, H)]
-    results, _ = run_peers(t, lambda p, i: p.forward(rows(1, i), 1), peers)
+    results, _ = run_peers(t, lambda p, i: p.forward_wire(rows(1, i), 1), peers)
     for e in results:
         assert isinstance(e, SessionError) and e.failure is Failure.GROUP_FAILED
         assert e.action is Action.RETRY_ELSEWHERE
@@ -226,10 +226,10 @@ def test_closing_a_session_ends_it_as_never_run(group):
     host, _ = group
     t, number = ticket(host, 1)
     peer = t.join(0)
-    assert peer.forward(rows(1, 0), 1)[0].shape == (1, H)
+    assert peer.forward_wire(rows(1, 0), 1)[0].shape == (1, H)
     host.close(number, "lease expired", 5.0)
     with pytest.raises(SessionError) as e:
-        peer.forward(rows(1, 0), 1)
+        peer.forward_wire(rows(1, 0), 1)
     assert e.value.failure is Failure.SESSION_ENDED and e.value.action is Action.START_OVER
     assert "lease expired" in str(e.value)
 
@@ -239,14 +239,16 @@ def test_only_the_sessions_peers_join_and_strays_stall_nothing(group):
     t, _ = ticket(host, 1)
     g = t.groups[0]
     stray = socket.create_connection(host.address)  # connects and says nothing
-    with pytest.raises(PermissionError):
+    with pytest.raises(JoinRefused, match="not one this group knows") as refused:
         frames.connect(host.address, frames.new_secret(), frames.Role.PEER, 0, 5.0)
+    assert refused.value.reason == "secret" and refused.value.status == 403
     with pytest.raises(ValueError, match="peer index"):
         t.join(1)
     peer = t.join(0)
-    with pytest.raises(PermissionError):  # index 0 has joined already
+    with pytest.raises(JoinRefused, match="another peer has joined") as refused:  # index 0 has joined already
         frames.connect(host.address, g.secret, frames.Role.PEER, 0, 5.0)
-    assert peer.forward(rows(2, 0), 1)[0].shape == (2, H)
+    assert refused.value.reason == "taken"
+    assert peer.forward_wire(rows(2, 0), 1)[0].shape == (2, H)
     stray.close()
 
 
@@ -287,7 +289,7 @@ def test_rows_over_a_device_channel_share_the_layer_with_bytes(group):
         for s, n in enumerate(sizes[i]):
             for layer in LAYERS:
                 x = rows(n, 10 * i + s + layer)
-                out, _ = peer.forward(x, layer)
+                out, _ = peer.forward_wire(x, layer)
                 assert isinstance(out, DeviceRows) == (i == 0)
                 got = out.to_torch().numpy() if i == 0 else out.array
                 assert np.array_equal(got, x.array * 2 + layer)
@@ -310,7 +312,7 @@ def test_a_peer_whose_channel_rows_never_come_is_dropped_within_the_call_bound(g
     frames.send(a.socks["d"], frames.Kind.FORWARD, flags=a.bounds[1], index=0, layer=1, data=header)
     a.channels["d"].close()  # ... and they never come
     with pytest.raises(SessionError) as err:  # rank 0's wait for them ends at the call bound
-        b.forward(rows(1, 1), 1)
+        b.forward_wire(rows(1, 1), 1)
     assert err.value.failure is Failure.PEER_GONE and err.value.peer == 0 and "device channel" in str(err.value)
     assert host.state(number)["failure"] == "peer_gone"
 
@@ -335,7 +337,7 @@ def steps(peer, i, n: int, size: int = 1):
     for s in range(n):
         for layer in LAYERS:
             x = rows(size, 100 * i + 10 * s + layer)
-            out, _ = peer.forward(x, layer)
+            out, _ = peer.forward_wire(x, layer)
             assert np.array_equal(out.array, x.array * 2 + layer)
     return n
 
@@ -348,13 +350,13 @@ def in_step(host: GroupHost, number: int, t: SessionTicket, pool: ThreadPoolExec
     """Every peer of ``t`` joined and active in the group's step, at a step's start. Peer 0 steps
     first, alone; the others' first layers are held for the next step, which they share."""
     peers = [t.join(i) for i in range(t.peers)]
-    peers[0].forward(rows(1, 0), LAYERS[0])
-    later = [pool.submit(p.forward, rows(1, i), LAYERS[0]) for i, p in enumerate(peers) if i]
+    peers[0].forward_wire(rows(1, 0), LAYERS[0])
+    later = [pool.submit(p.forward_wire, rows(1, i), LAYERS[0]) for i, p in enumerate(peers) if i]
     wait_for(lambda: len(host.sessions[number].held) == t.peers - 1, "the others held")
-    peers[0].forward(rows(1, 0), LAYERS[1])  # its step ends: the held ones start the next
-    later.append(pool.submit(peers[0].forward, rows(1, 0), LAYERS[0]))
+    peers[0].forward_wire(rows(1, 0), LAYERS[1])  # its step ends: the held ones start the next
+    later.append(pool.submit(peers[0].forward_wire, rows(1, 0), LAYERS[0]))
     [f.result(timeout=30) for f in later]
-    ends = [pool.submit(p.forward, rows(1, i), LAYERS[1]) for i, p in enumerate(peers)]
+    ends = [pool.submit(p.forward_wire, rows(1, i), LAYERS[1]) for i, p in enumerate(peers)]
     [f.result(timeout=30) for f in ends]
     assert host.state(number)["active"] == list(range(t.peers))
     return peers
@@ -395,11 +397,11 @@ def test_elastic_idle_peer_sits_steps_out_and_rejoins_at_a_step_start(group):
         assert steps(a, 0, 2) == 2
         assert host.state(number)["active"] == [0]
         # b comes back half-way through a's step: it waits for the group's next step
-        a.forward(rows(1, 0), LAYERS[0])
+        a.forward_wire(rows(1, 0), LAYERS[0])
         back = pool.submit(steps, b, 1, 1, 2)
         wait_for(lambda: host.state(number)["waiting_for"] == [] and 1 in host.sessions[number].held,
                  "b held for the next step")
-        a.forward(rows(1, 1), LAYERS[1])  # a's step ends alone
+        a.forward_wire(rows(1, 1), LAYERS[1])  # a's step ends alone
         assert steps(a, 0, 1) == 1  # the next step is both: a waits for nobody, b was held
         assert back.result(timeout=30) == 1
     sizes = [n for _, n in computes[0].runs]
@@ -416,7 +418,7 @@ def test_elastic_peer_killed_mid_step_leaves_the_others_serving(group):
     a, b = t.join(0), t.join(1)
 
     def b_dies(peer, i):
-        peer.forward(rows(1, 7), LAYERS[0])
+        peer.forward_wire(rows(1, 7), LAYERS[0])
         peer.close("killed")  # half-way through its step
         return None
 
@@ -443,10 +445,10 @@ def test_elastic_stalled_or_out_of_step_peer_is_dropped_alone(group):
     t, number = ticket(host, 3, idle_after_s=IDLE_S)
     with ThreadPoolExecutor(3) as pool:
         a, b, c = in_step(host, number, t, pool)
-        first = [pool.submit(p.forward, rows(1, i), LAYERS[0]) for i, p in enumerate((a, b, c))]
+        first = [pool.submit(p.forward_wire, rows(1, i), LAYERS[0]) for i, p in enumerate((a, b, c))]
         [f.result(timeout=30) for f in first]
         # mid-step: b never sends layer 2 (stalled), c sends a layer out of order
-        later = [pool.submit(a.forward, rows(1, 0), LAYERS[1]), pool.submit(c.forward, rows(1, 2), LAYERS[0])]
+        later = [pool.submit(a.forward_wire, rows(1, 0), LAYERS[1]), pool.submit(c.forward_wire, rows(1, 2), LAYERS[0])]
         out, _ = later[0].result(timeout=30)
         assert out.shape == (1, H)
         with pytest.raises(SessionError) as wrong:
@@ -454,7 +456,7 @@ def test_elastic_stalled_or_out_of_step_peer_is_dropped_alone(group):
     assert wrong.value.failure is Failure.OUT_OF_STEP and wrong.value.peer == 2
     assert host.state(number)["active"] == [0] and host.state(number)["failure"] is None
     with pytest.raises(SessionError) as stalled:
-        b.forward(rows(1, 1), LAYERS[1])
+        b.forward_wire(rows(1, 1), LAYERS[1])
     assert stalled.value.failure is Failure.PEER_STALLED and stalled.value.peer == 1
     assert f"{CALL_S:.0f} s" in str(stalled.value)
 
@@ -464,8 +466,8 @@ def test_elastic_failure_fails_its_own_peer_only(group):
     t, number = ticket(host, 2, idle_after_s=CALL_S)
 
     def step(peer, i):
-        got = peer.fail(LAYERS[0], "attention blew up") if i else peer.forward(rows(2, 0), LAYERS[0])[0].shape
-        peer.forward(rows(1, i), LAYERS[1])
+        got = peer.fail(LAYERS[0], "attention blew up") if i else peer.forward_wire(rows(2, 0), LAYERS[0])[0].shape
+        peer.forward_wire(rows(1, i), LAYERS[1])
         return got
 
     with ThreadPoolExecutor(2) as pool:
@@ -513,14 +515,14 @@ def test_sessions_pending_together_share_one_forward_and_each_peer_gets_its_slic
     xs = {"a0": rows(1, 1), "a1": rows(2, 2), "b0": rows(4, 3)}
     gate = hold_loop(host)
     with ThreadPoolExecutor(3) as pool:
-        sent = {k: pool.submit(p.forward, xs[k], 1) for k, p in (("a0", a0), ("a1", a1), ("b0", b0))}
+        sent = {k: pool.submit(p.forward_wire, xs[k], 1) for k, p in (("a0", a0), ("a1", a1), ("b0", b0))}
         frames_waiting(host, 3)
         gate.set()
         outs = {k: f.result(timeout=10)[0] for k, f in sent.items()}
     for key, out in outs.items():
         assert np.array_equal(out.array, xs[key].array * 2 + 1)
     assert rank_runs(computes, 1) == [(1, 7)]
-    assert b0.forward(rows(2, 4), 2)[0].shape == (2, H)
+    assert b0.forward_wire(rows(2, 4), 2)[0].shape == (2, H)
     assert rank_runs(computes, 2) == [(1, 7), (2, 2)]
 
 
@@ -530,7 +532,7 @@ def test_ready_layers_of_different_layers_or_over_the_limit_run_in_arrival_order
     sessions = [ticket(host, 1)[0].join(0) for _ in range(3)]
     gate = hold_loop(host)
     with ThreadPoolExecutor(3) as pool:
-        sent = [pool.submit(p.forward, rows(4, i), layer) for i, (p, layer) in enumerate(zip(sessions, [1, 2, 1],
+        sent = [pool.submit(p.forward_wire, rows(4, i), layer) for i, (p, layer) in enumerate(zip(sessions, [1, 2, 1],
                                                                                         strict=True))]
         frames_waiting(host, 3)
         gate.set()
@@ -546,15 +548,16 @@ def test_a_session_lasts_while_a_peer_is_connected_and_ends_after_its_linger(gro
     t, number = ticket(host, 1, idle_after_s=IDLE_S, linger_s=0.3)
     peer = t.join(0)
     time.sleep(0.6)  # twice the linger: a connected peer keeps it
-    assert number in host.sessions and peer.forward(rows(1, 0), 1)[0].shape == (1, H)
+    assert number in host.sessions and peer.forward_wire(rows(1, 0), 1)[0].shape == (1, H)
     peer.close()
     wait_for(lambda: number not in host.sessions, "the session ended after its linger", 5.0)
     state = host.state(number)
     assert state["failure"] == "session_ended" and "linger_s" in state["ended"]
     never, unjoined = ticket(host, 1, linger_s=0.2)
     wait_for(lambda: unjoined not in host.sessions, "a session nobody joined ended", 5.0)
-    with pytest.raises(PermissionError):
+    with pytest.raises(JoinRefused, match="has ended") as refused:
         never.join(0)
+    assert refused.value.reason == "ended" and refused.value.failure is Failure.SESSION_ENDED
 
 
 def test_sessions_beyond_max_sessions_are_refused_with_the_arithmetic(group):
@@ -588,7 +591,7 @@ def test_the_watcher_hears_counts_and_ends_when_they_happen_and_nothing_while_id
     t, number = ticket(host, 1)
     peer = t.join(0)
     for layer in LAYERS:
-        peer.forward(rows(3, layer), layer)
+        peer.forward_wire(rows(3, layer), layer)
     counts = events(sock, "counts")[-1]["sessions"][str(number)]
     if counts["forwards"] < 2:  # the first push went after one forward: the next within EVENTS_PUSH_S
         counts = events(sock, "counts")[-1]["sessions"][str(number)]
@@ -623,7 +626,7 @@ def test_an_idle_groups_stopped_rank_is_found_by_the_heartbeat_within_the_call_b
         assert failed["failure"] == "group_timeout" and "heartbeat" in failed["reason"]
         assert host.state(number)["failure"] == "group_timeout"
         with pytest.raises(SessionError) as e:
-            peer.forward(rows(1, 0), 1)
+            peer.forward_wire(rows(1, 0), 1)
         assert e.value.failure is Failure.GROUP_TIMEOUT and e.value.action is Action.RETRY_ELSEWHERE
         with pytest.raises(RuntimeError, match="broken"):
             host.open(1, 1, "after")

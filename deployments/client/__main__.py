@@ -67,9 +67,10 @@ def counters(client: Any) -> dict[str, Any]:
 
 
 def ended(session: Any) -> str | None:
-    """Why the session is over on some group (None: open on every one)."""
+    """Why the session is over on some group (None: open on every one, or moving: a broken group's
+    session goes on where its peers take it)."""
     for deployment, state in session.state().items():
-        if state.get("ended"):
+        if state.get("ended") and state.get("failure") not in ("group_failed", "group_timeout"):
             return f"{deployment}: {state.get('failure') or 'ended'}: {state['ended']}"
     return None
 
@@ -118,19 +119,13 @@ def close(args: argparse.Namespace) -> int:
     import ray
 
     from ..cluster.local import leave_ray
-    from ..common.workers import WORKER_NAMESPACE, worker_name
     from ..dataplane.peer import SessionTicket
+    from .session import close_groups
 
     ticket = SessionTicket.from_json(args.ticket.read_text())
     ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-    failed = []
     try:
-        for g in ticket.groups:
-            try:
-                rank0 = ray.get_actor(worker_name(g.deployment, g.replica, 0), namespace=WORKER_NAMESPACE)
-                ray.get(rank0.session_close.remote(g.session, "closed with its ticket"), timeout=30)
-            except Exception as e:  # its replica is gone: the session went with it
-                failed.append(f"{g.deployment} (replica {g.replica}): {e}")
+        failed = close_groups(ticket, "closed with its ticket")
     finally:
         leave_ray()
     for line in failed:

@@ -40,7 +40,7 @@ from moe_runtime.units import torch_dtype
 from ..common.requests import as_rows, is_torch_tensor
 from ..common.wire import WireTensor
 from ..dataplane.errors import Failure, SessionError
-from ..dataplane.peer import SessionPeer, SessionTicket
+from ..dataplane.peer import Peer, SessionTicket
 from .errors import WorkerError
 
 
@@ -53,7 +53,7 @@ class WorkerSeat:
         self.undo = undo  # the worker's abort()
         self.dtypes = {int(layer): d for layer, d in dtypes.items()}  # names
         self.epoch = epoch  # an abort moves it on: calls of the aborted attempt are refused
-        self.peer: SessionPeer | None = None  # this worker's place in the cohort's session
+        self.peer: Peer | None = None  # this worker's place in the cohort's session
         self.started = False  # start() ran (or began) for the current step
         self.abort_due = False  # an abort arrived while a call ran: undo before anything else
         self.tokens: int | None = None  # rows per layer this step, from its first attend
@@ -171,7 +171,7 @@ class AttentionWorker:
     def cohort_step(self, epoch: int, step_input: Any, layers: list[int]) -> Any:
         """One decode step on the data plane: start, then per layer attend -> the session's one
         forward -> absorb, then finish. A failure of this worker's own code still takes part in
-        the next layer the others wait on (``SessionPeer.fail``), so they are released at once
+        the next layer the others wait on (``Peer.fail``), so they are released at once
         with an error naming this worker."""
         seat = self._cohort_seat()
         if seat.peer is None:
@@ -183,11 +183,11 @@ class AttentionWorker:
                 x = self.cohort_attend(epoch, layer)
                 owed += 1  # sent below, whatever the answer
                 try:
-                    out, _ = seat.peer.forward(x, layer)
+                    out, _ = seat.peer.forward_wire(x, layer)
                 except SessionError as e:
                     if e.failure is not Failure.INPUT:
                         raise  # every peer's layer (or the session) ended: nobody waits for this one
-                    raise seat.fail(f"rank 0 refused its rows for layer {layer}: {e}") from None
+                    raise seat.fail(f"rank 0 refused its rows for layer {layer}: {e.message}") from None
                 self.cohort_absorb(epoch, layer, out.to_torch())
             return self.cohort_finish(epoch)
         except WorkerError as e:

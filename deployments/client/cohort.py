@@ -67,14 +67,13 @@ from ..common.wire import WireTensor
 from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S, LEASE_ATTEMPT_S, PROBE_S
 from ..dataplane.errors import Action, SessionError
 from ..dataplane.errors import Failure as PlaneFailure
-from ..dataplane.peer import SessionTicket, answer_bound_s
+from ..dataplane.peer import GroupEndpoint, SessionTicket, answer_bound_s
 from .errors import MoEServerError, WorkerError, raise_for
 from .leases import (
     GroupLease,
     LeaseHolder,
     check_seconds,
     default_client_name,
-    endpoint,
     layers_by_deployment,
 )
 
@@ -175,9 +174,12 @@ class CohortCore(LeaseHolder):
                 return False
         return True
 
+    def layers_of(self, deployment: str) -> list[int]:
+        return [x for x in self.layers if self.by_layer[x] == deployment]
+
     def join_session(self) -> bool:
         """Every worker joins the session the leases opened, as its peer."""
-        groups = tuple(endpoint(lease.grant, [x for x in self.layers if self.by_layer[x] == d])
+        groups = tuple(GroupEndpoint.from_grant(lease.grant, self.layers_of(d))
                        for d, lease in self.leases.items())
         ticket = SessionTicket(self.name, len(self.workers), groups)
         try:

@@ -49,14 +49,13 @@ from ..common.retry import resend_after
 from ..common.wire import WireTensor
 from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S
 from ..dataplane.errors import Action, SessionError
-from ..dataplane.peer import SessionPeer, SessionTicket
+from ..dataplane.peer import GroupEndpoint, Peer, SessionTicket
 from .errors import raise_for
 from .leases import (
     GroupLease,
     LeaseHolder,
     check_seconds,
     default_client_name,
-    endpoint,
     group_failure,
     served_layers,
 )
@@ -72,7 +71,7 @@ class LaneCore(LeaseHolder):
         super().__init__(name, {d: GroupLease(client, d, name, max_tokens, retry_s) for d in deployments})
         self.client, self.layers, self.by_layer, self.only = client, layers, by_layer, only
         self.max_tokens = max_tokens
-        self.peers: dict[str, SessionPeer] = {}
+        self.peers: dict[str, Peer] = {}
         self.counts = {d: {"lane_calls": 0, "serve_calls": 0, "fallbacks": 0} for d in deployments}
 
     # -- leases and peers -----------------------------------------------------------------
@@ -83,7 +82,7 @@ class LaneCore(LeaseHolder):
             return False
         grant = lease.grant
         try:
-            ticket = SessionTicket(self.name, 1, (endpoint(grant, grant["layers"]),))
+            ticket = SessionTicket(self.name, 1, (GroupEndpoint.from_grant(grant, grant["layers"]),))
             self.peers[deployment] = ticket.join(0)
         except (OSError, PermissionError) as e:
             GroupLease.release(lease.take(f"could not join the group's session: {error_message(e)}"))
@@ -132,7 +131,7 @@ class LaneCore(LeaseHolder):
             except ServeInputError as e:  # refused here, as the Serve path's replica would
                 raise_for(e)
             try:
-                out, _ = self.peers[deployment].forward(x, layer, logits)
+                out, _ = self.peers[deployment].forward_wire(x, layer, logits)
             except SessionError as e:
                 return self._after_failure(deployment, e, hidden_states, layer, router_logits)
             self.counts[deployment]["lane_calls"] += 1

@@ -27,7 +27,6 @@ from ..common.errors import GroupTimeoutError, GroupUnavailableError, error_mess
 from ..common.retry import resend_after
 from ..config.timeouts import LEASE_ATTEMPT_S, RELEASE_S
 from ..dataplane.errors import Failure, SessionError
-from ..dataplane.peer import GroupEndpoint
 from .errors import raise_for
 
 logger = logging.getLogger(__name__)
@@ -40,19 +39,11 @@ def default_client_name() -> str:
 def group_failure(exc: SessionError, lease: GroupLease, what: str) -> GroupUnavailableError:
     """A leased group's failure as the retry rule sees it: the group is broken (the replica
     breaks it: a rank died or failed, or, reported here, the call outlived its bound)."""
-    reason = f"{what} failed: {exc}"
+    reason = f"{what} failed: {exc.message}"
     if exc.failure is Failure.GROUP_TIMEOUT:
         lease.report_timeout(reason)
         return GroupTimeoutError(reason, lease.replica)
     return GroupUnavailableError(reason, lease.replica)
-
-
-def endpoint(grant: dict[str, Any], layers: Iterable[int]) -> GroupEndpoint:
-    """A grant's group as a session ticket names it (``layers``: the session's layers it serves)."""
-    return GroupEndpoint(grant["deployment"], grant["replica"], grant["lease_id"], grant["host"],
-                         grant["port"], grant["secret"], grant["session"], tuple(layers),
-                         grant["hidden_size"], grant["dtype"], grant["call_timeout_s"], grant["max_tokens"],
-                         grant["store_port"], grant["channel"])
 
 
 def check_seconds(**values: Any) -> None:
@@ -159,7 +150,7 @@ class GroupLease:
         self.leases += 1
         self.why_not = ""
         logger.info("%s: %s opened session %s on replica %s (TP %d)", self.owner, self.deployment,
-                    grant["lease_id"], grant["replica"], grant["world"])
+                    grant["session_id"], grant["replica"], grant["world"])
         return True
 
     def refused(self, why: str, retry_s: float | None = None) -> None:
@@ -192,7 +183,7 @@ class GroupLease:
         grant = self.grant
         return {"path": "session" if grant is not None else "serve",
                 "replica": None if grant is None else grant["replica"],
-                "lease_id": None if grant is None else grant["lease_id"],
+                "session_id": None if grant is None else grant["session_id"],
                 "why_serve": self.why_not or None, "leases": self.leases}
 
 

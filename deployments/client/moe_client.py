@@ -27,7 +27,7 @@ from ..common.layer_routing import LayerRoutes
 from ..common.retry import call_with_retry, call_with_retry_async
 from ..common.wire import WireTensor
 from ..config.timeouts import CLIENT_TIMEOUT_S as DEFAULT_TIMEOUT_S
-from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S
+from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S, SESSION_MOVE_S
 from .cohort import DEFAULT_MAX_TOKENS, Cohort
 from .errors import raise_for
 from .lane import Lane
@@ -119,7 +119,8 @@ class MoEClient:
 
     def session(self, peers: int, layers: Iterable[int] | None = None, *, max_tokens: int = 1,
                 wait_s: float = DEFAULT_WAIT_S, name: str | None = None,
-                idle_after_s: float | None = None, linger_s: float | None = None) -> Session:
+                idle_after_s: float | None = None, linger_s: float | None = None, url: str | None = None,
+                move_s: float = SESSION_MOVE_S) -> Session:
         """A session for ``peers`` independent peer processes (``client.session``): on one TP
         group per deployment serving ``layers`` (None: every layer of the app; all or none), at
         most ``max_tokens`` rows per peer and layer. Hand ``session.ticket`` to the peers; each
@@ -127,9 +128,11 @@ class MoEClient:
         session, whose peers may join late, idle, leave or die without holding the others (for
         engines that step on their own, such as vLLM's). ``linger_s``: it ends once none of its
         peers has been connected this long (default: the deployment's ``session_linger_s``).
+        ``url``: the app's HTTP address its peers move through when a group fails (default: the
+        Serve proxy's; "": no moves); ``move_s``: how long they look for a healthy group.
         A context manager; ``close()`` ends it."""
         return Session(self, peers, layers=layers, max_tokens=max_tokens, wait_s=wait_s, name=name,
-                       idle_after_s=idle_after_s, linger_s=linger_s)
+                       idle_after_s=idle_after_s, linger_s=linger_s, url=url, move_s=move_s)
 
     def _forward_call(self, hidden_states: Any, layer: int, router_logits: Any, avoid_replica: str | None):
         # torch travels as WireTensor (zero-copy numpy for Ray); numpy and the rest as given.

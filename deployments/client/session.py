@@ -26,18 +26,17 @@ data plane's table gives.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-
-from ..common.errors import ServeInputError, error_message
-from ..common.requests import as_logits, as_rows, is_torch_tensor
-from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S, RANK_POLL_S
-from ..dataplane.errors import Action, SessionError
-from ..dataplane.peer import SessionPeer, SessionTicket
-from .errors import raise_for
-from .leases import GroupLease, default_client_name, endpoint, layers_by_deployment
+from ..cluster import moves
+from ..common.errors import error_message
+from ..common.private_api import serve_app_url
+from ..common.workers import WORKER_NAMESPACE, worker_name
+from ..config.timeouts import DEFAULT_RETRY_S, DEFAULT_WAIT_S, RANK_POLL_S, RELEASE_S, SESSION_MOVE_S
+from ..dataplane.peer import GroupEndpoint, Peer, SessionTicket
+from .leases import GroupLease, check_seconds, default_client_name, layers_by_deployment
 
 
 class SessionRefused(RuntimeError):
@@ -50,12 +49,13 @@ class Session:
 
     def __init__(self, client: Any, peers: int, *, layers: Iterable[int] | None = None, max_tokens: int = 1,
                  wait_s: float = DEFAULT_WAIT_S, name: str | None = None, idle_after_s: float | None = None,
-                 linger_s: float | None = None):
+                 linger_s: float | None = None, url: str | None = None, move_s: float = SESSION_MOVE_S):
         if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
             raise ValueError(f"peers must be a positive integer, got {peers!r}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer (rows per peer and layer), "
                              f"got {max_tokens!r}")
+        check_seconds(move_s=move_s)
         self.name = name or f"session-{default_client_name()}"
         chosen, by_layer = layers_by_deployment(client, layers)
         self.leases = {d: GroupLease(client, d, self.name, max_tokens, DEFAULT_RETRY_S, peers=peers,
@@ -67,12 +67,22 @@ class Session:
                 if not lease.acquire(float(wait_s)):
                     raise SessionRefused(f"session {self.name!r}: no group of deployment {d!r} would open it "
                                          f"within {float(wait_s):g} s: {lease.why_not}")
+            groups = tuple(GroupEndpoint.from_grant(lease.grant, [x for x in chosen if by_layer[x] == d])
+                           for d, lease in self.leases.items())
+            secret = secrets.token_hex(16)
+            url = serve_app_url(client.app_name) if url is None else url
+            self.ticket = SessionTicket(self.name, peers, groups, url, secret, float(move_s))
+            opened_with = {"client": self.name, "max_tokens": max_tokens, "peers": peers,
+                           "idle_after_s": idle_after_s, "linger_s": linger_s}
+            for g in groups:
+                moves.register(self.name, secret, g, opened_with)
         except BaseException:
             self.close()
             raise
-        groups = tuple(endpoint(lease.grant, [x for x in chosen if by_layer[x] == d])
-                       for d, lease in self.leases.items())
-        self.ticket = SessionTicket(self.name, peers, groups)
+
+    def groups(self) -> dict[str, GroupEndpoint]:
+        """The group serving the session on each deployment now (its peers may have moved it)."""
+        return {g.deployment: moves.current(self.name, g) for g in self.ticket.groups}
 
     def state(self) -> dict[str, dict[str, Any] | None]:
         """Each group's record of the session, as its rank 0 has it now (``ended`` and ``failure``
@@ -80,11 +90,10 @@ class Session:
         import ray
 
         out = {}
-        for d, lease in self.leases.items():
-            grant = lease.grant
+        for d, g in self.groups().items():
             try:
-                snap = ray.get(grant["ranks"][0].sessions_snapshot.remote(), timeout=RANK_POLL_S)
-                out[d] = snap["sessions"].get(grant["session"]) or {"ended": "no longer open on rank 0"}
+                snap = ray.get(rank0_of(g).sessions_snapshot.remote(), timeout=RANK_POLL_S)
+                out[d] = snap["sessions"].get(g.session) or {"ended": "no longer open on rank 0"}
             except Exception as e:  # rank 0 gone: the group failed
                 out[d] = {"ended": f"rank 0 does not answer: {error_message(e)}", "failure": "group_failed"}
         return out
@@ -95,15 +104,22 @@ class Session:
 
     def status(self) -> dict[str, Any]:
         return {"session": self.name, "peers": self.ticket.peers, "layers": list(self.ticket.layers),
-                "closed": self.closed, "deployments": {d: lease.status() for d, lease in self.leases.items()}}
+                "closed": self.closed, "url": self.ticket.url,
+                "deployments": {d: {"replica": g.replica, "session_id": g.session_id}
+                                for d, g in (self.groups().items() if self.closed is None else ())}}
 
     def close(self, why: str = "closed by its opener") -> None:
         """End the session on every group: its peers are told ``why`` (idempotent)."""
-        if self.closed is None:
-            self.closed = why
-        for lease in self.leases.values():
-            if lease.held:
-                GroupLease.release(lease.take(why), why)
+        if self.closed is not None:
+            return
+        self.closed = why
+        ticket = getattr(self, "ticket", None)
+        if ticket is None:  # refused while opening: close what was opened
+            for lease in self.leases.values():
+                if lease.held:
+                    GroupLease.release(lease.take(why), why)
+            return
+        close_groups(ticket, why)
 
     def __enter__(self) -> Session:
         return self
@@ -112,48 +128,27 @@ class Session:
         self.close()
 
 
-class Peer:
-    """Peer ``index`` of a session: numpy float32 (rounded to the deployment dtype, as the Serve
-    path does) or torch rows in, the same kind out. ``device``: torch rows travel over a device
-    channel from that device and come back on it (``dataplane.channel``)."""
+def rank0_of(g: GroupEndpoint) -> Any:
+    import ray
 
-    def __init__(self, ticket: SessionTicket, index: int, step: Iterable[int] | None = None,
-                 device: str | None = None):
-        self.ticket, self.index, self.device = ticket, index, device
-        self.peer = SessionPeer(ticket, index, None if step is None else tuple(step), device)
+    return ray.get_actor(worker_name(g.deployment, g.replica, 0), namespace=WORKER_NAMESPACE)
 
-    def forward(self, hidden_states: Any, layer: int, router_logits: Any = None) -> Any:
-        g = self.ticket.group_for(layer) if isinstance(layer, int) else None
+
+def close_groups(ticket: SessionTicket, why: str) -> list[str]:
+    """End ``ticket``'s session on the group serving it now on each deployment (its peers are told
+    ``why``) and drop its move records; what could not be closed (its replica is gone: the session
+    went with it)."""
+    import ray
+
+    failed = []
+    for g in ticket.groups:
+        current = moves.current(ticket.name, g)
         try:
-            if g is None:
-                raise ServeInputError(f"layer {layer!r} is not one of session {self.ticket.name!r}'s layers "
-                                      f"{list(self.ticket.layers)}")
-            x = as_rows(hidden_states, "hidden_states", g.dtype, on_device=self.device is not None)
-            logits = None if router_logits is None else as_logits(router_logits)
-        except ServeInputError as e:
-            raise_for(e)
-        try:
-            out, _ = self.peer.forward(x, layer, logits)
-        except SessionError as e:
-            if e.action is Action.CALLER_ERROR:
-                raise_for(e.input_error())
-            raise
-        if is_torch_tensor(hidden_states):
-            return out.to_torch()
-        return out.float32() if isinstance(hidden_states, np.ndarray) else out
-
-    def fail(self, layer: int, message: str) -> SessionError:
-        """Take part in ``layer`` with this peer's own failure: every peer's layer ends naming it."""
-        return self.peer.fail(layer, message)
-
-    def close(self) -> None:
-        self.peer.close()
-
-    def __enter__(self) -> Peer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            ray.get(rank0_of(current).session_close.remote(current.session, why), timeout=RELEASE_S)
+        except Exception as e:
+            failed.append(f"{current.deployment} (replica {current.replica}): {error_message(e)}")
+        moves.forget(ticket.name, g.deployment)
+    return failed
 
 
 def join(ticket: SessionTicket, index: int, step: Iterable[int] | None = None, device: str | None = None

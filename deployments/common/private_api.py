@@ -22,6 +22,14 @@ def kv_put(key: str, value: str, namespace: str) -> None:
     internal_kv._internal_kv_put(key, value, overwrite=True, namespace=namespace)
 
 
+def kv_put_new(key: str, value: str, namespace: str) -> bool:
+    """Create ``key`` unless it exists (atomically, in the GCS): whether this call created it."""
+    from ray.experimental import internal_kv
+
+    existed = internal_kv._internal_kv_put(key, value, overwrite=False, namespace=namespace)
+    return not existed
+
+
 def kv_get(key: str, namespace: str) -> bytes | None:
     from ray.experimental import internal_kv
 
@@ -39,6 +47,26 @@ def kv_delete(key: str, namespace: str) -> None:
     from ray.experimental import internal_kv
 
     internal_kv._internal_kv_del(key, namespace=namespace)
+
+
+def serve_app_url(app_name: str) -> str:
+    """The HTTP address of Serve app ``app_name`` (its proxy's host and port, and the app's route
+    prefix); "" when Serve has no HTTP proxy or the app no route. A proxy bound to every address
+    is named by this node's address."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return ""
+    details = client.get_serve_details()
+    http, app = details.get("http_options") or {}, (details.get("applications") or {}).get(app_name) or {}
+    host, port, prefix = http.get("host"), http.get("port"), app.get("route_prefix")
+    if not host or not port or prefix is None:
+        return ""
+    if host in ("0.0.0.0", "::"):
+        host = ray.util.get_node_ip_address()
+    return f"http://{host}:{port}{(http.get('root_path') or '')}{prefix.rstrip('/')}"
 
 
 def prepare_cluster_config(config: dict[str, Any]) -> dict[str, Any]:

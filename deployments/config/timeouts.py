@@ -72,6 +72,11 @@ LEASE_ATTEMPT_S = 1.0  # one session request's wait on the replica it reached, a
 DEFAULT_WAIT_S = 5.0  # a lane's, cohort's or session's wait for its groups (API and CLI alike)
 DEFAULT_RETRY_S = 5.0  # and how often a lane or cohort on the Serve path asks again
 RELEASE_S = 10.0  # a client closing its session on rank 0
+SESSION_MOVE_S = 180.0  # default: a session's peers look this long for a healthy group after theirs
+#   failed (covers Serve replacing a replica: its start, the group's, warm-up)
+MOVE_ASK_S = 30.0  # one ask of the app to move a session (the ingress opens it on another group)
+MOVE_RETRY_S = 0.5  # a peer asks again this often while no group can take its session yet
+MOVE_CLAIM_S = 60.0  # a move claimed by an ingress replica that died is taken over after this
 CLIENT_TIMEOUT_S = 120.0  # a client's default wait for one answer (handle or HTTP)
 DRAIN_POLL_S = 0.2  # a stopping replica looks this often whether its requests are done (Serve: 2 s)
 

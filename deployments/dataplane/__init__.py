@@ -5,4 +5,12 @@ of its TP groups and back, over authenticated TCP connections with blocking wait
 (rank 0 gathers, every rank forwards), ``peer`` (tickets and peers), ``channel`` (rows that stay on
 a device, over a two-member ``torch.distributed`` group). No Ray; torch only in ``channel``, which
 the others import only when a peer joins with a channel (importing them loads no torch).
+
+A peer process needs only this package (no Ray): ``from deployments.dataplane import Peer,
+SessionTicket``; ``deployments.client`` re-exports the same names.
 """
+
+from .errors import JoinRefused, MoEServeError, SessionError
+from .peer import Peer, SessionTicket
+
+__all__ = ["JoinRefused", "MoEServeError", "Peer", "SessionError", "SessionTicket"]

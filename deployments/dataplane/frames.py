@@ -16,6 +16,7 @@ Pure: no Ray, no torch.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import hmac
 import json
@@ -31,10 +32,12 @@ from moe_runtime.units import WIRE_DTYPES
 
 from ..common.wire import DeviceRows, WireTensor
 from ..config.timeouts import HANDSHAKE_S
+from .errors import JOIN_REFUSALS, JoinRefused
 
 NONCE_BYTES = 16
 MAC = "sha256"
 WELCOME = b"\x01"
+REFUSED = {b"\x02": "secret", b"\x03": "ended", b"\x04": "taken"}  # a refused join's answer -> why
 _HEADER = struct.Struct("<BBBxhiiiIQ")  # kind, dtype code, flags, index, layer, rows, cols, text, data bytes
 _HELLO = struct.Struct("<Bi32s")  # role, index, mac
 
@@ -184,21 +187,27 @@ def welcome(sock: socket.socket) -> None:
     sock.sendall(WELCOME)
 
 
+def refuse(sock: socket.socket, reason: str) -> None:
+    """Listener side: tell a caller why its join is refused (``JOIN_REFUSALS``), then close."""
+    code = next(c for c, r in REFUSED.items() if r == reason)
+    with contextlib.suppress(OSError):
+        sock.sendall(code)
+    sock.close()
+
+
 def connect(address: tuple[str, int], secret: str, role: Role, index: int, timeout_s: float) -> socket.socket:
-    """Caller side: a connection to ``address`` admitted as ``role`` ``index``; ``PermissionError``
-    when the listener refuses it (an unknown secret, or that index already taken)."""
+    """Caller side: a connection to ``address`` admitted as ``role`` ``index``; :class:`JoinRefused`
+    naming why when the listener refuses it, ``ConnectionLost`` when it closes without a word."""
     sock = socket.create_connection(address, timeout=timeout_s)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = bytes(_exact(sock, NONCE_BYTES))
         sock.sendall(_HELLO.pack(role, index, _mac(secret, nonce, role, index)))
-        try:
-            answer = bytes(_exact(sock, len(WELCOME)))
-        except ConnectionLost:
-            answer = b""
+        answer = bytes(_exact(sock, len(WELCOME)))
         if answer != WELCOME:
-            raise PermissionError(f"{address[0]}:{address[1]} refused {role.name.lower()} {index}: an "
-                                  "unknown or ended session, or that index has joined already")
+            reason = REFUSED.get(answer, "secret")
+            raise JoinRefused(reason, f"{address[0]}:{address[1]} refused {role.name.lower()} {index}: "
+                              f"{JOIN_REFUSALS[reason]}")
         sock.settimeout(None)
     except BaseException:
         sock.close()

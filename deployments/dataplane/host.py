@@ -260,6 +260,7 @@ class GroupHost:
         self.sessions: dict[int, Session] = {}
         self.ended: dict[int, dict[str, Any]] = {}  # ended sessions' last states, by number
         self.by_secret: dict[str, Session] = {}
+        self.ended_secrets: dict[str, int] = {}  # ended sessions' secrets: a late join is told "ended"
         self.links: dict[int, socket.socket] = {}
         self.watchers: list[socket.socket] = []
         self.ready: deque[Session] = deque()  # sessions whose layer is ready, oldest first
@@ -383,15 +384,18 @@ class GroupHost:
     def _admit(self, sock: socket.socket) -> None:
         try:
             role, index, secret = frames.admit(sock, self._secrets)
-        except (OSError, PermissionError, ValueError, frames.ConnectionLost):
-            sock.close()  # a stray or wrong connection: it joins nothing
+        except PermissionError:
+            frames.refuse(sock, "secret")  # a wrong ticket: it joins nothing, and is told so
+            return
+        except (OSError, ValueError, frames.ConnectionLost):
+            sock.close()  # a stray connection: it joins nothing
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._commands.put(lambda: self._attach(role, index, secret, sock))
         self._wake()
 
     def _secrets(self) -> list[str]:
-        return [self.group_secret, *list(self.by_secret)]
+        return [self.group_secret, *list(self.by_secret), *list(self.ended_secrets)]
 
     def _attach(self, role: Role, index: int, secret: str, sock: socket.socket) -> None:
         rank_ok = secret == self.group_secret and 0 < index < self.world and index not in self.links
@@ -411,9 +415,11 @@ class GroupHost:
                 self._push({"event": "failed", "failure": self.failure.value, "reason": self.failed})
             return
         session = self.by_secret.get(secret)
-        if (role is not Role.PEER or session is None or session.ended or not 0 <= index < session.peers
-                or session.sockets[index] is not None):
-            sock.close()
+        if role is not Role.PEER or session is None or session.ended:
+            frames.refuse(sock, "ended" if secret in self.ended_secrets or session is not None else "secret")
+            return
+        if not 0 <= index < session.peers or session.sockets[index] is not None:
+            frames.refuse(sock, "taken")
             return
         frames.welcome(sock)
         sock.settimeout(self.call_s)  # a peer stopped half-way through a message stalls nothing longer
@@ -784,7 +790,8 @@ class GroupHost:
         try:
             out, tail, seconds = self._forward(batch[0].layer, good)
         except Exception as e:
-            timeout = isinstance(e, TimeoutError)
+            # a rank that stopped answering makes a collective time out (gloo says "Timed out"): a stall
+            timeout = isinstance(e, TimeoutError) or "timed out" in str(e).lower()
             self._fail_group(Failure.GROUP_TIMEOUT if timeout else Failure.GROUP_FAILED,
                              f"the layer {batch[0].layer} forward failed on the group: {e}")
             return
@@ -942,6 +949,9 @@ class GroupHost:
         for i in list(session.channels):
             self._close_channel(session, i)
         self.by_secret.pop(session.secret, None)
+        self.ended_secrets[session.secret] = session.number
+        while len(self.ended_secrets) > ENDED_KEPT:
+            del self.ended_secrets[next(iter(self.ended_secrets))]
         self.sessions.pop(session.number, None)
         self._dirty.discard(session.number)
         self.ended[session.number] = state = session.state()

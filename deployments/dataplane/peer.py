@@ -3,17 +3,27 @@
     session = client.session(peers=4, max_tokens=8)     # the process that opens it (deployments.client)
     text = session.ticket.to_json()                     # handed to the peers by any channel
     peer = SessionTicket.from_json(text).join(2)        # any process that can reach the ranks' nodes
-    out, tail = peer.forward(rows, layer)               # blocks until this peer's slice comes back
+    out = peer.forward(rows, layer)                     # numpy or torch in, the same kind out
 
 A :class:`SessionTicket` is small and serialisable (``to_json``/``from_json``, or pickled by Ray):
 per TP group serving the session's layers, rank 0's address, the session's secret for that group
-and the group's shape. :meth:`SessionTicket.join` connects peer ``index`` to every group once
-(admitted by the secret, ``frames.admit``); :meth:`SessionPeer.forward` sends this peer's rows
-for one layer to the group serving it and waits -- a blocking read on its own connection, no
-polling -- for its slice of that layer's one forward. A layer ended without a result raises
+and the group's shape; and the app's HTTP address with the session's own secret, for moves.
+:meth:`SessionTicket.join` connects peer ``index`` to every group once (admitted by the secret,
+``frames.admit``; a refusal raises :class:`~deployments.dataplane.errors.JoinRefused` naming why);
+:meth:`Peer.forward` sends this peer's rows for one layer to the group serving it and waits -- a
+blocking read on its own connection, no polling -- for its slice of that layer's one forward.
+
+**Peers move by themselves.** When the group serving a layer fails (a rank died or stalled, its
+replica was replaced, scaled down or redeployed), the peer asks the app (``POST
+/v1/sessions/move`` on the ticket's ``url``, proving the session's secret) for the session's group
+on another replica of the same deployment -- the first peer to ask opens it there, the others get
+the same one -- joins it and sends the layer again as the start of a step, so a step that moves
+starts whole on the new group. It keeps asking until ``move_s`` after the failure; only then does
+the caller get the failure. A Ray-less peer can do all of it: the ticket holds what it needs.
+A layer ended without a result for any other reason raises
 :class:`~deployments.dataplane.errors.SessionError`; its ``action`` says what the caller does.
 
-Pure: no Ray, no torch.
+Pure: no Ray, no torch at import (torch rows are converted when they come).
 """
 
 from __future__ import annotations
@@ -21,17 +31,24 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
+from ..common.errors import ServeInputError
+from ..common.requests import as_logits, as_rows, is_torch_tensor
 from ..common.wire import DeviceRows, WireTensor
-from ..config.timeouts import ANSWER_MARGIN_S, CONNECT_S
+from ..config.timeouts import ANSWER_MARGIN_S, CONNECT_S, MOVE_ASK_S, MOVE_RETRY_S, SESSION_MOVE_S
 from . import frames
-from .errors import Failure, SessionError
+from .errors import ACTIONS, Action, Failure, JoinRefused, MoERequestError, SessionError
 from .frames import Kind, Role
+
+MOVE_PATH = "/v1/sessions/move"
 
 
 def answer_bound_s(call_s: float) -> float:
@@ -45,7 +62,7 @@ class GroupEndpoint:
 
     deployment: str
     replica: str
-    lease_id: str
+    session_id: str  # the session's id on that replica (a moved session has a new one)
     host: str
     port: int
     secret: str
@@ -58,17 +75,30 @@ class GroupEndpoint:
     store_port: int = 0  # rank 0's store for device channels (``channel``); 0: it offers none
     channel: str = ""  # the device channel its ranks take ("nccl" on GPUs, "gloo" on CPUs)
 
+    @classmethod
+    def from_grant(cls, grant: dict[str, Any], layers: Sequence[int]) -> GroupEndpoint:
+        """A replica's answer to ``open_session`` (``serve.sessions``) as a ticket names its group;
+        ``layers``: the session's layers it serves."""
+        return cls(grant["deployment"], grant["replica"], grant["session_id"], grant["host"], grant["port"],
+                   grant["secret"], grant["session"], tuple(layers), grant["hidden_size"], grant["dtype"],
+                   grant["call_timeout_s"], grant["max_tokens"], grant["store_port"], grant["channel"])
+
 
 @dataclass(frozen=True)
 class SessionTicket:
-    """What a peer needs to join: the session's name, its number of peers, its groups."""
+    """What a peer needs to join: the session's name, its number of peers, its groups; ``url``:
+    the app's HTTP address its peers move through ("": they cannot move), ``secret``: the
+    session's own (proves a move), ``move_s``: how long peers look for a new group."""
 
     name: str
     peers: int
     groups: tuple[GroupEndpoint, ...]
+    url: str = ""
+    secret: str = ""
+    move_s: float = SESSION_MOVE_S
 
-    def join(self, index: int, step: Sequence[int] | None = None, device: str | None = None) -> SessionPeer:
-        return SessionPeer(self, index, step, device)
+    def join(self, index: int, step: Sequence[int] | None = None, device: str | None = None) -> Peer:
+        return Peer(self, index, step, device)
 
     def group_for(self, layer: int) -> GroupEndpoint | None:
         return next((g for g in self.groups if layer in g.layers), None)
@@ -83,16 +113,20 @@ class SessionTicket:
     @classmethod
     def from_json(cls, text: str) -> SessionTicket:
         raw = json.loads(text)
-        groups = tuple(GroupEndpoint(**{**g, "layers": tuple(g["layers"])}) for g in raw["groups"])
-        return cls(raw["name"], raw["peers"], groups)
+        groups = tuple(endpoint_from_dict(g) for g in raw.pop("groups"))
+        return cls(groups=groups, **raw)
 
 
-class SessionPeer:
+def endpoint_from_dict(raw: dict[str, Any]) -> GroupEndpoint:
+    return GroupEndpoint(**{**raw, "layers": tuple(raw["layers"])})
+
+
+class Peer:
     """Peer ``index`` of a session (one call at a time; see the module doc). ``step``: the layers
     this peer calls per step, in order (default: every layer of the ticket); the first and last
     on each group mark the step's bounds for an elastic session (``host``). ``device``: rows
     travel over a device channel (``channel``: NCCL to GPU ranks from a GPU, gloo to CPU ranks
-    from the CPU) and answers come back as ``DeviceRows`` on it; None: as bytes on the connection."""
+    from the CPU) and answers come back on it; None: as bytes on the connection."""
 
     def __init__(self, ticket: SessionTicket, index: int, step: Sequence[int] | None = None,
                  device: str | None = None):
@@ -104,7 +138,7 @@ class SessionPeer:
         if not step or unknown:
             raise ValueError(f"a peer's step must be some of session {ticket.name!r}'s layers "
                              f"{list(ticket.layers)}, got {list(step)}")
-        self.ticket, self.index = ticket, index
+        self.ticket, self.index, self.device = ticket, index, device
         self.bounds: dict[int, int] = {}  # layer -> its NEW_STEP / END_STEP flags
         for g in ticket.groups:
             mine = [x for x in step if x in g.layers]
@@ -114,25 +148,67 @@ class SessionPeer:
         if device is not None:
             check_channels(ticket, device)
         self.closed: str | None = None
+        self.groups = {g.deployment: g for g in ticket.groups}  # the group serving each, now
         self.socks: dict[str, socket.socket] = {}
         self.channels: dict[str, Any] = {}  # deployment -> its device channel
+        self.moves: list[dict[str, Any]] = []  # each move: deployment, from/to replica, seconds, why
         try:
             for g in ticket.groups:
-                address = (g.host, g.port)
-                self.socks[g.deployment] = frames.connect(address, g.secret, Role.PEER, index, CONNECT_S)
-                if device is not None:
-                    self.channels[g.deployment] = open_channel(self.socks[g.deployment], g, index, device)
+                self._connect(g)
         except BaseException:
             self.close()
             raise
 
-    def forward(self, x: WireTensor | DeviceRows, layer: int, router_logits: np.ndarray | None = None
-                ) -> tuple[WireTensor | DeviceRows, str]:
-        """This peer's rows of ``layer`` (``[T, H]``, T >= 0) -> ``(its output rows, tail)``."""
+    def forward(self, hidden_states: Any, layer: int, router_logits: Any = None) -> Any:
+        """This peer's rows of ``layer`` (``[T, H]``, T >= 0): numpy float32 (rounded to the
+        deployment's dtype, as the Serve path does) or torch in, the same kind out."""
+        g = self._group(layer)
+        try:
+            x = as_rows(hidden_states, "hidden_states", g.dtype, on_device=self.device is not None)
+            logits = None if router_logits is None else as_logits(router_logits)
+        except ServeInputError as e:
+            raise MoERequestError(str(e), e.status, type(e).__name__) from None
+        try:
+            out, _ = self.forward_wire(x, layer, logits)
+        except SessionError as e:
+            if e.action is Action.CALLER_ERROR and not isinstance(e, JoinRefused):
+                cause = e.input_error()
+                raise MoERequestError(str(cause), cause.status, type(cause).__name__) from None
+            raise
+        if is_torch_tensor(hidden_states):
+            return out.to_torch()
+        return out.float32() if isinstance(hidden_states, np.ndarray) else out
+
+    def forward_wire(self, x: WireTensor | DeviceRows, layer: int, router_logits: np.ndarray | None = None
+                     ) -> tuple[WireTensor | DeviceRows, str]:
+        """:meth:`forward` on wire rows: ``(this peer's output rows, tail)``. A failed group is left
+        for another (the module doc) until the ticket's ``move_s``; then its failure is raised."""
         g = self._group(layer)
         flags = self.bounds.get(layer, 0) | (frames.WITH_LOGITS if router_logits is not None else 0)
-        sock, channel = self.socks[g.deployment], self.channels.get(g.deployment)
+        deadline = None
+        while True:
+            try:
+                return self._call(g, layer, x, router_logits, flags)
+            except SessionError as e:
+                if e.action is not Action.RETRY_ELSEWHERE:
+                    raise
+                if not self.ticket.url:  # a ticket without the app's address: no move
+                    self.close(e.message)
+                    raise
+                deadline = deadline or time.monotonic() + self.ticket.move_s
+                try:
+                    g = self._move(g, e, deadline)
+                except SessionError as final:
+                    self.close(final.message)
+                    raise
+                flags |= frames.NEW_STEP  # the step goes on whole on the new group
+
+    def _call(self, g: GroupEndpoint, layer: int, x: WireTensor | DeviceRows, router_logits: Any,
+              flags: int) -> tuple[WireTensor | DeviceRows, str]:
+        sock, channel = self.socks.get(g.deployment), self.channels.get(g.deployment)
         sent = None
+        if sock is None:  # a move's join failed: its group is gone as well
+            raise SessionError(Failure.GROUP_FAILED, f"no connection to replica {g.replica}", None, g.replica)
         try:
             if channel is not None and not isinstance(x, DeviceRows):
                 x = DeviceRows(x.to_torch(writable=False), x.dtype)
@@ -150,7 +226,7 @@ class SessionPeer:
         """Take part in ``layer`` with this peer's own failure (``message``): the layer ends for every
         peer with ``Failure.PEER_FAILED`` naming this one; returns that error."""
         g = self._group(layer)
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, KeyError):
             frames.send(self.socks[g.deployment], Kind.FAIL, flags=self.bounds.get(layer, 0),
                         index=self.index, layer=layer, text=message)
         try:
@@ -163,11 +239,58 @@ class SessionPeer:
         if self.closed is not None:
             raise SessionError(Failure.SESSION_ENDED, f"peer {self.index} of session {self.ticket.name!r} "
                                f"is closed: {self.closed}")
-        g = self.ticket.group_for(layer)
+        g = self.ticket.group_for(layer) if isinstance(layer, int) else None
         if g is None:
-            raise SessionError(Failure.INPUT, f"layer {layer!r} is not one of session {self.ticket.name!r}'s "
-                               f"layers {list(self.ticket.layers)}")
-        return g
+            raise MoERequestError(f"layer {layer!r} is not one of session {self.ticket.name!r}'s layers "
+                                  f"{list(self.ticket.layers)}", 404, "UnknownLayerError")
+        return self.groups[g.deployment]
+
+    def _connect(self, g: GroupEndpoint) -> None:
+        sock = self.socks[g.deployment] = frames.connect((g.host, g.port), g.secret, Role.PEER, self.index,
+                                                         CONNECT_S)
+        if self.device is not None:
+            self.channels[g.deployment] = open_channel(sock, g, self.index, self.device)
+
+    def _drop(self, deployment: str) -> None:
+        sock, channel = self.socks.pop(deployment, None), self.channels.pop(deployment, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+        if channel is not None:
+            channel.close()
+
+    def _move(self, g: GroupEndpoint, cause: SessionError, deadline: float) -> GroupEndpoint:
+        """The session's group of ``g.deployment`` on a healthy replica, joined (see the module doc);
+        ``cause``: why ``g`` failed, raised (with what the moves met) once ``deadline`` passes."""
+        started, last = time.monotonic(), str(cause)
+        self._drop(g.deployment)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SessionError(cause.failure, f"{cause.message}; and no healthy group of deployment "
+                                   f"{g.deployment!r} took session {self.ticket.name!r} within "
+                                   f"{self.ticket.move_s:g} s (last: {last})", cause.peer, g.replica)
+            status, answer = ask_move(self.ticket, g, self.index, min(left, MOVE_ASK_S))
+            if status == 200:
+                new = endpoint_from_dict(answer["group"])
+                try:
+                    self._connect(new)
+                except (OSError, frames.ConnectionLost, JoinRefused) as e:
+                    last, g = f"joining replica {new.replica} failed: {e}", new
+                    self._drop(new.deployment)
+                    time.sleep(min(MOVE_RETRY_S, max(0.0, deadline - time.monotonic())))
+                    continue
+                self.groups[new.deployment] = new
+                self.moves.append({"deployment": new.deployment, "from": g.replica, "to": new.replica,
+                                   "why": cause.failure.value,
+                                   "seconds": round(time.monotonic() - started, 3)})
+                return new
+            last = answer.get("error", f"HTTP {status}")
+            if status not in (0, 502, 503, 504):  # the app refuses the move itself: final
+                failure = Failure.SESSION_ENDED if status in (404, 410) else cause.failure
+                raise SessionError(failure, f"{cause.message}; session {self.ticket.name!r} cannot move off "
+                                   f"replica {g.replica}: {last}", cause.peer, g.replica)
+            time.sleep(min(MOVE_RETRY_S, max(0.0, deadline - time.monotonic())))
 
     def _answer(self, g: GroupEndpoint, layer: int, sent: Any = None) -> tuple[WireTensor | DeviceRows, str]:
         sock = self.socks[g.deployment]
@@ -176,11 +299,9 @@ class SessionPeer:
         try:
             frame = frames.recv(sock)
         except TimeoutError:
-            self.close(f"no answer for layer {layer} within {bound_s:.0f} s")
             raise SessionError(Failure.GROUP_TIMEOUT, f"replica {g.replica} did not answer layer {layer} "
                                f"within {bound_s:.0f} s: a rank is stalled", None, g.replica) from None
         except (frames.ConnectionLost, OSError) as e:
-            self.close(f"connection lost: {e}")
             raise SessionError(Failure.GROUP_FAILED, f"rank 0 of replica {g.replica} closed the connection "
                                f"during layer {layer}: {e}", None, g.replica) from None
         if frame.kind is Kind.RESULT and frame.channel is not None:
@@ -189,7 +310,6 @@ class SessionPeer:
                 if sent is not None:
                     sent.wait()
             except (RuntimeError, KeyError) as e:
-                self.close(f"device channel failed: {e}")
                 raise SessionError(Failure.GROUP_FAILED, f"the device channel to rank 0 of replica "
                                    f"{g.replica} failed during layer {layer}: {e}", None, g.replica) from None
             return out, frame.text
@@ -197,9 +317,9 @@ class SessionPeer:
             return frame.data, frame.text
         meta = frame.meta()
         failure = Failure(meta["kind"])
-        if frame.kind is Kind.BYE:
+        if frame.kind is Kind.BYE and ACTIONS[failure] is not Action.RETRY_ELSEWHERE:
             self.close(meta["message"])
-        elif frame.kind is not Kind.ERROR:
+        elif frame.kind not in (Kind.ERROR, Kind.BYE):
             self.close(f"unexpected {frame.kind.name} message")
             raise SessionError(Failure.OUT_OF_STEP, f"replica {g.replica} answered layer {layer} with a "
                                f"{frame.kind.name} message", None, g.replica)
@@ -208,17 +328,32 @@ class SessionPeer:
     def close(self, why: str = "closed by its owner") -> None:
         if self.closed is None:
             self.closed = why
-        for sock in self.socks.values():
-            with contextlib.suppress(OSError):
-                sock.close()
-        for channel in self.channels.values():
-            channel.close()
+        for deployment in list(self.socks):
+            self._drop(deployment)
 
-    def __enter__(self) -> SessionPeer:
+    def __enter__(self) -> Peer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def ask_move(ticket: SessionTicket, g: GroupEndpoint, index: int, timeout_s: float) -> tuple[int, dict]:
+    """Ask the app at ``ticket.url`` for session ``ticket.name``'s group of ``g.deployment`` after
+    ``g`` failed: ``(HTTP status, JSON answer)``; status 0: the app did not answer."""
+    body = json.dumps({"session": ticket.name, "deployment": g.deployment, "from": g.session_id,
+                       "replica": g.replica, "secret": ticket.secret, "peer": index}).encode()
+    request = urllib.request.Request(ticket.url.rstrip("/") + MOVE_PATH, data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        with contextlib.suppress(ValueError):
+            return e.code, json.loads(e.read())
+        return e.code, {"error": f"HTTP {e.code}: {e.reason}"}
+    except (OSError, ValueError) as e:  # refused, reset, timed out, or not JSON: the app is away
+        return 0, {"error": f"the app at {ticket.url} did not answer: {e}"}
 
 
 def check_channels(ticket: SessionTicket, device: str) -> None:

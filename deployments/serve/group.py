@@ -43,7 +43,7 @@ from ..control.serve_options import worker_resources
 from ..dataplane import frames
 from ..dataplane.errors import Action, Failure, SessionError
 from ..dataplane.frames import Kind, Role, new_secret
-from ..dataplane.peer import GroupEndpoint, SessionPeer, SessionTicket
+from ..dataplane.peer import GroupEndpoint, Peer, SessionTicket
 from .worker import CONCURRENCY_GROUPS, TPWorker
 
 # The replica's own session takes any batch it sends (it checked the batch against its live spec).
@@ -60,7 +60,7 @@ class TPGroup:
     """The replica's handle on its workers: start, forward, health collective, shutdown."""
 
     def __init__(self, resolved: ResolvedDeployment, workers: list, names: list[str], infos: list[dict],
-                 replica: str, peer: SessionPeer, group_secret: str):
+                 replica: str, peer: Peer, group_secret: str):
         self.resolved, self.replica = resolved, replica
         self.workers, self.names, self.infos = workers, names, infos
         self.world = resolved.spec.tp_size
@@ -214,13 +214,13 @@ class TPGroup:
                  ) -> tuple[WireTensor, str]:
         """One batch through this replica's own session (its thread: the peer's wait blocks)."""
         try:
-            return self.peer.forward(x_TH, layer, logits)
+            return self.peer.forward_wire(x_TH, layer, logits)
         except SessionError as e:
             if e.action is Action.CALLER_ERROR:  # the replica checked it first: not expected
                 raise e.input_error() from None
             dead = dead_actors(self.workers)  # the cause, where a rank died: rank 0 saw only its effect
             cause = f"rank {dead[0]} died during {what}" if dead else f"{what} failed"
-            reason = self._break(f"{cause} ({e.failure.value}: {e})")
+            reason = self._break(f"{cause} ({e.failure.value}: {e.message})")
             error = GroupTimeoutError if e.failure is Failure.GROUP_TIMEOUT else GroupUnavailableError
             raise error(f"TP group failed: {reason}", self.replica) from None
 
@@ -296,7 +296,7 @@ class Watcher:
 
 
 def start_dataplane(workers: Sequence[Any], resolved: ResolvedDeployment, tag: str, hidden_size: int,
-                    timeout_s: float) -> tuple[SessionPeer, str]:
+                    timeout_s: float) -> tuple[Peer, str]:
     """Rank 0 listens, the other ranks link to it (a fresh group secret), and the replica joins a
     session of its own as its one peer (rows per layer: any the replica sends; it checked them).
     The peer, and the group's secret (the replica's watch connection is admitted by it)."""

@@ -9,6 +9,10 @@ Routes:
   answer: safetensors with ``output [T, H]``. ``hidden_states`` is F32 (any deployment: it
   takes the numpy path of the handle API, so a bfloat16 deployment rounds it and answers F32)
   or BF16 (bfloat16 deployments only; answered in BF16).
+* ``POST /v1/sessions/move``: JSON ``{session, deployment, from, replica, secret, peer}`` from a
+  session's peer whose group failed; answers ``{"group": ...}``, the session's group on a healthy
+  replica (the same for every peer of the session: ``cluster.moves``), 503 while none can take
+  it (the peer asks again), 403 a wrong secret, 404 an unknown or ended session.
 * ``GET /v1/status``: JSON status of every deployment, and every replica's warm-up record
   (``warmup``: a starting replica's progress, or whether its tail plan was measured or reused).
   ``GET /healthz``: 200 when every deployment answers with a usable TP group, 503 otherwise (JSON
@@ -32,6 +36,7 @@ a missing or wrong token (with ``WWW-Authenticate: Bearer``).
 """
 
 import asyncio
+import dataclasses
 import hmac
 import math
 import os
@@ -42,7 +47,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from safetensors import SafetensorError, TensorSpec
 from safetensors import deserialize as st_deserialize
@@ -52,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moe_runtime.units import SAFETENSORS_DTYPES, VIEW_AS, format_layers
 
 from .. import logger
-from ..cluster import kv
+from ..cluster import kv, moves
 from ..common.errors import (
     RequestTimeoutError,
     ServeInputError,
@@ -75,6 +80,18 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # docs_url / redoc_url off (no HTML UI to serve); the schema itself stays at /openapi.json.
 api = FastAPI(title="latent-moe-serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+
+
+class MoveRequest(BaseModel):
+    """A peer's ask to move its session off a failed group (``cluster.moves``)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    session: str
+    deployment: str
+    from_: str = Field(alias="from")  # the failed group's session id
+    replica: str
+    secret: str
+    peer: int | None = None
 
 
 class ErrorBody(BaseModel):
@@ -373,6 +390,30 @@ class MoEIngress:
               responses=FORWARD_RESPONSES, response_class=Response)
     async def http_forward(self, deployment: str, layer: str, request: Request) -> Response:
         return self._refused(request) or await self._http_forward(request, layer, deployment)
+
+    @api.post("/v1/sessions/move")
+    async def http_move_session(self, body: MoveRequest) -> JSONResponse:
+        """A session's peer whose group failed asks for the session's group on another replica
+        (``cluster.moves``). Proven by the session's secret, not the bearer token: a Ray-less
+        peer holds its ticket, nothing else."""
+        try:
+            group = await moves.move(body.model_dump(by_alias=True), self._open_session)
+        except moves.MoveRefused as e:
+            return JSONResponse({"error": str(e), "type": "MoveRefused", "status": e.status},
+                                status_code=e.status)
+        logger.info("session %r of %r moved to replica %s (asked by peer %s after %s failed)",
+                    body.session, body.deployment, group.replica, body.peer, body.replica)
+        return JSONResponse({"group": dataclasses.asdict(group)})
+
+    async def _open_session(self, deployment: str, **opened_with: Any) -> dict[str, Any]:
+        handle = self.groups.get(deployment)
+        if handle is None:
+            raise moves.MoveRefused(404, f"this app has no deployment {deployment!r}")
+        try:
+            return await self._call(f"a session on {deployment!r}", handle.open_session.remote(**opened_with))
+        except Exception as e:  # the replica asked is broken or gone: the peer asks again
+            raise moves.MoveRefused(503, f"opening the session on {deployment!r} failed: "
+                                         f"{error_message(e)}") from None
 
     @api.get("/v1/status", responses={401: ERROR_RESPONSES[401]})
     async def get_status(self, request: Request) -> JSONResponse:

@@ -32,10 +32,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import logger
+from ..cluster import moves
 from ..common.errors import ServeInputError, TooLargeError, error_message
 from ..config.timeouts import MAX_LINGER_S, RANK_POLL_S
+from ..dataplane.errors import Failure
 from ..dataplane.host import check_idle_after
 
+MOVES_ON = (Failure.GROUP_FAILED.value, Failure.GROUP_TIMEOUT.value)  # its peers take it elsewhere
 MAX_PEERS = 256  # peers of one session (each is a connection to rank 0)
 HISTORY = 16  # ended sessions kept for status()
 
@@ -112,7 +115,7 @@ class GroupSessions:
         logger.info("replica %s of %r opened %s %s for client %s (%d peer(s) x %d rows, linger %g s)",
                     self.replica, spec.name, kind, session_id, client, peers, max_tokens, linger)
         return {
-            "granted": True, "lease_id": session_id, "replica": self.replica, "deployment": spec.name,
+            "granted": True, "session_id": session_id, "replica": self.replica, "deployment": spec.name,
             "ranks": list(self.group.workers), "world": self.group.world, "peers": peers,
             "hidden_size": self.group.infos[0]["hidden_size"],
             "layers": list(self.group.resolved.layers), "dtype": spec.dtype, "max_tokens": max_tokens,
@@ -138,6 +141,9 @@ class GroupSessions:
             if known is not None:
                 self.history.append({**known, **_public(event["state"]),
                                      "ended_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                if event["state"].get("failure") not in MOVES_ON:  # over for good: no move finds it
+                    asyncio.get_running_loop().run_in_executor(
+                        None, moves.forget, known["client"], self.spec().name, known["id"])
         self._gauges()
 
     def _gauges(self) -> None:

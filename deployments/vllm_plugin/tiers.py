@@ -24,7 +24,7 @@ from moe_runtime.units import torch_dtype
 
 from ..common.wire import DeviceRows, WireTensor
 from ..dataplane.errors import SessionError
-from ..dataplane.peer import SessionPeer, SessionTicket
+from ..dataplane.peer import Peer, SessionTicket
 
 
 class LocalTier:
@@ -70,7 +70,7 @@ class SessionTier:
         self.ticket = ticket
         on_gpu = torch.device(device).type == "cuda" and all(g.channel == "nccl" for g in ticket.groups)
         self.device = device if on_gpu else None
-        self.peer = SessionPeer(ticket, index, tuple(step), self.device)
+        self.peer = Peer(ticket, index, tuple(step), self.device)
         self.calls: collections.Counter[int] = collections.Counter()
 
     def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
@@ -79,10 +79,10 @@ class SessionTier:
         x = x_TH.detach().to(torch_dtype(g.dtype)).contiguous()
         rows = DeviceRows(x, g.dtype) if self.device is not None else WireTensor.from_torch(x)
         try:
-            out, _ = self.peer.forward(rows, layer)
-        except SessionError as e:
-            raise RuntimeError(f"latent-MoE tier, layer {layer}, peer {self.peer.index} of session "
-                               f"{self.ticket.name!r}: {e.failure.value}: {e}") from e
+            out, _ = self.peer.forward_wire(rows, layer)
+        except SessionError as e:  # the group failed and no other took the session within move_s
+            raise SessionError(e.failure, f"latent-MoE tier, layer {layer}, peer {self.peer.index} of "
+                               f"session {self.ticket.name!r}: {e.message}", e.peer, e.replica) from e
         # Bytes come back as a CPU tensor; a device channel's rows are on the engine's GPU already.
         return out.to_torch().to(x_TH.device, x_TH.dtype)
 
