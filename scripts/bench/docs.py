@@ -140,8 +140,13 @@ def table(head: str, rows: Iterable[Iterable[Any]], align: str = "") -> list[str
     """A markdown table: ``head`` the column names joined by ' | ', then a row per sequence of cells;
     ``align`` an 'l' or 'r' per column (default: all left)."""
     align = align or "l" * len(head.split(" | "))
-    return [f"| {head} |", "|" + "".join("---:|" if a == "r" else "---|" for a in align),
-            *("| " + " | ".join(map(str, cells)) + " |" for cells in rows)]
+    rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
+    return [f"| {head} |", rule, *map(table_row, rows)]
+
+
+def table_row(cells: Iterable[Any]) -> str:
+    """One row of a markdown table (a benchmark prints it too, as the row is measured)."""
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def pct(value: float | None) -> str:

@@ -41,7 +41,7 @@ from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
 
 from . import harness
-from .docs import Target, pct, section_start, table, target, verdict, verdict_text
+from .docs import Target, pct, section_start, table, table_row, target, verdict, verdict_text
 
 SECTION = "# Experts backends: `torch` and `grouped` against a dense GEMM (scripts/bench/experts.py)"
 
@@ -219,20 +219,6 @@ def packed_table(packed: dict) -> list[str]:
     return [intro, "", *table(head, cells)]
 
 
-def describe(r: dict) -> str:
-    note = f" (naive timed on {r['naive_tokens_timed']} tokens, scaled)" if r["naive_scaled"] else ""
-    return (
-        f"{r['dtype']:>8} {r['format']:>5} T={r['T']:5d}: "
-        f"torch {r['torch_ms']:9.2f} ms {r['torch_gflops']:7.1f} GFLOP/s | "
-        f"grouped {r['grouped_ms']:9.2f} ms ({r['grouped_speedup']:.2f}x torch) | "
-        f"dense {r['dense_ms']:8.2f} ms {r['dense_gflops']:7.1f} GFLOP/s | "
-        f"naive {r['naive_ms']:10.1f} ms {r['naive_gflops']:6.2f} GFLOP/s{note} | "
-        f"torch/dense {100 * r['torch_vs_dense']:5.1f}% (best-of {100 * r['torch_vs_dense_best']:5.1f}%)  "
-        f"torch vs naive {r['torch_vs_naive']:6.1f}x  "
-        f"(max rel diff vs naive {r['backend_vs_naive_max_rel_diff']:.1e})"
-    )
-
-
 def cpu_snapshot() -> tuple[float, float, float] | None:
     """(wall s, busy CPU-s of the whole machine, CPU-s of this process), Linux only."""
     busy = harness.busy_cpu_s()
@@ -269,17 +255,22 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
+TABLE_HEAD = ("dtype | experts | T | slots T·K | active experts | torch ms | grouped ms | grouped speedup "
+              "(median; best) | dense ms | naive ms | torch GFLOP/s | grouped GFLOP/s | dense GFLOP/s "
+              "| torch / dense (median; best) | torch vs naive")
+
+
+def row_cells(r: dict) -> list:
+    return [r["dtype"], r["format"], r["T"], r["slots"], r["active_experts"], f"{r['torch_ms']:.2f}",
+            f"{r['grouped_ms']:.2f}", f"{r['grouped_speedup']:.2f}x; {r['grouped_speedup_best']:.2f}x",
+            f"{r['dense_ms']:.2f}", f"{r['naive_ms']:.1f}" + ("*" if r["naive_scaled"] else ""),
+            f"{r['torch_gflops']:.1f}", f"{r['grouped_gflops']:.1f}", f"{r['dense_gflops']:.1f}",
+            f"{100 * r['torch_vs_dense']:.0f}%; {100 * r['torch_vs_dense_best']:.0f}%",
+            f"{r['torch_vs_naive']:.1f}x"]
+
+
 def markdown_table(rows: list[dict]) -> str:
-    head = ("dtype | experts | T | slots T·K | active experts | torch ms | grouped ms | grouped speedup "
-            "(median; best) | dense ms | naive ms | torch GFLOP/s | grouped GFLOP/s | dense GFLOP/s "
-            "| torch / dense (median; best) | torch vs naive")
-    cells = [[r["dtype"], r["format"], r["T"], r["slots"], r["active_experts"], f"{r['torch_ms']:.2f}",
-              f"{r['grouped_ms']:.2f}", f"{r['grouped_speedup']:.2f}x; {r['grouped_speedup_best']:.2f}x",
-              f"{r['dense_ms']:.2f}", f"{r['naive_ms']:.1f}" + ("*" if r["naive_scaled"] else ""),
-              f"{r['torch_gflops']:.1f}", f"{r['grouped_gflops']:.1f}", f"{r['dense_gflops']:.1f}",
-              f"{100 * r['torch_vs_dense']:.0f}%; {100 * r['torch_vs_dense_best']:.0f}%",
-              f"{r['torch_vs_naive']:.1f}x"] for r in rows]
-    lines = table(head, cells)
+    lines = table(TABLE_HEAD, map(row_cells, rows))
     if any(r["naive_scaled"] for r in rows):
         lines += ["", "\\* naive loop timed on the first tokens only and scaled by T / n "
                   "(see `naive_tokens_timed` in the results JSON)."]
@@ -405,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             for T in tokens:
                 r = bench_one(cfg, w, ex, fmt, T, dtype, device, args)
                 rows.append(r)
-                print(describe(r), flush=True)
+                print(table_row(row_cells(r)), flush=True)
     info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
 
     busy = info["other_processes_cpu_fraction"]

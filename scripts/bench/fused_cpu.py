@@ -30,7 +30,7 @@ from moe_runtime import mxfp4
 from moe_runtime.experts import batched, crossover, mxfp4_cpu
 
 from . import harness
-from .docs import Target, is_contended, section_start, table, target, verdict
+from .docs import Target, is_contended, section_start, table, table_row, target, verdict
 
 D, I = 3584, 3072
 SHAPES = {"w13": (2 * I, D), "w2": (D, I)}
@@ -91,17 +91,9 @@ def run(args) -> dict:
             row["loadavg_end"] = harness.loadavg()
             row["loaded"] = is_contended(max(load0[0], row["loadavg_end"][0]), harness.cpu_count())
             rows.append(row)
-            print(describe(row), flush=True)
+            print(table_row(row_cells(row)), flush=True)
     return {"rows": rows, "packed_bytes_per_expert": packed_bytes, "experts": n,
             "isa": mxfp4_cpu.wanted_isa(), "gemm_engine": crossover.gemm_engine()}
-
-
-def describe(r: dict) -> str:
-    paths = ", ".join(f"{p} {r[p]['ms']:.2f} ms ({100 * r[p]['vs_memcpy']:.0f}% memcpy, {r[p]['GFLOPs']:.0f} "
-                      f"GFLOP/s)" for p in PATHS)
-    return (f"threads {r['threads']} T {r['T']:>4}: {paths}; "
-            f"torch bf16 {r['torch_bf16_GFLOPs']:.0f} GFLOP/s; "
-            f"load {r['loadavg_start'][0]:.1f}->{r['loadavg_end'][0]:.1f}")
 
 
 def index_rows(results: dict) -> list[Target]:
