@@ -8,37 +8,23 @@ starts; rank 0 sends them every batch in the order it runs them, so the group's 
 one call order whoever the batches came from.
 
 A *session* is opened on rank 0 by the replica (for a client, or for its own Serve-path batches):
-a fresh secret and a fixed number of peers ``A``. Each peer connects once, admitted by the
-session's secret and its index. Per MoE layer every peer sends its rows (0 rows allowed) or a
-FAIL; once all ``A`` have, the session's layer is *ready*. A layer that some peer has not sent
-within the call bound after the first one arrived ends the session (``Failure.PEER_STALLED``), as
-does a peer whose connection closes (``PEER_GONE``) or peers sending different layers
-(``OUT_OF_STEP``).
+a fresh secret and a fixed number of peers. Each peer connects once, admitted by the session's
+secret and its index, and sends each MoE layer's rows. Every open session is served at once;
+nothing holds the group.
 
-**Many sessions, one group.** Every open session is served at once; nothing holds the group.
-Ready layers run in the order they became ready; the oldest ready layer runs together with every
-other ready layer of the same MoE layer without router logits (as **one** forward over their
-concatenated rows, up to the group's forward limit), and each peer gets its slice. Since a
-session has at most one ready layer (its peers wait for the answer), a ready layer waits for at
-most one forward of each session that became ready before it: the fairness bound.
+**Rules apart from sockets.** What a layer waits for, when it is ready, which ready layers share
+a forward, and when a peer is parked, dropped or its session ended -- strict and elastic
+sessions, admission, stall and linger timers, the fairness rule -- are ``steps.StepRules``, a
+pure object (its module doc says the rules). The loop here only feeds it: it reads frames, passes
+them and the time in, and performs what comes back (answer, tell, close); it also checks each
+part (``Compute.check``), runs the forward on every rank and counts.
 
-**Lasting sessions.** A session has no term: it ends when closed, or once none of its peers has
-been connected for its ``linger_s``. **Liveness without calls:** while no batch runs, rank 0 pings
-every other rank after ``HEARTBEAT_S``; a rank that does not answer within the rest of the call
-bound breaks the group (``GROUP_TIMEOUT``), one whose link closed breaks it at once
-(``GROUP_FAILED``). A broken group ends every session and refuses new ones. **Push:** the
-replica connects as a *watcher* (the group's secret) and hears every session's end, the group's
-failure, and changed session counts at most every ``EVENTS_PUSH_S``; nothing is sent while idle.
-
-An *elastic* session (``idle_after_s`` set; for independent engines such as vLLM's) lets peers
-come, go and idle without holding the others up. Peers mark the first and last layer of their step
-(``frames.NEW_STEP``, ``END_STEP``). A layer waits only for the *active* peers: those that took
-part in the group's current step. At a step's start, an active peer that has not sent within
-``idle_after_s`` of the first sits the step out (it is *parked*: 0 rows, as a data-parallel engine's
-dummy batch would send); a parked or newly joined peer's first layer waits for the group's next
-step start, so the group never mixes steps. Mid-step, a peer silent for the call bound, a peer
-whose connection closes and a peer out of step are dropped alone (told why); its slot can be
-joined again. A FAIL fails only its own peer's layer.
+**Liveness without calls:** while no batch runs, rank 0 pings every other rank after
+``HEARTBEAT_S``; a rank that does not answer within the rest of the call bound breaks the group
+(``GROUP_TIMEOUT``), one whose link closed breaks it at once (``GROUP_FAILED``). A broken group
+ends every session and refuses new ones. **Push:** the replica connects as a *watcher* (the
+group's secret) and hears every session's end, the group's failure, and changed session counts
+at most every ``EVENTS_PUSH_S``; nothing is sent while idle.
 
 Pure: no Ray, no torch (the rank's ``compute`` object brings the forward).
 """
@@ -66,23 +52,13 @@ from ..config.timeouts import DRAIN_S, EVENTS_PUSH_S, HEARTBEAT_S
 from . import frames
 from .errors import Failure
 from .frames import Frame, Kind, Role
+from .steps import Effect, End, Part, SessionSteps, StepRules, Taken, check_open
 
 logger = logging.getLogger(__name__)
 
 ACCEPT_BACKLOG = 64
 ENDED_KEPT = 64  # ended sessions whose last state rank 0 still answers for
 RECENT_FORWARDS = 256  # group forwards whose times rank 0 keeps (status: forward_ms.recent)
-
-
-def check_idle_after(idle_after_s: float | None, call_s: float) -> None:
-    """An elastic session's ``idle_after_s``: None, or seconds in (0, call_s] (an active peer is
-    parked before a stalled one would be dropped)."""
-    if idle_after_s is None:
-        return
-    number = isinstance(idle_after_s, int | float) and not isinstance(idle_after_s, bool)
-    if not number or not 0 < idle_after_s <= call_s:
-        raise ValueError(f"idle_after_s must be None or seconds in (0, call bound {call_s:g}], "
-                         f"got {idle_after_s!r}")
 
 
 class Compute(Protocol):
@@ -140,99 +116,55 @@ class Counts:
                 "layer_rows": dict(self.layer_rows), "batches": dict(self.batches)}
 
 
-@dataclass
-class Session:
-    number: int
+@dataclass(eq=False)
+class HostedSession:
+    """Rank 0's side of one session: its step rules' state (``steps``) and what the socket loop
+    keeps for it (connections, device channels, counts)."""
+
+    steps: SessionSteps
     secret: str
-    peers: int
     max_tokens: int | None  # rows per part; None: the rank's own limit
-    name: str
     sockets: list[socket.socket | None] = field(default_factory=list)
-    pending: dict[int, tuple[Frame, Frame | None]] = field(default_factory=dict)  # peer -> (frame, logits)
-    first_at: float = 0.0  # when the pending layer's first part came
-    last_at: float = 0.0  # when the last layer was answered
-    layers: int = 0  # layers answered
-    ended: str | None = None
-    failure: Failure | None = None
-    call_s: float = 0.0  # the group's call bound
-    idle_after_s: float | None = None  # set: an elastic session (see the module doc)
-    linger_s: float | None = None  # set: the session ends once no peer was connected this long
-    alone_since: float = 0.0  # when its last connected peer left (or it opened)
-    active: set[int] = field(default_factory=set)  # elastic: the peers of the group's current step
-    held: dict[int, tuple[Frame, Frame | None]] = field(default_factory=dict)  # elastic: wait for a step
-    at_boundary: bool = True  # elastic: the group's next layer starts a step
     channels: dict[int, Any] = field(default_factory=dict)  # peer -> its device channel (``channel``)
     counts: Counts = field(default_factory=Counts)
-    internal: bool = False  # the replica's own (Serve-path) session: not counted against the limit
+    layers: int = 0  # layers answered
 
     @property
-    def elastic(self) -> bool:
-        return self.idle_after_s is not None
+    def number(self) -> int:
+        return self.steps.number
 
-    def expected(self) -> set[int]:
-        """The peers the pending layer waits for."""
-        return set(self.active) if self.elastic else set(range(self.peers))
+    @property
+    def name(self) -> str:
+        return self.steps.name
 
-    def complete(self) -> bool:
-        """Every expected part of the pending layer came: the layer is ready to run."""
-        return bool(self.pending) and not self.ended and self.expected() <= set(self.pending)
+    @property
+    def ended(self) -> str | None:
+        return self.steps.ended
 
-    def joined(self) -> int:
-        return sum(s is not None for s in self.sockets)
-
-    def waiting(self) -> bool:
-        """Some peer waits on the others: a layer's first part came, or (elastic) a peer is held
-        for the step after the current one."""
-        if self.ended or self.complete():
-            return False
-        return bool(self.pending or (self.held and not self.at_boundary))
-
-    def deadline(self) -> float:
-        """When a waiting layer stops waiting for its missing peers (a held peer: for the active
-        ones' next layer)."""
-        if not self.pending:
-            return self.last_at + self.call_s
-        wait_s = self.idle_after_s if self.elastic and self.at_boundary else self.call_s
-        return self.first_at + wait_s
-
-    def linger_deadline(self) -> float | None:
-        """When the session ends for want of peers (None: a peer is connected, or no linger)."""
-        if self.linger_s is None or self.ended or self.joined():
-            return None
-        return self.alone_since + self.linger_s
+    @property
+    def held(self) -> dict[int, Part]:
+        return self.steps.held
 
     def state(self) -> dict[str, Any]:
-        return {"session": self.number, "name": self.name, "peers": self.peers, "joined": self.joined(),
-                "layers": self.layers,
-                "waiting_for": sorted(self.expected() - set(self.pending)) if self.pending else [],
-                "elastic": self.elastic, "active": sorted(self.active) if self.elastic else None,
-                "ended": self.ended, "failure": None if self.failure is None else self.failure.value,
-                "max_tokens": self.max_tokens, "linger_s": self.linger_s, **self.counts.to_dict()}
+        steps = self.steps
+        return {"session": steps.number, "name": steps.name, "peers": steps.peers, "joined": steps.joined(),
+                "layers": self.layers, "waiting_for": steps.waiting_for(), "elastic": steps.elastic,
+                "active": sorted(steps.active) if steps.elastic else None, "ended": steps.ended,
+                "failure": None if steps.failure is None else steps.failure.value,
+                "max_tokens": self.max_tokens, "linger_s": steps.linger_s, **self.counts.to_dict()}
 
 
 @dataclass
 class Prepared:
     """A ready layer of one session, checked: the parts that run and what each peer is answered."""
 
-    session: Session
+    session: HostedSession
     layer: int
     peers: list[int]
-    parts: dict[int, tuple[Frame, Frame | None]]
+    parts: dict[int, Part]
     checked: dict[int, Any]  # peer -> (layer, rows, logits), or the Exception that refused it
     good: list[tuple[int, Any]]  # (peer, checked part) with rows
     new_step: bool
-
-
-def pending_shape(session: Session) -> tuple[int, int, bool]:
-    """A ready session's layer, its rows (before checks) and whether router logits came with it."""
-    frame = next(iter(session.pending.values()))[0]
-    rows = 0
-    for f, _ in session.pending.values():
-        if f.data is not None:
-            rows += f.data.shape[0]
-        elif f.channel is not None:
-            rows += f.channel[0][0]
-    return frame.layer, rows, any(f.flags & frames.WITH_LOGITS for f, _ in session.pending.values())
 
 
 class GroupHost:
@@ -255,15 +187,13 @@ class GroupHost:
                 self._store = ChannelStore(bind_ip, call_s)
                 self.channel_backend, self.store_port = backend, self._store.port
         self.hidden_size, self.dtype, self.name = hidden_size, dtype, name
-        self.failed: str | None = None
-        self.failure: Failure | None = None
-        self.sessions: dict[int, Session] = {}
+        self.rules = StepRules(call_s)  # what runs when, and who is told what (``steps``)
+        self.sessions: dict[int, HostedSession] = {}
         self.ended: dict[int, dict[str, Any]] = {}  # ended sessions' last states, by number
-        self.by_secret: dict[str, Session] = {}
+        self.by_secret: dict[str, HostedSession] = {}
         self.ended_secrets: dict[str, int] = {}  # ended sessions' secrets: a late join is told "ended"
         self.links: dict[int, socket.socket] = {}
         self.watchers: list[socket.socket] = []
-        self.ready: deque[Session] = deque()  # sessions whose layer is ready, oldest first
         self.group = Counts()  # every forward the group ran
         self.served = Counts()  # clients' sessions' parts (not the replica's own), each forward once
         self.recent_ms: deque[float] = deque(maxlen=RECENT_FORWARDS)
@@ -291,6 +221,15 @@ class GroupHost:
         for t in self._threads:
             t.start()
 
+    @property
+    def failed(self) -> str | None:
+        """Why the group's data plane broke (None: it did not)."""
+        return self.rules.failed
+
+    @property
+    def failure(self) -> Failure | None:
+        return self.rules.failure
+
     # -- called from other threads --------------------------------------------------------
 
     def wait_ranks(self, timeout_s: float) -> None:
@@ -305,14 +244,10 @@ class GroupHost:
         session (see the module doc). ``linger_s``: it ends once no peer was connected this long
         (None: only when closed). ``max_sessions``: refuse it when that many are open (None: the
         replica's own session, never refused or counted)."""
-        if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
-            raise ValueError(f"a session needs a positive number of peers, got {peers!r}")
-        check_idle_after(idle_after_s, self.call_s)
-        if linger_s is not None and not (isinstance(linger_s, int | float) and linger_s > 0):
-            raise ValueError(f"linger_s must be None or seconds > 0, got {linger_s!r}")
-        session = Session(next(self._numbers), frames.new_secret(), peers, max_tokens, name,
-                          [None] * peers, call_s=self.call_s, idle_after_s=idle_after_s, linger_s=linger_s,
-                          alone_since=time.monotonic(), internal=max_sessions is None)
+        check_open(peers, idle_after_s, linger_s, self.call_s)
+        steps = SessionSteps(next(self._numbers), peers, name, self.call_s, idle_after_s, linger_s,
+                             internal=max_sessions is None, alone_since=time.monotonic())
+        session = HostedSession(steps, frames.new_secret(), max_tokens, [None] * peers)
         self._call(lambda: self._add(session, max_sessions))
         return session.number, session.secret
 
@@ -418,8 +353,9 @@ class GroupHost:
         if role is not Role.PEER or session is None or session.ended:
             frames.refuse(sock, "ended" if secret in self.ended_secrets or session is not None else "secret")
             return
-        if not 0 <= index < session.peers or session.sockets[index] is not None:
-            frames.refuse(sock, "taken")
+        refused = self.rules.join(session.steps, index)
+        if refused is not None:
+            frames.refuse(sock, refused)
             return
         frames.welcome(sock)
         sock.settimeout(self.call_s)  # a peer stopped half-way through a message stalls nothing longer
@@ -428,14 +364,8 @@ class GroupHost:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def _add(self, session: Session, max_sessions: int | None) -> None:
-        if self.failed is not None:
-            raise RuntimeError(f"the group's data plane is broken: {self.failed}")
-        if max_sessions is not None:
-            open_now = sum(not s.internal for s in self.sessions.values())
-            if open_now >= max_sessions:
-                raise ValueError(f"{open_now} session(s) are open on this group and max_sessions = "
-                                 f"{max_sessions}: one more would make {open_now + 1}")
+    def _add(self, session: HostedSession, max_sessions: int | None) -> None:
+        self.rules.admit(session.steps, max_sessions)
         self.sessions[session.number] = session
         self.by_secret[session.secret] = session
 
@@ -460,7 +390,7 @@ class GroupHost:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            for key, _ in self._selector.select(0 if self.ready else self._next_deadline()):
+            for key, _ in self._selector.select(0 if self.rules.ready else self._next_deadline()):
                 if key.data is None:
                     self._drain_wake()
                 elif key.data == "closing":
@@ -473,7 +403,7 @@ class GroupHost:
                         self._read(session, index)
                     else:  # its session ended earlier in this round
                         self._drain_closed(key.fileobj)
-            if self.ready:
+            if self.rules.ready:
                 self._run_ready()
             self._check_stalls()
             self._check_ranks()
@@ -483,9 +413,10 @@ class GroupHost:
 
     def _next_deadline(self) -> float | None:
         now = time.monotonic()
-        deadlines = [s.deadline() for s in self.sessions.values() if s.waiting()]
-        deadlines += [d for d in (s.linger_deadline() for s in self.sessions.values()) if d is not None]
-        deadlines += list(self._closing.values())
+        deadlines = list(self._closing.values())
+        rules_at = self.rules.next_deadline()
+        if rules_at is not None:
+            deadlines.append(rules_at)
         if self.world > 1 and self.failed is None:
             deadlines.append(self._beat_at)
         if self._dirty and self.watchers:
@@ -502,7 +433,7 @@ class GroupHost:
                 return
             command()
 
-    def _read(self, session: Session, index: int) -> None:
+    def _read(self, session: HostedSession, index: int) -> None:
         sock = session.sockets[index]
         try:
             frame = frames.recv(sock)
@@ -520,32 +451,9 @@ class GroupHost:
             return
         if frame.channel is not None and not self._pull(session, index, frame):
             return
-        twice = index in session.pending or index in session.held
-        if frame.kind not in (Kind.FORWARD, Kind.FAIL) or twice:
-            why = "sent twice for one layer" if twice else f"sent a {frame.kind.name} message"
-            self._fault(session, index, Failure.OUT_OF_STEP,
-                        f"peer {index} of session {session.name!r} {why}")
-            return
-        if session.elastic and index not in session.active:
-            if not frame.flags & frames.NEW_STEP:
-                self._fault(session, index, Failure.OUT_OF_STEP, f"peer {index} of session {session.name!r} "
-                            f"is not in the group's step and sent layer {frame.layer}, not its step's first")
-                return
-            session.held[index] = (frame, logits)
-            if session.at_boundary:  # the group is at a step's start: it takes part now
-                self._start_step(session)
-            return
-        if session.elastic and bool(frame.flags & frames.NEW_STEP) != session.at_boundary:
-            where = "starts a step" if session.at_boundary else "is half-way through a step"
-            self._fault(session, index, Failure.OUT_OF_STEP, f"peer {index} of session {session.name!r} sent "
-                        f"layer {frame.layer} while the group {where}")
-            return
-        if not session.pending:
-            session.first_at = time.monotonic()
-        session.pending[index] = (frame, logits)
-        self._run_if_complete(session)
+        self._perform(self.rules.receive(session.steps, index, (frame, logits), time.monotonic()))
 
-    def _open_channel(self, session: Session, index: int, frame: Frame) -> None:
+    def _open_channel(self, session: HostedSession, index: int, frame: Frame) -> None:
         """Rank 0's side of peer ``index``'s device channel (the peer builds its own meanwhile)."""
         from .channel import Channel
 
@@ -559,7 +467,7 @@ class GroupHost:
             self._fault(session, index, Failure.PEER_FAILED, f"peer {index} of session {session.name!r}: "
                         f"its device channel could not be opened ({e})")
 
-    def _pull(self, session: Session, index: int, frame: Frame) -> bool:
+    def _pull(self, session: HostedSession, index: int, frame: Frame) -> bool:
         """A FORWARD's rows from its peer's device channel into ``frame.data``; False: the peer was
         dropped (no channel, or the channel failed)."""
         channel = session.channels.get(index)
@@ -573,74 +481,27 @@ class GroupHost:
                         f"layer {frame.layer}'s rows on its device channel, which failed: {e}")
             return False
 
-    def _start_step(self, session: Session) -> None:
-        """Elastic: the held peers join the step the group starts now."""
-        if not session.pending:
-            session.first_at = time.monotonic()
-        session.active |= set(session.held)
-        session.pending.update(session.held)
-        session.held = {}
-        self._run_if_complete(session)
-
-    def _run_if_complete(self, session: Session) -> None:
-        """A complete layer joins the ready queue (it runs in ``_run_ready``, in arrival order)."""
-        if session.complete() and session not in self.ready:
-            self.ready.append(session)
-
-    def _fault(self, session: Session, index: int, failure: Failure, reason: str) -> None:
+    def _fault(self, session: HostedSession, index: int, failure: Failure, reason: str) -> None:
         """A peer's own fault: a strict session ends for all; an elastic one drops that peer alone."""
-        if not session.elastic:
-            self._end(session, failure, reason, peer=index)
-            return
-        sock = session.sockets[index]
-        if sock is not None:
-            self._close_peer(sock, frames.error_text(failure.value, reason, index))
-            session.sockets[index] = None
-            if not session.joined():
-                session.alone_since = time.monotonic()
-        session.active.discard(index)
-        session.pending.pop(index, None)
-        session.held.pop(index, None)
-        self._close_channel(session, index)
-        logger.info("data plane of %s: %s", self.name, reason)
-        if not session.active:
-            session.at_boundary = True
-            if session.held:
-                self._start_step(session)
-                return
-        self._run_if_complete(session)
+        self._perform(self.rules.fault(session.steps, index, failure, reason, time.monotonic()))
+
+    def _perform(self, effects: list[Effect]) -> None:
+        """Carry out what the step rules decided, in their order."""
+        for effect in effects:
+            session = self.sessions[effect.number]
+            if isinstance(effect, End):
+                self._finish(session, effect)
+                continue
+            sock = session.sockets[effect.peer]
+            if sock is not None:
+                self._close_peer(sock, frames.error_text(effect.failure.value, effect.reason, effect.peer))
+                session.sockets[effect.peer] = None
+            self._close_channel(session, effect.peer)
+            logger.info("data plane of %s: %s", self.name, effect.reason)
 
     def _check_stalls(self) -> None:
         now = time.monotonic()
-        for session in list(self.sessions.values()):
-            linger = session.linger_deadline()
-            if linger is not None and now >= linger:
-                self._end(session, Failure.SESSION_ENDED, f"session {session.name!r} had no connected peer "
-                          f"for {session.linger_s:g} s (its linger_s)")
-                continue
-            if session.waiting() and now >= session.deadline() and not session.pending:
-                for i in sorted(session.active):  # mid-step, and silent since the last layer
-                    self._fault(session, i, Failure.PEER_STALLED, f"peer {i} of session {session.name!r} "
-                                f"did not send its next layer within the call bound {self.call_s:.0f} s")
-                continue
-            if session.waiting() and now >= session.deadline():
-                missing = sorted(session.expected() - set(session.pending))
-                layer = next(iter(session.pending.values()))[0].layer
-                if session.elastic and session.at_boundary:  # idle: they sit this step out
-                    session.active -= set(missing)
-                    self._run_if_complete(session)
-                    continue
-                if session.elastic:
-                    for i in missing:
-                        self._fault(session, i, Failure.PEER_STALLED, f"peer {i} of session {session.name!r} "
-                                    f"did not send layer {layer} within the call bound {self.call_s:.0f} s")
-                    continue
-                what = "have" if len(missing) > 1 else "has"
-                never = [i for i in missing if session.sockets[i] is None]
-                joined = f" ({never} never joined)" if never else ""
-                self._end(session, Failure.PEER_STALLED,
-                          f"peer(s) {missing} of session {session.name!r} {what} not sent layer {layer} "
-                          f"within the call bound {self.call_s:.0f} s{joined}", peer=missing[0])
+        self._perform(self.rules.tick(now))
         for sock, deadline in list(self._closing.items()):
             if now >= deadline:
                 self._forget(sock)
@@ -681,10 +542,8 @@ class GroupHost:
         replica hears it (it turns unhealthy; Serve replaces it)."""
         first = self.failed is None
         if first:
-            self.failed, self.failure = reason, failure
             logger.error("data plane of %s: the group is broken: %s", self.name, reason)
-        for session in list(self.sessions.values()):
-            self._end(session, self.failure, self.failed)
+        self._perform(self.rules.fail_group(failure, reason))
         if first:
             self._push({"event": "failed", "failure": failure.value, "reason": reason})
 
@@ -718,67 +577,45 @@ class GroupHost:
     # -- running ready layers ----------------------------------------------------------------
 
     def _run_ready(self) -> None:
-        """One forward: the oldest ready layer, with every other ready layer of the same MoE layer
-        that fits beside it (no router logits, within the group's forward limit)."""
-        session = self.ready.popleft()
-        if not session.complete():
-            return
-        layer, rows, logits = pending_shape(session)
-        batch = [session]
-        if not logits:
-            room = self.compute.forward_limit() - rows
-            for other in list(self.ready):
-                if not other.complete():
-                    continue
-                its_layer, its_rows, its_logits = pending_shape(other)
-                if its_layer == layer and not its_logits and its_rows <= room:
-                    self.ready.remove(other)
-                    batch.append(other)
-                    room -= its_rows
-        prepared = [p for p in map(self._prepare, batch) if p is not None]
-        if prepared:
-            self._run_batch(prepared)
+        """One forward: the layers the step rules take together (``StepRules.take``), each checked;
+        a layer they settled without running (a strict session's FAIL, peers out of step) is
+        answered or ended here, in its turn."""
+        batch = []
+        for taken in self.rules.take(self.compute.forward_limit()):
+            session = self.sessions[taken.session.number]
+            if taken.end is not None:
+                self._perform([taken.end])
+            elif taken.failure is not None:
+                peer, reason = taken.failure
+                error = (Kind.ERROR, frames.error_text(Failure.PEER_FAILED.value, reason, peer), None)
+                session.layers += 1
+                self._answer_all(session, taken.peers, lambda _i, error=error: error, taken.layer)
+                self.rules.answered(session.steps, taken.parts, time.monotonic())
+            else:
+                batch.append(self._check(session, taken))
+        if batch:
+            self._run_batch(batch)
 
-    def _prepare(self, session: Session) -> Prepared | None:
-        """Take a ready session's layer: its checked parts, or None when it was answered here (a
-        strict session's FAIL, peers out of step)."""
-        peers = sorted(session.pending)  # every peer, or (elastic) the step's active ones
-        parts = {i: session.pending[i] for i in peers}
-        session.pending = {}
-        layers = {frame.layer for frame, _ in parts.values()}
-        if len(layers) > 1:
-            sent = {i: frame.layer for i, (frame, _) in parts.items()}
-            self._end(session, Failure.OUT_OF_STEP, f"the peers of session {session.name!r} sent different "
-                      f"layers: {sent}", peer=None)
-            return None
-        layer = layers.pop()
-        failed = {i: frame.text for i, (frame, _) in parts.items() if frame.kind is Kind.FAIL}
-        if failed and not session.elastic:  # the others' steps depend on it: the layer ends for all
-            i, why = next(iter(failed.items()))
-            text = frames.error_text(Failure.PEER_FAILED.value, f"peer {i} of session {session.name!r} "
-                                     f"failed layer {layer}: {why}", i)
-            session.layers += 1
-            self._answer_all(session, peers, lambda _i: (Kind.ERROR, text, None), layer)
-            self._after_layer(session, parts)
-            return None
+    def _check(self, session: HostedSession, taken: Taken) -> Prepared:
+        """A taken layer's parts, each checked by the rank (``Compute.check``) or refused alone."""
+        layer = taken.layer
         checked: dict[int, Any] = {}
-        for i, (frame, logits) in parts.items():
-            what = "hidden_states" if session.peers == 1 else f"hidden_states of peer {i}"
+        for i, (frame, logits) in taken.parts.items():
+            what = "hidden_states" if session.steps.peers == 1 else f"hidden_states of peer {i}"
             try:
                 if frame.kind is Kind.FAIL:
                     checked[i] = RuntimeError(f"peer {i} failed layer {layer}: {frame.text}")
                     continue
                 if frame.data is None:
                     raise ValueError(f"{what}: the message carried no rows")
-                if logits is not None and session.peers > 1:
+                if logits is not None and session.steps.peers > 1:
                     raise ValueError("router_logits go with a session of one peer (a lane), not a cohort's")
                 checked[i] = self.compute.check(layer, frame.data, None if logits is None else
                                                 logits.data.array, session.max_tokens, what)
             except ValueError as e:
                 checked[i] = e
         good = [(i, c) for i, c in checked.items() if not isinstance(c, Exception) and c[1].shape[0]]
-        flags = [frame.flags for frame, _ in parts.values()]
-        return Prepared(session, layer, peers, parts, checked, good, all(f & frames.NEW_STEP for f in flags))
+        return Prepared(session, layer, taken.peers, taken.parts, checked, good, taken.new_step)
 
     def _run_batch(self, batch: list[Prepared]) -> None:
         """One forward of every prepared layer's good parts; each peer answered its slice."""
@@ -799,7 +636,7 @@ class GroupHost:
             layer, total, new_step = batch[0].layer, sum(part[1].shape[0] for _, part in good), \
                 all(p.new_step for p in batch)
             self.group.add(layer, [part[1].shape[0] for _, part in good], tail, seconds, new_step)
-            clients = [part[1].shape[0] for p in batch if not p.session.internal for _, part in p.good]
+            clients = [part[1].shape[0] for p in batch if not p.session.steps.internal for _, part in p.good]
             if clients:
                 self.served.add(layer, clients, tail, seconds, new_step, total)
             self.recent_ms.append(round(seconds * 1e3, 3))
@@ -832,14 +669,7 @@ class GroupHost:
                                    prep.new_step)
                 self._dirty.add(session.number)
             self._answer_all(session, prep.peers, answer, prep.layer)
-            self._after_layer(session, prep.parts)
-
-    def _after_layer(self, session: Session, parts: dict[int, tuple[Frame, Frame | None]]) -> None:
-        session.last_at = time.monotonic()
-        if session.elastic and not session.ended:
-            session.at_boundary = all(frame.flags & frames.END_STEP for frame, _ in parts.values())
-            if session.at_boundary and session.held:
-                self._start_step(session)
+            self.rules.answered(session.steps, prep.parts, time.monotonic())
 
     def _forward(self, layer: int, good: list[tuple[int, Any]]) -> tuple[WireTensor, str, float]:
         """One forward of the good parts' rows on every rank: the batch's output and tail.
@@ -893,7 +723,7 @@ class GroupHost:
             results.append((done.data, meta["tail"]))
         return results
 
-    def _answer_all(self, session: Session, peers: list[int],
+    def _answer_all(self, session: HostedSession, peers: list[int],
                     answer: Callable[[int], tuple[Kind, str, Rows | None]], layer: int) -> None:
         sends = []  # device channels' sends in flight: waited once every header went
         for i in peers:
@@ -933,19 +763,18 @@ class GroupHost:
         self._end(session, failure, reason)
         return session.state()
 
-    def _end(self, session: Session, failure: Failure, reason: str, peer: int | None = None) -> None:
-        """Tell every peer why (answering a layer they wait on as the same failure), close."""
-        if session.ended is not None:
-            return
-        session.ended, session.failure = reason, failure
-        text = frames.error_text(failure.value, reason, peer)
+    def _end(self, session: HostedSession, failure: Failure, reason: str, peer: int | None = None) -> None:
+        self._perform(self.rules.end(session.steps, failure, reason, peer))
+
+    def _finish(self, session: HostedSession, end: End) -> None:
+        """An ended session: tell every peer why (answering a layer they wait on as the same
+        failure), close, and keep its last state."""
+        failure, reason = end.failure, end.reason
+        text = frames.error_text(failure.value, reason, end.peer)
         for i, sock in enumerate(session.sockets):
             if sock is not None:
                 self._close_peer(sock, text)
                 session.sockets[i] = None
-        session.pending, session.held = {}, {}
-        with contextlib.suppress(ValueError):
-            self.ready.remove(session)
         for i in list(session.channels):
             self._close_channel(session, i)
         self.by_secret.pop(session.secret, None)
@@ -957,13 +786,13 @@ class GroupHost:
         self.ended[session.number] = state = session.state()
         while len(self.ended) > ENDED_KEPT:  # the oldest first (dicts keep insertion order)
             del self.ended[next(iter(self.ended))]
-        if not session.internal:
+        if not session.steps.internal:
             logger.info("data plane of %s: session %s (%r) ended (%s): %s; %d forward(s), %d row(s)",
                         self.name, session.number, session.name, failure.value, reason,
                         session.counts.forwards, session.counts.rows)
         self._push({"event": "ended", "session": session.number, "state": state})
 
-    def _close_channel(self, session: Session, index: int) -> None:
+    def _close_channel(self, session: HostedSession, index: int) -> None:
         channel = session.channels.pop(index, None)
         if channel is not None:
             channel.close()

@@ -36,7 +36,7 @@ from ..cluster import moves
 from ..common.errors import ServeInputError, TooLargeError, error_message
 from ..config.timeouts import MAX_LINGER_S, RANK_POLL_S
 from ..dataplane.errors import Failure
-from ..dataplane.host import check_idle_after
+from ..dataplane.steps import check_idle_after
 
 MOVES_ON = (Failure.GROUP_FAILED.value, Failure.GROUP_TIMEOUT.value)  # its peers take it elsewhere
 MAX_PEERS = 256  # peers of one session (each is a connection to rank 0)
