@@ -294,6 +294,12 @@ def test_kimi_k2_and_transformers_4_names_read_as_deepseek_v3() -> None:
     assert isinstance(cfg, DeepseekV3MoeConfig) and cfg.dtype == "bfloat16"
 
 
+def test_transformers_5_expert_count_name_reads_as_qwen3_num_experts() -> None:
+    raw = standard_preset(QWEN)
+    cfg = config_from_dict({**{k: v for k, v in raw.items() if k != "num_experts"}, "num_local_experts": 8})
+    assert cfg == config_from_dict(raw)
+
+
 def test_hf_defaults_fill_absent_fields() -> None:
     raw = {k: v for k, v in standard_preset(DSV3).items()
            if k not in ("norm_topk_prob", "routed_scaling_factor", "n_shared_experts")}
@@ -406,7 +412,8 @@ CONFIG_ERRORS = [
     (DSV3, dict(topk_method="greedy"), "topk_method is 'greedy'"),
     (DSV3, dict(routed_scaling_factor=0), "routed_scaling_factor must be a finite number > 0, got 0"),
     (DSV3, dict(n_shared_experts=-1), "n_shared_experts must be an integer >= 0, got -1"),
-    (DSV3, dict(n_routed_experts=None), "lacks required field(s): n_routed_experts"),
+    (DSV3, dict(n_routed_experts=None), "config.json of a deepseek_v3 model lacks required field n_routed_experts"),
+    (QWEN, dict(num_experts=None), "lacks required field num_experts or num_local_experts"),
 ]
 
 

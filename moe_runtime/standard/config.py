@@ -123,10 +123,11 @@ class StandardMoEConfig:
                              f"{self.moe_layers}")
 
     # -- reading --------------------------------------------------------------------------
-    # config.json name -> field name, where they differ
-    RENAMED: ClassVar[dict[str, str]] = {}
-    # fields where null means something (elsewhere null is absent: the default)
-    NULLABLE: ClassVar[tuple[str, ...]] = ("dtype",)
+    # field -> the config.json names it is read from, first found wins (default: its own name);
+    # dtype is read from "dtype" (transformers 5) or "torch_dtype"
+    JSON_NAMES: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("dtype", "torch_dtype")}
+    # fields where a null means something (elsewhere a null is an absent field: the default)
+    NULLABLE: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> StandardMoEConfig:
@@ -134,16 +135,16 @@ class StandardMoEConfig:
         text = dict(raw)
         if isinstance(raw.get("text_config"), dict):
             text.update(raw["text_config"])
-        names = {f.name for f in fields(cls)}
-        kwargs = {cls.RENAMED.get(k, k): v for k, v in text.items() if cls.RENAMED.get(k, k) in names}
-        kwargs["dtype"] = text.get("dtype") or text.get("torch_dtype")
-        missing = [f.name for f in fields(cls)
-                   if f.default is MISSING and f.default_factory is MISSING and kwargs.get(f.name) is None]
-        if missing:
-            back = {v: k for k, v in cls.RENAMED.items()}
-            raise ValueError(f"config.json of a {cls.family} model lacks required field(s): "
-                             f"{', '.join(back.get(n, n) for n in missing)}")
-        return cls(**{k: v for k, v in kwargs.items() if v is not None or k in cls.NULLABLE})
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            names = cls.JSON_NAMES.get(f.name, (f.name,))
+            value = next((text[n] for n in names if text.get(n) is not None), None)
+            if value is not None or (f.name in cls.NULLABLE and any(n in text for n in names)):
+                kwargs[f.name] = value
+            elif f.default is MISSING and f.default_factory is MISSING:
+                raise ValueError(f"config.json of a {cls.family} model lacks required field "
+                                 f"{' or '.join(names)}")
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,9 @@ class Qwen3MoeConfig(StandardMoEConfig):
     ``(i + 1) % decoder_sparse_step == 0``."""
 
     family: ClassVar[str] = QWEN3_MOE
+    # transformers 5 writes num_local_experts (its attribute map), the Qwen3 releases num_experts
+    JSON_NAMES: ClassVar[dict[str, tuple[str, ...]]] = {**StandardMoEConfig.JSON_NAMES,
+                                                        "num_experts": ("num_experts", "num_local_experts")}
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
@@ -193,8 +197,9 @@ class DeepseekV3MoeConfig(StandardMoEConfig):
     rule; HF's DeepseekV3 reads no ``moe_layer_freq``, the same at the usual 1)."""
 
     family: ClassVar[str] = DEEPSEEK_V3
-    RENAMED: ClassVar[dict[str, str]] = {"n_routed_experts": "num_experts"}
-    NULLABLE: ClassVar[tuple[str, ...]] = ("dtype", "n_shared_experts")  # null: no shared experts (vLLM)
+    JSON_NAMES: ClassVar[dict[str, tuple[str, ...]]] = {**StandardMoEConfig.JSON_NAMES,
+                                                        "num_experts": ("n_routed_experts",)}
+    NULLABLE: ClassVar[tuple[str, ...]] = ("n_shared_experts",)  # null: no shared experts (vLLM)
     norm_topk_prob: bool = True
     n_shared_experts: int | None = 1
     routed_scaling_factor: float = 2.5
