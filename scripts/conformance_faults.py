@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TAIL, NUMERICS = "tests/conformance/test_vllm_tail.py", "tests/conformance/test_vllm_numerics.py"
 QUARK = "tests/conformance/test_quark_mxfp4.py"
+HF_STANDARD = "tests/conformance/test_hf_standard_moe.py"
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,22 @@ def swap_scale_rules(original: Callable) -> Callable:
     return wrong
 
 
+def scale_standard_output(original: Callable) -> Callable:
+    def wrong(*args, **kwargs):
+        return original(*args, **kwargs) * 1.001
+
+    return wrong
+
+
+def drop_correction_bias(original: Callable) -> Callable:
+    import dataclasses
+
+    def wrong(x_TH, w, *args, **kwargs):
+        return original(x_TH, dataclasses.replace(w, bias_E=w.bias_E * 0), *args, **kwargs)
+
+    return wrong
+
+
 def default_to_floor(original: Callable) -> Callable:
     def wrong(x, scale_rule="floor"):
         return original(x, scale_rule)
@@ -144,6 +161,15 @@ FAULTS = (
               "test_even_known_difference_at_the_top_of_fp32")),
           "moe_runtime.mxfp4:quantize_dequantize", "activations quantised by the plain OCP rule by default",
           "default_to_floor"),
+    Fault("standard-moe-off-by-0.1%",
+          (f"{HF_STANDARD}::test_qwen3_moe_matches_hf_sparse_moe_block",
+           f"{HF_STANDARD}::test_deepseek_v3_moe_matches_hf_deepseek_v3_moe"),
+          "moe_runtime.standard.layer:standard_moe_partial", "the standard layer's output scaled by 1.001",
+          "scale_standard_output"),
+    Fault("standard-router-without-correction-bias",
+          (f"{HF_STANDARD}::test_deepseek_v3_moe_matches_hf_deepseek_v3_moe",),
+          "moe_runtime.standard.layer:standard_moe_partial",
+          "DeepSeek-V3 experts chosen without the correction bias", "drop_correction_bias"),
 )
 
 
