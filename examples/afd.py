@@ -101,9 +101,9 @@ class LocalMoE:
 class RemoteMoE:
     """MoE layers on the tier, routed by the app's routing table (``common.layer_routing``) to
     the TP-group deployment serving each layer: through a lane by default (``client.lane``: a
-    leased group per deployment, one data-plane round trip per call, the Serve path when no
-    group can be leased), or through the Serve handles (``lane=False``). Close it (or use it as
-    a context manager) to release the leases."""
+    session per deployment, one data-plane round trip per call, the Serve path when no session
+    can be had), or through the Serve handles (``lane=False``). Close it (or use it as a context
+    manager) to close the sessions."""
 
     def __init__(self, client: MoEClient, lane: bool = True, max_tokens: int = 64):
         self.client = client

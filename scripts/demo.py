@@ -101,7 +101,7 @@ def exercise(app_name: str, base_url: str, resolved: list, repeats: int) -> bool
             handle = MoEClient(app_name, deployment=c["deployment"])
             results[i, "handle"] = timed(repeats, handle.forward, c["x"], c["layer"])
             results[i, "http"] = timed(repeats, http.forward, c["x"], c["layer"], deployment=c["deployment"])
-    with client.lane(max_tokens=max_T, name="demo") as lane:  # closed before the cohort leases
+    with client.lane(max_tokens=max_T, name="demo") as lane:  # closed before the cohort opens its session
         for i, c in enumerate(cases):
             results[i, "lane"] = timed(repeats, lane.forward, c["x"], c["layer"])
     # the cohort path's stand-in attention workers (a step's input is their rows for every layer),
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("deployments.client").setLevel(logging.WARNING)  # each lease taken and released
+    logging.getLogger("deployments.client").setLevel(logging.WARNING)  # each session opened and closed
 
     from ray import serve
 

@@ -1,5 +1,5 @@
 """Cohorts (deployments/client/cohort.py, attention.py): many attention workers, one forward per
-MoE layer per step, on one data-plane session of the workers and the leased groups' ranks.
+MoE layer per step, on one data-plane session whose peers are the workers.
 
 Exactness is bit for bit against the Serve path's forward of the same concatenated batch (same
 ranks, runners and tail plan: ``torch.equal``), and each worker's rows against a lone Serve
@@ -25,7 +25,7 @@ from ray import cloudpickle
 from waiting import wait_until
 
 from deployments.client import AttentionWorker, MoERequestError, WorkerError
-from deployments.config.timeouts import PROBE_S
+from deployments.config.timeouts import PROBE_S, SESSION_MOVE_S
 from deployments.dataplane.peer import ANSWER_MARGIN_S, answer_bound_s
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -201,9 +201,10 @@ def test_every_worker_gets_its_rows_of_one_forward_per_layer_bit_for_bit(app, wo
             torch.testing.assert_close(got[i][1], lone[i], rtol=1e-5, atol=1e-5)
     assert status["session_steps"] == 3 and status["serve_steps"] == 0 and status["sessions"] == 1, status
     # the default step bound: a layer's two bounds (its peers, then its forward: the groups' call
-    # bound each), the peers' margin and a probe
+    # bound each), the peers' margin, one move of the session to a healthy group and a probe
     call_s = COMMON["collective_timeout_s"] + COMMON["call_margin_s"]
-    assert status["step_timeout_s"] == 2 * call_s + ANSWER_MARGIN_S + PROBE_S == answer_bound_s(call_s) + PROBE_S
+    assert status["step_timeout_s"] == 2 * call_s + ANSWER_MARGIN_S + SESSION_MOVE_S + PROBE_S
+    assert status["step_timeout_s"] == answer_bound_s(call_s) + SESSION_MOVE_S + PROBE_S
     for name in ("pair", "half"):  # one forward per layer per step, of every worker's rows
         b, a = before[name][leased[name]], after[name][leased[name]]
         assert a["forwards"] - b["forwards"] == 3
@@ -297,13 +298,17 @@ def test_without_a_session_the_step_runs_aggregated_on_the_serve_path(app, worke
 
 
 def rank_pid(cohort, deployment: str, rank: int) -> int:
-    grant = cohort.leases[deployment].grant
-    return ray.get(grant["ranks"][rank].info.remote(), timeout=30)["pid"]
+    """The pid of ``rank`` of the group serving the cohort's session on ``deployment`` now."""
+    from deployments.client.session import rank_of
+
+    group = cohort.session.groups()[deployment]
+    return ray.get(rank_of(group, rank).info.remote(), timeout=30)["pid"]
 
 
 def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app, workers):
-    """SIGKILL a rank of the leased "pair" replica while steps run: every step answers, with the
-    same rows as before the kill (re-run on the other replica or the Serve path)."""
+    """SIGKILL a rank of the session's "pair" replica while steps run: the workers' peers move
+    the session to the other replica by themselves and the step goes on there, so every step
+    answers with the same rows as before the kill, none aborted, re-run or on the Serve path."""
     ws = workers(1, 2)
     want = serve_reference(app, (1, 2), lambda i: 40 + i)
 
@@ -311,23 +316,29 @@ def test_a_killed_rank_costs_the_caller_nothing_with_two_replicas(app, workers):
         got = cohort.step([40, 41])
         return all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
 
-    def moved_on() -> bool:  # the step re-ran, and the cohort holds a healthy replica's group again
+    def moved_on() -> bool:  # the session is on a healthy replica's group now
         status = cohort.status()
-        return status["reruns"] >= 1 and status["deployments"]["pair"]["replica"] not in (None, killed)
+        return status["moves"] >= 1 and status["deployments"]["pair"]["replica"] not in (None, killed)
 
     with app.client.cohort(ws, max_tokens=2, retry_s=0.5, name="victim") as cohort, CallLoop(step) as load:
         killed = cohort.status()["deployments"]["pair"]["replica"]
         os.kill(rank_pid(cohort, "pair", 1), signal.SIGKILL)
-        wait_until(moved_on, timeout_s=60, what=lambda: f"a re-run on another replica: {cohort.status()}",
+        wait_until(moved_on, timeout_s=60, what=lambda: f"a move to another replica: {cohort.status()}",
                    every_s=0.25)
+        marks = load.calls()
+        wait_until(lambda: load.calls() >= marks + 3, timeout_s=60, what="3 more steps after the move")
+        load.stop()
+        status = cohort.status()
     assert not load.errors, load.errors
-    assert all(load.results)
+    assert all(load.results)  # bit for bit: the other replica runs the same ranks' math
+    assert (status["moves"], status["reruns"], status["aborts"], status["serve_steps"]) == (1, 0, 0, 0), status
+    assert status["session_steps"] == status["steps"] == load.calls() and status["sessions"] == 1, status
 
 
-def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app, workers):
-    """SIGSTOP a rank of the leased "pair" replica: rank 0's collective gives up within the
-    collective timeout and every worker hears the group failed, every worker aborts, and the
-    re-run answers on the other replica."""
+def test_a_stalled_rank_costs_the_step_a_move_and_nothing_else(app, workers):
+    """SIGSTOP a rank of the session's "pair" replica: rank 0's collective gives up within the
+    collective timeout, every worker's peer hears the group failed and moves the session to the
+    other replica, and the step goes on there: the same rows, no abort, no re-run."""
     wait_until(lambda: len({st["replica"] for st in (direct("pair").status() for _ in range(16))
                             if st["healthy"]}) >= 2,
                timeout_s=300, what="two healthy pair replicas (Serve replaced the one the test above broke)",
@@ -336,6 +347,7 @@ def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app
     want = serve_reference(app, (1, 1), lambda i: 50 + i)
     with app.client.cohort(ws, name="stalled") as cohort:
         cohort.step([50, 51])
+        stopped = cohort.status()["deployments"]["pair"]["replica"]
         pid = rank_pid(cohort, "pair", 1)
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -345,7 +357,9 @@ def test_a_stalled_rank_ends_the_step_within_its_bound_and_the_step_is_rerun(app
                 os.kill(pid, signal.SIGCONT)
         status = cohort.status()
     assert all(torch.equal(got[i][layer], want[layer][i]) for i in (0, 1) for layer in (1, 2))
-    assert status["reruns"] == 1 and all(ray.get(w.counts.remote())[1] == 1 for w in ws)
+    assert (status["moves"], status["reruns"], status["aborts"]) == (1, 0, 0), status
+    assert status["deployments"]["pair"]["replica"] != stopped
+    assert all(ray.get(w.counts.remote()) == (2, 0) for w in ws)  # (steps, aborts)
 
 
 def test_a_stalled_worker_is_named_within_the_call_bound(app, workers):

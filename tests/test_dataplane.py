@@ -156,7 +156,7 @@ def test_a_live_user_config_change_reaches_lane_calls(app):
             calling.join(timeout=BOUND_S)
         assert err.status == 413 and "max_tokens_per_request = 50" in str(err), err
         state = lane.status()["deployments"]["pool"]
-        assert (state["path"], state["fallbacks"], state["serve_calls"]) == ("session", 0, 0)
+        assert (state["path"], state["moves"], state["reruns"], state["serve_calls"]) == ("session", 0, 0, 0)
     serve_deploy(app_config(app.ckpt, {**limits, "max_tokens_per_request": 100}), wait_for=APP, timeout_s=READY_S)
 
 

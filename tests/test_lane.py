@@ -266,7 +266,7 @@ def test_two_lanes_and_the_serve_path_share_one_replica_at_once(fault_app):
                        timeout_s=120, what="20 more calls of each client")
         s1, s2 = first.status()["deployments"]["solo"], second.status()["deployments"]["solo"]
     assert not one.errors and not two.errors and not three.errors, (one.errors, two.errors, three.errors)
-    assert s1["serve_calls"] == s2["serve_calls"] == 0 and s1["lane_calls"] > 20 and s2["lane_calls"] > 20
+    assert s1["serve_calls"] == s2["serve_calls"] == 0 and s1["session_calls"] > 20 and s2["session_calls"] > 20
     assert s1["path"] == s2["path"] == "session"
 
 
@@ -282,7 +282,7 @@ def test_an_idle_lane_keeps_its_session_without_renewals(fault_app):
         time.sleep(3 * 2.0)  # idle: three linger periods with the lane's peer connected
         assert torch.equal(lane.forward(x, 1), want)
         st = lane.status()["deployments"]["solo"]
-        assert st["path"] == "session" and st["leases"] == 1 and st["serve_calls"] == 0
+        assert st["path"] == "session" and st["sessions"] == 1 and st["serve_calls"] == 0
 
 
 def test_a_lane_dropped_without_close_closes_its_session(fault_app):
@@ -323,42 +323,48 @@ def test_a_new_session_goes_to_the_least_loaded_replica(fault_app):
 
 
 def _rank_pid(lane, deployment: str, rank: int) -> int:
+    """The pid of ``rank`` of the group serving the lane's session on ``deployment`` now."""
     import ray
 
-    grant = lane.leases[deployment].grant
-    return ray.get(grant["ranks"][rank].info.remote(), timeout=30)["pid"]
+    from deployments.client.session import rank_of
+
+    group = lane.sessions[deployment].groups()[deployment]
+    return ray.get(rank_of(group, rank).info.remote(), timeout=30)["pid"]
 
 
 def test_a_killed_rank_under_lane_load_costs_the_caller_nothing(fault_app):
-    """SIGKILL one rank of the leased replica of 2 while a closed loop calls the lane: every call
-    answers (the failed one is retried on the Serve path, which routes to the healthy replica),
-    and the lane leases a group again."""
+    """SIGKILL one rank of the session's replica of 2 while a closed loop calls the lane: the
+    lane's peer moves its session to the healthy replica by itself and sends the call in flight
+    again there, so every call answers with the Serve path's rows, none on the Serve path."""
     from load import CallLoop  # here: the workers import this module for its clock
     from waiting import wait_until
 
     want = direct("pair").forward(rand(1, 11), 1)
 
-    def moved_on() -> bool:  # a call failed over to Serve, then the lane leased the other group
+    def moved_on() -> bool:  # the session moved to the other replica's group
         st = lane.status()["deployments"]["pair"]
-        return st["fallbacks"] >= 1 and st["path"] == "session" and st["replica"] != killed_replica
+        return st["moves"] >= 1 and st["path"] == "session" and st["replica"] != killed_replica
 
     with direct("pair").lane(max_tokens=1, name="victim", retry_s=0.5) as lane, \
             CallLoop(lambda: torch.equal(lane.forward(rand(1, 11), 1), want)) as load:
         killed_replica = lane.status()["deployments"]["pair"]["replica"]
         os.kill(_rank_pid(lane, "pair", 1), signal.SIGKILL)
-        # the calls go on meanwhile; the failed one may take the call bound (4 + 4 s) to fail
+        # the calls go on meanwhile; the one in flight waits for the move
         wait_until(moved_on, timeout_s=60, every_s=0.25,
-                   what=lambda: f"a fallback, then a lease elsewhere: {lane.status()['deployments']['pair']}")
+                   what=lambda: f"a move to the other replica: {lane.status()['deployments']['pair']}")
+        marks = load.calls()
+        wait_until(lambda: load.calls() >= marks + 5, timeout_s=60, what="5 more calls after the move")
         load.stop()
-        assert moved_on()  # still on the other group once the calls stopped
+        st = lane.status()["deployments"]["pair"]
     assert not load.errors, load.errors
-    assert all(load.results)
+    assert all(load.results)  # bit for bit: the other replica runs the same ranks' math
+    assert st["moves"] == 1 and st["serve_calls"] == 0 and st["reruns"] == 0 and st["sessions"] == 1, st
 
 
 def test_a_stalled_rank_costs_the_caller_nothing_with_two_replicas(fault_app):
-    """SIGSTOP a rank of the leased replica of 2: rank 0's collective gives up within the
-    collective timeout, the lane hears the group failed and sends the call once more on the Serve
-    path, which avoids that replica: the caller gets the same answer, no error."""
+    """SIGSTOP a rank of the session's replica of 2: rank 0's collective gives up within the
+    collective timeout, the lane's peer hears the group failed, moves the session to the other
+    replica and sends the call again there: the caller gets the same answer, no error."""
     from waiting import wait_until  # here: the workers import this module for its clock
 
     wait_until(lambda: len({st["replica"] for st in (direct("pair").status() for _ in range(16))
@@ -368,12 +374,13 @@ def test_a_stalled_rank_costs_the_caller_nothing_with_two_replicas(fault_app):
     x = rand(1, 1)
     want = direct("pair").forward(x, 1)
     lane = direct("pair").lane(max_tokens=1, name="stalled")
+    stopped = lane.status()["deployments"]["pair"]["replica"]
     pid = _rank_pid(lane, "pair", 1)
     os.kill(pid, signal.SIGSTOP)
     try:
         assert torch.equal(lane.forward(x, 1), want)
         status = lane.status()["deployments"]["pair"]
-        assert status["fallbacks"] == 1 and status["serve_calls"] == 1, status
+        assert status["moves"] == 1 and status["serve_calls"] == 0 and status["replica"] != stopped, status
     finally:
         with contextlib.suppress(ProcessLookupError):  # the broken group's replica ended it
             os.kill(pid, signal.SIGCONT)

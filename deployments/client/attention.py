@@ -168,14 +168,16 @@ class AttentionWorker:
         if ticket is not None:
             seat.peer = ticket.join(seat.index)
 
-    def cohort_step(self, epoch: int, step_input: Any, layers: list[int]) -> Any:
+    def cohort_step(self, epoch: int, step_input: Any, layers: list[int]) -> dict[str, Any]:
         """One decode step on the data plane: start, then per layer attend -> the session's one
-        forward -> absorb, then finish. A failure of this worker's own code still takes part in
-        the next layer the others wait on (``Peer.fail``), so they are released at once
-        with an error naming this worker."""
+        forward -> absorb, then finish; ``{"result": finish()'s, "moves": this peer's moves to a
+        healthy group during the step}``. A failure of this worker's own code still takes part in
+        the next layer the others wait on (``Peer.fail``), so they are released at once with an
+        error naming this worker."""
         seat = self._cohort_seat()
         if seat.peer is None:
             raise RuntimeError("the cohort has not joined this worker to its session")
+        moved = len(seat.peer.moves)
         owed = 0  # the next layer this worker must send (the other peers wait for it)
         try:
             self.cohort_start(epoch, step_input)
@@ -189,7 +191,7 @@ class AttentionWorker:
                         raise  # every peer's layer (or the session) ended: nobody waits for this one
                     raise seat.fail(f"rank 0 refused its rows for layer {layer}: {e.message}") from None
                 self.cohort_absorb(epoch, layer, out.to_torch())
-            return self.cohort_finish(epoch)
+            return {"result": self.cohort_finish(epoch), "moves": seat.peer.moves[moved:]}
         except WorkerError as e:
             if owed < len(layers) and seat.peer.closed is None:  # the others go on to that layer
                 seat.peer.fail(layers[owed], e.message)

@@ -99,23 +99,26 @@ class MoEClient:
 
     def lane(self, layers: Iterable[int] | None = None, *, max_tokens: int = 1,
              wait_s: float = DEFAULT_WAIT_S, retry_s: float = DEFAULT_RETRY_S,
-             name: str | None = None) -> Lane:
-        """A per-layer lane (``client.lane``): a session on one TP group per deployment serving
+             name: str | None = None, move_s: float = SESSION_MOVE_S) -> Lane:
+        """A per-layer lane (``client.lane``): a session of one peer per deployment serving
         ``layers`` (None: every layer of the app), called over the data plane; calls of up to
-        ``max_tokens`` tokens. A context manager; ``close()`` closes the sessions."""
-        return Lane(self, layers=layers, max_tokens=max_tokens, wait_s=wait_s, retry_s=retry_s, name=name)
+        ``max_tokens`` tokens; ``move_s``: how long its peer looks for a healthy group when its
+        group fails. A context manager; ``close()`` closes the sessions."""
+        return Lane(self, layers=layers, max_tokens=max_tokens, wait_s=wait_s, retry_s=retry_s, name=name,
+                    move_s=move_s)
 
     def cohort(self, workers: Sequence[Any], layers: Iterable[int] | None = None, *,
                max_tokens: int = DEFAULT_MAX_TOKENS, wait_s: float = DEFAULT_WAIT_S,
                retry_s: float = DEFAULT_RETRY_S, step_timeout_s: float | None = None,
-               name: str | None = None) -> Cohort:
-        """A cohort (``client.cohort``): ``workers`` (``AttentionWorker`` actors) decode
-        together, every MoE layer of ``layers`` (None: every layer of the app) one forward of
-        all their rows, at most ``max_tokens`` rows per worker and step; a step running longer
-        than ``step_timeout_s`` (default twice the groups' call bound) is stuck. A context
-        manager; ``close()`` closes its sessions."""
+               name: str | None = None, move_s: float = SESSION_MOVE_S) -> Cohort:
+        """A cohort (``client.cohort``): ``workers`` (``AttentionWorker`` actors) are the peers of
+        one session and decode together, every MoE layer of ``layers`` (None: every layer of the
+        app) one forward of all their rows, at most ``max_tokens`` rows per worker and step;
+        ``move_s``: how long their peers look for a healthy group when theirs fails; a step
+        running longer than ``step_timeout_s`` (default: a layer's answer bound, one move and a
+        probe) is stuck. A context manager; ``close()`` closes its session."""
         return Cohort(self, workers, layers=layers, max_tokens=max_tokens, wait_s=wait_s, retry_s=retry_s,
-                      step_timeout_s=step_timeout_s, name=name)
+                      step_timeout_s=step_timeout_s, name=name, move_s=move_s)
 
     def session(self, peers: int, layers: Iterable[int] | None = None, *, max_tokens: int = 1,
                 wait_s: float = DEFAULT_WAIT_S, name: str | None = None,
@@ -161,7 +164,7 @@ class MoEClient:
                      router_logits: np.ndarray | torch.Tensor | None = None, *,
                      avoid_replica: str | None = None) -> np.ndarray | torch.Tensor:
         """One attempt of :meth:`forward`, never on ``avoid_replica`` (for callers that apply
-        the retry rule themselves: lanes and cohorts re-send a call their leased group failed)."""
+        the retry rule themselves, or leave it to the ingress: ``via_ingress``)."""
         if not self.via_ingress:
             self.layer_routes()
         try:

@@ -1,5 +1,5 @@
-"""One check of a forward's input, shared by the Serve path (the replica) and the lane (every
-rank of the leased group, which sees the same input and so reaches the same verdict before any
+"""One check of a forward's input, shared by the Serve path (the replica) and sessions (every
+rank of the session's group, which sees the same input and so reaches the same verdict before any
 collective). Input kinds and conversions are described in ``deployments.serve.deployment``.
 
 Pure and numpy only: no Ray, no torch (the group replica checks and batches rows without

@@ -1,5 +1,7 @@
-"""The one retry rule, for every path that runs a forward on a TP group: the handle client
-(``MoEClient``), the ingress (HTTP and app-handle calls), lanes and cohorts.
+"""The one retry rule of the Serve path: the handle client (``MoEClient``), the ingress (HTTP and
+app-handle calls), and a session's opening (``client.session.open_group``). Sessions -- lanes,
+cohorts, independent peers -- leave a broken group by moving (``dataplane.peer``) and follow the
+data plane's table (``client.session.runs_again``).
 
 A forward is attempted at most ``MAX_ATTEMPTS`` = 2 times. It is sent again only when the group
 that ran it is **known broken** -- a rank died, a rank failed, or the call outlived the group's

@@ -30,7 +30,7 @@ class Failure(enum.Enum):
     OUT_OF_STEP = "out_of_step"  # peers sent different layers: the session ended
     GROUP_FAILED = "group_failed"  # a rank failed or died: the group is broken
     GROUP_TIMEOUT = "group_timeout"  # no answer within the bound: a rank is stalled, the group is broken
-    SESSION_ENDED = "session_ended"  # the lease ended (released, expired, revoked): the layer never ran
+    SESSION_ENDED = "session_ended"  # the session ended (closed, lingered out): the layer never ran
 
 
 class Action(enum.Enum):

@@ -250,7 +250,7 @@ class MoEGroupDeployment:
                            idle_after_s: float | None = None, linger_s: float | None = None
                            ) -> dict[str, Any]:
         """Open a session of ``peers`` peers on this replica's TP group for a lane, cohort or
-        independent peers (``serve.sessions``; the client side is ``deployments.client.leases``):
+        independent peers (``serve.sessions``; the client side is ``deployments.client.session``):
         ``{"granted": True, ...}`` with the session's ticket for this group, or ``{"granted":
         False, "reason": ...}`` when it is not admitted. ``avoid_replica``: as :meth:`forward`'s
         (a session opened again after this replica failed)."""

@@ -79,10 +79,10 @@ class ReplicaStats:
         self.tails: Counter[str] = Counter()
         self.max_batch_tokens_seen = 0
         self._done: deque[tuple[float, int]] = deque()
-        self.lane_requests = 0  # of requests / tokens: those sessions made (serve.sessions)
-        self.lane_forwards = self.lane_steps = 0  # sessions' forwards, and the steps they started
-        self.lane_tokens = 0
-        self.lane_busy_s = 0.0
+        # Of the above, what the sessions made (serve.sessions): their forwards, the steps those
+        # started, their peers' parts (requests), tokens and the group's busy seconds.
+        self.session_counts: dict[str, float] = {"forwards": 0, "steps": 0, "requests": 0, "tokens": 0,
+                                                 "busy_s": 0.0}
 
         self._requests = metrics.Counter(REQUESTS_METRIC, description="Answered forward requests")
         self._tokens = metrics.Counter(TOKENS_METRIC, description="Tokens of answered forward requests")
@@ -173,11 +173,9 @@ class ReplicaStats:
         forwards, ``steps`` of which started a step of a session's peers. They count as answered
         requests, tokens (tokens/s for the autoscaler), forwards and busy time, per tail and per
         layer, like Serve's."""
-        self.lane_forwards += forwards
-        self.lane_steps += steps
-        self.lane_requests += requests
-        self.lane_tokens += tokens
-        self.lane_busy_s += seconds
+        for key, n in (("forwards", forwards), ("steps", steps), ("requests", requests), ("tokens", tokens),
+                       ("busy_s", seconds)):
+            self.session_counts[key] += n
         self.requests += requests
         self.tokens += tokens
         self.forward_s += seconds
@@ -241,9 +239,7 @@ class ReplicaStats:
                 "mean": round(self.forward_s * 1e3 / self.forwards, 2) if self.forwards else None,
                 "recent": list(self.recent_forward_ms),
             },
-            "sessions": {"forwards": self.lane_forwards, "steps": self.lane_steps,
-                     "requests": self.lane_requests, "tokens": self.lane_tokens,
-                     "busy_s": round(self.lane_busy_s, 3)},
+            "sessions": {**self.session_counts, "busy_s": round(self.session_counts["busy_s"], 3)},
             "tails": dict(self.tails),
             "by_layer": {str(k): dict(v) for k, v in sorted(self.by_layer.items())},
         }

@@ -96,7 +96,8 @@ class SyntheticWorker(RowsWorker):
         finally:
             if lane is not None:
                 lane.close()
-        return {"steps": steps, "window": window, "lane_calls": sum(c["lane_calls"] for c in counts.values()),
+        return {"steps": steps, "window": window,
+                "lane_calls": sum(c["session_calls"] for c in counts.values()),
                 "serve_calls": sum(c["serve_calls"] for c in counts.values())}
 
 
@@ -239,7 +240,7 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
         # The lane's last per_round forwards were the first T's calls alone.
         if settled["lane_forwards"] - before["lane_forwards"] >= per_round:
             out[tokens[0]]["served_ms"] += client.status()["sessions"]["group"]["recent_ms"][-per_round:]
-        on_lane = status["path"] == "session" and status["serve_calls"] == 0 and status["fallbacks"] == 0
+        on_lane = status["path"] == "session" and status["serve_calls"] == 0 and status["reruns"] == 0
         for T in tokens:
             got = out[T]
             got["times"] += times[T]

@@ -4,16 +4,17 @@ One local Ray instance (CPU, logical GPUs), one deployment of 2 replicas, each a
 
 * kill: a closed loop calls ``lane.forward`` (T = --tokens) and checks every answer against the
   Serve path's answer for the same input (taken before the lane opens); after --warm-s seconds
-  one rank of the leased replica is SIGKILLed, and the loop runs --after-s seconds more.
-  Recorded: client-visible errors (target 0), wrong answers (target 0), the slowest call, the
-  time from the kill to the first answer on any path and to the first answer on a lane again
-  (a new lease on the healthy replica), and per call its start, duration and path.
+  one rank of the session's replica is SIGKILLed, and the loop runs --after-s seconds more.
+  Recorded: client-visible errors (target 0), wrong answers (target 0), the slowest
+  call, the time from the kill to the first answer on any path and to the first answer on the
+  healthy replica (the lane's session moved there by itself), and per call its start, duration
+  and path.
 * stall: once Serve has replaced the killed replica (2 healthy replicas again), a fresh lane on
-  one of them; one rank of its replica is SIGSTOPped and one call
-  is made: it must end (answered by the other replica through the Serve path, or an error)
-  within the stated bound, never hang: the retry rule allows the lane's attempt and one more on
-  another replica, each within the call timeout (collective_timeout_s + call_margin_s); the bound
-  is three call timeouts plus 15 s of slack for the replica-side watcher.
+  one of them; one rank of its replica is SIGSTOPped and one call is made: it must end
+  (answered after the session moved to the other replica, or an error) within the stated bound,
+  never hang: the group's failure is heard within a call timeout (collective_timeout_s +
+  call_margin_s) and the move costs about one more; the bound is three call timeouts plus 15 s
+  of slack.
 
     python -m scripts.bench.lane_faults            # tiny checkpoint, ~2-3 minutes on 2 cores
 """
@@ -40,7 +41,9 @@ SECTION = "# Lane faults (scripts/bench/lane_faults.py)"
 def rank_pid(lane: Any, rank: int) -> int:
     import ray
 
-    return ray.get(lane.leases[NAME].grant["ranks"][rank].info.remote(), timeout=30)["pid"]
+    from deployments.client.session import rank_of
+
+    return ray.get(rank_of(lane.sessions[NAME].groups()[NAME], rank).info.remote(), timeout=30)["pid"]
 
 
 def kill_under_load(client: Any, x: torch.Tensor, want: torch.Tensor, warm_s: float, after_s: float,
@@ -49,10 +52,11 @@ def kill_under_load(client: Any, x: torch.Tensor, want: torch.Tensor, warm_s: fl
     errors: list[str] = []
     stop = threading.Event()
     with client.lane(max_tokens=x.shape[0], name="bench-kill", retry_s=0.5) as lane:
-        lease = lane.leases[NAME]
-
         def lane_calls() -> int:
-            return lane.status()["deployments"][NAME]["lane_calls"]
+            return lane.status()["deployments"][NAME]["session_calls"]
+
+        def replica() -> str | None:
+            return lane.status()["deployments"][NAME]["replica"]
 
         def loop() -> None:
             while not stop.is_set():
@@ -61,14 +65,14 @@ def kill_under_load(client: Any, x: torch.Tensor, want: torch.Tensor, warm_s: fl
                     out = lane.forward(x, LAYER)
                     calls.append({"t": start, "ms": (time.monotonic() - start) * 1e3,
                                   "path": "lane" if lane_calls() > before else "serve",
-                                  "replica": lease.replica, "ok": bool(torch.equal(out, want))})
+                                  "replica": replica(), "ok": bool(torch.equal(out, want))})
                 except Exception as e:  # noqa: BLE001 -- counted: the target is none
                     errors.append(f"{type(e).__name__}: {e}")
 
         thread = threading.Thread(target=loop)
         thread.start()
         time.sleep(warm_s)
-        victim = lease.replica
+        victim = replica()
         pid = rank_pid(lane, rank)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -104,7 +108,7 @@ def stall(client: Any, x: torch.Tensor, rank: int, bound_s: float) -> dict[str, 
     from deployments.client import MoEServeError
 
     with client.lane(max_tokens=x.shape[0], name="bench-stall", wait_s=30) as lane:
-        if not lane.leases[NAME].held:
+        if lane.sessions[NAME] is None:
             return {"skipped": lane.status()["deployments"][NAME]["why_serve"]}
         pid = rank_pid(lane, rank)
         os.kill(pid, signal.SIGSTOP)
@@ -161,16 +165,17 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"{k['wrong']} | {'yes' if k['hung'] else 'no'} | {k['max_ms']:.0f} ms | "
         f"{sec(k['first_answer_s'])} | {sec(k['first_lane_answer_s'])} |",
         "",
-        f"After the kill, {k['serve_calls_after_kill']} call(s) ran on the Serve path (the failed lane "
-        f"call retried there, then the calls until the lane leased the healthy replica). Verdict "
+        f"After the kill, {k['serve_calls_after_kill']} call(s) ran on the Serve path (the lane's "
+        f"session moves to the healthy replica by itself: none expected). Verdict "
         f"(0 client errors, 0 wrong, none hung): **{verdict_word(kill.met).strip('*')}**.",
     ]
     if "skipped" in s:
         lines += ["", f"Stalled rank: not measured ({s['skipped']})."]
     else:
         lines += ["", f"SIGSTOP of rank {results['rank']} of the leased replica: the call ended in "
-                  f"{s['seconds']:.1f} s ({s['outcome']}); bound {s['bound_s']:.0f} s (lane call timeout + "
-                  f"one Serve attempt per replica + 15 s): **{verdict_word(stall.met).strip('*')}**."]
+                  f"{s['seconds']:.1f} s ({s['outcome']}); bound {s['bound_s']:.0f} s (three call timeouts: "
+                  f"hearing the group failed and the move, + 15 s): "
+                  f"**{verdict_word(stall.met).strip('*')}**."]
     return "\n".join(lines)
 
 
