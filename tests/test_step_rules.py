@@ -4,6 +4,9 @@ stall, idle and linger timers, admission, the fairness rule and the same-layer m
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -385,3 +388,10 @@ def test_channel_rows_count_from_their_header_in_the_merge():
     assert b.shape() == (1, 3, False)
     assert g.run(limit=8) == [(a.number, 1, [0])]  # 6 + 3 > 8
     assert g.run(limit=8) == [(b.number, 1, [0])]
+
+
+def test_the_rules_import_neither_ray_nor_torch():
+    code = ("import sys, deployments.dataplane.steps; "
+            "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
