@@ -241,7 +241,7 @@ class GroupHost:
              linger_s: float | None = None, max_sessions: int | None = None) -> tuple[int, str]:
         """A new session of ``peers`` peers: its number and secret (the peers' ticket).
         ``idle_after_s``: None, every peer takes part in every layer; a number, an elastic
-        session (see the module doc). ``linger_s``: it ends once no peer was connected this long
+        session (``steps``). ``linger_s``: it ends once no peer was connected this long
         (None: only when closed). ``max_sessions``: refuse it when that many are open (None: the
         replica's own session, never refused or counted)."""
         check_open(peers, idle_after_s, linger_s, self.call_s)
