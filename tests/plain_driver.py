@@ -1,7 +1,8 @@
 """A user's driver in its own Ray job, against an app that `serve run` serves in another process
 (tests/test_plain_deployment.py runs it): cohorts of 1 and 4 AttentionWorker actors and sessions
 of 1 and 4 peer tasks joined by ticket, each stepped ``steps`` times over every served layer,
-every answer compared bit for bit with the Serve path's forward of the same concatenated rows.
+every answer compared bit for bit with the Serve path's forward of the same concatenated rows;
+then a session whose peers step on while a rank of the one replica is SIGKILLed (``survive``).
 Prints one JSON line of counts; exits non-zero on the first mismatch or error.
 
     python tests/plain_driver.py STEPS
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -25,6 +27,7 @@ SHARED_STEPS = 100
 # Shared sessions: rank 0 may run one session's rows in one forward with another's and the Serve
 # path's; a different batch moves fp32 results by a few ulps (1.2e-6 measured on the tiny layer).
 TOL = 1e-5
+RECOVERY_S = 240.0  # Serve replacing the one replica (health checks, then a new group) on 2 cores
 
 
 def rows(seed: int, hidden: int) -> np.ndarray:
@@ -139,6 +142,36 @@ def shared(client: MoEClient, layers: list[int], hidden: int) -> dict:
             "serve_calls": serve["calls"] > 0, "serve_errors": serve["errors"]}
 
 
+def survive(client: MoEClient, layers: list[int], hidden: int, folder: Path) -> dict:
+    """A rank of the one replica SIGKILLed while a session's 4 peers step (2 Ray-less processes, 2
+    threads of this Ray job): every peer waits while Serve replaces the replica, moves to its new
+    group by itself and steps on, with no error and the Serve path's rows."""
+    import os
+    import signal
+
+    from deployments.common.workers import WORKER_NAMESPACE, worker_name
+    from scripts.session_peers import Stepping
+
+    x = rows(9, hidden)
+    want = {layer: client.forward(x, layer) for layer in layers}
+    with client.session(peers=4, max_tokens=ROWS, name="surviving") as session:
+        peers = Stepping(session.ticket, 2, x, want, folder)
+        try:
+            peers.steps_again(3, RECOVERY_S)
+            replica = session.groups()["moe"].replica
+            rank1 = ray.get_actor(worker_name("moe", replica, 1), namespace=WORKER_NAMESPACE)
+            os.kill(ray.get(rank1.info.remote(), timeout=60)["pid"], signal.SIGKILL)
+            pause_s = peers.steps_again(3, RECOVERY_S)
+            # read while the session is on: its peers' leaving at the end ends it (a strict session)
+            moved = session.groups()["moe"].replica != replica
+        finally:
+            reports = peers.finish(RECOVERY_S)
+    return {"errors": [e for r in reports for e in r["errors"]], "moved": moved,
+            "every_peer_moved": all(r["moves"] for r in reports),
+            "within_tol": all(r["worst"] is not None and r["worst"] <= TOL for r in reports),
+            "rayless": not any(r.get("ray_imported") for r in reports[:2]), "pause_s": round(pause_s, 1)}
+
+
 def main() -> None:
     steps = int(sys.argv[1])
     ray.init(address="auto", namespace="lms-plain-driver", log_to_driver=False)
@@ -167,6 +200,8 @@ def main() -> None:
             paths = {d: s["path"] for d, s in session.status()["deployments"].items()}
         report[f"session_{m}"] = {"steps": done, "paths": paths}
     report["shared"] = shared(client, layers, hidden)
+    with tempfile.TemporaryDirectory() as folder:
+        report["survive"] = survive(client, layers, hidden, Path(folder))
     print(json.dumps(report), flush=True)
 
 

@@ -2,7 +2,8 @@
 the client in another Ray job (``ray.init(address="auto")``), stepping cohorts and sessions of 1
 and 4 peers 200 times over the data plane (tests/plain_driver.py), then two sessions at once on
 the one replica (one's peers Ray-less processes) beside Serve-path requests sent back to back,
-with a third session's status read mid-session. With Ray Compiled Graphs a one-worker cohort hung
+with a third session's status read mid-session, then a session stepping on while a rank of the
+replica is SIGKILLed (its peers move to the replacement). With Ray Compiled Graphs a one-worker cohort hung
 within ~15 steps in exactly this topology.
 
 `serve run` gets a Ray temp dir of its own (RAY_TMPDIR); the driver's "auto" is pointed at that
@@ -66,6 +67,11 @@ def test_cohorts_and_sessions_step_200_times_from_another_ray_job(tiny_ckpt, tmp
         steps = [driver_module.SHARED_STEPS] * 2
         assert report["shared"] == {"steps_a": steps, "steps_b": steps, "rayless": True, "serve_calls": True,
                                     "open_at_once": ["counted", "shared-a", "shared-b"], "serve_errors": []}, report
+        # a rank of the one replica SIGKILLed under a stepping session: the peers pause while Serve
+        # replaces the replica, move to its new group by themselves, and step on without an error
+        survive = report["survive"]
+        assert survive["errors"] == [] and survive["moved"] and survive["every_peer_moved"], survive
+        assert survive["within_tol"] and survive["rayless"], survive
         check_the_session_cli(env, gcs, port, tmp_path)
         server.send_signal(signal.SIGINT)
         server.wait(timeout=STOP_TIMEOUT_S)

@@ -9,7 +9,8 @@ A :class:`SessionTicket` is small and serialisable (``to_json``/``from_json``, o
 per TP group serving the session's layers, rank 0's address, the session's secret for that group
 and the group's shape; and the app's HTTP address with the session's own secret, for moves.
 :meth:`SessionTicket.join` connects peer ``index`` to every group once (admitted by the secret,
-``frames.admit``; a refusal raises :class:`~deployments.dataplane.errors.JoinRefused` naming why);
+``frames.admit``; a refusal raises :class:`~deployments.dataplane.errors.JoinRefused` naming why;
+a peer joining after the session moved finds its group through the app, as a move does);
 :meth:`Peer.forward` sends this peer's rows for one layer to the group serving it and waits -- a
 blocking read on its own connection, no polling -- for its slice of that layer's one forward.
 
@@ -154,7 +155,7 @@ class Peer:
         self.moves: list[dict[str, Any]] = []  # each move: deployment, from/to replica, seconds, why
         try:
             for g in ticket.groups:
-                self._connect(g)
+                self._join(g)
         except BaseException:
             self.close()
             raise
@@ -244,6 +245,18 @@ class Peer:
             raise MoERequestError(f"layer {layer!r} is not one of session {self.ticket.name!r}'s layers "
                                   f"{list(self.ticket.layers)}", 404, "UnknownLayerError")
         return self.groups[g.deployment]
+
+    def _join(self, g: GroupEndpoint) -> None:
+        """Join ``g``, or the group the session moved to since the ticket was written (a group that
+        is gone, or whose session ended there: the app knows where it went, or that it is over)."""
+        try:
+            self._connect(g)
+        except (OSError, frames.ConnectionLost, JoinRefused) as e:
+            if not self.ticket.url or (isinstance(e, JoinRefused) and e.reason != "ended"):
+                raise
+            cause = SessionError(Failure.GROUP_FAILED, f"joining replica {g.replica} failed: {e}", None,
+                                 g.replica)
+            self._move(g, cause, time.monotonic() + self.ticket.move_s)
 
     def _connect(self, g: GroupEndpoint) -> None:
         sock = self.socks[g.deployment] = frames.connect((g.host, g.port), g.secret, Role.PEER, self.index,
