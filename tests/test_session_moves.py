@@ -1,15 +1,17 @@
 """Sessions survive: 4 peers (2 Ray-less processes, 2 threads of this Ray process) step a strict
-session on 2 replicas of TP 2 while faults are injected one after another -- a rank SIGKILLed, a
-rank SIGSTOPped, a `serve deploy` of a changed config (every replica replaced), a scale-down from
-2 replicas to 1. Every peer moves to a healthy group by itself and keeps stepping: 0 errors, 0
-wrong outputs. Outputs are compared with the Serve path's forward of the same rows (tolerance:
-``scripts.session_peers.TOL``, a different batch composition moves fp32 results by a few ulps).
+session on 2 replicas of TP 2, and a lane calls beside them, while faults come one after another:
+a rank SIGKILLed, a rank SIGSTOPped, a `serve deploy` of a changed config (every replica
+replaced), a scale-down from 2 replicas to 1. Every peer moves to a healthy group by itself and
+keeps stepping: 0 errors, 0 wrong outputs. Outputs are compared with the Serve path's forward of
+the same rows (tolerance ``scripts.session_peers.TOL``: a different batch composition moves fp32
+results by a few ulps).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,35 @@ def rank_pid(replica: str, rank: int) -> int:
     return ray.get(actor.info.remote(), timeout=30)["pid"]
 
 
+class LaneLoop:
+    """A lane calling every layer back to back on a thread until finished: errors, the worst
+    difference from the Serve path's rows, its status at the end."""
+
+    def __init__(self, app: MoEClient, x: np.ndarray, want: dict[int, np.ndarray]):
+        self.lane = app.lane(max_tokens=4, name="moving-lane")
+        self.errors: list[str] = []
+        self.worst, self.calls = 0.0, 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(x, want), daemon=True)
+        self.thread.start()
+
+    def _run(self, x: np.ndarray, want: dict[int, np.ndarray]) -> None:
+        while not self.stop.is_set():
+            for layer, rows in want.items():
+                try:
+                    self.worst = max(self.worst, float(np.abs(self.lane.forward(x, layer) - rows).max()))
+                    self.calls += 1
+                except Exception as e:  # counted: the test asserts there are none
+                    self.errors.append(f"{type(e).__name__}: {e}")
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.thread.join(timeout=RECOVERY_S)
+        status = self.lane.status()
+        self.lane.close()
+        return status
+
+
 def test_peers_move_through_rank_loss_redeploy_and_scale_down(app, tiny_ckpt, tmp_path):
     x = np.random.default_rng(3).standard_normal((2, 128), dtype=np.float32)
     session = app.session(peers=PEERS, max_tokens=4, name="moving")
@@ -60,6 +91,7 @@ def test_peers_move_through_rank_loss_redeploy_and_scale_down(app, tiny_ckpt, tm
     assert ticket.url.endswith(PREFIX) and ticket.secret, ticket.url
     want = {layer: app.forward(x, layer) for layer in ticket.layers}
     peers = Stepping(ticket, RAYLESS, x, want, tmp_path)
+    lane = LaneLoop(app, x, want)  # a lane (a session of one peer) calling through the same faults
     stopped: list[int] = []
     pauses = {}
     try:
@@ -79,6 +111,7 @@ def test_peers_move_through_rank_loss_redeploy_and_scale_down(app, tiny_ckpt, tm
         pauses["scale_down"] = peers.steps_again(STEPS_AFTER, RECOVERY_S)
     finally:
         reports = peers.finish(RECOVERY_S)
+        lane_status = lane.finish()
         for pid in stopped:  # a stopped rank its replica did not end yet
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
@@ -89,6 +122,9 @@ def test_peers_move_through_rank_loss_redeploy_and_scale_down(app, tiny_ckpt, tm
         assert r["errors"] == [] and r["worst"] <= TOL, r
         assert len(r["moves"]) >= 2, r  # the SIGKILL's and the SIGSTOP's at least
     assert not any(r.get("ray_imported") for r in reports[:RAYLESS]), reports
+    decode = lane_status["deployments"]["decode"]
+    assert lane.errors == [] and lane.worst <= TOL and lane.calls > 0, (lane.errors[:3], lane.worst)
+    assert decode["moves"] >= 1 and decode["serve_calls"] == 0 and decode["reruns"] == 0, decode
     print("pauses:", {k: round(v, 2) for k, v in pauses.items()}, "moves of peer 0:", reports[0]["moves"])
     session.close()
     with pytest.raises(SessionError):

@@ -46,7 +46,7 @@ from ..common.errors import error_message
 from ..common.private_api import serve_app_url
 from ..common.retry import resend_after
 from ..common.workers import WORKER_NAMESPACE, worker_name
-from ..config.timeouts import DEFAULT_WAIT_S, LEASE_ATTEMPT_S, RANK_POLL_S, RELEASE_S, SESSION_MOVE_S
+from ..config.timeouts import DEFAULT_WAIT_S, OPEN_ATTEMPT_S, RANK_POLL_S, RELEASE_S, SESSION_MOVE_S
 from ..dataplane.errors import Action, MoEServeError
 from ..dataplane.peer import GroupEndpoint, Peer, SessionTicket
 from .errors import raise_for
@@ -129,7 +129,7 @@ def open_group(client: Any, deployment: str, opened_with: dict[str, Any], wait_s
             raise SessionRefused(f"session refused by replica {grant['replica']}: {grant['reason']}")
         # Full or refusing: a session may end, or the router's view of the replicas' load (it lags
         # by up to its stats period) may send the next ask elsewhere.
-        time.sleep(min(LEASE_ATTEMPT_S, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(OPEN_ATTEMPT_S, max(0.0, deadline - time.monotonic())))
 
 
 def close_grant(grant: dict[str, Any], why: str) -> None:

@@ -133,7 +133,7 @@ def group_roles(client: Any) -> Roles:
 def counters(client: Any) -> dict[str, Any]:
     c = client.status()["counters"]
     return {"forwards": c["forwards"], "forward_tokens": c["forward_tokens"],
-            "lane_forwards": c["sessions"]["forwards"], "lane_busy_s": c["sessions"]["busy_s"]}
+            "session_forwards": c["sessions"]["forwards"], "session_busy_s": c["sessions"]["busy_s"]}
 
 
 def row(mode: str, workers: int, tokens: int, step_s: list[float], worker_steps: int, wall_s: float,
@@ -148,9 +148,9 @@ def row(mode: str, workers: int, tokens: int, step_s: list[float], worker_steps:
         forwards = after["forwards"] - before["forwards"]
         out["forwards_per_step"] = forwards * workers / (worker_steps + untimed)
         out["tokens_per_forward"] = (after["forward_tokens"] - before["forward_tokens"]) / max(1, forwards)
-        leased = after["lane_forwards"] - before["lane_forwards"]
-        if leased:  # rank 0's time per leased forward: the group's forward, its hand-off to the other ranks
-            out["group_forward_ms"] = (after["lane_busy_s"] - before["lane_busy_s"]) * 1e3 / leased
+        ran = after["session_forwards"] - before["session_forwards"]
+        if ran:  # rank 0's time per session forward: the group's forward, its hand-off to the other ranks
+            out["group_forward_ms"] = (after["session_busy_s"] - before["session_busy_s"]) * 1e3 / ran
     return out
 
 
@@ -235,10 +235,10 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
             for _ in range(per_round):
                 call(lane, tokens[0])
             status = lane.status()["deployments"][NAME]
-        lease_ended(client)
+        session_ended(client)
         settled = counters(client)
         # The lane's last per_round forwards were the first T's calls alone.
-        if settled["lane_forwards"] - before["lane_forwards"] >= per_round:
+        if settled["session_forwards"] - before["session_forwards"] >= per_round:
             out[tokens[0]]["served_ms"] += client.status()["sessions"]["group"]["recent_ms"][-per_round:]
         on_lane = status["path"] == "session" and status["serve_calls"] == 0 and status["reruns"] == 0
         for T in tokens:
@@ -255,7 +255,7 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
     return out
 
 
-def lease_ended(client: Any, timeout_s: float = 60.0) -> None:
+def session_ended(client: Any, timeout_s: float = 60.0) -> None:
     """Back once the replica has no open session (rank 0 pushes each end as it happens)."""
     deadline = time.monotonic() + timeout_s
     while client.status()["sessions"]["open"]:

@@ -138,10 +138,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def index_rows(results: dict[str, Any]) -> list[Target]:
     k, s = results["kill"], results["stall"]
-    kill = Target("a leased rank SIGKILLed under load: client errors / wrong answers / hung, all none",
+    kill = Target("a lane's rank SIGKILLed under load: client errors / wrong answers / hung, all none",
                   f"{len(k['errors'])} / {k['wrong']} / {'yes' if k['hung'] else 'no'}",
                   not k["errors"] and not k["wrong"] and not k["hung"])
-    what = "a leased rank SIGSTOPped: seconds until the call ended"
+    what = "a lane's rank SIGSTOPped: seconds until the call ended"
     if "skipped" in s:
         return [kill, Target(what, "-", None)]
     return [kill, target(what, verdict(s["seconds"], "<=", s["bound_s"]), ".1f")]
@@ -161,7 +161,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         "| fault | calls | client errors | wrong | hung | slowest call | first answer after | "
         "first lane answer after |",
         "|---|---|---|---|---|---|---|---|",
-        f"| SIGKILL rank {results['rank']} of the leased replica | {k['calls']} | {len(k['errors'])} | "
+        f"| SIGKILL rank {results['rank']} of the lane's replica | {k['calls']} | {len(k['errors'])} | "
         f"{k['wrong']} | {'yes' if k['hung'] else 'no'} | {k['max_ms']:.0f} ms | "
         f"{sec(k['first_answer_s'])} | {sec(k['first_lane_answer_s'])} |",
         "",
@@ -172,7 +172,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     if "skipped" in s:
         lines += ["", f"Stalled rank: not measured ({s['skipped']})."]
     else:
-        lines += ["", f"SIGSTOP of rank {results['rank']} of the leased replica: the call ended in "
+        lines += ["", f"SIGSTOP of rank {results['rank']} of the lane's replica: the call ended in "
                   f"{s['seconds']:.1f} s ({s['outcome']}); bound {s['bound_s']:.0f} s (three call timeouts: "
                   f"hearing the group failed and the move, + 15 s): "
                   f"**{verdict_word(stall.met).strip('*')}**."]

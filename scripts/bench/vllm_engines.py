@@ -10,8 +10,8 @@ run, side by side:
 * ``in_process``: one engine, its MoE blocks run in its own process (the plugin's reference mode);
 * ``tier``: the same engine on the tier, a session of one peer;
 * ``shared K`` (K = 2, 4): K engines, started together, peers of one elastic session;
-* ``separate K``: the same K engines, each on a single-peer session of its own; the group holds one
-  lease at a time, so they take turns.
+* ``separate K``: the same K engines, each on a single-peer session of its own (their layers share
+  a group forward only when they happen to be ready together).
 
 Every engine runs vLLM's engine core and its model inside the engine's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): with vLLM's default, the core is a process apart that waits
