@@ -255,6 +255,12 @@ class GroupHost:
         """End session ``number`` (its peers get ``reason`` as SESSION_ENDED); its last state."""
         return self._call(lambda: self._end_number(number, Failure.SESSION_ENDED, reason), wait_s)
 
+    def fail(self, reason: str, wait_s: float) -> None:
+        """Break the group on purpose (its replica is stopping): every session ends as
+        ``GROUP_FAILED`` with ``reason``, so its peers move. On the loop thread, between batches:
+        every peer of the last forward has its answer, and the moved peers meet on one layer."""
+        self._call(lambda: self._fail_group(Failure.GROUP_FAILED, reason), wait_s)
+
     def state(self, number: int) -> dict[str, Any] | None:
         session = self.sessions.get(number)
         return session.state() if session is not None else self.ended.get(number)

@@ -38,6 +38,7 @@ from ..common.errors import (
 from ..common.wire import WireTensor
 from ..common.workers import WORKER_NAMESPACE, worker_name
 from ..config.resolve import ResolvedDeployment
+from ..config.timeouts import PROBE_S
 from ..control.accelerator import Accelerator
 from ..control.serve_options import worker_resources
 from ..dataplane import frames
@@ -258,6 +259,10 @@ class TPGroup:
 
     def shutdown(self) -> None:
         workers, self.workers = self.workers, []
+        if workers and self.broken is None:
+            with contextlib.suppress(Exception):  # rank 0 gone or stuck: its peers find out themselves
+                ray.get(workers[0].dataplane_stop.remote(f"replica {self.replica} is stopping"),
+                        timeout=PROBE_S)
         if self.watcher is not None:
             self.watcher.close()
         self.peer.close("the replica is shutting down")

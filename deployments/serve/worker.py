@@ -193,6 +193,12 @@ class TPWorker:
         return {"session": number, "secret": secret, "host": host, "port": port,
                 "store_port": self.host.store_port, "channel": self.host.channel_backend}
 
+    def dataplane_stop(self, reason: str) -> None:
+        """Rank 0: end every session as a broken group's (``host.fail``) before the replica stops
+        its ranks, between two batches: a rank killed half-way through answering a forward would
+        leave the peers it answered a layer ahead of the others."""
+        self.host.fail(reason, self.resolved.spec.bounds.call_s)
+
     def session_close(self, number: int, reason: str) -> dict[str, Any] | None:
         """Rank 0: end session ``number`` (its peers are told ``reason``); its last state."""
         return self.host.close(number, reason, self.resolved.spec.bounds.close_s)

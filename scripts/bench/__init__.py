@@ -4,8 +4,8 @@ under ``artifacts/NAME/`` and its page, ``docs/benchmarks/NAME.md``, with its ro
 ``docs/benchmarks/README.md``.
 
 Benchmarks: ``dataplane``, ``experts``, ``fused_cpu``, ``lane_faults``, ``memory``,
-``numerics``, ``overhead``, ``real``, ``replicas``, ``serve``, ``served_real``, ``shutdown``,
-``tail``, ``vllm_engines`` (in the vLLM lane's venv), ``warmup``;
+``numerics``, ``overhead``, ``real``, ``replicas``, ``serve``, ``served_real``, ``session_faults``,
+``shutdown``, ``tail``, ``vllm_engines`` (in the vLLM lane's venv), ``warmup``;
 ``gpu_timings``, ``gpu_check_summary`` and ``gpu_report`` are the stages and
 the report of ``scripts/gpu_check.sh``; ``measure_rss`` samples any command's memory.
 

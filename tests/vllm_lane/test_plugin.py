@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from scripts.bench.vllm_tier import (  # noqa: E402
     ENGINE_S,
     MOE_LAYERS,
     ROOT,
+    VENV,
     Tier,
     finish_engine,
     free_port,
@@ -205,6 +207,47 @@ def test_engines_decode_on_a_session_while_the_serve_path_is_answered(tier, mode
     assert len(answered) >= 10 and set(answered) == {torch.Size([4, 128])}, len(answered)
     log = (tmp_path / "session.log").read_text()
     assert "ended:" not in log and "closed" in log, log[-2000:]  # closed by its holder, never ended under it
+
+
+RANK_PIDS = """
+import json, ray
+from deployments.common.workers import WORKER_NAMESPACE
+ray.init(logging_level="ERROR", log_to_driver=False)
+names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+         if a["namespace"] == WORKER_NAMESPACE and a["name"].endswith(":rank%d")]
+print(json.dumps([ray.get(ray.get_actor(n, namespace=WORKER_NAMESPACE).info.remote(), timeout=60)["pid"]
+                  for n in names]))
+"""
+
+
+def rank_pids(tier: Tier, rank: int) -> list[int]:
+    """The processes of the tier's rank ``rank`` actors, asked of its Ray (from the project venv:
+    this venv's Ray, if any, is not the tier's)."""
+    out = subprocess.run([str(VENV / "bin" / "python"), "-c", RANK_PIDS % rank], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**tier.env, "RAY_ADDRESS": tier.address})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_engines_decode_through_a_killed_rank(tier, models, reference, tmp_path):
+    """Two engines decode on one elastic session; a rank of the tier's one replica is SIGKILLed
+    mid-decode. The engines wait while Serve replaces the replica, move the session to its new
+    group by themselves (dataplane.peer) and finish with their reference tokens."""
+    with tier.session(tmp_path, peers=2, idle_after_s=2.0) as session:
+        specs = [({"ticket": str(session["ticket"]), "peer": i}, [PROMPTS[i]], 2 * MAX_TOKENS) for i in range(2)]
+        procs, go = start_engines(tmp_path / "engines", models["model"], specs)
+        before = status_forwards(tier)
+        go.write_text("")
+        deadline = time.monotonic() + 300
+        while status_forwards(tier) < before + 3 * len(MOE_LAYERS):  # decoding: some steps ran
+            assert time.monotonic() < deadline, "the engines did not start decoding"
+            time.sleep(0.05)
+        (victim,) = rank_pids(tier, 1)
+        os.kill(victim, signal.SIGKILL)
+        outs = [finish_engine(f, p) for f, p in procs]
+    assert [out["tokens"][0][:MAX_TOKENS] for out in outs] == [reference[0], reference[1]]
+    assert all(len(out["tokens"][0]) == 2 * MAX_TOKENS for out in outs), outs
+    assert victim not in rank_pids(tier, 1)  # Serve replaced the replica
 
 
 @pytest.mark.parametrize("alias, native", [
