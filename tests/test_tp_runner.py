@@ -12,6 +12,7 @@ I expert intermediate (64), Is shared intermediate (64), P TP size, r rank.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from safetensors import safe_open
 
 from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
 from moe_runtime.config import LatentMoEConfig
+from moe_runtime.experts import mxfp4_cpu
 from moe_runtime.layer import moe_forward, shared_experts
 from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
@@ -113,6 +115,12 @@ class Job:
 
 def _rank_cases(comm: Collectives, jobs: list[Job]) -> dict:
     """Rank body: run every job, return ``{(job, T): result}`` for the parent to compare."""
+    # Every rank takes the same GEMM path for a shape: the measured CPU crossovers
+    # (experts.crossover) time each path in each rank's own process, and under load two ranks can
+    # choose differently, so a tail that computes the same bf16 GEMM on every rank (replicated,
+    # overlap, single all-reduce) would round differently per rank. Serving returns rank 0's rows;
+    # a group agreeing on one choice is still to be built.
+    os.environ[mxfp4_cpu.BATCHED_ENV] = "0"
     rec = RecordingCollectives(comm.rank, comm.world)
     results: dict = {}
     for job in jobs:

@@ -16,6 +16,7 @@ for any other reason than a broken group (``serve.sessions``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import time
@@ -24,7 +25,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..common.private_api import kv_put_new
-from ..config.timeouts import MOVE_CLAIM_S
+from ..config.timeouts import MOVE_CLAIM_S, MOVE_OPEN_S, RELEASE_S
 from ..dataplane.peer import GroupEndpoint, endpoint_from_dict
 from . import kv
 
@@ -105,16 +106,41 @@ async def move(body: Any, open_session: OpenSession) -> GroupEndpoint:
             deadline = time.monotonic() + MOVE_CLAIM_S
         await asyncio.sleep(CLAIM_POLL_S)
     try:
-        grant = await open_session(body["deployment"], avoid_replica=record["group"]["replica"],
-                                   **record["open"])
+        try:
+            failed = record["group"]["replica"]
+            opening = open_session(body["deployment"], avoid_replica=failed, **record["open"])
+            grant = await asyncio.wait_for(opening, MOVE_OPEN_S)
+        except TimeoutError:  # no replica free yet (Serve may be replacing the only one): asked again
+            raise MoveRefused(503, f"no replica of {body['deployment']!r} answered within {MOVE_OPEN_S:.0f} s"
+                              ) from None
         if not grant.get("granted"):
             raise MoveRefused(503, f"no replica of {body['deployment']!r} took session {body['session']!r} "
                                    f"yet: {grant.get('reason')}")
         group = GroupEndpoint.from_grant(grant, record["group"]["layers"])
+        # The claim keeps a second mover out; should one have taken over all the same (a claim past
+        # MOVE_CLAIM_S), the record that moved first wins and this group is closed unused: every
+        # peer must meet on one group.
+        latest = await asyncio.to_thread(kv.get_json, key)
+        if latest is None or latest["group"]["session_id"] != body["from"]:
+            await asyncio.to_thread(close_group, group, "a concurrent move of the session won")
+            if latest is None:
+                raise MoveRefused(404, f"session {body['session']!r} ended while it was being moved")
+            return endpoint_of(latest)
         await asyncio.to_thread(kv.put_json, key, {**record, "group": asdict(group)})
         return group
     finally:
         await asyncio.to_thread(kv.delete, claim)
+
+
+def close_group(group: GroupEndpoint, why: str) -> None:
+    """End the session ``group`` names on its rank 0 (blocking: a Ray call)."""
+    import ray
+
+    from ..common.workers import WORKER_NAMESPACE, worker_name
+
+    with contextlib.suppress(Exception):  # its replica is gone: the session went with it
+        rank0 = ray.get_actor(worker_name(group.deployment, group.replica, 0), namespace=WORKER_NAMESPACE)
+        ray.get(rank0.session_close.remote(group.session, why), timeout=RELEASE_S)
 
 
 def endpoint_of(record: dict[str, Any]) -> GroupEndpoint:

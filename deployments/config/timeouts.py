@@ -76,7 +76,9 @@ SESSION_MOVE_S = 180.0  # default: a session's peers look this long for a health
 #   failed (covers Serve replacing a replica: its start, the group's, warm-up)
 MOVE_ASK_S = 30.0  # one ask of the app to move a session (the ingress opens it on another group)
 MOVE_RETRY_S = 0.5  # a peer asks again this often while no group can take its session yet
-MOVE_CLAIM_S = 60.0  # a move claimed by an ingress replica that died is taken over after this
+MOVE_OPEN_S = 20.0  # an ingress opening a moved session on a replica gives up after this (503: asked again)
+MOVE_CLAIM_S = 60.0  # a move claimed by an ingress replica that died is taken over after this (> MOVE_OPEN_S:
+#   a live claimer has always finished by then)
 CLIENT_TIMEOUT_S = 120.0  # a client's default wait for one answer (handle or HTTP)
 DRAIN_POLL_S = 0.2  # a stopping replica looks this often whether its requests are done (Serve: 2 s)
 
