@@ -6,8 +6,9 @@ failed asks the app's ingress to move it (``POST /v1/sessions/move``, ``dataplan
 :func:`move` answers every peer of the session with the same new group: the first ask claims
 the move (an atomic create in the GCS key-value store, so two ingress replicas never open two
 groups), opens the session on another replica of the deployment and rewrites the record; the
-others find the record already moved, or wait for the claim. A claim whose ingress died is taken
-over after ``MOVE_CLAIM_S``.
+others find the record already moved, or wait for the claim. An open is given up after
+``MOVE_OPEN_S`` (the peer asks again), so a live claim ends before one whose ingress died is taken
+over (``MOVE_CLAIM_S``); a mover that finds the record moved meanwhile closes its group unused.
 
 The record ends with the session: its opener's close, or the replica's hearing that it ended
 for any other reason than a broken group (``serve.sessions``).
