@@ -182,13 +182,18 @@ class LatentMoEConfig:
 
     @classmethod
     def from_pretrained(cls, checkpoint: str | Path) -> LatentMoEConfig:
-        path = Path(checkpoint) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"no config.json in checkpoint folder {str(checkpoint)!r}")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(checkpoint, "checkpoint folder"))
+
+
+def read_config_json(folder: str | Path, what: str = "model folder") -> dict[str, Any]:
+    """The JSON object in ``folder``'s ``config.json`` (ValueError naming the file otherwise)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json in {what} {str(folder)!r}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return raw

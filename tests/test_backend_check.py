@@ -156,7 +156,7 @@ def test_probe_refuses_nan_and_wrong_shapes(tiny_ckpt):
 
 
 def test_a_gpu_serving_with_the_reference_loop_says_so_loudly():
-    from moe_runtime.tp.runner import slow_backend_warning
+    from moe_runtime.tp.served import slow_backend_warning
 
     why = "auto: torch (aiter: the aiter package (PyPI amd-aiter) is not installed)"
     warning = slow_backend_warning("torch", torch.device("cuda", 0), why, [])

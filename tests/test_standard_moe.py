@@ -467,7 +467,7 @@ def test_misshaped_tensor_is_named(folder, tmp_path: Path) -> None:
 def test_layer_and_tp_errors(folder) -> None:
     path = folder(DSV3)
     cfg = load_standard_config(path)
-    with raises("layer 0 is a dense layer of this deepseek_v3 model; MoE layers: [1, 2]"):
+    with raises("layer 0 is not a MoE layer (a dense layer of this deepseek_v3 model); MoE layers: [1, 2]"):
         load_standard_layer(path, cfg, 0)
     with raises("unknown layer 5: the model has layers 0..2"):
         load_standard_layer(path, cfg, 5)

@@ -14,12 +14,12 @@ G expert groups, Is = I * shared experts.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from ..config import read_config_json
 from ..units import check_dtype
 
 QWEN3_MOE, DEEPSEEK_V3 = "qwen3_moe", "deepseek_v3"
@@ -119,8 +119,8 @@ class StandardMoEConfig:
         if not 0 <= layer < self.num_hidden_layers:
             raise ValueError(f"unknown layer {layer}: the model has layers 0..{self.num_hidden_layers - 1}")
         if not self.is_moe_layer(layer):
-            raise ValueError(f"layer {layer} is a dense layer of this {self.family} model; MoE layers: "
-                             f"{self.moe_layers}")
+            raise ValueError(f"layer {layer} is not a MoE layer (a dense layer of this {self.family} model); "
+                             f"MoE layers: {self.moe_layers}")
 
     # -- reading --------------------------------------------------------------------------
     # field -> the config.json names it is read from, first found wins (default: its own name);
@@ -285,13 +285,4 @@ def config_from_dict(raw: dict[str, Any]) -> StandardMoEConfig:
 
 def load_standard_config(folder: str | Path) -> StandardMoEConfig:
     """The MoE config of the model in ``folder`` (its ``config.json``)."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"no config.json in model folder {str(folder)!r}")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return config_from_dict(raw)
+    return config_from_dict(read_config_json(folder))

@@ -13,7 +13,7 @@ Legend: T tokens, H hidden, E experts, K experts per token.
 
 from __future__ import annotations
 
-import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -21,12 +21,12 @@ import torch
 
 from ..activation import GatedActivation
 from ..checkpoint import CheckpointReader
-from ..experts import DEFAULT_SCRATCH_BYTES, ExpertsBackend, backend_candidates, get_backend, prepare_backend
-from ..experts.check import verify_backend
+from ..experts import DEFAULT_SCRATCH_BYTES, ExpertsBackend, backend_candidates, get_backend
 from ..layer import check_input, gated_mlp
-from ..logs import log_once
 from ..router import route
 from ..tp.collectives import Collectives
+from ..tp.plan import STANDARD_TAIL
+from ..tp.served import ServedRunner, choose_backend
 from ..tp.sharding import TPShard
 from .config import StandardMoEConfig
 from .weights import StandardMoEWeights, load_standard_layer
@@ -64,9 +64,10 @@ def standard_moe_forward(
     return standard_moe_partial(x_TH, w, cfg, be, router_logits_TE).to(x_TH.dtype)
 
 
-class StandardMoERunner:
+class StandardMoERunner(ServedRunner):
     """One standard MoE layer on one rank of a TP group: ``forward`` returns ``out [T, H]`` on
-    every rank after one all-reduce (none at TP 1)."""
+    every rank after one all-reduce (none at TP 1). Its one plan is ``tp.plan.standard_plan``
+    (``last_tail``: ``standard``); it reports what a latent runner does (``tp.served``)."""
 
     def __init__(
         self,
@@ -87,15 +88,14 @@ class StandardMoERunner:
             raise ValueError(f"shared experts hold {shared} rows, expected Is / P = "
                              f"{cfg.shared_intermediate_size} / {P} = {Is_local}")
         self.cfg, self.w, self.comm = cfg, weights, comm
-        self.backend_name = backend
-        self.backend = get_backend(backend, scratch_bytes)
-        prepare_backend(self.backend, weights.experts)
+        self.init_backend(backend, scratch_bytes, weights.experts)
 
     def forward(self, x_TH: torch.Tensor, router_logits_TE: torch.Tensor | None = None) -> torch.Tensor:
         check_input(x_TH, self.cfg, self.w.dtype, router_logits_TE)
         out_TH = standard_moe_partial(x_TH, self.w, self.cfg, self.backend, router_logits_TE).to(x_TH.dtype)
         if self.comm.world > 1:
             self.comm.all_reduce(out_TH)
+        self.last_tail = STANDARD_TAIL
         return out_TH
 
     __call__ = forward
@@ -121,16 +121,20 @@ def build_standard_runners(
     runners: dict[int, StandardMoERunner] = {}
     chosen = None
     for layer in layers:
+        start, read_before = time.perf_counter(), reader.bytes_read
         w = load_standard_layer(reader, cfg, layer, dtype, shard)
         if device != "cpu":
             w = w.to(device)
+        load_s, bytes_read = time.perf_counter() - start, reader.bytes_read - read_before
         if chosen is None:
-            chosen, checks = verify_backend(candidates, backend, w.experts, SILU, layer=layer,
-                                            top_k=cfg.num_experts_per_tok, scratch_bytes=scratch_bytes)
-            if comm.rank == 0:
-                probes = "".join(f"; {c.describe()}" for c in checks)
-                log_once(f"{cfg.family} MoE runner: TP {comm.world}, {dtype}, experts backend {chosen} "
-                         f"({why}{probes})", level=logging.INFO)
-        runners[layer] = StandardMoERunner(cfg, w, comm, chosen, scratch_bytes)
+            chosen, checks, warning = choose_backend(
+                candidates, backend, why, w.experts, SILU, top_k=cfg.num_experts_per_tok, layer=layer,
+                scratch_bytes=scratch_bytes, device=device, rank=comm.rank,
+                label=f"{cfg.family} MoE runner: TP {comm.world}, {dtype}, experts backend ",
+            )
+        runner = StandardMoERunner(cfg, w, comm, chosen, scratch_bytes)
+        runner.load_s, runner.load_bytes_read = load_s, bytes_read
+        runner.backend_checks, runner.backend_warning = checks, warning
+        runners[layer] = runner
     return runners
 

@@ -1,11 +1,13 @@
 """Tiny Qwen3-MoE and DeepSeek-V3 model folders with random MoE weights (tests, demos).
 
 A folder holds ``config.json`` and, under Hugging Face names, the MoE-layer tensors only (the
-attention and dense layers a full model would carry are not written).
+attention and dense layers a full model would carry are not written). From the command line:
+``python -m moe_runtime.standard.synthetic --family qwen3_moe --out checkpoints/qwen3-tiny``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -76,3 +78,23 @@ def write_standard_checkpoint(
         weight_map = {item[0]: name for name, items in files.items() for item in items}
         (out / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Write a tiny random Qwen3-MoE or DeepSeek-V3 model folder.")
+    ap.add_argument("--family", choices=sorted(PRESETS), required=True)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the weights' dtype")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--single-file", action="store_true", help="one model.safetensors, no index")
+    args = ap.parse_args(argv)
+    raw = standard_preset(args.family, dtype=args.dtype)
+    out = write_standard_checkpoint(args.out, raw, seed=args.seed, single_file=args.single_file)
+    cfg = config_from_dict(raw)
+    print(f"wrote a {args.family} model folder to {out}: hidden_size {cfg.hidden_size}, "
+          f"MoE layers {cfg.moe_layers}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,7 +19,7 @@ import torch
 
 from ..checkpoint import CheckpointReader, Read, load_threads
 from ..tp.sharding import Split, TPShard, check_tp_size
-from ..units import DTYPES, check_dtype, dtype_name
+from ..units import DTYPES, PARTS, check_dtype, dtype_name
 from ..weights import ExpertWeights
 from .config import StandardMoEConfig
 
@@ -57,6 +57,16 @@ class StandardMoEWeights:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def nbytes_by_part(self) -> dict[str, int]:
+        """Resident bytes by part (``units.PARTS``, every key present): dense experts, shared
+        experts and the router; no latent projections."""
+        def nbytes(*ts: torch.Tensor | None) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        return {**dict.fromkeys(PARTS, 0), "experts_dense": self.experts.nbytes(),
+                "shared_experts": nbytes(self.shared_gate_SH, self.shared_up_SH, self.shared_down_HS),
+                "router": nbytes(self.gate_EH, self.bias_E)}
 
     def to(self, device: torch.device | str) -> StandardMoEWeights:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:

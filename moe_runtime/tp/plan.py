@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from ..config import LatentMoEConfig
 from .sharding import check_tp_size
 
-TAILS = ("replicated", "overlap", "sharded", "single_allreduce", "sequence_parallel")
+# STANDARD_TAIL: a standard (non-latent) MoE layer's one way to finish (``standard.layer``): no choice
+STANDARD_TAIL = "standard"
+TAILS = ("replicated", "overlap", "sharded", "single_allreduce", "sequence_parallel", STANDARD_TAIL)
 REQUESTABLE_TAILS = ("auto", "replicated", "overlap", "sharded", "single_allreduce")
 Clock = Callable[[], float]  # a warm-up's clock (seconds)
 Timings = dict[str, dict[int, float]]  # tail -> token count -> median ms
@@ -232,6 +234,15 @@ def resolve_tail(
             return TailPlan.single("sharded", f"auto: {rule.reason}")
         return TailPlan.single("replicated", f"auto: falling back to replicated because {rule.reason}")
     return TailPlan.single(requested, f"{requested} requested")
+
+
+def standard_plan(family: str, tp_size: int) -> TailPlan:
+    """The one plan of a standard MoE layer (``moe_runtime.standard``): every rank's routed and
+    shared partial sums added by one all-reduce (none at TP 1). It has no latent, so no tail."""
+    how = ("one all-reduce of the ranks' partial outputs" if tp_size > 1
+           else "TP 1: no collective")
+    return TailPlan.single(STANDARD_TAIL, f"{family} MoE layer: one fixed plan ({how}); the latent "
+                                          "layer's tails do not apply")
 
 
 def plan_from_timings(timings: Timings, reason: str = "measured") -> TailPlan:

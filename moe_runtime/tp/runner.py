@@ -8,7 +8,6 @@ Legend: T tokens (Tp padded to a multiple of P), H hidden, D latent, P TP size.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -22,14 +21,10 @@ from ..checkpoint import CheckpointReader, checkpoint_expert_formats, load_layer
 from ..config import LatentMoEConfig
 from ..experts import (
     DEFAULT_SCRATCH_BYTES,
-    REFERENCE_BACKEND,
     ActQuant,
     backend_candidates,
-    get_backend,
-    held_bytes,
-    prepare_backend,
 )
-from ..experts.check import BackendCheck, verify_backend
+from ..experts.check import BackendCheck
 from ..experts.mxfp4_cpu import dense_linear
 from ..layer import down_project, latent_norm, routed_experts, shared_experts
 from ..logs import log_once
@@ -38,6 +33,7 @@ from ..weights import LayerWeights
 from .collectives import Collectives
 from .plan import TailPlan, check_preshard, legal_tails, shardability_for
 from .routed_input import ACTIVATION_QUANT_MODES, RoutedInputConfig, dequantize, quantize
+from .served import ServedRunner, choose_backend
 from .sharding import TPShard
 
 
@@ -135,7 +131,7 @@ def sp_rows(num_tokens: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * per_rank, num_tokens), min((rank + 1) * per_rank, num_tokens)
 
 
-class LatentMoERunner:
+class LatentMoERunner(ServedRunner):
     """One MoE layer on one rank of a TP group."""
 
     def __init__(
@@ -176,20 +172,11 @@ class LatentMoERunner:
         self.legal_tails, self._illegal_why = legal, why
         self.set_plan(plan)
         self._check_shapes()
-        self.backend_name = backend
-        self.backend = get_backend(backend, scratch_bytes)
-        prepare_backend(self.backend, weights.experts)  # its own copies now, as the planner counts them
-        self.backend_checks: list[BackendCheck] = []  # the load-time probes (build_rank_runners)
-        self.backend_warning: str | None = None  # set when a GPU runs the slow reference loop
-        # how the backend runs these experts (torch: fused MXFP4 on CPU, decode, dense) and why
-        path = getattr(self.backend, "path", None)
-        self.experts_path, self.experts_path_reason = path(weights.experts) if path else (backend, "")
+        self.init_backend(backend, scratch_bytes, weights.experts)
         self.act = GatedActivation.from_config(cfg)
         self.device = weights.down_DH.device
         self.timer = StageTimer(self.device)
         self.tail_counts: Counter[str] = Counter()
-        self.load_s, self.load_bytes_read = 0.0, 0  # set by build_rank_runners
-        self.last_tail: str | None = None
         self._tails = {
             "replicated": self._tail_replicated,
             "overlap": self._tail_overlap,
@@ -230,13 +217,6 @@ class LatentMoERunner:
         for name, shape in expected.items():
             if found[name] != shape:
                 raise ValueError(f"{name} is {found[name]}, expected {shape} for TP {P}")
-
-    def resident_bytes(self) -> int:
-        return sum(self.resident_bytes_by_part().values())
-
-    def resident_bytes_by_part(self) -> dict[str, int]:
-        """The weights by part plus what the experts backend keeps beside them (``experts_backend``)."""
-        return {**self.w.nbytes_by_part(), "experts_backend": held_bytes(self.backend)}
 
     # -- forward --------------------------------------------------------------------------
 
@@ -383,22 +363,6 @@ class LatentMoERunner:
         return R_rows + S_rows
 
 
-def slow_backend_warning(
-    backend_name: str, device: torch.device, why: str, checks: list[BackendCheck]
-) -> str | None:
-    """On a GPU, the reference ``torch`` backend is the slow per-expert loop (two GEMM launches per
-    active expert, packed experts decoded into scratch first): say so loudly, with the reason."""
-    if device.type != "cuda" or backend_name != REFERENCE_BACKEND:
-        return None
-    refused = "".join(f"; {c.describe()}" for c in checks)
-    return (
-        f"experts backend on GPU is the torch reference loop ({why}{refused}): expect several times "
-        "the forward time of a fused MoE kernel (2 GEMM launches per active expert per layer, packed "
-        "experts decoded to the compute dtype first); install a SiTU-capable aiter (ROCm) or request "
-        "backend=grouped to change it"
-    )
-
-
 def build_rank_runners(
     checkpoint: str | Path,
     cfg: LatentMoEConfig,
@@ -437,17 +401,11 @@ def build_rank_runners(
         weights = load_layer_weights(reader, cfg, layer, dtype, shard, progress).to(device)
         load_s, bytes_read = time.perf_counter() - start, reader.bytes_read - read_before
         if checks is None:  # non-torch backends must match torch on the first layer's real experts
-            backend_name, checks = verify_backend(
-                candidates, backend, weights.experts, GatedActivation.from_config(cfg),
-                top_k=cfg.num_experts_per_token, layer=layer, scratch_bytes=scratch_bytes,
-                act_quant=act_quant,
+            backend_name, checks, warning = choose_backend(
+                candidates, backend, why, weights.experts, GatedActivation.from_config(cfg),
+                top_k=cfg.num_experts_per_token, layer=layer, scratch_bytes=scratch_bytes, device=device,
+                rank=comm.rank, label="experts backend: ", act_quant=act_quant,
             )
-            if comm.rank == 0:
-                probes = "".join(f"; {c.describe()}" for c in checks)
-                log_once(f"experts backend: {backend_name} ({why}{probes})")
-            warning = slow_backend_warning(backend_name, torch.device(device), why, checks)
-            if warning is not None:
-                log_once(warning, level=logging.WARNING)
         runner = LatentMoERunner(
             cfg, weights, comm, plan, shard, backend_name, routed_input, scratch_bytes,
             experts_activation_quant, mxfp4_scale_rule,
