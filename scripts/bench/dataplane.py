@@ -1,19 +1,12 @@
 """The data plane against the transport's own floor, in one run on one machine.
 
-One local Ray instance (CPU, logical GPUs) serves --layers MoE layers of the tiny preset on one TP
---tp deployment (float32, sharded tail, one replica). A attention workers (Ray actors whose attention
-is synthetic: T seeded rows per layer) decode steps; per (A, T) the modes (the page says more) are
+A workers (Ray actors, synthetic attention: T seeded rows per layer) decode through --layers MoE
+layers of the tiny preset on one TP --tp deployment, per (A, T) as one session's peers
+(``session``), each on a lane of its own (``own_sessions``), through ``MoEClient.forward``
+(``serve``), and over raw TCP (``floor``, ``bench.floor``); and a lane's per-layer call at A = 1
+against the in-process forward (``harness.cli_forward_ms``). The page says more.
 
-* session: the A workers as the peers of one session (``MoEClient(app).cohort(workers)``), one
-  group forward per MoE layer; a step is checked bit for bit against the Serve path's forward;
-* own_sessions: each worker on a lane of its own (``MoEClient(app).lane()``);
-* serve: each worker calls ``MoEClient.forward`` once per layer;
-* floor: the transport's own floor (``bench.floor``): the same message pattern over raw TCP.
-
-Also, at A = 1 per T, a lane's per-layer call p50 against the in-process forward of the same layer
-(``bench.harness.cli_forward_ms``), in --rounds rounds with the app up, and the floor for one call.
-
-    python -m scripts.bench.dataplane            # TP 2, 3 layers, A = 1 2 4 8, T = 1 4 32: ~12 min, 2 cores
+    python -m scripts.bench.dataplane            # A = 1 2 4 8, T = 1 4 32: ~12 min on 2 cores
     python -m scripts.bench.dataplane --quick    # A = 1 4, T = 4 (a smoke run)
 
 Targets: A = 1, T = 1: lane call p50 - in-process forward <= 0.5 ms; A = 4, T = 4: session
@@ -66,10 +59,10 @@ class SyntheticWorker(RowsWorker):
         return os.getpid()
 
     def run_for(self, app: str, mode: str, tokens: int, seconds: float, warmup: int) -> dict[str, Any]:
-        """Steps on its own for ``seconds`` (after ``warmup`` untimed ones): each MoE layer one
-        call, through a lane of its own (``own_sessions``) or the Serve handles (``serve``); the
-        duration of every timed step, when the timed steps began and ended (``time.monotonic``:
-        one clock for every process of the machine) and where a lane's calls went."""
+        """Steps on its own for ``seconds`` (after ``warmup`` untimed ones), each MoE layer one call
+        through a lane of its own (``own_sessions``) or the Serve handles (``serve``): every timed
+        step's duration, when the timed steps began and ended (``time.monotonic``: one clock for
+        every process of the machine) and where a lane's calls went."""
         from deployments.client import MoEClient
 
         client = MoEClient(app, timeout_s=300)
@@ -99,9 +92,6 @@ class SyntheticWorker(RowsWorker):
         return {"steps": steps, "window": window,
                 "lane_calls": sum(c["session_calls"] for c in counts.values()),
                 "serve_calls": sum(c["serve_calls"] for c in counts.values())}
-
-
-# -- measuring -------------------------------------------------------------------------------------
 
 
 Roles = dict[str, list[int]]  # a part the processes play (replica, rank0, workers, driver) -> their pids
@@ -164,7 +154,7 @@ def measure_session(client: Any, workers: list[Any], pids: Roles, tokens: int, l
         for _ in range(3):  # untimed, before the counters are read
             cohort.step([None] * M)
         before, cores = counters(client), Cores(pids)
-        steps = harness.time_calls(lambda: cohort.step([None] * M), 3, warmup=0, min_time_s=seconds).seconds
+        steps = harness.time_calls(lambda: cohort.step([None] * M), 3, warmup=0, min_time_s=seconds)
         stepping = cores.read()
         outs = ray.get([w.outputs.remote() for w in workers])  # the last step's rows
         status = cohort.status()
@@ -202,23 +192,18 @@ def measure_independent(client: Any, workers: list[Any], pids: Roles, mode: str,
 def measure_floor(workers: int, tokens: int, layers: int, tp: int, seconds: float) -> dict[str, Any]:
     floor = echo_floor(workers, tokens, HIDDEN, layers, tp, min_time_s=seconds)
     flat = [s for steps in floor.steps for s in steps]
-    window = max(sum(steps) for steps in floor.steps)
-    return row("floor", workers, tokens, flat, len(flat), window, {"cores_busy": floor.cores_busy})
+    return row("floor", workers, tokens, flat, len(flat), max(map(sum, floor.steps)),
+               {"cores_busy": floor.cores_busy})
 
 
 def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: int, rounds: int
                   ) -> dict[int, dict[str, Any]]:
     """A lane's per-layer call against the in-process forward, in rounds under the same load: each
-    round the CLI's forward at every T (``calls / rounds`` repeats; a subprocess of its own, no Ray),
-    then a lane opened and called as often at every T (interleaved), then as often at the first T
-    alone, and closed. Per T: the lane's latencies over all rounds, the CLI's medians, each round's
-    lane p50 minus the CLI's median, and whether every answer came on the lane and equals the Serve
-    path's bit for bit; for the first T also the served forward's own times (rank 0's, from the
-    group's forward times, ``status()["sessions"]["group"]["recent_ms"]``), which split the lane's
-    call into forward and data plane."""
+    round the CLI's forward at every T (a subprocess, no Ray), then a lane's calls at every T
+    (interleaved), then as many at the first T alone, whose served forward times (rank 0's, from
+    ``status()["sessions"]["group"]["recent_ms"]``) split the call into forward and data plane."""
     xs = {T: harness.seeded_randn(T, HIDDEN, seed=T) for T in tokens}
     per_round = max(1, calls // rounds)
-    tail = "sharded" if tp > 1 else None
     last: dict[int, Any] = {}
     out = {T: {"times": [], "cli": [], "paired_ms": [], "exact": True, "on_lane": True, "served_ms": []}
            for T in tokens}
@@ -228,7 +213,8 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
 
     for _ in range(rounds):
         for T in tokens:
-            out[T]["cli"].append(harness.cli_forward_ms(ckpt, CALL_LAYER, tp, T, per_round, tail))
+            out[T]["cli"].append(harness.cli_forward_ms(ckpt, CALL_LAYER, tp, T, per_round,
+                                                        "sharded" if tp > 1 else None))
         before = counters(client)
         with client.lane(max_tokens=max(tokens), name="bench-calls") as lane:
             times = harness.time_interleaved({T: lambda T=T: call(lane, T) for T in tokens}, per_round)
@@ -236,15 +222,13 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
                 call(lane, tokens[0])
             status = lane.status()["deployments"][NAME]
         session_ended(client)
-        settled = counters(client)
         # The lane's last per_round forwards were the first T's calls alone.
-        if settled["session_forwards"] - before["session_forwards"] >= per_round:
+        if counters(client)["session_forwards"] - before["session_forwards"] >= per_round:
             out[tokens[0]]["served_ms"] += client.status()["sessions"]["group"]["recent_ms"][-per_round:]
         on_lane = status["path"] == "session" and status["serve_calls"] == 0 and status["reruns"] == 0
-        for T in tokens:
-            got = out[T]
+        for T, got in out.items():
             got["times"] += times[T]
-            got["paired_ms"].append(statistics.median(times[T]) * 1e3 - got["cli"][-1]["median_ms"])
+            got["paired_ms"].append(harness.median_ms(times[T]) - got["cli"][-1]["median_ms"])
             got["exact"] &= torch.equal(last[T], client.forward(xs[T], CALL_LAYER))
             got["on_lane"] &= on_lane
     for got in out.values():
@@ -264,55 +248,42 @@ def session_ended(client: Any, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-# -- the report ------------------------------------------------------------------------------------
-
-
 def pick(rows: list[dict[str, Any]], mode: str, workers: int, tokens: int) -> dict[str, Any] | None:
     return next((r for r in rows if (r["mode"], r["workers"], r["tokens"]) == (mode, workers, tokens)), None)
-
-
-def ratio_verdict(a: dict[str, Any] | None, b: dict[str, Any] | None, target: float) -> dict[str, Any]:
-    """``a``'s worker-steps/s over ``b``'s against ``target`` (not measured without both; missed when
-    ``a`` is a session row whose steps left the session or were not exact)."""
-    if a is None or b is None:
-        return verdict(None, ">=", target)
-    v = verdict(a["worker_steps_per_s"] / b["worker_steps_per_s"], ">=", target)
-    if not a.get("valid", True):
-        v["met"] = False
-    return v
 
 
 def call_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Per T: the lane's per-layer call p50 at A = 1 against the in-process forward and the floor."""
     out = []
     for T in results["tokens"]:
-        lane = results["calls"][str(T)]
-        floor = results["call_floor"][str(T)]["p50_ms"]
-        over = lane["over_inprocess_ms"]
+        lane, floor = results["calls"][str(T)], results["call_floor"][str(T)]["p50_ms"]
         served = lane.get("served_ms") or []
         out.append({"T": T, "lane_p50_ms": lane["lane"]["p50_ms"], "lane_p90_ms": lane["lane"]["p90_ms"],
-                    "inprocess_ms": lane["inprocess_ms"], "over_inprocess_ms": over, "floor_p50_ms": floor,
-                    "over_floor_ms": over - floor, "rounds_ms": lane["paired_ms"],
-                    "served_p50_ms": statistics.median(served) if served else None, "served_n": len(served),
+                    "inprocess_ms": lane["inprocess_ms"], "over_inprocess_ms": lane["over_inprocess_ms"],
+                    "floor_p50_ms": floor, "over_floor_ms": lane["over_inprocess_ms"] - floor,
+                    "rounds_ms": lane["paired_ms"], "served_n": len(served),
+                    "served_p50_ms": statistics.median(served) if served else None,
                     "valid": lane["exact"] and lane["on_lane"]})
     return out
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    rows, L = results["rows"], results["layers"]
+    """Each target's verdict; a fast but invalid measurement (steps off the session or not
+    bit-equal) misses its target."""
+    rows = results["rows"]
     sessions = [r for r in rows if r["mode"] == "session"]
-    out = {}
     one = next((c for c in call_rows(results) if c["T"] == 1), None)
-    out["call_over_inprocess"] = verdict(None if one is None else one["over_inprocess_ms"], "<=",
-                                         TARGETS["call_over_inprocess_ms"])
-    if one and not one["valid"]:
-        out["call_over_inprocess"]["met"] = False
-    out["forwards_per_step"] = verdict(max(abs(r["forwards_per_step"] - L) for r in sessions), "<=", 0.0)
-    s4 = pick(rows, "session", 4, 4)
-    out["m4_vs_own_sessions"] = ratio_verdict(s4, pick(rows, "own_sessions", 4, 4),
-                                              TARGETS["m4_vs_own_sessions"])
-    out["exact"] = verdict(float(all(r["exact"] for r in sessions)), ">=", 1.0)
-    return out
+    call = verdict(one and one["over_inprocess_ms"], "<=", TARGETS["call_over_inprocess_ms"])
+    s4, o4 = pick(rows, "session", 4, 4), pick(rows, "own_sessions", 4, 4)
+    m4 = verdict(s4 and o4 and s4["worker_steps_per_s"] / o4["worker_steps_per_s"], ">=",
+                 TARGETS["m4_vs_own_sessions"])
+    for v, valid in ((call, one and one["valid"]), (m4, s4 and s4.get("valid", True))):
+        if v["met"] and not valid:
+            v["met"] = False
+    return {"call_over_inprocess": call, "m4_vs_own_sessions": m4,
+            "forwards_per_step": verdict(max(abs(r["forwards_per_step"] - results["layers"])
+                                             for r in sessions), "<=", 0.0),
+            "exact": verdict(float(all(r["exact"] for r in sessions)), ">=", 1.0)}
 
 
 def index_rows(results: dict[str, Any]) -> list[Target]:
@@ -343,52 +314,42 @@ def step_table(rows: list[dict[str, Any]], T: int) -> list[str]:
 
 
 def call_table(results: dict[str, Any]) -> list[str]:
-    head = ("T | lane p50 ms | lane p90 ms | in-process ms | lane - in-process (rounds) "
-            "| transport floor p50 | lane - in-process - floor | bit-equal, on the lane")
-    cells = []
-    for c in call_rows(results):
-        rounds = ", ".join(f"{v:+.2f}" for v in c["rounds_ms"])
-        cells.append([c["T"], f"{c['lane_p50_ms']:.3f}", f"{c['lane_p90_ms']:.3f}",
-                      f"{c['inprocess_ms']:.2f}", f"**{c['over_inprocess_ms']:+.3f}** ({rounds})",
-                      f"{c['floor_p50_ms']:.3f}",
-                      f"{c['over_floor_ms']:+.3f}", yes_no(c["valid"])])
-    return table(head, cells, "lrrrlrrl")
+    return table("T | lane p50 ms | lane p90 ms | in-process ms | lane - in-process (rounds) "
+                 "| transport floor p50 | lane - in-process - floor | bit-equal, on the lane",
+                 ([c["T"], f"{c['lane_p50_ms']:.3f}", f"{c['lane_p90_ms']:.3f}", f"{c['inprocess_ms']:.2f}",
+                   f"**{c['over_inprocess_ms']:+.3f}** ({', '.join(f'{v:+.2f}' for v in c['rounds_ms'])})",
+                   f"{c['floor_p50_ms']:.3f}", f"{c['over_floor_ms']:+.3f}", yes_no(c["valid"])]
+                  for c in call_rows(results)), "lrrrlrrl")
 
 
-def call_findings(results: dict[str, Any]) -> list[str]:
+def call_findings(results: dict[str, Any], v: dict[str, Any]) -> list[str]:
     """The A = 1, T = 1 call against the in-process forward, and where its time goes."""
-    v = results["verdicts"]
     one = next((c for c in call_rows(results) if c["T"] == 1), None)
-    call = ("not measured" if one is None else
-            f"lane p50 {one['lane_p50_ms']:.3f} ms, in-process {one['inprocess_ms']:.2f} ms (the CLI's "
-            f"median); lane - in-process, the median over rounds of each round's lane p50 - its CLI "
-            f"median: {value_text(v['call_over_inprocess'], '+.3f', ' ms')}; the transport's floor for "
-            f"the same call: {one['floor_p50_ms']:.3f} ms")
-    lines = [f"- A = 1, T = 1, per-layer call: {call}."]
-    if one is not None and one.get("served_p50_ms") is not None:
-        served, cli = one["served_p50_ms"], one["inprocess_ms"]
+    if one is None:
+        return ["- A = 1, T = 1, per-layer call: not measured."]
+    lines = [f"- A = 1, T = 1, per-layer call, lane - in-process (the median over rounds of each round's "
+             f"lane p50 - its CLI median): {value_text(v['call_over_inprocess'], '+.3f', ' ms')}."]
+    if (served := one.get("served_p50_ms")) is not None:
         lines.append(
             f"- Where the A = 1, T = 1 call's time goes: the served forward itself (rank 0's time for the "
             f"group's forward, its hand-off to rank 1 included; p50 of {one['served_n']} lane forwards) "
-            f"takes {served:.3f} ms, {served - cli:+.3f} ms against the CLI's {cli:.2f} ms; the rest of the "
-            f"call, lane p50 - served forward, is {one['lane_p50_ms'] - served:.3f} ms (the peer's frames, "
-            f"rank 0's checks and answer, the replies' wake-ups) against the floor's "
-            f"{one['floor_p50_ms']:.3f} ms for a whole round trip.")
+            f"takes {served:.3f} ms, {served - one['inprocess_ms']:+.3f} ms against the CLI's "
+            f"{one['inprocess_ms']:.2f} ms; the rest of the call, lane p50 - served forward, is "
+            f"{one['lane_p50_ms'] - served:.3f} ms (the peer's frames, rank 0's checks and answer, the "
+            f"replies' wake-ups) against the floor's {one['floor_p50_ms']:.3f} ms for a whole round trip.")
     return lines
 
 
-def step_findings(results: dict[str, Any]) -> list[str]:
+def step_findings(results: dict[str, Any], v: dict[str, Any]) -> list[str]:
     """The A = 4, T = 4 rates and where a session step goes."""
-    v, L, rows = results["verdicts"], results["layers"], results["rows"]
-    lines: list[str] = []
-    s4, o4 = (pick(rows, m, 4, 4) for m in ("session", "own_sessions"))
+    L, rows = results["layers"], results["rows"]
+    s4, o4 = pick(rows, "session", 4, 4), pick(rows, "own_sessions", 4, 4)
     rate = ", ".join(f"{name} {r['worker_steps_per_s']:.1f}" for name, r in
                      (("session", s4), ("own_sessions", o4)) if r)
-    lines += [f"- A = 4, T = 4: worker-steps/s {rate or 'not measured'}; session over own_sessions "
-              f"{value_text(v['m4_vs_own_sessions'])}."]
+    lines = [f"- A = 4, T = 4: worker-steps/s {rate or 'not measured'}; session over own_sessions "
+             f"{value_text(v['m4_vs_own_sessions'])}."]
     if s4 and s4.get("group_forward_ms"):
-        step_ms = 4e3 / s4["worker_steps_per_s"]  # one group step of the 4 workers
-        forwards_ms = L * s4["group_forward_ms"]
+        step_ms, forwards_ms = 4e3 / s4["worker_steps_per_s"], L * s4["group_forward_ms"]
         lines.append(
             f"- Where an A = 4, T = 4 session step goes: {step_ms:.1f} ms per group step (from "
             f"worker-steps/s), of which the group's {L} forwards take {forwards_ms:.1f} ms "
@@ -406,21 +367,18 @@ def step_findings(results: dict[str, Any]) -> list[str]:
 
 def findings(results: dict[str, Any]) -> list[str]:
     v, L, rows = results["verdicts"], results["layers"], results["rows"]
-    lines = call_findings(results) + step_findings(results)
-    lines.append(f"- Group forwards per session step = MoE layers ({L}) at every A and T: largest deviation "
-                 f"{value_text(v['forwards_per_step'])}.")
-    exact = yes_no(v["exact"]["met"])
-    on = yes_no(all(r["on_session"] for r in rows if r["mode"] == "session"))
-    lines.append(f"- Every session step checked equals the Serve path's forward of the same concatenated "
-                 f"rows bit for bit: {exact}; every timed step ran on the session (no Serve-path step, no "
-                 f"rerun): {on}.")
     T = 4 if 4 in results["tokens"] else results["tokens"][0]
     scaling = {m: (pick(rows, m, 4, T), pick(rows, m, 1, T)) for m in ("floor", "session")}
     per_mode = ", ".join(f"{mode} {a['worker_steps_per_s'] / b['worker_steps_per_s']:.2f}x"
                          for mode, (a, b) in scaling.items() if a and b)
-    if per_mode:
-        lines.append(f"- Worker-steps/s at A = 4 over A = 1 (T = {T}): {per_mode}.")
-    return lines
+    on = yes_no(all(r["on_session"] for r in rows if r["mode"] == "session"))
+    return [*call_findings(results, v), *step_findings(results, v),
+            f"- Group forwards per session step = MoE layers ({L}) at every A and T: largest deviation "
+            f"{value_text(v['forwards_per_step'])}.",
+            f"- Every session step checked equals the Serve path's forward of the same concatenated rows bit "
+            f"for bit: {yes_no(v['exact']['met'])}; every timed step ran on the session (no Serve-path step, "
+            f"no rerun): {on}.",
+            *([f"- Worker-steps/s at A = 4 over A = 1 (T = {T}): {per_mode}."] if per_mode else [])]
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
@@ -488,8 +446,8 @@ def run_served(args: Any, ckpt: Path, rows: list[dict[str, Any]]) -> dict[str, A
     spec = {"name": NAME, "tp_size": args.tp, "dtype": "float32", "auto_tune_tokens": "none",
             "max_tokens_per_request": max(args.workers) * max(args.tokens), "max_batch_tokens": 512,
             **({"tail": "sharded"} if args.tp > 1 else {})}
-    with harness.local_serve(num_cpus=max(args.workers) + 4, num_gpus=args.tp):
-        harness.deploy({"checkpoint": str(ckpt), "ingress_replicas": 1, "deployments": [spec]}, APP)
+    app_args = {"checkpoint": str(ckpt), "ingress_replicas": 1, "deployments": [spec]}
+    with harness.serving(app_args, APP, num_cpus=max(args.workers) + 4, num_gpus=args.tp):
         client = MoEClient.direct(NAME, APP, timeout_s=300)
         layers = sorted(client.status()["layers"])
         pids = group_roles(client)

@@ -6,12 +6,6 @@ and is rewritten whole from the run's data on every run; text outside the marker
 runs) is never touched. The index is one table, a row per target of every benchmark: the target, the
 value measured, the verdict, the date and the machine of the run. A run replaces its benchmark's
 rows (:func:`update_index`) and leaves the others'; nothing in the index is written by hand.
-
-Helpers every page uses: :func:`section_start` (its heading, the command, the machine and its
-load), :func:`verdict` (met / missed computed from a measured value and its target), :func:`target`
-(a verdict as an index row), :func:`load_label` (the machine's load average, and whether the run was
-contended), and :func:`commentary` (text that is not computed from the data, labelled with the run
-it was written for).
 """
 
 from __future__ import annotations
@@ -48,16 +42,13 @@ class Target(NamedTuple):
 Targets = Callable[[dict[str, Any]], list[Target]]  # results -> the run's rows of the index
 
 
-def markers(name: str) -> tuple[str, str]:
-    return f"<!-- bench:{name} begin -->", f"<!-- bench:{name} end -->"
-
-
 def update_section(docs: Path, section: str, name: str | None = None) -> None:
     """Put ``section`` in ``docs`` between ``name``'s markers (``name`` defaults to the section's
     heading): replace what the markers hold, else the old unmarked section with that heading, else
     append it at the end."""
     heading = section.splitlines()[0]
-    begin, end = markers(name or heading.lstrip("# ").strip())
+    name = name or heading.lstrip("# ").strip()
+    begin, end = f"<!-- bench:{name} begin -->", f"<!-- bench:{name} end -->"
     block = f"{begin}\n{section.rstrip()}\n{end}\n"
     text = docs.read_text() if docs.exists() else ""
     marked = re.compile(rf"^{re.escape(begin)}\n.*?^{re.escape(end)}\n?", re.S | re.M)
@@ -92,20 +83,18 @@ def verdict_text(v: dict[str, Any], fmt: str = ".2f", unit: str = "") -> str:
     return f"**{v['value']:{fmt}}{unit}** (target {v['target']}{unit}: {verdict_word(v['met'])})"
 
 
+def _one_minute(load: list[float] | float) -> float:
+    return load[0] if isinstance(load, list | tuple) else load
+
+
 def is_contended(load_before: list[float] | float, cpus: int) -> bool:
-    one_minute = load_before[0] if isinstance(load_before, list | tuple) else load_before
-    return one_minute >= CONTENDED_LOAD_PER_CPU * cpus
+    return _one_minute(load_before) >= CONTENDED_LOAD_PER_CPU * cpus
 
 
 def load_label(load_before: list[float] | float, load_after: list[float] | float | None, cpus: int) -> str:
     """'load average X before, Y after on N CPUs' plus a contended warning when it applies."""
-    def one(v):
-        return v[0] if isinstance(v, list | tuple) else v
-
-    text = f"1-minute load average {one(load_before):.2f} before"
-    if load_after is not None:
-        text += f", {one(load_after):.2f} after"
-    text += f" on {cpus} CPUs"
+    after = "" if load_after is None else f", {_one_minute(load_after):.2f} after"
+    text = f"1-minute load average {_one_minute(load_before):.2f} before{after} on {cpus} CPUs"
     if is_contended(load_before, cpus):
         text += (" -- **contended**: other work held at least half the CPUs when the run started, "
                  "so every timing below carries that noise")
@@ -117,22 +106,16 @@ def commentary(written_for: str, text: str) -> str:
     return f"*Commentary written for the run of {written_for} (not recomputed by this run):* {text}"
 
 
-def command(script: str, argv: list[str] | str) -> str:
-    """The run's command line as a markdown code span: `python -m scripts.bench.SCRIPT ARGS`
-    (``argv`` a list, shell-quoted here, or the string older results stored)."""
-    args = argv if isinstance(argv, str) else shlex.join(argv)
-    return f"`{' '.join(['python', '-m', f'scripts.bench.{script}', *([args] if args else [])])}`"
-
-
-def section_start(heading: str, script: str, argv: list[str] | str, machine: dict[str, Any], details: str,
+def section_start(heading: str, script: str, argv: list[str], machine: dict[str, Any], details: str,
                   json_path: str, png_path: str | None = None) -> str:
     """A section's heading and opening line, from the run's machine record
     (:func:`bench.harness.machine_record`): the command, its date, CPUs, torch (and Ray), ``details``,
     the load average before and after, and where the raw data and the plot are."""
+    command = " ".join(["python", "-m", f"scripts.bench.{script}", *([shlex.join(argv)] if argv else [])])
     ray = f", Ray {machine['ray']}" if "ray" in machine else ""
     load = load_label(machine["loadavg_before"], machine.get("loadavg_after"), machine["cpus"])
     plot = f", plot: `{png_path}`" if png_path else ""
-    return (f"{heading}\n\nRun: {command(script, argv)} -- {machine['date']}, {machine['cpus']} CPUs, torch "
+    return (f"{heading}\n\nRun: `{command}` -- {machine['date']}, {machine['cpus']} CPUs, torch "
             f"{machine['torch']}{ray}; {details}; {load}. Raw data: `{json_path}`{plot}.")
 
 
@@ -158,11 +141,9 @@ def rounds_table(kind: str, measure: str, values: dict[str, list[float]], what: 
                  fmt: str = ".2f") -> list[str]:
     """Markdown rows of measurements taken in rounds: each ``kind`` (a name of ``values``), what
     it is, the median of its rounds (``measure``) and every round, each written with ``fmt``."""
-    rows = [f"| {kind} | what it is | {measure} (median of rounds) | rounds |", "|---|---|---:|---|"]
-    for name, vs in values.items():
-        rounds = ", ".join(f"{v:{fmt}}" for v in vs)
-        rows.append(f"| {name} | {what[name]} | {statistics.median(vs):{fmt}} | {rounds} |")
-    return rows
+    return table(f"{kind} | what it is | {measure} (median of rounds) | rounds",
+                 ([name, what[name], f"{statistics.median(vs):{fmt}}", ", ".join(f"{v:{fmt}}" for v in vs)]
+                  for name, vs in values.items()), "llrl")
 
 
 def model_text(model: dict[str, int]) -> str:
@@ -185,27 +166,13 @@ def target(what: str, v: dict[str, Any] | bool, fmt: str = ".2f", unit: str = ""
     return Target(f"{what} {v['target']}{unit}", measured, v["met"])
 
 
-def no_targets(results: dict[str, Any]) -> list[Target]:
-    """The index rows of a benchmark that sets no target: none (the index still lists its page)."""
-    return []
-
-
-def machine_text(record: dict[str, Any]) -> str:
-    """Where a run measured, from its :func:`scripts.bench.harness.machine_record`: '2 CPUs (x86_64)'."""
-    return f"{record['cpus']} CPUs ({record['machine']})"
-
-
-def run_record(results: dict[str, Any]) -> dict[str, Any]:
-    """The machine record a run's results keep (under ``machine``, or ``env`` in some benchmarks)."""
-    return results.get("machine") or results["env"]
+def target_lines(targets: Iterable[Target]) -> list[str]:
+    """The page's bullet per index row: '- what <= x: measured (verdict)'."""
+    return [f"- {t.target}: {t.measured} ({verdict_word(t.met)})" for t in targets]
 
 
 def _cells(line: str) -> list[str]:
     return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
-
-
-def _row(cells: Sequence[str]) -> str:
-    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
 
 INDEX_HEAD = """# Benchmarks
@@ -232,15 +199,15 @@ def update_index(pages: Path, name: str, targets: Sequence[Target], date: str, m
     ``machine``), and drop the rows of pages that are gone; the index lists every page, those
     without a target below its table."""
     link = f"[{name}]({name}.md)"
-    rows = index_rows(pages)
     # A retired benchmark's page is deleted with its script: its rows go with it.
-    rows = [r for r in rows if r[0] != link and (pages / re.sub(r".*\((.*)\)", r"\1", r[0])).is_file()]
+    rows = [r for r in index_rows(pages)
+            if r[0] != link and (pages / re.sub(r".*\((.*)\)", r"\1", r[0])).is_file()]
     rows += [[link, t.target, t.measured, verdict_word(t.met), date, machine] for t in targets]
     rows.sort(key=lambda r: r[0])  # stable: each benchmark's rows keep their order
     listed = {r[0] for r in rows}
     others = [f"[{p.stem}]({p.name})" for p in sorted(pages.glob("*.md"))
               if p.name != INDEX and f"[{p.stem}]({p.name})" not in listed]
-    text = INDEX_HEAD + "\n".join(_row(r) for r in rows) + "\n"
+    text = INDEX_HEAD + "".join(table_row(c.replace("|", "\\|") for c in r) + "\n" for r in rows)
     if others:
         text += "\nPages without a target: " + ", ".join(others) + ".\n"
     (pages / INDEX).write_text(text)
@@ -249,36 +216,36 @@ def update_index(pages: Path, name: str, targets: Sequence[Target], date: str, m
 def publish(section: str, name: str, targets: Sequence[Target], record: dict[str, Any],
             pages: str | Path | None, machine: str | None = None) -> None:
     """Rewrite ``name``'s part of its page in ``pages`` and its rows of the index, from a run whose
-    machine record is ``record`` (``machine``: where it ran, in words, when the record does not say;
-    nothing when ``pages`` is empty)."""
+    machine record is ``record`` (``machine``: where it ran, in words, when the record does not say:
+    '2 CPUs (x86_64)'); nothing when ``pages`` is empty."""
     if not pages:
         return
     pages = Path(pages)
     update_section(pages / f"{name}.md", section, name)
-    update_index(pages, name, targets, record["date"][:10], machine or machine_text(record))
+    machine = machine or f"{record['cpus']} CPUs ({record['machine']})"
+    update_index(pages, name, targets, record["date"][:10], machine)
     print(f"updated {pages / name}.md and {pages / INDEX}")
+
+
+def render_section(json_path: Path, markdown: Markdown, targets: Targets, pages: str | Path | None,
+                   name: str, results: dict[str, Any] | None = None, machine: str | None = None) -> str:
+    """A benchmark's page part from ``results`` (by default the JSON it wrote earlier at ``json_path``:
+    no measurement), published as ``name``'s page and index rows in ``pages`` when given."""
+    results = results or json.loads(json_path.read_text())
+    section = markdown(results, repo_relative(json_path), repo_relative(json_path.with_suffix(".png")))
+    print("\n" + section)
+    publish(section, name, targets(results), results["machine"], pages, machine)
+    return section
 
 
 def write_results(results: dict[str, Any], out_dir: Path, name: str,
                   plot: Callable[[dict[str, Any], Path], None] | None, markdown: Markdown,
                   targets: Targets, pages: str | Path | None) -> str:
-    """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``; the page's part (printed,
-    and published as ``name``'s page and index rows in ``pages`` when given), which names the files
-    relative to the repository."""
+    """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``, then its page part
+    (:func:`render_section`), which names the files relative to the repository."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / f"{name}.json", out_dir / f"{name}.png"
+    json_path = out_dir / f"{name}.json"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
     if plot is not None:
-        plot(results, png_path)
-    section = markdown(results, repo_relative(json_path), repo_relative(png_path))
-    print("\n" + section)
-    publish(section, name, targets(results), run_record(results), pages)
-    return section
-
-
-def render_section(json_path: Path, markdown: Markdown, targets: Targets, pages: Path, name: str) -> str:
-    """Rewrite a benchmark's page and index rows from a JSON it wrote earlier (no measurement)."""
-    results = json.loads(json_path.read_text())
-    section = markdown(results, repo_relative(json_path), repo_relative(json_path.with_suffix(".png")))
-    publish(section, name, targets(results), run_record(results), pages)
-    return section
+        plot(results, json_path.with_suffix(".png"))
+    return render_section(json_path, markdown, targets, pages, name, results)

@@ -1,25 +1,18 @@
 """Benchmark the routed-experts stage (DESIGN §2 steps 3-4): the ``torch`` and ``grouped`` backends.
 
-For each token count T and experts format (dense, or MXFP4-packed and decoded per batch), in one run
-on the same inputs (the router's ids and weights, the down-projected latent):
-
-* ``torch``: ``get_backend("torch")``, two GEMMs per active expert;
-* ``grouped``: ``get_backend("grouped")``, one grouped GEMM per projection over all active experts
-  (per scratch-sized chunk of them when packed);
-* ``naive``: a Python loop over tokens and slots (a GEMV pair per token-slot); for large T only the
-  first ``--naive-max-tokens`` tokens are timed and the time is scaled by T / n;
-* ``dense``: two plain GEMMs with the same FLOPs, ``[T*K, D] x [D, 2I]`` then ``[T*K, I] x [I, D]``:
-  the roofline the expert loop is measured against (target: ``torch`` >= 40 % of it at T = 4096).
-
-FLOPs = ``6 * T * K * D * I``. ``torch``, ``grouped`` and ``dense`` are called in turn, medians kept.
-With ``--packed-checkpoint`` (the real-size MXFP4 Kimi-K3 one), also the packed CPU experts *before*
-and *after* issue 48 (``harness.packed_mode``), in turns, on the layer's own routing: the fraction of
-the memory-bound limit (active experts' packed bytes over memcpy) and of torch's bf16 GEMM peak.
+Per token count T and experts format (dense, or MXFP4-packed and decoded per batch), on the same
+inputs: ``torch`` (two GEMMs per active expert), ``grouped`` (one grouped GEMM per projection over
+the active experts), ``naive`` (a Python loop over tokens and slots; at large T timed on the first
+``--naive-max-tokens`` tokens and scaled) and ``dense`` (two plain GEMMs with the same FLOPs, 6·T·K·D·I:
+the roofline), ``torch``, ``grouped`` and ``dense`` in turns, medians kept. With ``--packed-checkpoint``
+(the real-size MXFP4 Kimi-K3 one), also the packed CPU experts *before* and *after* issue 48
+(``harness.packed_mode``) on the layer's own routing. Target: ``torch`` >= 40 % of dense at T = 4096.
 Legend: T tokens, D latent, K experts per token, I intermediate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import resource
@@ -44,10 +37,10 @@ from . import harness
 from .docs import Target, pct, section_start, table, table_row, target, verdict, verdict_text
 
 SECTION = "# Experts backends: `torch` and `grouped` against a dense GEMM (scripts/bench/experts.py)"
-
 TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FORMATS = ("dense", "mxfp4")
+PATHS = ("torch", "grouped", "dense", "naive")
 
 
 def in_format(ex: ExpertWeights, fmt: str) -> ExpertWeights:
@@ -56,10 +49,6 @@ def in_format(ex: ExpertWeights, fmt: str) -> ExpertWeights:
         return ex
     (p13, s13), (p2, s2) = mxfp4.encode(ex.w13), mxfp4.encode(ex.w2)
     return ExpertWeights(p13, p2, s13, s2, dtype=ex.dtype)
-
-
-def stats(times: list[float]) -> dict:
-    return {"median_s": statistics.median(times), "min_s": min(times), "reps": len(times)}
 
 
 def naive_experts(h_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, act: GatedActivation) -> torch.Tensor:
@@ -79,79 +68,55 @@ def naive_experts(h_TD, ids_TK, weights_TK, w13_EFD, w2_EDI, act: GatedActivatio
 
 def bench_one(cfg: LatentMoEConfig, w, ex: ExpertWeights, fmt: str, T: int, dtype: torch.dtype,
               device: torch.device, args) -> dict:
-    H, D, E, K, I = (cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts,
-                     cfg.num_experts_per_token, cfg.moe_intermediate_size)
+    D, E, K, I = (cfg.routed_expert_hidden_size, cfg.num_experts, cfg.num_experts_per_token,
+                  cfg.moe_intermediate_size)
     gen = torch.Generator().manual_seed(T)
-    x_TH = torch.randn(T, H, generator=gen).to(dtype).to(device)
+    x_TH = torch.randn(T, cfg.hidden_size, generator=gen).to(dtype).to(device)
     h_TD = down_project(x_TH, w)
     ids_TK, weights_TK = route(x_TH, w.gate_EH, w.bias_E, cfg)
     act = GatedActivation.from_config(cfg)
-    backend, grouped = get_backend("torch"), get_backend("grouped")
-    flops = 6 * T * K * D * I
-
-    def run_backend():
-        return backend(h_TD, ids_TK, weights_TK, ex, act)
-
-    def run_grouped():
-        return grouped(h_TD, ids_TK, weights_TK, ex, act)
-
     # dense GEMMs of the same shape-product: M = T*K rows through one [2I, D] and one [D, I]
     hr_MD = torch.randn(T * K, D, generator=gen).to(dtype).to(device)
     a_MI = torch.randn(T * K, I, generator=gen).to(dtype).to(device)
     w13_EFD, w2_EDI = ex.decode(torch.arange(E, device=device))  # dense copies for the baselines
     w13_FD, w2_DI = w13_EFD[0].contiguous(), w2_EDI[0].contiguous()
+    n = min(T, args.naive_max_tokens)
+    backend, grouped = get_backend("torch"), get_backend("grouped")
+    calls = {"torch": lambda: backend(h_TD, ids_TK, weights_TK, ex, act),
+             "grouped": lambda: grouped(h_TD, ids_TK, weights_TK, ex, act),
+             "dense": lambda: (hr_MD @ w13_FD.t(), a_MI @ w2_DI.t())}
 
-    def run_dense():
-        return hr_MD @ w13_FD.t(), a_MI @ w2_DI.t()
-
-    n_naive = min(T, args.naive_max_tokens)
-
-    def run_naive():
-        return naive_experts(h_TD[:n_naive], ids_TK[:n_naive], weights_TK[:n_naive], w13_EFD, w2_EDI, act)
+    def naive() -> torch.Tensor:
+        return naive_experts(h_TD[:n], ids_TK[:n], weights_TK[:n], w13_EFD, w2_EDI, act)
 
     sync = harness.synchronizer(device)
-    fns = {"torch": run_backend, "grouped": run_grouped, "dense": run_dense}
-    timed = harness.time_interleaved(fns, args.min_reps, min_time_s=args.min_time, sync=sync)
-    t_backend, t_grouped, t_dense = (stats(timed[k]) for k in ("torch", "grouped", "dense"))
-    t_naive = stats(harness.time_calls(run_naive, 1, min_time_s=args.min_time, sync=sync).seconds)
+    times = harness.time_interleaved(calls, args.min_reps, min_time_s=args.min_time, sync=sync)
+    times["naive"] = harness.time_calls(naive, 1, min_time_s=args.min_time, sync=sync)
 
-    diffs = agreement(run_backend, run_grouped, run_naive, n_naive)
-    active = int(torch.bincount(ids_TK.reshape(-1), minlength=E).gt(0).sum())
-    return timing_row(T, dtype, fmt, K, active, flops, n_naive,
-                      {"torch": t_backend, "grouped": t_grouped, "dense": t_dense, "naive": t_naive}, diffs)
-
-
-def agreement(run_backend, run_grouped, run_naive, n_naive: int) -> dict[str, float]:
-    """The backend against the naive loop on the tokens the loop ran, and grouped against the
-    backend: each max abs difference over the reference's largest value."""
     def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
         return (out - ref).abs().max().item() / (ref.abs().max().item() or 1.0)
 
-    out_t = run_backend()
-    return {"backend_vs_naive_max_rel_diff": rel(out_t[:n_naive], run_naive()),
-            "grouped_vs_torch_max_rel_diff": rel(run_grouped(), out_t)}
+    out_t = calls["torch"]()  # the backend against the naive loop on its tokens, grouped against the backend
+    diffs = {"backend_vs_naive_max_rel_diff": rel(out_t[:n], naive()),
+             "grouped_vs_torch_max_rel_diff": rel(calls["grouped"](), out_t)}
+    active = int(torch.bincount(ids_TK.reshape(-1), minlength=E).gt(0).sum())
+    return timing_row(T, dtype, fmt, K, active, 6 * T * K * D * I, n, times, diffs)
 
 
 def timing_row(T: int, dtype: torch.dtype, fmt: str, K: int, active: int, flops: float, n_naive: int,
-               t: dict[str, dict], diffs: dict[str, float]) -> dict:
-    """One row of the results from the timings ``t`` (median/min seconds and reps per path)."""
-    backend_s, grouped_s, dense_s = (t[k]["median_s"] for k in ("torch", "grouped", "dense"))
-    naive_s = t["naive"]["median_s"] * T / n_naive
+               times: dict[str, list[float]], diffs: dict[str, float]) -> dict:
+    """One row of the results from each path's timed calls (seconds)."""
+    med = {k: statistics.median(t) for k, t in times.items()}
+    best = {k: min(t) for k, t in times.items()}
+    med["naive"] *= T / n_naive
     return {
         "T": T, "dtype": dtype_name(dtype), "format": fmt, "slots": T * K, "active_experts": active,
-        "flops": flops,
-        "torch_ms": 1e3 * backend_s, "grouped_ms": 1e3 * grouped_s, "dense_ms": 1e3 * dense_s,
-        "naive_ms": 1e3 * naive_s, "naive_tokens_timed": n_naive, "naive_scaled": n_naive < T,
-        "torch_gflops": flops / backend_s / 1e9, "grouped_gflops": flops / grouped_s / 1e9,
-        "dense_gflops": flops / dense_s / 1e9, "naive_gflops": flops / naive_s / 1e9,
-        "torch_vs_dense": dense_s / backend_s,
-        "torch_vs_dense_best": t["dense"]["min_s"] / t["torch"]["min_s"],
-        "torch_vs_naive": naive_s / backend_s, "grouped_speedup": backend_s / grouped_s,
-        "grouped_speedup_best": t["torch"]["min_s"] / t["grouped"]["min_s"],
-        "reps": {k: t[k]["reps"] for k in ("torch", "grouped", "dense", "naive")},
-        "min_ms": {k: 1e3 * t[k]["min_s"] for k in ("torch", "grouped", "dense")},
-        **diffs,
-    }
+        "flops": flops, **{f"{k}_ms": 1e3 * med[k] for k in PATHS}, "naive_tokens_timed": n_naive,
+        "naive_scaled": n_naive < T, **{f"{k}_gflops": flops / med[k] / 1e9 for k in PATHS},
+        "torch_vs_dense": med["dense"] / med["torch"], "torch_vs_dense_best": best["dense"] / best["torch"],
+        "torch_vs_naive": med["naive"] / med["torch"], "grouped_speedup": med["torch"] / med["grouped"],
+        "grouped_speedup_best": best["torch"] / best["grouped"], "reps": {k: len(times[k]) for k in PATHS},
+        "min_ms": {k: 1e3 * best[k] for k in PATHS[:3]}, **diffs}
 
 
 def packed_row(backend: Any, w: Any, cfg: LatentMoEConfig, T: int, reps: int, per_expert: int,
@@ -174,9 +139,8 @@ def packed_row(backend: Any, w: Any, cfg: LatentMoEConfig, T: int, reps: int, pe
         med = statistics.median(t)
         row[mode] = {"ms": med * 1e3, "all_ms": [1e3 * v for v in t], "memory_bound_fraction": floor_s / med,
                      "gflops": flops / med / 1e9, "peak_fraction": flops / med / 1e9 / peak}
-    b, a = row["before"], row["after"]
-    print(f"packed T={T}: before {b['ms']:.1f} ms ({b['memory_bound_fraction']:.2f} of the limit), "
-          f"after {a['ms']:.1f} ms ({a['memory_bound_fraction']:.2f})", flush=True)
+    print(f"packed T={T}: " + ", ".join(f"{m} {row[m]['ms']:.1f} ms ({row[m]['memory_bound_fraction']:.2f} "
+                                       "of the limit)" for m in times), flush=True)
     return row
 
 
@@ -207,25 +171,21 @@ def packed_table(packed: dict) -> list[str]:
         f"limit: the active experts' packed bytes over memcpy {packed['memcpy_gbps']:.2f} GB/s (same run). "
         f"bf16 GEMM peak {harness.peak_text(packed['bf16_peak_gflops'], packed['gemm_engine'])}. "
         f"Path: {packed['experts_path']}.")
-    head = ("T | active | must read GB | memory-bound ms | before ms | after ms | before % of limit "
-            "| after % of limit | before GFLOP/s | after GFLOP/s | after % of bf16 peak | after vs before "
-            "| load avg")
     cells = [[r["T"], r["active_experts"], f"{r['must_read_bytes'] / 1e9:.3f}", f"{r['floor_ms']:.1f}",
               f"{b['ms']:.1f}", f"{a['ms']:.1f}", pct(b["memory_bound_fraction"]),
               pct(a["memory_bound_fraction"]), f"{b['gflops']:.1f}", f"{a['gflops']:.1f}",
               pct(a["peak_fraction"]), f"{r['after_vs_before']:.1e}",
               f"{r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f}"]
              for r in packed["rows"] for b, a in [(r["before"], r["after"])]]
-    return [intro, "", *table(head, cells)]
+    return [intro, "", *table("T | active | must read GB | memory-bound ms | before ms | after ms "
+                              "| before % of limit | after % of limit | before GFLOP/s | after GFLOP/s "
+                              "| after % of bf16 peak | after vs before | load avg", cells)]
 
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
     """(wall s, busy CPU-s of the whole machine, CPU-s of this process), Linux only."""
-    busy = harness.busy_cpu_s()
-    if busy is None:
-        return None
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.time(), busy, usage.ru_utime + usage.ru_stime
+    busy, usage = harness.busy_cpu_s(), resource.getrusage(resource.RUSAGE_SELF)
+    return None if busy is None else (time.time(), busy, usage.ru_utime + usage.ru_stime)
 
 
 def other_load(start, end) -> float | None:
@@ -233,31 +193,22 @@ def other_load(start, end) -> float | None:
     the benchmark is only trustworthy when this is near 0."""
     if start is None or end is None:
         return None
-    wall = end[0] - start[0]
     others = (end[1] - start[1]) - (end[2] - start[2])
     # /proc/stat counts every CPU of the machine, not only the ones this process may use
-    return max(0.0, others / (wall * (os.cpu_count() or 1)))
+    return max(0.0, others / ((end[0] - start[0]) * (os.cpu_count() or 1)))
 
 
 def machine_info(device: torch.device) -> dict:
     """The machine record with the CPU model, torch's threads and the device."""
     info = harness.machine_record(processor=platform.processor() or platform.machine(),
-                          torch_threads=torch.get_num_threads(), device=str(device))
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+                                  torch_threads=torch.get_num_threads(), device=str(device))
+    with contextlib.suppress(OSError):
+        models = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")]
+        info.update({"cpu_model": models[0]} if models else {})
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
-
-
-TABLE_HEAD = ("dtype | experts | T | slots T·K | active experts | torch ms | grouped ms | grouped speedup "
-              "(median; best) | dense ms | naive ms | torch GFLOP/s | grouped GFLOP/s | dense GFLOP/s "
-              "| torch / dense (median; best) | torch vs naive")
 
 
 def row_cells(r: dict) -> list:
@@ -267,14 +218,6 @@ def row_cells(r: dict) -> list:
             f"{r['torch_gflops']:.1f}", f"{r['grouped_gflops']:.1f}", f"{r['dense_gflops']:.1f}",
             f"{100 * r['torch_vs_dense']:.0f}%; {100 * r['torch_vs_dense_best']:.0f}%",
             f"{r['torch_vs_naive']:.1f}x"]
-
-
-def markdown_table(rows: list[dict]) -> str:
-    lines = table(TABLE_HEAD, map(row_cells, rows))
-    if any(r["naive_scaled"] for r in rows):
-        lines += ["", "\\* naive loop timed on the first tokens only and scaled by T / n "
-                  "(see `naive_tokens_timed` in the results JSON)."]
-    return "\n".join(lines)
 
 
 def shape_text(results: dict) -> str:
@@ -294,14 +237,20 @@ def index_rows(results: dict) -> list[Target]:
 
 
 def markdown(results: dict, json_path: str, png_path: str) -> str:
-    m = results["machine"]
+    m, rows = results["machine"], results["rows"]
     busy = m.get("other_processes_cpu_fraction")
     details = (f"{m.get('cpu_model', m['processor'])}, torch with {m['torch_threads']} threads on "
                f"{m['device']}; {shape_text(results)}, layer {results['layer']}; FLOPs = 6·T·K·D·I"
                + ("" if busy is None else f"; other processes used {100 * busy:.0f} % of the CPU time"))
     lines = [section_start(SECTION, "experts", results["argv"], m, details, json_path, png_path), "",
-             markdown_table(results["rows"]), ""]
-    lines += [f"- {what}: {verdict_text(v)}" for what, v in target_verdicts(results)]
+             *table("dtype | experts | T | slots T·K | active experts | torch ms | grouped ms "
+                    "| grouped speedup (median; best) | dense ms | naive ms | torch GFLOP/s "
+                    "| grouped GFLOP/s | dense GFLOP/s | torch / dense (median; best) | torch vs naive",
+                    map(row_cells, rows))]
+    if any(r["naive_scaled"] for r in rows):
+        lines += ["", "\\* naive loop timed on the first tokens only and scaled by T / n "
+                  "(see `naive_tokens_timed` in the results JSON)."]
+    lines += ["", *(f"- {what}: {verdict_text(v)}" for what, v in target_verdicts(results))]
     if "packed" in results:
         lines += ["", *packed_table(results["packed"])]
     return "\n".join(lines)
@@ -309,37 +258,30 @@ def markdown(results: dict, json_path: str, png_path: str) -> str:
 
 def plot(results: dict, path: Path) -> None:
     rows = results["rows"]
-    title = f"routed experts, {shape_text(results)}, {results['machine']['torch_threads']} threads"
     panels = sorted({(r["dtype"], r["format"]) for r in rows},
                     key=lambda p: (list(DTYPES).index(p[0]), FORMATS.index(p[1])))
     fig, axes = harness.pyplot().subplots(1, len(panels), figsize=(6.8 * len(panels), 4.2), squeeze=False)
+    labels = {"dense": "dense GEMM (same FLOPs)", "torch": "torch backend", "grouped": "grouped backend",
+              "naive": "naive per-token loop"}
     for ax, (dt, fmt) in zip(axes[0], panels, strict=True):
         sub = [r for r in rows if (r["dtype"], r["format"]) == (dt, fmt)]
-        xs = range(len(sub))
-        width = 0.21
-        for i, (key, label) in enumerate((("dense_gflops", "dense GEMM (same FLOPs)"),
-                                          ("torch_gflops", "torch backend"),
-                                          ("grouped_gflops", "grouped backend"),
-                                          ("naive_gflops", "naive per-token loop"))):
-            vals = [r[key] for r in sub]
-            bars = ax.bar([x + (i - 1.5) * width for x in xs], vals, width, label=label)
+        for i, (key, label) in enumerate(labels.items()):
+            vals = [r[f"{key}_gflops"] for r in sub]
+            bars = ax.bar([x + (i - 1.5) * 0.21 for x in range(len(sub))], vals, 0.21, label=label)
             ax.bar_label(bars, labels=[f"{v:.1f}" for v in vals], fontsize=7)
-        ax.set_xticks(list(xs), [f"T={r['T']}" for r in sub])
-        ax.set_yscale("log")
-        low, high = ax.get_ylim()
-        ax.set_ylim(low, high * 30)  # headroom for the legend above the bars
-        ax.set_ylabel("GFLOP/s")
-        ax.set_title(f"{dt}, {fmt} experts")
+        ax.set_xticks(range(len(sub)), [f"T={r['T']}" for r in sub])
+        ax.set(yscale="log", ylabel="GFLOP/s", title=f"{dt}, {fmt} experts")
+        ax.set_ylim(ax.get_ylim()[0], ax.get_ylim()[1] * 30)  # headroom for the legend above the bars
         ax.legend(fontsize=7, loc="upper left", ncols=2)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(f"routed experts, {shape_text(results)}, {results['machine']['torch_threads']} threads",
+                 fontsize=10)
     harness.save_figure(fig, path, dpi=120)
 
 
-def parser() -> Any:
+def main(argv: list[str] | None = None) -> int:
     ap = harness.bench_parser(__doc__, "experts")
-    ap.add_argument("--checkpoint", type=Path,
-                    help="checkpoint folder (written there from --preset if it does not exist; "
-                         "default: the --preset checkpoint under checkpoints/)")
+    ap.add_argument("--checkpoint", type=Path, help="checkpoint folder (written there from --preset if it "
+                    "does not exist; default: the --preset checkpoint under checkpoints/)")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--layer", type=int, help="MoE layer to load (default: the first)")
     ap.add_argument("--tokens", default="16,512,4096", help="comma-separated token counts")
@@ -355,58 +297,35 @@ def parser() -> Any:
                     help="an MXFP4 checkpoint: also its packed CPU experts before and after issue 48")
     ap.add_argument("--packed-tokens", default="1,4,16,64,256,1024")
     ap.add_argument("--packed-reps", type=int, default=3)
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = parser()
     args = ap.parse_args(argv)
-
+    dtypes, formats = args.dtypes.split(","), args.formats.split(",")
+    if not set(dtypes) <= set(DTYPES) or not set(formats) <= set(FORMATS):
+        ap.error(f"choose dtypes from {list(DTYPES)} and experts formats from {FORMATS}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    tokens = [int(t) for t in args.tokens.split(",")]
-    try:
-        dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
-    except KeyError as exc:
-        ap.error(f"unknown dtype {exc}; choose from {list(DTYPES)}")
-    formats = args.formats.split(",")
-    if not set(formats) <= set(FORMATS):
-        ap.error(f"unknown experts format in {formats}; choose from {FORMATS}")
-
-    if args.checkpoint:
-        ckpt = harness.ensure_checkpoint(args.checkpoint, args.preset)
-    else:
-        ckpt = harness.preset_checkpoint(args.preset)
+    ckpt = harness.ensure_checkpoint(args.checkpoint, args.preset) if args.checkpoint else \
+        harness.preset_checkpoint(args.preset)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = args.layer if args.layer is not None else cfg.moe_layers[0]
     info = machine_info(device)
-    print(f"machine: {info.get('cpu_model', info['processor'])}, {info['cpus']} CPUs, "
-          f"torch {info['torch']} with {info['torch_threads']} threads, device {device}, "
-          f"load average {info['loadavg_before'][0]:.2f}")
-    print(f"preset {args.preset}: D={cfg.routed_expert_hidden_size} E={cfg.num_experts} "
-          f"K={cfg.num_experts_per_token} I={cfg.moe_intermediate_size}; layer {layer}; "
-          f"FLOPs = 6*T*K*D*I")
-    rows = []
-    snap0 = cpu_snapshot()
+    print(f"machine: {info.get('cpu_model', info['processor'])}, {info['cpus']} CPUs, torch {info['torch']} "
+          f"with {info['torch_threads']} threads, device {device}, load {info['loadavg_before'][0]:.2f}")
+    rows, snap0 = [], cpu_snapshot()
     for dtype in dtypes:
-        w = load_layer_weights(ckpt, cfg, layer, dtype=dtype).to(device)
+        w = load_layer_weights(ckpt, cfg, layer, dtype=DTYPES[dtype]).to(device)
         for fmt in formats:
-            ex = in_format(w.experts, fmt)
-            for T in tokens:
-                r = bench_one(cfg, w, ex, fmt, T, dtype, device, args)
-                rows.append(r)
-                print(table_row(row_cells(r)), flush=True)
-    info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
-
-    busy = info["other_processes_cpu_fraction"]
+            for T in harness.int_list(args.tokens):
+                rows.append(bench_one(cfg, w, in_format(w.experts, fmt), fmt, T, DTYPES[dtype], device, args))
+                print(table_row(row_cells(rows[-1])), flush=True)
+    info["other_processes_cpu_fraction"] = busy = other_load(snap0, cpu_snapshot())
     if busy is not None:
         print(f"other processes used {100 * busy:.0f}% of the machine's CPU time during the run"
               + (" -- the numbers are disturbed, rerun on an idle machine" if busy > 0.1 else ""))
     results = {"preset": args.preset, "layer": layer, "config": cfg.to_dict(), "rows": rows}
     if args.packed_checkpoint:
-        packed_tokens = [int(t) for t in args.packed_tokens.split(",")]
-        results["packed"] = bench_packed(args.packed_checkpoint, packed_tokens, args.packed_reps)
+        results["packed"] = bench_packed(args.packed_checkpoint, harness.int_list(args.packed_tokens),
+                                         args.packed_reps)
     return harness.report(args, results, info, markdown, index_rows, plot)
 
 

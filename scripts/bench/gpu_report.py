@@ -3,10 +3,9 @@
     python -m scripts.bench.gpu_report OUT_DIR [--docs docs/benchmarks] [--json PATH]
 
 Reads a gpu_check.sh output folder (environment.json, summary.json, gpu_tests.xml and the timing
-stages' JSON lines) and writes one combined JSON record of the run to ``--json``, a plot of the
-experts timings next to it (same name, ``.png``), and the ``gpu_check`` page and its rows of the
-index in ``--docs`` ('' skips them). Every number and verdict of the page is computed from the
-record; no GPU or torch is needed here.
+stages' JSON lines) and writes one combined record to ``--json``, a plot of the experts timings
+beside it, and the ``gpu_check`` page and index rows in ``--docs`` ('' skips them); every number
+and verdict of the page comes from the record (no GPU or torch needed here).
 """
 
 from __future__ import annotations
@@ -28,35 +27,26 @@ NAME = "gpu_check"  # its page: docs/benchmarks/gpu_check.md
 COMMAND = "`scripts/gpu_check.sh OUT` then `python -m scripts.bench.gpu_report OUT`"
 
 
-def junit_record(path: Path) -> dict[str, Any] | None:
-    """Counts of a pytest junit file, ``passed`` and how many tests skipped for each reason."""
-    counts = junit_counts(path)
-    if counts is None:
-        return None
-    reasons = Counter(s.get("message", "") for s in ET.parse(path).getroot().iter("skipped"))
-    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    return {**counts, "passed": passed, "skip_reasons": dict(reasons)}
-
-
-def stage_record(path: Path) -> dict[str, Any] | None:
-    """A timing stage's header, rows and closing record (None when cut off), None without its file."""
-    if not path.exists():
-        return None
-    header, rows, done = read_rows(path)
-    return {"header": header, "rows": rows, "done": done, "complete": done is not None,
-            "skipped": header.get("skipped")}
-
-
 def collect(out: Path) -> dict[str, Any]:
-    """The combined record of the gpu_check.sh run in ``out``."""
-    def load(name: str) -> dict[str, Any] | None:
-        path = out / name
-        return json.loads(path.read_text()) if path.exists() else None
-
-    record: dict[str, Any] = {"source": repo_relative(out.resolve()), "environment": load("environment.json"),
-                              "summary": load("summary.json"),
-                              "gpu_tests": junit_record(out / "gpu_tests.xml")}
-    record.update({name: stage_record(out / f"{name}.jsonl") for name in TIMING_STAGES})
+    """The combined record of the gpu_check.sh run in ``out``: its JSON files, the GPU tests' junit
+    counts (``passed``, skips by reason) and each timing stage's header, rows and closing record."""
+    record: dict[str, Any] = {"source": repo_relative(out.resolve())}
+    for name in ("environment", "summary"):
+        path = out / f"{name}.json"
+        record[name] = json.loads(path.read_text()) if path.exists() else None
+    junit = out / "gpu_tests.xml"
+    record["gpu_tests"] = counts = junit_counts(junit)
+    if counts is not None:
+        skipped = Counter(s.get("message", "") for s in ET.parse(junit).getroot().iter("skipped"))
+        counts.update(passed=counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+                      skip_reasons=dict(skipped))
+    for name in TIMING_STAGES:
+        path = out / f"{name}.jsonl"
+        record[name] = None
+        if path.exists():
+            header, rows, done = read_rows(path)
+            record[name] = {"header": header, "rows": rows, "done": done, "complete": done is not None,
+                            "skipped": header.get("skipped")}
     return record
 
 
@@ -74,11 +64,9 @@ def plot(record: dict[str, Any], path: Path) -> None:
             ax.plot([r["T"] for r in sub], [r[backend]["median_ms"] for r in sub], style, marker="o",
                     markersize=3, label=f"{backend}, {fmt}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens T")
-    ax.set_ylabel("median ms")
-    gpus = (record.get("environment") or {}).get("gpus") or ["no GPU"]
-    ax.set_title(f"routed experts, {gpus[0]}", fontsize=10)
+    ax.set(yscale="log", xlabel="tokens T", ylabel="median ms")
+    ax.set_title(f"routed experts, {((record.get('environment') or {}).get('gpus') or ['no GPU'])[0]}",
+                 fontsize=10)
     if rows:
         ax.legend(fontsize=7)
     harness.save_figure(fig, path, dpi=80)
@@ -91,10 +79,10 @@ def size(nbytes: int) -> str:
     return f"{kib:.1f} KiB" if kib < 1024 else f"{kib / 1024:.1f} MiB"
 
 
-def extremes(rows: list[dict[str, Any]], key: str) -> tuple[tuple[float, int], tuple[float, int]]:
-    """((smallest value, its T), (largest value, its T)) of ``row[key]`` over ``rows``."""
+def extremes(rows: list[dict[str, Any]], key: str, fmt: str = ".2f") -> str:
+    """'LOx (T = t) to HIx (T = t)' of ``row[key]`` over ``rows``."""
     lo, hi = min(rows, key=lambda r: r[key]), max(rows, key=lambda r: r[key])
-    return (lo[key], lo["T"]), (hi[key], hi["T"])
+    return f"{lo[key]:{fmt}}x (T = {lo['T']}) to {hi[key]:{fmt}}x (T = {hi['T']})"
 
 
 def machine_of(record: dict[str, Any]) -> dict[str, Any]:
@@ -107,89 +95,81 @@ def gpus_text(record: dict[str, Any]) -> str:
     return f"{len(gpus)} x {gpus[0]}" if gpus else "no GPU"
 
 
+def experts_verdicts(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Grouped is not slower than torch in any row; every row is within the check tolerance."""
+    return (verdict(min(r["grouped_speedup"] for r in rows), ">=", 1.0),
+            verdict(sum(not r["within_tolerance"] for r in rows), "<=", 0))
+
+
 def index_rows(record: dict[str, Any]) -> list[Target]:
     rows = [target("gpu_check.sh's verdict: passed", bool((record.get("summary") or {}).get("passed")))]
-    experts = experts_rows(record)
-    if experts:
-        slowest = min(r["grouped_speedup"] for r in experts)
-        outside = sum(not r["within_tolerance"] for r in experts)
-        rows += [target("grouped / torch experts speedup, slowest row", verdict(slowest, ">=", 1.0)),
-                 target("experts rows outside the check tolerance", verdict(outside, "<=", 0), "d")]
+    if experts := experts_rows(record):
+        slowest, outside = experts_verdicts(experts)
+        rows += [target("grouped / torch experts speedup, slowest row", slowest),
+                 target("experts rows outside the check tolerance", outside, "d")]
     return rows
 
 
 def opening(record: dict[str, Any], json_path: str, png_path: str) -> str:
-    env, summary = record.get("environment") or {}, record.get("summary") or {}
-    experts = record.get("experts") or {}
-    machine = machine_of(record)
-    after = (experts.get("done") or {}).get("loadavg")
-    gpu = gpus_text(record)
+    env, summary, machine = record.get("environment") or {}, record.get("summary") or {}, machine_of(record)
+    after = ((record.get("experts") or {}).get("done") or {}).get("loadavg")
     runtime = next((f"{k.upper()} {env[k]}" for k in ("cuda", "hip") if env.get(k)), "no CUDA/HIP build")
     load = load_label(machine["loadavg_before"], after, machine["cpus"]) if machine else "no machine record"
     smoke = " (**CPU smoke run**: no GPU timings)" if summary.get("cpu_smoke") else ""
-    problems = summary.get("problems", ["no summary.json"])
-    outcome = "**passed**" if summary.get("passed") else f"**failed**: {'; '.join(problems)}"
-    return (f"{HEADING}\n\nRun: {COMMAND} -- {machine.get('date', 'date not recorded')}, {gpu}, torch "
-            f"{env.get('torch')}, {runtime}, Python {env.get('python')}{smoke}; {load}. gpu_check.sh's "
+    outcome = ("**passed**" if summary.get("passed")
+               else f"**failed**: {'; '.join(summary.get('problems', ['no summary.json']))}")
+    return (f"{HEADING}\n\nRun: {COMMAND} -- {machine.get('date', 'date not recorded')}, "
+            f"{gpus_text(record)}, "
+            f"torch {env.get('torch')}, {runtime}, Python {env.get('python')}{smoke}; {load}. gpu_check.sh's "
             f"verdict (`summary.json`): {outcome}. Raw data: `{json_path}`, plot: `{png_path}`.")
 
 
 def stages_text(record: dict[str, Any]) -> list[str]:
-    summary = record.get("summary") or {}
+    summary, tests = record.get("summary") or {}, record.get("gpu_tests")
     lines = table("stage | exit | seconds | limit s | rows | complete", (
         [name, f"{s.get('exit', '-')}{' (time limit)' if s.get('timed_out') else ''}", s.get("seconds", "-"),
          s.get("limit_s", "-"), s.get("rows", ""),
          "" if "complete" not in s else ("yes" if s["complete"] else "**no** (cut off)")]
         for name, s in summary.get("stages", {}).items()), "lrrrrl")
-    lines += ["", f"Total {summary.get('total_seconds', '-')} s."]
-    tests = record.get("gpu_tests")
+    lines += ["", f"Total {summary.get('total_seconds', '-')} s.", ""]
     if tests is None:
-        return [*lines, "", "GPU tests (`tests/test_gpu.py`): no junit file."]
+        return [*lines, "GPU tests (`tests/test_gpu.py`): no junit file."]
     skips = "; ".join(f"{n} x {reason}" for reason, n in tests["skip_reasons"].items())
-    return [*lines, "", f"GPU tests (`tests/test_gpu.py`): {tests['tests']} collected, **{tests['passed']} "
+    return [*lines, f"GPU tests (`tests/test_gpu.py`): {tests['tests']} collected, **{tests['passed']} "
             f"passed**, {tests['failures']} failed, {tests['errors']} errors, {tests['skipped']} skipped"
             + (f" ({skips})" if skips else "") + "."]
 
 
 def experts_text(record: dict[str, Any]) -> list[str]:
-    stage = record.get("experts")
-    rows = experts_rows(record)
+    stage, rows = record.get("experts"), experts_rows(record)
     if not rows:
         return ["**Experts backends**: no rows measured."]
-    s = stage["header"]["shape"]
+    s, dtype = stage["header"]["shape"], stage["header"].get("dtype")
     reps = sorted({r[b]["reps"] for r in rows for b in ("torch", "grouped")})
+    slowest, outside = experts_verdicts(rows)
     lines = [
-        f"**Experts backends `torch` vs `grouped`** ({stage['header'].get('dtype')}, one rank's shapes at TP "
+        f"**Experts backends `torch` vs `grouped`** ({dtype}, one rank's shapes at TP "
         f"{s['P']}: D = {s['D']}, E = {s['E']}, K = {s['K']}, I = {s['I']} / {s['P']} = {s['I_local']}; "
         f"synthetic random weights and top-K routing; medians of {reps[0]}-{reps[-1]} calls"
         f"{'' if stage['complete'] else '; **stage cut off**, rows measured so far'}). Speedup = torch ms / "
         "grouped ms; rel diff = max|grouped - torch| / max|torch|; within tolerance = within the experts "
-        f"backends' check tolerance for {stage['header'].get('dtype')}.",
-        "",
+        f"backends' check tolerance for {dtype}.", "",
         *table("format | T | active experts | torch ms | grouped ms | speedup | rel diff | within tolerance",
                ([r["format"], r["T"], r["active_experts"], f"{r['torch']['median_ms']:.3f}",
                  f"{r['grouped']['median_ms']:.3f}", f"{r['grouped_speedup']:.2f}x",
                  f"{r['grouped_vs_torch_rel_diff']:.1e}", yes_no(r["within_tolerance"])] for r in rows),
-               "lrrrrrrl"),
-    ]
-    slowest = min(r["grouped_speedup"] for r in rows)
-    outside = sum(not r["within_tolerance"] for r in rows)
-    lines += ["", f"- grouped is not slower than torch in every row: lowest speedup "
-                  f"{verdict_text(verdict(slowest, '>=', 1.0))}.",
-              f"- every row within tolerance: rows outside {verdict_text(verdict(outside, '<=', 0), 'd')}; "
-              f"largest rel diff {max(r['grouped_vs_torch_rel_diff'] for r in rows):.1e}."]
-    formats = list(dict.fromkeys(r["format"] for r in rows))
-    for fmt in formats:
-        sub = [r for r in rows if r["format"] == fmt]
-        (lo, t_lo), (hi, t_hi) = extremes(sub, "grouped_speedup")
-        lines.append(f"- {fmt}: speedup {lo:.2f}x (T = {t_lo}) to {hi:.2f}x (T = {t_hi}).")
+               "lrrrrrrl"), "",
+        f"- grouped is not slower than torch in every row: lowest speedup {verdict_text(slowest)}.",
+        f"- every row within tolerance: rows outside {verdict_text(outside, 'd')}; "
+        f"largest rel diff {max(r['grouped_vs_torch_rel_diff'] for r in rows):.1e}.",
+        *(f"- {fmt}: speedup {extremes([r for r in rows if r['format'] == fmt], 'grouped_speedup')}."
+          for fmt in dict.fromkeys(r["format"] for r in rows))]
     grouped = {(r["format"], r["T"]): r["grouped"]["median_ms"] for r in rows}
-    both = [{"T": T, "ratio": grouped["mxfp4", T] / grouped["dense", T]}
-            for f, T in grouped if f == "dense" and ("mxfp4", T) in grouped]
-    if both:
-        (lo, t_lo), (hi, t_hi) = extremes(both, "ratio")
-        lines.append(f"- grouped mxfp4 / grouped dense ms: {lo:.1f}x (T = {t_lo}) to {hi:.1f}x (T = {t_hi}); "
-                     f"mxfp4 is slowest relative to dense at T = {t_hi}.")
+    if both := [{"T": T, "ratio": grouped["mxfp4", T] / grouped["dense", T]}
+                for f, T in grouped if f == "dense" and ("mxfp4", T) in grouped]:
+        hi = max(both, key=lambda r: r["ratio"])["T"]
+        lines.append(f"- grouped mxfp4 / grouped dense ms: {extremes(both, 'ratio', '.1f')}; "
+                     f"mxfp4 is slowest relative to dense at T = {hi}.")
     return lines
 
 
@@ -199,17 +179,14 @@ def collectives_text(record: dict[str, Any]) -> list[str]:
         return ["**Latent collectives**: no rows measured."]
     h, rows = stage["header"], stage["rows"]
     note = f": {h['note']}" if h.get("note") else ""
-    lines = [f"**Latent collectives** ({h.get('backend')}, world {h.get('world')}, D = {h.get('D')}{note}).",
-             "",
-             *table("dtype | T | bytes | all_reduce ms | reduce_scatter ms",
-                    ([r["dtype"], r["T"], size(r["bytes"]), f"{r['all_reduce']['median_ms']:.4f}",
-                      f"{r['reduce_scatter']['median_ms']:.4f}"] for r in rows), "lrrrr"), ""]
     nbytes = [r["bytes"] for r in rows]
-    over = f"over {size(min(nbytes))} to {size(max(nbytes))}"
-    for op in ("all_reduce", "reduce_scatter"):
-        ms = [r[op]["median_ms"] for r in rows]
-        lines.append(f"- {op}: {min(ms):.4f} to {max(ms):.4f} ms {over}.")
-    return lines
+    return [f"**Latent collectives** ({h.get('backend')}, world {h.get('world')}, D = {h.get('D')}{note}).",
+            "",
+            *table("dtype | T | bytes | all_reduce ms | reduce_scatter ms",
+                   ([r["dtype"], r["T"], size(r["bytes"]), f"{r['all_reduce']['median_ms']:.4f}",
+                     f"{r['reduce_scatter']['median_ms']:.4f}"] for r in rows), "lrrrr"), "",
+            *(f"- {op}: {min(ms):.4f} to {max(ms):.4f} ms over {size(min(nbytes))} to {size(max(nbytes))}."
+              for op in ("all_reduce", "reduce_scatter") for ms in [[r[op]["median_ms"] for r in rows]])]
 
 
 def tail_text(record: dict[str, Any]) -> list[str]:

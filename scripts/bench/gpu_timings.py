@@ -1,29 +1,20 @@
 """GPU timings for scripts/gpu_check.sh: experts backends, latent collectives, a TP-2 tail comparison.
 
-Subcommands, each writing one JSON-lines file (``--out``) as it measures: a header record (shapes,
-machine, load average), then one record per measured point, appended and flushed the moment it is
-measured, then a closing record. A stage cut off by gpu_check.sh's time limit keeps every point it
-measured and lacks only the closing record (``read_rows`` reports it as partial).
+Each subcommand writes one JSON-lines file (``--out``, ``bench.rows``: a header, a record per point
+the moment it is measured, a closing record), so a stage cut off by its time limit keeps its points.
 
-* ``experts``: the ``torch`` and ``grouped`` experts backends side by side at Kimi-K3 per-rank
-  shapes (D = 3584, E = 896, K = 16, I_local = 3072 / P; default P = 8, one MI300X node), dense
-  bf16 and MXFP4-packed experts, T = 1 ... 8192 tokens, on synthetic in-memory weights (random
-  values, random top-K routing: no checkpoint needed). Each point also records the two backends'
-  max difference relative to max|L|, and every backend's fraction of its HBM floor: the bytes of
-  the experts the point touches (active experts, in their format) over the device's copy
-  bandwidth measured at the start ((read + written bytes) / s of a 1 GiB ``clone``). Where vLLM
-  is installed (CUDA), its fused MoE kernels (the ``vllm`` backend) too: on the layer's SiTU
-  when that vLLM names it, else the error is recorded and, for T <= 64, vLLM is timed on plain
-  SiLU against the torch backend on plain SiLU (a figure for its kernels, not the layer's).
-* ``collectives``: all-reduce and reduce-scatter of the latent ``[T, D]`` (bf16 and fp32) over
-  every GPU of the machine (NCCL; RCCL on ROCm). One GPU gives a world of one: a launch-overhead
-  figure only, and the JSON says so.
-* ``tail``: with two or more GPUs, every legal tail at TP 2 on a generated small checkpoint,
-  against the single-GPU reference layer, timed. Skipped (and said so) on one GPU.
+* ``experts``: the ``torch`` and ``grouped`` backends (and vLLM's fused MoE, where installed) at
+  Kimi-K3 per-rank shapes (D = 3584, E = 896, K = 16, I_local = 3072 / P; default P = 8), dense bf16
+  and MXFP4-packed, T = 1 ... 8192, on synthetic weights and routing: medians, the backends' max
+  difference relative to max|L|, and each one's fraction of its HBM floor (the touched experts'
+  bytes over the copy bandwidth of a 1 GiB ``clone``). A vLLM that does not name the layer's SiTU
+  is timed on plain SiLU for T <= 64, against torch on SiLU.
+* ``collectives``: all-reduce and reduce-scatter of the latent ``[T, D]`` (bf16, fp32) over every
+  GPU (NCCL / RCCL); one GPU gives a launch-overhead figure only.
+* ``tail``: with two GPUs or more, every legal tail at TP 2 on a generated small checkpoint against
+  the single-GPU layer.
 
-``--smoke`` runs the same code on the CPU with tiny shapes (gloo, two processes for the
-collectives and the tail), to dry-run this script where no GPU is lent.
-Legend: T tokens, D latent, E experts, K slots per token, I intermediate, P TP size.
+``--smoke`` runs the same code on the CPU with tiny shapes (gloo, two processes) where no GPU is lent.
 """
 
 from __future__ import annotations
@@ -74,7 +65,7 @@ def device_of(smoke: bool, rank: int = 0) -> torch.device:
 def median_ms(fn, device: torch.device, reps: int, budget_s: float = float("inf")) -> dict:
     """Median / min of ``fn`` after a warm-up call: ``reps`` calls, fewer if they overrun ``budget_s``
     (never with collectives inside: every rank must make the same number of calls)."""
-    ms = [1e3 * s for s in time_calls(fn, reps, budget_s=budget_s, sync=synchronizer(device)).seconds]
+    ms = [1e3 * s for s in time_calls(fn, reps, budget_s=budget_s, sync=synchronizer(device))]
     return {"median_ms": statistics.median(ms), "min_ms": min(ms), "reps": len(ms)}
 
 
@@ -85,9 +76,6 @@ def machine(device: torch.device) -> dict:
     return info
 
 
-# -- experts ------------------------------------------------------------------------------------
-
-
 def synthetic_experts(shape: dict, P: int, dtype: torch.dtype, packed: bool, device) -> ExpertWeights:
     """Random experts of one rank, generated on the device: dense ~ N(0, 1/D), or random FP4
     codes with E8M0 scales 2**-7 ... 2**-4 (magnitudes like a trained layer's)."""
@@ -95,18 +83,15 @@ def synthetic_experts(shape: dict, P: int, dtype: torch.dtype, packed: bool, dev
     gen = torch.Generator(device=device).manual_seed(0)
     if not packed:
         w13 = torch.randn(E, 2 * I, D, generator=gen, device=device, dtype=dtype) * D**-0.5
-        w2 = torch.randn(E, D, I, generator=gen, device=device, dtype=dtype) * I**-0.5
-        return ExpertWeights(w13, w2, dtype=dtype)
+        return ExpertWeights(w13, torch.randn(E, D, I, generator=gen, device=device, dtype=dtype) * I**-0.5,
+                             dtype=dtype)
 
-    def codes(*s):
-        return torch.randint(0, 256, s, generator=gen, device=device, dtype=torch.uint8)
-
-    def scales(*s):
-        return torch.randint(120, 124, s, generator=gen, device=device, dtype=torch.uint8)
+    def uint8(low: int, high: int, *size: int) -> torch.Tensor:
+        return torch.randint(low, high, size, generator=gen, device=device, dtype=torch.uint8)
 
     B = mxfp4.BLOCK
-    return ExpertWeights(codes(E, 2 * I, D // 2), codes(E, D, I // 2), scales(E, 2 * I, D // B),
-                         scales(E, D, I // B), dtype=dtype)
+    return ExpertWeights(uint8(0, 256, E, 2 * I, D // 2), uint8(0, 256, E, D, I // 2),
+                         uint8(120, 124, E, 2 * I, D // B), uint8(120, 124, E, D, I // B), dtype=dtype)
 
 
 def routing(T: int, E: int, K: int, device, seed: int):
@@ -114,18 +99,6 @@ def routing(T: int, E: int, K: int, device, seed: int):
     ids = torch.rand(T, E, generator=gen, device=device).topk(K, dim=1).indices
     weights = torch.rand(T, K, generator=gen, device=device)
     return ids, weights / weights.sum(1, keepdim=True)
-
-
-def copy_gbps(device: torch.device, reps: int, nbytes: int = 2**30) -> float:
-    """The device's copy bandwidth: (read + written bytes) / s of an ``nbytes`` clone, best of ``reps``."""
-    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return 2 * nbytes / 1e9 / min(time_calls(x.clone, reps, sync=synchronizer(device)).seconds)
-
-
-def expert_bytes(ex: ExpertWeights) -> int:
-    """Bytes one expert holds in its format (packed nibbles + scales, or dense)."""
-    tensors = [ex.w13, ex.w2] + ([ex.w13_scale, ex.w2_scale] if ex.packed else [])
-    return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
 def time_backend(be, h, ids, w, ex, act, device, args) -> tuple[dict, torch.Tensor | None]:
@@ -138,6 +111,40 @@ def time_backend(be, h, ids, w, ex, act, device, args) -> tuple[dict, torch.Tens
         return {"error": f"{type(exc).__name__}: {exc}"}, None
 
 
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got - want).abs().max().item() / (want.abs().max().item() or 1.0)
+
+
+def experts_point(backends: dict, ex: ExpertWeights, fmt: str, T: int, shape: dict, floor_gbps: float,
+                  device, args) -> dict:
+    """Every backend at one point: its timing, its share of the HBM floor, its distance from torch."""
+    h = torch.randn(T, shape["D"], device=device, dtype=torch.bfloat16)
+    ids, w = routing(T, shape["E"], shape["K"], device, seed=T)
+    active = int(torch.unique(ids).numel())
+    tensors = [ex.w13, ex.w2] + ([ex.w13_scale, ex.w2_scale] if ex.packed else [])
+    floor_ms = active * sum(t[0].numel() * t.element_size() for t in tensors) / 1e9 / floor_gbps * 1e3
+    row = {"format": fmt, "T": T, "active_experts": active, "floor_ms": floor_ms}
+    outs, wants = {}, {}
+    for name, be in backends.items():
+        row[name], outs[name] = time_backend(be, h, ids, w, ex, SITU, device, args)
+        wants[name] = outs["torch"]
+    if "vllm" in backends and outs["vllm"] is None and T <= 64:  # its kernels on plain SiLU, against torch's
+        silu = GatedActivation()
+        row["vllm_silu"], outs["vllm_silu"] = time_backend(backends["vllm"], h, ids, w, ex, silu, device,
+                                                           args)
+        if outs["vllm_silu"] is not None:
+            wants["vllm_silu"] = backends["torch"](h, ids, w, ex, silu)
+    for name, out in outs.items():
+        if out is not None:
+            row[name]["hbm_fraction"] = floor_ms / row[name]["median_ms"]
+            if name != "torch":
+                row[f"{name}_vs_torch_rel_diff"] = rel_diff(out, wants[name])
+    row["grouped_speedup"] = row["torch"]["median_ms"] / row["grouped"]["median_ms"]
+    diffs = [v for k, v in row.items() if k.endswith("_rel_diff")]
+    row["within_tolerance"] = all(d <= TOLERANCE[torch.bfloat16] for d in diffs)
+    return row
+
+
 def run_experts(args) -> None:
     device = device_of(args.smoke)
     shape, tokens = (SMOKE, SMOKE_TOKENS) if args.smoke else (K3, TOKENS)
@@ -146,50 +153,24 @@ def run_experts(args) -> None:
     skipped = {"vllm": unavailable_reason("vllm")}
     if skipped["vllm"] is None:
         backends["vllm"] = get_backend("vllm")
-    hbm = copy_gbps(device, args.reps)
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)  # copy bandwidth: read + written bytes
+    hbm = 2 * x.numel() / 1e9 / min(time_calls(x.clone, args.reps, sync=synchronizer(device)))
+    del x
     out = RowWriter(args.out, what="experts", shape=dict(shape, P=P, I_local=shape["I"] // P),
                     dtype="bfloat16", machine=machine(device), copy_gbps=hbm,
                     skipped={k: v for k, v in skipped.items() if v})
     for fmt in ("dense", "mxfp4"):
         ex = synthetic_experts(shape, P, torch.bfloat16, fmt == "mxfp4", device)
         for T in tokens:
-            h = torch.randn(T, shape["D"], device=device, dtype=torch.bfloat16)
-            ids, w = routing(T, shape["E"], shape["K"], device, seed=T)
-            active = int(torch.unique(ids).numel())
-            floor_ms = active * expert_bytes(ex) / 1e9 / hbm * 1e3
-            outs, row = {}, {"format": fmt, "T": T, "active_experts": active, "floor_ms": floor_ms}
-            for name, be in backends.items():
-                row[name], outs[name] = time_backend(be, h, ids, w, ex, SITU, device, args)
-                if "median_ms" in row[name]:
-                    row[name]["hbm_fraction"] = floor_ms / row[name]["median_ms"]
-            ref = outs["torch"].abs().max().item() or 1.0
-            row["grouped_vs_torch_rel_diff"] = (outs["grouped"] - outs["torch"]).abs().max().item() / ref
-            row["grouped_speedup"] = row["torch"]["median_ms"] / row["grouped"]["median_ms"]
-            within = row["grouped_vs_torch_rel_diff"] <= TOLERANCE[torch.bfloat16]
-            if outs.get("vllm") is not None:
-                row["vllm_vs_torch_rel_diff"] = (outs["vllm"] - outs["torch"]).abs().max().item() / ref
-                within = within and row["vllm_vs_torch_rel_diff"] <= TOLERANCE[torch.bfloat16]
-            elif "vllm" in backends and T <= 64:  # its kernels on plain SiLU, against torch on SiLU
-                silu = GatedActivation()
-                row["vllm_silu"], got = time_backend(backends["vllm"], h, ids, w, ex, silu, device, args)
-                if got is not None:
-                    row["vllm_silu"]["hbm_fraction"] = floor_ms / row["vllm_silu"]["median_ms"]
-                    want = backends["torch"](h, ids, w, ex, silu)
-                    diff = (got - want).abs().max().item() / (want.abs().max().item() or 1.0)
-                    row["vllm_silu_vs_torch_rel_diff"] = diff
-                    within = within and diff <= TOLERANCE[torch.bfloat16]
-            row["within_tolerance"] = within
-            fractions = ", ".join(f"{n} {row[n]['hbm_fraction']:.0%}" for n in (*backends, "vllm_silu")
-                                  if "hbm_fraction" in row.get(n, {}))
+            row = experts_point(backends, ex, fmt, T, shape, hbm, device, args)
+            fractions = ", ".join(f"{n} {v['hbm_fraction']:.0%}" for n, v in row.items()
+                                  if isinstance(v, dict) and "hbm_fraction" in v)
             print(f"experts {fmt:5} T={T:5d}: torch {row['torch']['median_ms']:9.3f} ms, grouped "
                   f"{row['grouped']['median_ms']:9.3f} ms ({row['grouped_speedup']:.2f}x), rel diff "
-                  f"{row['grouped_vs_torch_rel_diff']:.1e}; HBM floor {floor_ms:.3f} ms: {fractions}",
+                  f"{row['grouped_vs_torch_rel_diff']:.1e}; HBM floor {row['floor_ms']:.3f} ms: {fractions}",
                   flush=True)
             out.row(row)
     out.close()
-
-
-# -- collectives --------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -214,8 +195,8 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
                            note=note, D=D, machine=machine(device)) if rank == 0 else None
         for dtype in (torch.bfloat16, torch.float32):
             for T in SMOKE_TOKENS if smoke else TOKENS:
-                Tp = -(-T // world) * world  # reduce-scatter needs rows divisible by the world
-                x = torch.randn(Tp, D, device=device, dtype=dtype)
+                # reduce-scatter needs rows divisible by the world
+                x = torch.randn(-(-T // world) * world, D, device=device, dtype=dtype)
                 ar = median_ms(partial(comm.all_reduce, x), device, reps)
                 rs = median_ms(partial(comm.reduce_scatter, x), device, reps)
                 nbytes = x.numel() * x.element_size()
@@ -225,9 +206,6 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
                                 "all_reduce": ar, "reduce_scatter": rs, "all_reduce_bus_GBps": bus})
     if writer:
         writer.close()
-
-
-# -- TP-2 tail comparison -----------------------------------------------------------------------
 
 
 def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: int, out: str) -> None:

@@ -17,19 +17,16 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from . import ROOT
 from .docs import PAGES, write_results
 
 CHECKPOINTS = ROOT / "checkpoints"
 
-# -- options -------------------------------------------------------------------------------------
-
 
 class BenchParser(argparse.ArgumentParser):
-    """An argument parser that keeps the arguments it parsed as ``args.argv``, so that a run's
-    results can name the command that made them."""
+    """Keeps the arguments it parsed as ``args.argv``: a run's results name the command that made them."""
 
     def parse_args(self, args: list[str] | None = None, namespace: Any = None) -> argparse.Namespace:
         parsed = super().parse_args(args, namespace)
@@ -39,10 +36,9 @@ class BenchParser(argparse.ArgumentParser):
 
 def bench_parser(doc: str, name: str, *, docs_default: Path | None = PAGES,
                  quick: str | None = None, tp: int | None = None) -> BenchParser:
-    """A benchmark's parser with the options benchmarks share: ``--out`` (the folder of its results,
-    default artifacts/NAME), ``--docs`` (the folder of the benchmark pages whose page NAME.md and
-    index a run rewrites, default ``docs_default``; '' for none), ``--quick`` (help: ``quick``)
-    where the benchmark has a short mode, and ``--tp`` (default ``tp``) where it serves one TP size."""
+    """A benchmark's parser with the shared options: ``--out`` (its results, default artifacts/NAME),
+    ``--docs`` (the pages' folder whose NAME.md and index a run rewrites; '' for none), ``--quick``
+    (help: ``quick``) where it has a short mode, ``--tp`` (default ``tp``) where it serves one TP size."""
     ap = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.set_defaults(bench=name)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / name, help="folder for the results")
@@ -55,7 +51,9 @@ def bench_parser(doc: str, name: str, *, docs_default: Path | None = PAGES,
     return ap
 
 
-# -- the machine record ----------------------------------------------------------------------------
+def int_list(text: str) -> list[int]:
+    """A comma-separated option's integers: '1,16,256' -> [1, 16, 256]."""
+    return [int(t) for t in text.split(",")]
 
 
 def loadavg() -> list[float]:
@@ -80,8 +78,7 @@ def cpu_count() -> int:
 
 def machine_record(with_ray: bool = False, **extra: Any) -> dict[str, Any]:
     """Where and when a run measured: date (UTC), CPUs, machine, platform, torch (and Ray's version
-    ``with_ray``), the load average before the run and ``extra``; the caller adds ``loadavg_after``
-    when the run ends."""
+    ``with_ray``), the load average before the run and ``extra``; :func:`report` adds the load after."""
     import torch
 
     if with_ray:
@@ -112,42 +109,33 @@ def report(args: argparse.Namespace, results: dict[str, Any], machine: dict[str,
     return 0 if ok else 1
 
 
-# -- timing loops and percentiles ------------------------------------------------------------------
-
-
-class Timed(NamedTuple):
-    seconds: list[float]  # each timed call
-    last: Any  # the last timed call's answer
-
-
 def synchronizer(device: Any) -> Callable[[], None] | None:
-    """What closes a timed call on ``device`` (a ``torch.device``): a CUDA synchronisation, as
-    kernels run asynchronously; nothing on the CPU."""
+    """What closes a timed call on ``device``: a CUDA synchronisation (kernels run asynchronously)."""
     import torch
 
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def time_calls(fn: Callable[[], Any], reps: int, *, warmup: int = 1, min_time_s: float = 0.0,
-               budget_s: float = math.inf, sync: Callable[[], None] | None = None) -> Timed:
-    """``fn`` ``warmup`` times untimed, then timed until there are ``reps`` calls and ``min_time_s``
-    seconds of them, or until ``budget_s`` runs out (two calls at least); ``sync`` (a device
-    synchronisation) closes the warm-up and every timed call. Give no budget to calls with
-    collectives inside: every rank must make the same number of calls."""
+               budget_s: float = math.inf, sync: Callable[[], None] | None = None) -> list[float]:
+    """Seconds of each timed call of ``fn``, after ``warmup`` untimed ones: until there are ``reps``
+    calls and ``min_time_s`` seconds of them, or ``budget_s`` runs out (two calls at least); ``sync``
+    closes the warm-up and every call. No budget for calls with collectives inside: every rank must
+    make the same number of calls."""
     for _ in range(warmup):
         fn()
     if sync:
         sync()
     seconds: list[float] = []
-    last, start = None, time.perf_counter()
+    start = time.perf_counter()
     while ((len(seconds) < reps or sum(seconds) < min_time_s)
            and (len(seconds) < 2 or time.perf_counter() - start < budget_s)):
         t0 = time.perf_counter()
-        last = fn()
+        fn()
         if sync:
             sync()
         seconds.append(time.perf_counter() - t0)
-    return Timed(seconds, last)
+    return seconds
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, min_time_s: float = 0.0,
@@ -191,6 +179,10 @@ def latency_ms(seconds: list[float]) -> dict[str, float]:
     return {"p50_ms": statistics.median(ms), "p90_ms": percentile(ms, 0.9), "p99_ms": percentile(ms, 0.99)}
 
 
+def median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3
+
+
 def memcpy_gbps(reps: int = 5, nbytes: int = 256 * 2**20) -> float:
     """This machine's memory bandwidth: bytes copied per second between two ``nbytes`` buffers,
     best of ``reps`` copies (GB = 1e9 bytes)."""
@@ -198,11 +190,7 @@ def memcpy_gbps(reps: int = 5, nbytes: int = 256 * 2**20) -> float:
 
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    return nbytes / min(time_calls(lambda: dst.copy_(src), reps).seconds) / 1e9
-
-
-def median_ms(seconds: list[float]) -> float:
-    return statistics.median(seconds) * 1e3
+    return nbytes / min(time_calls(lambda: dst.copy_(src), reps)) / 1e9
 
 
 def seeded_randn(rows: int, cols: int, seed: int, dtype: Any = None) -> Any:
@@ -214,8 +202,7 @@ def seeded_randn(rows: int, cols: int, seed: int, dtype: Any = None) -> Any:
     return x if dtype is None else x.to(dtype)
 
 
-# -- the packed CPU experts before and after issue 48 ------------------------------------------------
-
+# The packed CPU experts before and after issue 48.
 PACKED_MODES = ("before", "after")
 PEAK_SHAPE = (2048, 3584, 6144)  # m, k, n of the bf16 GEMM peak: a K3 expert's gate|up over 2048 rows
 
@@ -254,7 +241,7 @@ def bf16_peak_gflops(reps: int) -> float:
 
     m, k, n = PEAK_SHAPE
     x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
-    return 2 * m * k * n / min(time_calls(lambda: x @ w.t(), reps).seconds) / 1e9
+    return 2 * m * k * n / min(time_calls(lambda: x @ w.t(), reps)) / 1e9
 
 
 def peak_text(gflops: float, engine: str) -> str:
@@ -262,15 +249,12 @@ def peak_text(gflops: float, engine: str) -> str:
     return f"{gflops:.0f} GFLOP/s (torch's [{m}, {k}] x [{k}, {n}] bf16 GEMM, {engine})"
 
 
-# -- the in-process forward -------------------------------------------------------------------------
-
-
 def cli_forward_ms(checkpoint: str | Path, layer: int, tp: int, T: int, repeat: int,
                    tail: str | None = None) -> dict[str, Any]:
     """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) of MoE
     ``layer`` of ``checkpoint`` at TP ``tp`` on ``T`` seeded float32 rows (seed ``T``, as
-    :func:`seeded_randn` draws them), ``repeat`` times; ``tail`` as the CLI's ``--tail`` (None: its
-    default). The in-process number a served call is set against."""
+    :func:`seeded_randn` draws them), ``repeat`` times; ``tail`` as the CLI's ``--tail``. The
+    in-process number a served call is set against."""
     import re
     import subprocess
     import tempfile
@@ -286,9 +270,6 @@ def cli_forward_ms(checkpoint: str | Path, layer: int, tp: int, T: int, repeat: 
         raise RuntimeError(f"no 'forward ms' line in the output of {' '.join(cmd)}:\n{out}")
     return {"tp": tp, "T": T, "layer": layer, "repeat": repeat, "median_ms": float(m.group(1)),
             "command": "python -m moe_runtime " + " ".join(cmd[3:-2])}
-
-
-# -- checkpoints -----------------------------------------------------------------------------------
 
 
 def ensure_checkpoint(path: Path, preset: str, layers: int | None = None, *, mxfp4: bool = False) -> Path:
@@ -321,9 +302,6 @@ def tiny_app(**spec: Any) -> tuple[dict[str, Any], Any]:
     return args, seeded_randn(3, LatentMoEConfig.from_pretrained(checkpoint).hidden_size, seed=0)
 
 
-# -- a private Ray + Serve -------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def local_serve(num_cpus: int, num_gpus: int = 0, worker_niceness: int | None = None) -> Iterator[str]:
     """``deployments.cluster.local.local_serve`` (TP groups on ``num_gpus`` logical GPUs), yielding
@@ -334,6 +312,15 @@ def local_serve(num_cpus: int, num_gpus: int = 0, worker_niceness: int | None = 
     system = {} if worker_niceness is None else {"_system_config": {"worker_niceness": worker_niceness}}
     with private_serve(num_cpus, num_gpus, **system) as port:
         yield f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def serving(app_args: dict[str, Any], app: str, num_cpus: int, num_gpus: int = 0,
+            worker_niceness: int | None = None) -> Iterator[str]:
+    """:func:`local_serve` with ``app_args`` deployed as the application ``app``: the proxy's URL."""
+    with local_serve(num_cpus, num_gpus, worker_niceness) as url:
+        deploy(app_args, app)
+        yield url
 
 
 def apps_in_turns(apps: Iterable[str], reps: int, num_gpus: int,
@@ -357,16 +344,26 @@ def deploy(app_args: dict[str, Any], name: str, route_prefix: str | None = "/") 
     serve.run(build_app(app_args), name=name, route_prefix=route_prefix)
 
 
-@contextlib.contextmanager
-def local_app(checkpoint: Path, app: str, deployments: list[dict[str, Any]], num_cpus: int,
-              num_gpus: int) -> Iterator[None]:
-    """:func:`local_serve` serving ``deployments`` of ``checkpoint`` as the application ``app``."""
-    with local_serve(num_cpus, num_gpus):
-        deploy({"checkpoint": str(checkpoint), "deployments": deployments}, app)
-        yield
+def rank_pid(deployment: str, replica: str, rank: int) -> int:
+    """The process of ``rank`` of the TP group of ``deployment``'s replica ``replica``."""
+    import ray
+
+    from deployments.common.workers import WORKER_NAMESPACE, worker_name
+
+    actor = ray.get_actor(worker_name(deployment, replica, rank), namespace=WORKER_NAMESPACE)
+    return ray.get(actor.info.remote(), timeout=60)["pid"]
 
 
-# -- plots -----------------------------------------------------------------------------------------
+def healthy_replicas_s(client: Any, replicas: int, timeout_s: float, gone: str | None = None) -> float:
+    """Seconds until ``replicas`` distinct replicas answer ``client.status()`` with a usable group,
+    none of them ``gone`` (a replica Serve is to replace)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        seen = {st["replica"] for st in (client.status() for _ in range(8 * replicas)) if st["healthy"]}
+        if len(seen - {gone}) >= replicas and gone not in seen:
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise TimeoutError(f"fewer than {replicas} healthy replicas (none {gone}) after {timeout_s:.0f} s")
 
 
 def pyplot() -> Any:

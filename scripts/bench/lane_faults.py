@@ -1,20 +1,13 @@
 """Lane faults: a killed rank under lane load, and a stalled rank.
 
-One local Ray instance (CPU, logical GPUs), one deployment of 2 replicas, each a TP --tp group.
-
-* kill: a closed loop calls ``lane.forward`` (T = --tokens) and checks every answer against the
-  Serve path's answer for the same input (taken before the lane opens); after --warm-s seconds
-  one rank of the session's replica is SIGKILLed, and the loop runs --after-s seconds more.
-  Recorded: client-visible errors (target 0), wrong answers (target 0), the slowest
-  call, the time from the kill to the first answer on any path and to the first answer on the
-  healthy replica (the lane's session moved there by itself), and per call its start, duration
-  and path.
-* stall: once Serve has replaced the killed replica (2 healthy replicas again), a fresh lane on
-  one of them; one rank of its replica is SIGSTOPped and one call is made: it must end
-  (answered after the session moved to the other replica, or an error) within the stated bound,
-  never hang: the group's failure is heard within a call timeout (collective_timeout_s +
-  call_margin_s) and the move costs about one more; the bound is three call timeouts plus 15 s
-  of slack.
+One deployment of 2 replicas, each a TP --tp group (tiny checkpoint, CPU, logical GPUs).
+**kill**: a closed loop calls ``lane.forward`` (T = --tokens), every answer checked against the
+Serve path's; after --warm-s one rank of the session's replica is SIGKILLed and the loop runs
+--after-s more: client errors and wrong answers (targets 0), the slowest call, the time to the first
+answer on any path and on the healthy replica (the lane's session moves there by itself).
+**stall**: once Serve has replaced the killed replica, a fresh lane's rank is SIGSTOPped and one
+call made: it must end (answered after the move, or an error) within three call timeouts
+(collective_timeout_s + call_margin_s: hearing the failure, then the move) plus 15 s, never hang.
 
     python -m scripts.bench.lane_faults            # tiny checkpoint, ~2-3 minutes on 2 cores
 """
@@ -32,18 +25,15 @@ from typing import Any
 import torch
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_word
+from .docs import Target, section_start, table, target, verdict, verdict_word
 
 APP, NAME, LAYER = "lanefaults", "pair", 1
 SECTION = "# Lane faults (scripts/bench/lane_faults.py)"
+TIMEOUTS = {"collective_timeout_s": 4.0, "call_margin_s": 4.0}
 
 
 def rank_pid(lane: Any, rank: int) -> int:
-    import ray
-
-    from deployments.client.session import rank_of
-
-    return ray.get(rank_of(lane.sessions[NAME].groups()[NAME], rank).info.remote(), timeout=30)["pid"]
+    return harness.rank_pid(NAME, lane.sessions[NAME].groups()[NAME].replica, rank)
 
 
 def kill_under_load(client: Any, x: torch.Tensor, want: torch.Tensor, warm_s: float, after_s: float,
@@ -52,56 +42,41 @@ def kill_under_load(client: Any, x: torch.Tensor, want: torch.Tensor, warm_s: fl
     errors: list[str] = []
     stop = threading.Event()
     with client.lane(max_tokens=x.shape[0], name="bench-kill", retry_s=0.5) as lane:
-        def lane_calls() -> int:
-            return lane.status()["deployments"][NAME]["session_calls"]
-
-        def replica() -> str | None:
-            return lane.status()["deployments"][NAME]["replica"]
+        def status() -> dict[str, Any]:
+            return lane.status()["deployments"][NAME]
 
         def loop() -> None:
             while not stop.is_set():
-                before, start = lane_calls(), time.monotonic()
+                before, start = status()["session_calls"], time.monotonic()
                 try:
                     out = lane.forward(x, LAYER)
+                    now = status()
                     calls.append({"t": start, "ms": (time.monotonic() - start) * 1e3,
-                                  "path": "lane" if lane_calls() > before else "serve",
-                                  "replica": replica(), "ok": bool(torch.equal(out, want))})
+                                  "path": "lane" if now["session_calls"] > before else "serve",
+                                  "replica": now["replica"], "ok": bool(torch.equal(out, want))})
                 except Exception as e:  # noqa: BLE001 -- counted: the target is none
                     errors.append(f"{type(e).__name__}: {e}")
 
         thread = threading.Thread(target=loop)
         thread.start()
         time.sleep(warm_s)
-        victim = replica()
-        pid = rank_pid(lane, rank)
+        victim, pid = status()["replica"], rank_pid(lane, rank)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         time.sleep(after_s)
         stop.set()
         thread.join(timeout=600)
-        hung = thread.is_alive()
-        lane_status = lane.status()["deployments"][NAME]
-    after = [c for c in calls if c["t"] + c["ms"] / 1e3 > killed]
-    first_any = min((c["t"] + c["ms"] / 1e3 - killed for c in after), default=None)
-    first_lane = min((c["t"] + c["ms"] / 1e3 - killed for c in after
-                      if c["path"] == "lane" and c["replica"] != victim), default=None)
+        lane_status = status()
     for c in calls:
         c["t"] -= killed
-    return {"calls": len(calls), "errors": errors, "wrong": sum(not c["ok"] for c in calls), "hung": hung,
-            "max_ms": max(c["ms"] for c in calls), "first_answer_s": first_any,
-            "first_lane_answer_s": first_lane, "lane": lane_status, "timeline": calls,
+    after = [c for c in calls if c["t"] + c["ms"] / 1e3 > 0]  # calls that ended after the kill
+    moved = [c for c in after if c["path"] == "lane" and c["replica"] != victim]
+    return {"calls": len(calls), "errors": errors, "wrong": sum(not c["ok"] for c in calls),
+            "hung": thread.is_alive(), "max_ms": max(c["ms"] for c in calls),
+            "first_answer_s": min((c["t"] + c["ms"] / 1e3 for c in after), default=None),
+            "first_lane_answer_s": min((c["t"] + c["ms"] / 1e3 for c in moved), default=None),
+            "lane": lane_status, "timeline": calls,
             "serve_calls_after_kill": sum(c["path"] == "serve" for c in after)}
-
-
-def wait_for_replicas(client: Any, n: int, timeout_s: float) -> float:
-    """Seconds until ``n`` distinct replicas answer status() with a usable group."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        seen = {st["replica"] for st in (client.status() for _ in range(8 * n)) if st["healthy"]}
-        if len(seen) >= n:
-            return time.monotonic() - start
-        time.sleep(1.0)
-    raise TimeoutError(f"fewer than {n} healthy replicas after {timeout_s:.0f} s")
 
 
 def stall(client: Any, x: torch.Tensor, rank: int, bound_s: float) -> dict[str, Any]:
@@ -142,41 +117,33 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
                   f"{len(k['errors'])} / {k['wrong']} / {'yes' if k['hung'] else 'no'}",
                   not k["errors"] and not k["wrong"] and not k["hung"])
     what = "a lane's rank SIGSTOPped: seconds until the call ended"
-    if "skipped" in s:
-        return [kill, Target(what, "-", None)]
-    return [kill, target(what, verdict(s["seconds"], "<=", s["bound_s"]), ".1f")]
+    return [kill, Target(what, "-", None) if "skipped" in s
+            else target(what, verdict(s["seconds"], "<=", s["bound_s"]), ".1f")]
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     k, s = results["kill"], results["stall"]
-    kill, stall = index_rows(results)
+    kill, stalled = (verdict_word(t.met).strip("*") for t in index_rows(results))
 
     def sec(v: float | None) -> str:
         return "never" if v is None else f"{v:.2f} s"
 
     what = f"tiny checkpoint, 2 replicas of TP {results['tp']}, float32, T = {results['tokens']}"
-    lines = [
-        section_start(SECTION, "lane_faults", results["argv"], results["machine"], what, json_path,
-                      png_path), "",
-        "| fault | calls | client errors | wrong | hung | slowest call | first answer after | "
-        "first lane answer after |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| SIGKILL rank {results['rank']} of the lane's replica | {k['calls']} | {len(k['errors'])} | "
-        f"{k['wrong']} | {'yes' if k['hung'] else 'no'} | {k['max_ms']:.0f} ms | "
-        f"{sec(k['first_answer_s'])} | {sec(k['first_lane_answer_s'])} |",
-        "",
-        f"After the kill, {k['serve_calls_after_kill']} call(s) ran on the Serve path (the lane's "
-        f"session moves to the healthy replica by itself: none expected). Verdict "
-        f"(0 client errors, 0 wrong, none hung): **{verdict_word(kill.met).strip('*')}**.",
-    ]
-    if "skipped" in s:
-        lines += ["", f"Stalled rank: not measured ({s['skipped']})."]
-    else:
-        lines += ["", f"SIGSTOP of rank {results['rank']} of the lane's replica: the call ended in "
-                  f"{s['seconds']:.1f} s ({s['outcome']}); bound {s['bound_s']:.0f} s (three call timeouts: "
-                  f"hearing the group failed and the move, + 15 s): "
-                  f"**{verdict_word(stall.met).strip('*')}**."]
-    return "\n".join(lines)
+    return "\n".join([
+        section_start(SECTION, "lane_faults", results["argv"], results["machine"], what, json_path, png_path),
+        "", *table("fault | calls | client errors | wrong | hung | slowest call | first answer after "
+                   "| first lane answer after",
+                   [[f"SIGKILL rank {results['rank']} of the lane's replica", k["calls"], len(k["errors"]),
+                     k["wrong"], "yes" if k["hung"] else "no", f"{k['max_ms']:.0f} ms",
+                     sec(k["first_answer_s"]), sec(k["first_lane_answer_s"])]]), "",
+        f"After the kill, {k['serve_calls_after_kill']} call(s) ran on the Serve path (the lane's session "
+        f"moves to the healthy replica by itself: none expected). Verdict (0 client errors, 0 wrong, none "
+        f"hung): **{kill}**.", "",
+        f"Stalled rank: not measured ({s['skipped']})." if "skipped" in s else
+        f"SIGSTOP of rank {results['rank']} of the lane's replica: the call ended in {s['seconds']:.1f} s "
+        f"({s['outcome']}); bound {s['bound_s']:.0f} s (three call timeouts: hearing the group failed and "
+        f"the "
+        f"move, + 15 s): **{stalled}**."])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,25 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--after-s", type=float, default=10.0)
     args = ap.parse_args(argv)
     if not 0 <= args.rank < args.tp:
-        raise ValueError(f"--rank {args.rank} is not a rank of a TP {args.tp} group")
+        ap.error(f"--rank {args.rank} is not a rank of a TP {args.tp} group")
     from deployments.client import MoEClient
 
-    timeouts = {"collective_timeout_s": 4.0, "call_margin_s": 4.0}
-    app = {"checkpoint": str(harness.preset_checkpoint("tiny")), "ingress_replicas": 1, "deployments": [{
-        "name": NAME, "tp_size": args.tp, "dtype": "float32", "num_replicas": 2,
-        "health_check_period_s": 1.0, "graceful_shutdown_timeout_s": 1.0, **timeouts}]}
-    if args.tp > 1:
-        app["deployments"][0]["tail"] = "sharded"
+    app_args = {"checkpoint": str(harness.preset_checkpoint("tiny")), "ingress_replicas": 1, "deployments": [{
+        "name": NAME, "tp_size": args.tp, "dtype": "float32", "num_replicas": 2, "health_check_period_s": 1.0,
+        "graceful_shutdown_timeout_s": 1.0, **TIMEOUTS, **({"tail": "sharded"} if args.tp > 1 else {})}]}
     x = harness.seeded_randn(args.tokens, 128, seed=0)
     machine = harness.machine_record(with_ray=True)
-    with harness.local_serve(num_cpus=6, num_gpus=3 * args.tp):
-        harness.deploy(app, APP)
+    with harness.serving(app_args, APP, num_cpus=6, num_gpus=3 * args.tp):
         client = MoEClient.direct(NAME, APP, timeout_s=120)
-        want = client.forward(x, LAYER)
-        kill = kill_under_load(client, x, want, args.warm_s, args.after_s, args.rank)
-        call_timeout = timeouts["collective_timeout_s"] + timeouts["call_margin_s"]
-        kill["replaced_after_s"] = wait_for_replicas(client, 2, timeout_s=600)  # Serve replaced the victim
-        stalled = stall(client, x, args.rank, bound_s=3 * call_timeout + 15)
+        kill = kill_under_load(client, x, client.forward(x, LAYER), args.warm_s, args.after_s, args.rank)
+        # Serve replaced the victim
+        kill["replaced_after_s"] = harness.healthy_replicas_s(client, 2, timeout_s=600)
+        stalled = stall(client, x, args.rank, bound_s=3 * sum(TIMEOUTS.values()) + 15)
     results = {"kill": kill, "stall": stalled, "tp": args.tp, "tokens": args.tokens, "rank": args.rank}
     ok = not kill["errors"] and not kill["wrong"]
     return harness.report(args, results, machine, markdown, index_rows, plot, ok=ok)

@@ -1,14 +1,12 @@
 """Session faults: a strict session's peers step on through four faults, one after another.
 
-One local Ray instance (CPU, logical GPUs), one deployment of 2 replicas of TP 2, one session of 4
-peers (2 processes that cannot import Ray, 2 threads of this process), each stepping the served
-layers with its own rows and comparing every answer with the Serve path's. The faults: rank 1 of
-the session's replica SIGKILLed; rank 1 of its next replica SIGSTOPped; a redeploy of a changed
-config (every replica replaced); a scale-down to 1 replica. Per fault, from the peers' own step
-times: caller errors (target 0), steps lost (started, never answered: target 0), the worst step
-in the fault's window (target: at most the group's call bound plus the replica replacement time,
-measured here: Serve's replacement of the faulty replica, or the redeploy's own time), and the
-seconds until every peer finished a step begun after the fault.
+One deployment of 2 replicas of TP 2 (tiny checkpoint), one session of 4 peers (2 processes that
+cannot import Ray, 2 threads of this process), each stepping the served layers with its own rows and
+checking every answer against the Serve path's, through: rank 1 of the session's replica SIGKILLed;
+rank 1 of its next replica SIGSTOPped; a redeploy of a changed config; a scale-down to 1 replica.
+Per fault, from the peers' own step times: caller errors and steps lost (targets 0), the worst step
+in its window (target: at most the call bound plus the replacement time measured here) and the
+seconds until every peer finished a step begun after it.
 
     python -m scripts.bench.session_faults     # tiny checkpoint, about 2 minutes on 2 cores
 """
@@ -40,35 +38,17 @@ def app_args(replicas: int, batch_wait_s: float = 0.01) -> dict[str, Any]:
     return args
 
 
-def rank_pid(replica: str, rank: int) -> int:
-    import ray
-
-    from deployments.common.workers import WORKER_NAMESPACE, worker_name
-
-    actor = ray.get_actor(worker_name(NAME, replica, rank), namespace=WORKER_NAMESPACE)
-    return ray.get(actor.info.remote(), timeout=60)["pid"]
-
-
-def replaced_s(client: Any, gone: str, replicas: int, since: float) -> float:
-    """Seconds from ``since`` until ``replicas`` healthy replicas answer, none of them ``gone``."""
-    while time.monotonic() - since < RECOVERY_S:
-        seen = {st["replica"] for st in (client.status() for _ in range(8 * replicas)) if st["healthy"]}
-        if len(seen - {gone}) >= replicas and gone not in seen:
-            return time.monotonic() - since
-        time.sleep(0.5)
-    raise TimeoutError(f"replica {gone} not replaced within {RECOVERY_S:.0f} s")
-
-
 def inject(fault: str, session: Any, client: Any, stopped: list[int]) -> tuple[float, float]:
     """Inject ``fault``: (its wall time, the replacement time it costs Serve)."""
     replica, at, started = session.groups()[NAME].replica, time.time(), time.monotonic()
     if fault in ("sigkill", "sigstop"):
-        pid = rank_pid(replica, 1)
+        pid = harness.rank_pid(NAME, replica, 1)
         if fault == "sigstop":
             stopped.append(pid)
         os.kill(pid, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
-        return at, replaced_s(client, replica, 2, started)
-    harness.deploy(app_args(2 if fault == "redeploy" else 1, 0.02), APP, "/")
+        harness.healthy_replicas_s(client, 2, RECOVERY_S, gone=replica)
+    else:
+        harness.deploy(app_args(2 if fault == "redeploy" else 1, 0.02), APP, "/")
     return at, time.monotonic() - started
 
 
@@ -155,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from scripts.session_peers import TOL, Stepping
 
     machine = harness.machine_record(with_ray=True)
-    with harness.local_serve(num_cpus=8, num_gpus=8), tempfile.TemporaryDirectory() as folder:
-        harness.deploy(app_args(2), APP, "/")
+    with harness.serving(app_args(2), APP, num_cpus=8, num_gpus=8), tempfile.TemporaryDirectory() as folder:
         client = MoEClient.direct(NAME, APP, timeout_s=120)
         x = np.random.default_rng(0).standard_normal((2, 128), dtype=np.float32)
         with MoEClient(APP, timeout_s=120).session(peers=PEERS, max_tokens=4, name="bench") as session:

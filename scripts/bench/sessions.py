@@ -1,23 +1,15 @@
 """Shared sessions on one replica: what an open session costs, what it does to the Serve path, and
 what two sessions stepping at once get over the same two one after the other.
 
-One private Ray serving the tiny checkpoint (``--layers`` MoE layers, float32) on one replica of
-a TP-2 group. Peers are threads of this driver, each with its own connection to rank 0 (a blocking
-wait per layer: the GIL is free while they wait).
+A private Ray serves the tiny checkpoint (``--layers`` MoE layers, float32) on one replica of a TP-2
+group; peers are threads of this driver. **Idle**: the cores of the app's processes over
+``--idle-s`` windows, in turns: the app alone, 1 and 8 open sessions. **Serve path**: p50 of
+``--calls`` handle calls (T = 4) with 0, 1 and 4 one-peer sessions stepping meanwhile. **Two at
+once**: two 2-peer sessions stepped together against each alone, one after the other: worker-steps/s,
+group forwards per step, the group's busy fraction.
 
-* **Idle.** The cores of the app's processes (the group's replica and its ranks) over windows of
-  ``--idle-s``, in turns: the app alone, 1 open session and 8 open sessions (each with its one
-  peer joined, no calls). Target: each open state costs <= 0.01 cores over the app alone
-  (median of the rounds).
-* **The Serve path beside stepping sessions.** p50 of ``--calls`` handle calls (T = 4, layer 1)
-  with 0, 1 and 4 sessions of one peer stepping back to back meanwhile (each stepping every layer
-  with T = 4). Target: p50 with 1 and with 4 sessions <= 2x the p50 with none.
-* **Two at once against one after the other.** Two sessions of 2 peers each (T = 4 per peer):
-  stepped together for ``--seconds``, and each alone for ``--seconds`` one after the other; the
-  peers' steps per second (worker-steps/s), the group forwards per step of the run, and the
-  group's busy fraction (forward time over wall time). Target: at once >= 1.0x one after the
-  other (median of the rounds); on a GPU node the attention of one session overlaps the experts of
-  the other, on this CPU they share the same two cores.
+Targets: each open state costs <= 0.01 cores over the app alone; Serve-path p50 with 1 and with 4
+sessions stepping <= 2x with none; at once >= 1.0x one after the other (medians of the rounds).
 
     python -m scripts.bench.sessions            # ~4 minutes on 2 cores
     python -m scripts.bench.sessions --quick    # ~1.5 minutes: shorter windows, 1 round
@@ -50,24 +42,17 @@ def rows(seed: int, hidden: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((T, hidden)).astype(np.float32)
 
 
-def app_pids(client: Any) -> list[int]:
-    return [serve_replica_pid(APP, NAME), *(w["pid"] for w in client.status()["workers"])]
-
-
-def idle_cores(pids: list[int], seconds: float) -> float:
-    start, t0 = cpu_seconds(pids), time.monotonic()
-    time.sleep(seconds)
-    return (cpu_seconds(pids) - start) / (time.monotonic() - t0)
-
-
-def measure_idle(client: Any, pids: list[int], seconds: float, rounds: int) -> dict[str, list[float]]:
-    """Cores of the app's processes, the idle states in turns."""
+def measure_idle(client: Any, seconds: float, rounds: int) -> dict[str, list[float]]:
+    """Cores of the app's processes (its replica and ranks), the idle states in turns."""
+    pids = [serve_replica_pid(APP, NAME), *(w["pid"] for w in client.status()["workers"])]
 
     def measure(state: str) -> float:
         sessions = [client.session(1, max_tokens=T, name=f"idle-{i}") for i in range(IDLE_STATES[state])]
         peers = [s.join(0) for s in sessions]
         try:
-            return idle_cores(pids, seconds)
+            start, t0 = cpu_seconds(pids), time.monotonic()
+            time.sleep(seconds)
+            return (cpu_seconds(pids) - start) / (time.monotonic() - t0)
         finally:
             for s, p in zip(sessions, peers, strict=True):
                 s.close()
@@ -122,7 +107,7 @@ def measure_serve_path(client: Any, layers: list[int], hidden: int, calls: int) 
     for n in STEPPING:
         steppers = [Stepper(client, f"stepping-{i}", 1, layers, hidden).start() for i in range(n)]
         try:
-            times = harness.time_calls(lambda: client.forward(x, 1), calls).seconds
+            times = harness.time_calls(lambda: client.forward(x, 1), calls)
         finally:
             steps = [s.close() for s in steppers]
         out[str(n)] = {**harness.latency_ms(times), "session_steps": steps}
@@ -174,18 +159,13 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
     ]
 
 
-def idle_cells(state: str, cores: list[float], v: dict[str, Any]) -> list[Any]:
-    judged = state != "app"
-    return [state, ", ".join(f"{c:.3f}" for c in cores), f"{statistics.median(cores):.3f}",
-            verdict_text(v[f"idle_{state}"], ".3f") if judged else "",
-            verdict_word(v[f"idle_{state}"]["met"]) if judged else ""]
-
-
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     v, idle, serve, pair = results["verdicts"], results["idle_cores"], results["serve_path"], results["pair"]
     what = (f"one replica of a TP-2 group, tiny checkpoint, {len(results['layers'])} MoE layers, float32, "
             f"T = {T}; {results['rounds']} round(s)")
-    start = section_start(SECTION, "sessions", results["argv"], results["machine"], what, json_path, png_path)
+    idle_cells = [[state, ", ".join(f"{c:.3f}" for c in cores), f"{statistics.median(cores):.3f}",
+                   *((verdict_text(v[f"idle_{state}"], ".3f"), verdict_word(v[f"idle_{state}"]["met"]))
+                     if state != "app" else ("", ""))] for state, cores in idle.items()]
     serve_cells = [[n, f"{serve[str(n)]['p50_ms']:.2f}", f"{serve[str(n)]['p90_ms']:.2f}",
                     verdict_text(v[f"serve_{n}"]) if n else "", serve[str(n)]["session_steps"]]
                    for n in STEPPING]
@@ -194,10 +174,10 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                   for i, rounds in enumerate(zip(pair["at_once"], pair["one_after_the_other"], strict=True))
                   for mode, r in zip(("at once", "one after the other"), rounds, strict=True)]
     return "\n".join([
-        start, "", "**Idle**: cores of the app's processes (its replica and ranks), each window "
+        section_start(SECTION, "sessions", results["argv"], results["machine"], what, json_path, png_path),
+        "", "**Idle**: cores of the app's processes (its replica and ranks), each window "
         f"{results['idle_s']:g} s, states in turns.", "",
-        *table("state | cores, each round | median | over the app alone (median) | verdict",
-               (idle_cells(state, idle[state], v) for state in IDLE_STATES)),
+        *table("state | cores, each round | median | over the app alone (median) | verdict", idle_cells),
         "", f"**The Serve path beside stepping sessions**: {results['calls']} handle calls of {T} rows, "
         "layer 1, while sessions of one peer each step every layer back to back.", "",
         *table("sessions stepping | p50 ms | p90 ms | / p50 with none | their steps meanwhile", serve_cells),
@@ -212,13 +192,10 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
 
 def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = harness.pyplot().subplots(1, 2, figsize=(9, 3.2))
-    serve = results["serve_path"]
+    serve, pair = results["serve_path"], results["pair"]
     axes[0].bar([str(n) for n in STEPPING], [serve[str(n)]["p50_ms"] for n in STEPPING], color="tab:blue")
-    axes[0].set_xlabel("sessions stepping")
-    axes[0].set_ylabel("Serve-path p50, ms")
-    pair = results["pair"]
-    modes = ("at_once", "one_after_the_other")
-    medians = [statistics.median(r["worker_steps_per_s"] for r in pair[m]) for m in modes]
+    axes[0].set(xlabel="sessions stepping", ylabel="Serve-path p50, ms")
+    medians = [statistics.median(r["worker_steps_per_s"] for r in rounds) for rounds in pair.values()]
     axes[1].bar(["at once", "one after the other"], medians, color="tab:green")
     axes[1].set_ylabel("worker-steps/s (median)")
     harness.save_figure(fig, path, dpi=100)
@@ -236,17 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         args.idle_s, args.seconds, args.calls, args.rounds = 2.0, 2.0, 100, 1
     from deployments.client import MoEClient
 
-    ckpt = harness.preset_checkpoint("tiny", args.layers + 1)
     machine = harness.machine_record(with_ray=True)
     spec = {"name": NAME, "tp_size": 2, "dtype": "float32", "tail": "sharded", "auto_tune_tokens": "none",
             "batch_wait_timeout_s": 0.0}
-    with harness.local_app(ckpt, APP, [spec], num_cpus=8, num_gpus=2):
+    app_args = {"checkpoint": str(harness.preset_checkpoint("tiny", args.layers + 1)), "deployments": [spec]}
+    with harness.serving(app_args, APP, num_cpus=8, num_gpus=2):
         client = MoEClient.direct(NAME, APP, timeout_s=120)
-        layers = list(client.status()["layers"])
-        hidden = client.status()["workers"][0]["hidden_size"]
-        pids = app_pids(client)
+        status = client.status()
+        layers, hidden = list(status["layers"]), status["workers"][0]["hidden_size"]
         print("idle windows", flush=True)
-        idle = measure_idle(client, pids, args.idle_s, args.rounds)
+        idle = measure_idle(client, args.idle_s, args.rounds)
         print("the Serve path beside stepping sessions", flush=True)
         serve = measure_serve_path(client, layers, hidden, args.calls)
         print("two sessions at once and one after the other", flush=True)

@@ -1,18 +1,11 @@
 """Tail benchmark: every legal tail at several TP sizes and token counts, side by side.
 
-For each P and T it reports the median time of the tail alone (everything after the
-experts, replayed on the same partials) and of the whole layer, the per-stage breakdown,
-the bytes per token each rank hands to the tail's collectives (measured by counting), the
-fastest tail per T (crossovers), and the token-sharded routed input's down-projection
-time per routed-input mode (``off``, exact ``none``, and the lossy ``fp8-approx`` /
-``mxfp4-approx``, named as the deployment option names them). ``single_allreduce_wide`` is the
-earlier packing of the single all-reduce, ``[S | (gamma*L)Wup^T | L]`` in fp32 (width 2H + D),
-replayed here for comparison with today's ``[S | L]`` in the deployment dtype (H + D).
-
-Stage times come from the same replays as the totals: each replay is timed whole and by stage
-(the runner's stage timer, marks inside the timed interval), the reported total is the median
-replay's and the stage breakdown is that same replay's, so the stages of a row never add up to
-more than its total (``other`` is the rest: Python between the marks).
+For each P and T: the median time of the tail alone (everything after the experts, replayed on the
+same partials) and of the whole layer, each with the stages of that same replay (the runner's stage
+timer; ``other`` is the rest), the bytes per token each rank hands to the tail's collectives, the
+fastest tail per T, and the token-sharded routed input's down-projection per routed-input mode
+(``off``, exact ``none``, lossy ``fp8-approx`` / ``mxfp4-approx``). ``single_allreduce_wide``
+replays the earlier fp32 packing ``[S | (gamma*L)Wup^T | L]`` against today's ``[S | L]``.
 
     python -m scripts.bench.tail --tp 1 2 --tokens 1 16 256 2048       # small preset, minutes
     python -m scripts.bench.tail --preset tiny --tp 1 2 --tokens 1 16 --docs ''   # seconds
@@ -42,15 +35,14 @@ from .docs import Target, model_text, render_section, section_start, table, targ
 LAYER = 1
 SECTION = "# Tails (scripts/bench/tail.py)"
 ROUTED_INPUT_MODES = ("off", "none", "fp8-approx", "mxfp4-approx")  # dense experts: no exact mxfp4
+WIDE = "single_allreduce_wide"
 
 
 def timed_replays(runner: LatentMoERunner, fn, reps: int) -> dict:
-    """``fn`` once to warm up, then ``reps`` replays each timed whole and by stage in the same call.
-
-    Returns the median replay (by total; the lower middle one for an even count): its total
-    ``ms``, its ``stages_ms`` (the runner's stage timer, started inside the timed interval, so they
-    add up to at most ``ms``), ``other_ms`` (the rest), and every replay's total (``all_ms``).
-    """
+    """``fn`` once to warm up, then ``reps`` replays each timed whole and by stage in the same call:
+    the median replay's total ``ms`` (the lower middle one for an even count), its own ``stages_ms``
+    (started inside the timed interval, so they add up to at most ``ms``), ``other_ms`` (the rest),
+    and every replay's total (``all_ms``)."""
     timer = runner.timer
     fn()
     replays = []
@@ -68,14 +60,13 @@ def timed_replays(runner: LatentMoERunner, fn, reps: int) -> dict:
     finally:
         timer.enabled = False
         timer.totals.clear()
-    ordered = sorted(replays, key=lambda r: r[0])
-    total, stages = ordered[(len(ordered) - 1) // 2]
+    total, stages = sorted(replays, key=lambda r: r[0])[(len(replays) - 1) // 2]
     return {"ms": total, "stages_ms": stages, "other_ms": total - sum(stages.values()),
             "all_ms": [r[0] for r in replays]}
 
 
 def _replay_tail(runner: LatentMoERunner, tail: str, L, S, dtype) -> None:
-    runner.apply_tail(tail, L.clone(), None if S is None else S.clone(), dtype)
+    runner.apply_tail(tail, L.clone(), None if S is None else S.clone(), dtype)  # it may modify its partials
 
 
 def _replay_wide_single_allreduce(runner: LatentMoERunner, L, S, dtype) -> torch.Tensor:
@@ -83,11 +74,9 @@ def _replay_wide_single_allreduce(runner: LatentMoERunner, L, S, dtype) -> torch
     ``R = ((gamma * L) Wup^T) / rms(L)`` and one fp32 all-reduce of
     ``[S | (gamma * L) Wup^T | L]`` carries everything; the rms is applied after it."""
     H, w = runner.cfg.hidden_size, runner.w
-    scaled = L if w.norm_D is None else L * w.norm_D
-    PR_TH = runner._up(scaled, dtype).float()
+    PR_TH = runner._up(L if w.norm_D is None else L * w.norm_D, dtype).float()
     runner.timer.mark("up_proj")
-    parts = [PR_TH, L] if S is None else [S.float(), PR_TH, L]
-    buf = runner.comm.all_reduce(torch.cat(parts, dim=1))
+    buf = runner.comm.all_reduce(torch.cat([PR_TH, L] if S is None else [S.float(), PR_TH, L], dim=1))
     runner.timer.mark("collectives")
     offset = 0 if S is None else H
     R_TH = buf[:, offset : offset + H]
@@ -95,15 +84,6 @@ def _replay_wide_single_allreduce(runner: LatentMoERunner, L, S, dtype) -> torch
         L_sum = buf[:, offset + H :]
         R_TH = R_TH * torch.rsqrt(L_sum.pow(2).mean(-1, keepdim=True) + runner.cfg.rms_norm_eps)
     return (R_TH if S is None else buf[:, :H] + R_TH).to(dtype)
-
-
-WIDE = "single_allreduce_wide"
-
-
-def _collective_bytes_per_token(comm: Collectives, run, T: int) -> float:
-    comm.nbytes.clear()
-    run()
-    return sum(comm.nbytes.values()) / T
 
 
 def _tail_rows(comm: Collectives, runners: dict, base: LatentMoERunner, x: torch.Tensor, dtype,
@@ -121,12 +101,14 @@ def _tail_rows(comm: Collectives, runners: dict, base: LatentMoERunner, x: torch
         tail_t = timed_replays(runner, run_tail, tail_reps if T < 4096 else max(3, tail_reps // 2))
         layer_t = None if tail == WIDE else timed_replays(runner, partial(runner.forward, x, tail=tail),
                                                           1 if T >= 4096 else 3)
+        comm.nbytes.clear()
+        run_tail()
         rows.append({"P": comm.world, "T": T, "tail": tail, "tail_ms": tail_t["ms"],
                      "tail_stages_ms": tail_t["stages_ms"], "tail_other_ms": tail_t["other_ms"],
                      "tail_all_ms": tail_t["all_ms"], "layer_ms": layer_t and layer_t["ms"],
                      "layer_stages_ms": {} if layer_t is None else layer_t["stages_ms"],
                      "layer_other_ms": layer_t and layer_t["other_ms"],
-                     "collective_bytes_per_token": _collective_bytes_per_token(comm, run_tail, T)})
+                     "collective_bytes_per_token": sum(comm.nbytes.values()) / T})
     return rows
 
 
@@ -164,45 +146,36 @@ def _rank_bench(comm: Collectives, ckpt: str, tokens: list[int], dtype_name: str
 
 
 def _crossovers(rows: list[dict]) -> dict[int, list[dict]]:
+    """Per P and T the fastest tail (sequence_parallel, which returns only a rank's rows, and the wide
+    replay excluded)."""
     out: dict[int, list[dict]] = {}
-    for P in sorted({r["P"] for r in rows}):
-        best = []
-        for T in sorted({r["T"] for r in rows if r["P"] == P}):
-            cands = [r for r in rows
-                     if r["P"] == P and r["T"] == T and r["tail"] not in ("sequence_parallel", WIDE)]
-            win = min(cands, key=lambda r: r["tail_ms"])
-            best.append({"T": T, "fastest_tail": win["tail"], "tail_ms": win["tail_ms"]})
-        out[P] = best
+    for P, T in sorted({(r["P"], r["T"]) for r in rows}):
+        win = min((r for r in rows if (r["P"], r["T"]) == (P, T)
+                   and r["tail"] not in ("sequence_parallel", WIDE)), key=lambda r: r["tail_ms"])
+        out.setdefault(P, []).append({"T": T, "fastest_tail": win["tail"], "tail_ms": win["tail_ms"]})
     return out
 
 
 def compute_targets(rows: list[dict], routed: list[dict], tp: list[int], tokens: list[int]) -> dict:
     """Each target's measured ratio and its verdict, from the rows (nothing assumed)."""
-
-    def tail_ms(P: int, T: int, tail: str) -> float | None:
-        hit = [r["tail_ms"] for r in rows if (r["P"], r["T"], r["tail"]) == (P, T, tail)]
-        return hit[0] if hit else None
-
+    ms = {(r["P"], r["T"], r["tail"]): r["tail_ms"] for r in rows}
     targets = {}
+
+    def ratio(name: str, a: tuple, b: tuple, op: str, limit: float) -> None:
+        if ms.get(a) and ms.get(b):
+            targets[name] = verdict(ms[a] / ms[b], op, limit)
+
     for T in [t for t in tokens if t >= 2048]:
-        s, r = tail_ms(2, T, "sharded"), tail_ms(2, T, "replicated")
-        if s and r:
-            targets[f"P2_T{T}_sharded_over_replicated"] = verdict(s / r, "<=", 0.75)
+        ratio(f"P2_T{T}_sharded_over_replicated", (2, T, "sharded"), (2, T, "replicated"), "<=", 0.75)
     for P in [p for p in tp if p > 1]:
         for T in tokens:
-            new, old = tail_ms(P, T, "single_allreduce"), tail_ms(P, T, WIDE)
-            if new and old:
-                targets[f"P{P}_T{T}_single_allreduce_over_wide"] = verdict(new / old, "<", 1)
+            ratio(f"P{P}_T{T}_single_allreduce_over_wide", (P, T, "single_allreduce"), (P, T, WIDE), "<", 1)
     for P in [p for p in tp if p > 1]:  # at P = 1 there is no collective to save
-        s, r = tail_ms(P, 1, "single_allreduce"), tail_ms(P, 1, "replicated")
-        if s and r:
-            targets[f"P{P}_T1_single_allreduce_over_replicated"] = verdict(s / r, "<", 1)
-    Tmax = max(tokens)
-    off = [x for x in routed if x["P"] == 2 and x["T"] == Tmax and x["routed_input"] == "off"]
-    on = [x for x in routed if x["P"] == 2 and x["T"] == Tmax and x["routed_input"] == "none"]
-    if off and on and on[0]["down_proj_ms"] > 0:
-        speedup = off[0]["down_proj_ms"] / on[0]["down_proj_ms"]
-        targets[f"P2_T{Tmax}_down_proj_speedup"] = verdict(speedup, ">=", 1.6)
+        ratio(f"P{P}_T1_single_allreduce_over_replicated", (P, 1, "single_allreduce"), (P, 1, "replicated"),
+              "<", 1)
+    down = {x["routed_input"]: x["down_proj_ms"] for x in routed if (x["P"], x["T"]) == (2, max(tokens))}
+    if down.get("off") and down.get("none"):
+        targets[f"P2_T{max(tokens)}_down_proj_speedup"] = verdict(down["off"] / down["none"], ">=", 1.6)
     return targets
 
 
@@ -210,46 +183,37 @@ def index_rows(result: dict) -> list[Target]:
     return [target(name, v) for name, v in result["targets"].items()]
 
 
-def _stage(r: dict, key: str, stage: str) -> str:
-    v = r[key].get(stage)
-    return "" if v is None else f"{v:.2f}"
-
-
 def tail_cells(r: dict) -> list:
     def ms(v: float | None) -> str:
         return "" if v is None else f"{v:.2f}"
 
-    return [r["P"], r["T"], r["tail"], f"{r['tail_ms']:.2f}", _stage(r, "tail_stages_ms", "collectives"),
-            _stage(r, "tail_stages_ms", "up_proj"), f"{r['tail_other_ms']:.2f}", ms(r["layer_ms"]),
-            *(_stage(r, "layer_stages_ms", s) for s in ("down_proj", "experts", "collectives", "up_proj")),
+    tail, layer = r["tail_stages_ms"], r["layer_stages_ms"]
+    return [r["P"], r["T"], r["tail"], ms(r["tail_ms"]), ms(tail.get("collectives")), ms(tail.get("up_proj")),
+            ms(r["tail_other_ms"]), ms(r["layer_ms"]),
+            *(ms(layer.get(s)) for s in ("down_proj", "experts", "collectives", "up_proj")),
             ms(r["layer_other_ms"]), f"{r['collective_bytes_per_token']:.0f}"]
 
 
 def markdown(result: dict, json_path: str, png_path: str) -> str:
     m, model = result["machine"], result["model"]
     lines = [
-        section_start(
-            SECTION, "tail", result["argv"], m,
-            f"`{result['preset']}` preset ({model_text(model)}), "
-            f"{result['dtype']}, gloo on CPU, TP {', '.join(map(str, result['tp']))}",
-            json_path),
+        section_start(SECTION, "tail", result["argv"], m, f"`{result['preset']}` preset "
+                                                          f"({model_text(model)}), "
+                      f"{result['dtype']}, gloo on CPU, TP {', '.join(map(str, result['tp']))}",
+                      json_path),
         "",
         "Tail = everything after the experts (collectives, norm, up-projection), replayed on the same "
-        "partials; layer = a whole forward. Each number is the median of its replays; the stage "
-        "columns "
+        "partials; layer = a whole forward. Each number is the median of its replays; the stage columns "
         "are the stages *of that same replay* (one timed call gives the total and its stages), so they "
-        "never add up to more than the total; `other` is the rest (Python between the stage marks).",
-        "",
+        "never add up to more than the total; `other` is the rest (Python between the stage marks).", "",
         *table("P | T | tail | tail ms | tail: collectives | tail: up-proj | tail: other | layer ms "
                "| layer: down-proj | layer: experts | layer: collectives | layer: up-proj | layer: other "
-               "| B/token", map(tail_cells, result["rows"]), "rrlrrrrrrrrrrr"),
-    ]
-    lines += ["", f"`{WIDE}` is the earlier fp32 `[S | (gamma*L)Wup^T | L]` packing, replayed for comparison "
-              "(tail only). Fastest tail per token count (sequence_parallel and the wide replay excluded: "
-              "the first returns only a rank's rows):", ""]
-    for P, best in result["crossovers"].items():
-        lines.append(f"- TP {P}: " + " -> ".join(f"T={b['T']}: {b['fastest_tail']} ({b['tail_ms']:.2f} ms)"
-                                                  for b in best))
+               "| B/token", map(tail_cells, result["rows"]), "rrlrrrrrrrrrrr"), "",
+        f"`{WIDE}` is the earlier fp32 `[S | (gamma*L)Wup^T | L]` packing, replayed for comparison "
+        "(tail only). Fastest tail per token count (sequence_parallel and the wide replay excluded: "
+        "the first returns only a rank's rows):", "",
+        *(f"- TP {P}: " + " -> ".join(f"T={b['T']}: {b['fastest_tail']} ({b['tail_ms']:.2f} ms)"
+                                      for b in best) for P, best in result["crossovers"].items())]
     if result["routed_input"]:
         lines += ["", "Token-sharded routed input (per rank): the routed-input modes by their deployment "
                   "names; `fp8-approx` and `mxfp4-approx` are lossy (they change a request's output with "
@@ -259,12 +223,10 @@ def markdown(result: dict, json_path: str, png_path: str) -> str:
                          ([x["P"], x["T"], x["routed_input"], *(f"{x[k]:.2f}" for k in (
                              "total_ms", "down_proj_ms", "gather_ms", "other_ms"))]
                           for x in result["routed_input"]), "rrlrrrr")]
-    lines += ["", "Targets (ratios of the medians above; verdicts computed by the script):", ""]
-    if not result["targets"]:
-        lines.append("- none measurable with these TP sizes and token counts")
-    for name, t in result["targets"].items():
-        lines.append(f"- {name}: {verdict_text(t)}")
-    lines += ["", "Reading (computed from this run): " + reading(result)]
+    lines += ["", "Targets (ratios of the medians above; verdicts computed by the script):", "",
+              *([f"- {name}: {verdict_text(t)}" for name, t in result["targets"].items()]
+                or ["- none measurable with these TP sizes and token counts"]),
+              "", "Reading (computed from this run): " + reading(result)]
     return "\n".join(lines)
 
 
@@ -272,35 +234,28 @@ def reading(result: dict) -> str:
     """Sentences whose every claim is a comparison of this run's numbers."""
     out = []
     for P, best in result["crossovers"].items():
-        winners = [b["fastest_tail"] for b in best]
-        if len(set(winners)) == 1:
-            out.append(f"at TP {P} `{winners[0]}` was the fastest tail at every T measured.")
-        else:
-            out.append(f"at TP {P} the fastest tail changed with T ({', '.join(dict.fromkeys(winners))}), "
-                       "which is why `tail: auto` measures on the deployment's own group.")
-    rows = result["rows"]
-    for P in sorted({r["P"] for r in rows if r["P"] > 1}):
-        for T in sorted({r["T"] for r in rows if r["P"] == P}):
-            by = {r["tail"]: r for r in rows if (r["P"], r["T"]) == (P, T)}
-            if "sharded" in by and "replicated" in by:
-                s, rp = by["sharded"], by["replicated"]
-                su, ru = s["tail_stages_ms"].get("up_proj"), rp["tail_stages_ms"].get("up_proj")
-                if su is not None and ru:
-                    out.append(f"TP {P}, T={T}: sharded tail {s['tail_ms']:.2f} ms vs replicated "
-                               f"{rp['tail_ms']:.2f} ms, up-projection {su:.2f} vs {ru:.2f} ms "
-                               f"({su / ru:.2f}x).")
+        winners = list(dict.fromkeys(b["fastest_tail"] for b in best))
+        out.append(f"at TP {P} `{winners[0]}` was the fastest tail at every T measured." if len(winners) == 1
+                   else f"at TP {P} the fastest tail changed with T ({', '.join(winners)}), which is why "
+                   "`tail: auto` measures on the deployment's own group.")
+    by = {(r["P"], r["T"], r["tail"]): r for r in result["rows"] if r["P"] > 1}
+    for (P, T, tail), s in sorted(by.items()):
+        rp = by.get((P, T, "replicated"))
+        su, ru = s["tail_stages_ms"].get("up_proj"), rp and rp["tail_stages_ms"].get("up_proj")
+        if tail == "sharded" and su is not None and ru:
+            out.append(f"TP {P}, T={T}: sharded tail {s['tail_ms']:.2f} ms vs replicated "
+                       f"{rp['tail_ms']:.2f} ms, up-projection {su:.2f} vs {ru:.2f} ms ({su / ru:.2f}x).")
     routed = result["routed_input"]
     for P in sorted({x["P"] for x in routed}):
         Tmax = max(x["T"] for x in routed if x["P"] == P)
         by = {x["routed_input"]: x for x in routed if (x["P"], x["T"]) == (P, Tmax)}
         if "off" in by and "none" in by and by["none"]["down_proj_ms"] > 0:
-            out.append(f"Token-sharded routed input at TP {P}, T={Tmax}: down-projection "
-                       f"{by['off']['down_proj_ms']:.2f} -> {by['none']['down_proj_ms']:.2f} ms "
-                       f"({by['off']['down_proj_ms'] / by['none']['down_proj_ms']:.2f}x), for an all-gather "
-                       "of "
-                       f"{by['none']['gather_ms']:.2f} ms; " + ", ".join(
-                           f"{q} gather {by[q]['gather_ms']:.2f} ms" for q in ("fp8-approx", "mxfp4-approx")
-                           if q in by) + ".")
+            off, on = by["off"]["down_proj_ms"], by["none"]["down_proj_ms"]
+            lossy = [f"{q} gather {by[q]['gather_ms']:.2f} ms" for q in ROUTED_INPUT_MODES[2:] if q in by]
+            out.append(f"Token-sharded routed input at TP {P}, T={Tmax}: down-projection {off:.2f} -> "
+                       f"{on:.2f} ms ({off / on:.2f}x), for an all-gather of {by['none']['gather_ms']:.2f} "
+                       f"ms; "
+                       + ", ".join(lossy) + ".")
     return " ".join(sentence[0].upper() + sentence[1:] for sentence in out) or "Nothing to compare."
 
 
@@ -315,20 +270,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", type=Path, help="measure nothing: rewrite the page from this JSON")
     args = ap.parse_args(argv)
     if args.render:
-        render_section(args.render, markdown, index_rows, Path(args.docs), "tail")
+        render_section(args.render, markdown, index_rows, args.docs, "tail")
         return 0
     ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
-    cfg = LatentMoEConfig.from_pretrained(ckpt)
-    machine = harness.machine_record()
-    rows, routed = [], []
+    machine, rows, routed = harness.machine_record(), [], []
     for P in args.tp:
         print(f"TP {P}: timing tails at T = {args.tokens} ...", flush=True)
         res = run_local_group(P, _rank_bench, str(ckpt), args.tokens, args.dtype, args.tail_reps,
                               timeout_s=3600)
         rows += res[0]["rows"]
         routed += res[0]["routed_input"]
-    preset = args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}"
-    result = {"preset": preset, "tp": args.tp, "dtype": args.dtype, "model": harness.model_record(cfg),
+    model = harness.model_record(LatentMoEConfig.from_pretrained(ckpt))
+    result = {"preset": args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}",
+              "tp": args.tp, "dtype": args.dtype, "model": model,
               "rows": rows, "routed_input": routed, "crossovers": _crossovers(rows),
               "targets": compute_targets(rows, routed, args.tp, args.tokens)}
     return harness.report(args, result, machine, markdown, index_rows)
