@@ -1,18 +1,12 @@
-"""Numerics benchmark: what each routed-input mode, the W4A4 emulation under
-both MXFP4 scale rules and the bf16 collectives do to the layer output, on a real TP group.
+"""Numerics benchmark: what each routed-input mode, the W4A4 emulation under both MXFP4 scale rules
+and the bf16 collectives do to the layer output, on a real TP group.
 
-For every case it reports the error against the single-device fp32 layer (``max |out - ref|
-/ max |ref|`` and the relative RMS) and, for the routed-input modes, **batch dependence**: a
-16-token request computed alone (below ``min_sharded_tokens``, so never token-sharded) against
-the same 16 rows inside a large batch. The exact modes give 0 there by design; the
-``*-approx`` modes do not.
-
-The MXFP4 activations (W4A4 experts, the ``mxfp4`` / ``mxfp4-approx`` routed input) run under
-both scale rules (``mxfp4_scale_rule``): ``even`` (AMD Quark's default, the production rule)
-and ``floor`` (plain OCP). It also counts where the two rules quantise a block differently, on
-random-normal blocks and on the layer's own activations (the latent ``h`` and every expert's
-gated activation), with each rule's quantisation error there, and compares W4A4 with W4A16 on
-one device under each rule.
+Per case: the error against the single-device fp32 layer (max |out - ref| / max |ref|, relative RMS)
+and, for the routed-input modes, **batch dependence** (a 16-token request alone, never token-sharded,
+against the same rows inside a large batch: 0 by design for the exact modes). The MXFP4 activations
+run under both scale rules (``even``, AMD Quark's and the default; ``floor``, plain OCP); where the
+two rules quantise a block differently is counted on random-normal blocks and the layer's own
+activations, and W4A4 is compared with W4A16 on one device under each rule.
 """
 
 from __future__ import annotations
@@ -34,7 +28,7 @@ from moe_runtime.tp.runner import build_rank_runners
 from moe_runtime.units import SCALE_RULES, SERVED_DTYPES, torch_dtype
 
 from . import harness
-from .docs import Target, model_text, run_record, section_start, table, target, verdict
+from .docs import Target, model_text, section_start, table, target, verdict
 
 SECTION = ("# Numerics: routed-input modes and W4A4 under both MXFP4 scale rules "
            "(`scripts/bench/numerics.py`)")
@@ -77,11 +71,9 @@ def _rank(comm: Collectives, dense: str, packed: str, batch: int, tail: str) -> 
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    d = got.float() - ref.float()
-    return {
-        "max_rel": d.abs().max().item() / ref.abs().max().item(),
-        "rms_rel": (d.pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()).item(),
-    }
+    d, ref = got.float() - ref.float(), ref.float()
+    return {"max_rel": d.abs().max().item() / ref.abs().max().item(),
+            "rms_rel": (d.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()}
 
 
 def _block_stats(tensors: list[torch.Tensor]) -> dict[str, Any]:
@@ -91,17 +83,10 @@ def _block_stats(tensors: list[torch.Tensor]) -> dict[str, Any]:
     flat = torch.cat([t.float().reshape(-1, mxfp4.BLOCK) for t in tensors])
     flat = flat[flat.abs().amax(-1) > 0]
     q = {rule: mxfp4.quantize_dequantize(flat, rule) for rule in RULES}
-    stats: dict[str, Any] = {
-        "blocks": flat.shape[0],
-        "differ": int((q["even"] != q["floor"]).any(-1).sum()),
-    }
-    for rule in RULES:
-        d = flat - q[rule]
-        stats[rule] = {
-            "worst_block": ((d.abs().amax(-1) / flat.abs().amax(-1)).max().item()),
-            "rms_rel": (d.pow(2).mean().sqrt() / flat.pow(2).mean().sqrt()).item(),
-        }
-    return stats
+    return {"blocks": flat.shape[0], "differ": int((q["even"] != q["floor"]).any(-1).sum()),
+            **{rule: {"worst_block": ((flat - q[rule]).abs().amax(-1) / flat.abs().amax(-1)).max().item(),
+                      "rms_rel": ((flat - q[rule]).pow(2).mean().sqrt() / flat.pow(2).mean().sqrt()).item()}
+               for rule in RULES}}
 
 
 class Recording:
@@ -127,14 +112,9 @@ def single_device(ckpts: dict[str, str], cfg: LatentMoEConfig, x: torch.Tensor) 
         seen[rule] = rec.seen
     # The experts quantise h first, then each active expert's gated activation (experts/base.py);
     # the rule changes the activations after h, so the statistics take the even run's tensors.
-    h, gated = seen["even"][0], seen["even"][1:]
     rand = torch.randn(RANDOM_BLOCKS, mxfp4.BLOCK, generator=torch.Generator().manual_seed(0))
-    blocks = {
-        "random normal": _block_stats([rand]),
-        "latent h": _block_stats([h]),
-        "gated activations": _block_stats(gated),
-    }
-    return truth, blocks
+    return truth, {"random normal": _block_stats([rand]), "latent h": _block_stats(seen["even"][:1]),
+                   "gated activations": _block_stats(seen["even"][1:])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,12 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     ckpts = {kind: str(harness.preset_checkpoint(args.preset, mxfp4=kind == "mxfp4"))
              for kind in ("dense", "mxfp4")}
     cfg = LatentMoEConfig.from_pretrained(ckpts["dense"])
-    machine = harness.machine_record()
-    start = time.perf_counter()
+    machine, start = harness.machine_record(), time.perf_counter()
     print(f"TP {args.tp}, batch {args.batch}, request {REQUEST}, tail {args.tail} ...", flush=True)
-    got = run_local_group(
-        args.tp, _rank, ckpts["dense"], ckpts["mxfp4"], args.batch, args.tail, timeout_s=3600
-    )[0]
+    got = run_local_group(args.tp, _rank, ckpts["dense"], ckpts["mxfp4"], args.batch, args.tail,
+                          timeout_s=3600)[0]
     x = make_input(args.batch, cfg.hidden_size)
     truth, blocks = single_device(ckpts, cfg, x)
     rows = []
@@ -161,26 +139,18 @@ def main(argv: list[str] | None = None) -> int:
                      "rule": "-", **_err(moe_forward(x.to(dtype), w, cfg), truth["dense"]),
                      "batch_dependence": None})
         for (dn, experts, mode, rule, which), out in got.items():
-            if dn != dname or which != "batch":
-                continue
-            alone = got[(dn, experts, mode, rule, "request")]
-            dep = (out[:REQUEST].float() - alone.float()).abs().max().item()
-            dep /= alone.float().abs().max().item()
-            rows.append({"dtype": dname, "experts": experts.split("-")[0], "case": f"TP {args.tp}",
-                         "routed_input": mode, "rule": rule, **_err(out, truth[experts]),
-                         "batch_dependence": dep})
+            if (dn, which) == (dname, "batch"):
+                alone = got[(dn, experts, mode, rule, "request")].float()
+                dep = (out[:REQUEST].float() - alone).abs().max().item() / alone.abs().max().item()
+                rows.append({"dtype": dname, "experts": experts.split("-")[0], "case": f"TP {args.tp}",
+                             "routed_input": mode, "rule": rule, **_err(out, truth[experts]),
+                             "batch_dependence": dep})
     machine["seconds"] = round(time.perf_counter() - start, 1)
-    results = {
-        "model": harness.model_record(cfg),
-        "preset": args.preset, "tp": args.tp, "batch": args.batch, "request": REQUEST, "tail": args.tail,
-        "blocks": blocks,
-        "single_device_fp32": {
-            **{f"w4a4 {rule} vs w4a16": _err(truth[f"w4a4-{rule}"], truth["w4a16"]) for rule in RULES},
-            "w4a4 even vs w4a4 floor": _err(truth["w4a4-even"], truth["w4a4-floor"]),
-            "w4a16 vs dense": _err(truth["w4a16"], truth["dense"]),
-        },
-        "rows": rows,
-    }
+    results = {"model": harness.model_record(cfg), "preset": args.preset, "tp": args.tp, "batch": args.batch,
+               "request": REQUEST, "tail": args.tail, "blocks": blocks, "rows": rows, "single_device_fp32": {
+                   **{f"w4a4 {rule} vs w4a16": _err(truth[f"w4a4-{rule}"], truth["w4a16"]) for rule in RULES},
+                   "w4a4 even vs w4a4 floor": _err(truth["w4a4-even"], truth["w4a4-floor"]),
+                   "w4a16 vs dense": _err(truth["w4a16"], truth["dense"])}}
     return harness.report(args, results, machine, markdown, index_rows)
 
 
@@ -197,32 +167,26 @@ def _fmt(v: float | None) -> str:
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
-    env, m, b, sd = run_record(results), results["model"], results["blocks"], results["single_device_fp32"]
-    lines = [
-        section_start(
-            SECTION, "numerics", results["argv"], env,
-            f"{env['seconds']} s (the numbers below are exact and deterministic, load changes only the "
-            f"time); `{results['preset']}` preset ({model_text(m)}, random weights), layer {LAYER}, "
-            f"batch {results['batch']}", json_path),
-        "",
+    env, m, b, sd = results["machine"], results["model"], results["blocks"], results["single_device_fp32"]
+    return "\n".join([
+        section_start(SECTION, "numerics", results["argv"], env,
+                      f"{env['seconds']} s (the numbers below are exact and deterministic, load changes only "
+                      f"the time); `{results['preset']}` preset ({model_text(m)}, random weights), layer "
+                      f"{LAYER}, batch {results['batch']}", json_path), "",
         "**Where the two MXFP4 scale rules differ.** `even` (the default: AMD Quark's, as vLLM's "
         "emulation and aiter's Triton quantiser round) against `floor` (plain OCP), per non-zero "
         "32-block; error = the rule's quantise-dequantise against the unquantised block: the worst "
-        "block's max|x - q| / amax, and the RMS of x - q relative to the RMS of x:",
-        "",
+        "block's max|x - q| / amax, and the RMS of x - q relative to the RMS of x:", "",
         *table("tensor (fp32) | blocks | quantised differently | worst block, even | floor "
                "| rms rel error, even | floor",
                ([name, s["blocks"], f"{s['differ']} ({s['differ'] / s['blocks']:.1%})",
                  f"{s['even']['worst_block']:.3f}", f"{s['floor']['worst_block']:.3f}",
                  f"{s['even']['rms_rel']:.4f}", f"{s['floor']['rms_rel']:.4f}"] for name, s in b.items()),
-               "lrrrrrr"),
-        "",
+               "lrrrrrr"), "",
         "**W4A4 against W4A16, one device, fp32** (the MXFP4 checkpoint's experts, activations "
-        "fake-quantised or not; relative to max|out| and to the output RMS):",
-        "",
+        "fake-quantised or not; relative to max|out| and to the output RMS):", "",
         *table("comparison | max rel | rms rel",
-               ([name, f"{e['max_rel']:.2e}", f"{e['rms_rel']:.2e}"] for name, e in sd.items()), "lrr"),
-        "",
+               ([name, f"{e['max_rel']:.2e}", f"{e['rms_rel']:.2e}"] for name, e in sd.items()), "lrr"), "",
         f"**On a TP {results['tp']} gloo group** (tail `{results['tail']}`, min_sharded_tokens "
         f"{results['request'] + 1}). Error = max|out - ref| / max|ref| against the single-device fp32 "
         "layer of the same experts (dense: the dense layer; w4a16 / w4a4: the MXFP4 checkpoint "
@@ -230,33 +194,28 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         f"{results['request']}-token request alone (never token-sharded) against the same rows inside "
         "the batch, max|diff| / max|alone|. In bf16 a token whose `x` rounds differently may pick "
         "other experts (a routing flip), which shows in the max column first; the rms and "
-        "batch-dependence columns compare across dtypes.",
-        "",
+        "batch-dependence columns compare across dtypes.", "",
         *table("dtype | experts | MXFP4 rule | routed input | max rel error | rms rel error "
                "| batch dependence", map(case_cells, results["rows"]), "llllrrr"),
-        "", reading(results)]
-    return "\n".join(lines)
+        "", reading(results)])
 
 
 def case_cells(r: dict[str, Any]) -> list[Any]:
     mode = "mxfp4 (exact, deferred)" if r["routed_input"] == "mxfp4" else r["routed_input"]
-    if r["case"] == "single device":
-        mode = "off, single device"
-    dep = r["batch_dependence"]
-    dep_text = _fmt(dep) if dep is None or dep < 1e-3 else f"**{dep:.1e}**"
-    return [r["dtype"], r["experts"], r["rule"], mode, f"{r['max_rel']:.1e}", f"{r['rms_rel']:.1e}", dep_text]
+    mode, dep = "off, single device" if r["case"] == "single device" else mode, r["batch_dependence"]
+    return [r["dtype"], r["experts"], r["rule"], mode,
+            f"{r['max_rel']:.1e}", f"{r['rms_rel']:.1e}",
+            _fmt(dep) if dep is None or dep < 1e-3 else f"**{dep:.1e}**"]
 
 
 def reading(results: dict[str, Any]) -> str:
     """The reading, computed from the numbers."""
     b, sd, rows = results["blocks"], results["single_device_fp32"], results["rows"]
-    even, floor = sd["w4a4 even vs w4a16"], sd["w4a4 floor vs w4a16"]
+    even, floor, h = sd["w4a4 even vs w4a16"], sd["w4a4 floor vs w4a16"], b["latent h"]
     share = {k: v["differ"] / v["blocks"] for k, v in b.items()}
     w4a4_dep = {rule: max(r["batch_dependence"] for r in rows if r["experts"] == "w4a4" and r["rule"] == rule)
                 for rule in RULES}
     approx = {r["rule"]: r for r in rows if r["routed_input"] == "mxfp4-approx" and r["dtype"] == "float32"}
-    closer = "closer to" if even["rms_rel"] < floor["rms_rel"] else "further from"
-    h = b["latent h"]
     parts = [
         f"Reading: the production rule quantises {share['random normal']:.1%} of random-normal blocks, "
         f"{share['latent h']:.1%} of the latent's and {share['gated activations']:.1%} of the gated "
@@ -266,22 +225,21 @@ def reading(results: dict[str, Any]) -> str:
         f"{h['even']['worst_block']:.3f} of its amax, the rms error from {h['floor']['rms_rel']:.4f} to "
         f"{h['even']['rms_rel']:.4f}.",
         f"W4A4 moves the fp32 output {even['rms_rel']:.1%} (rms; {even['max_rel']:.1%} of max|out|) from "
-        f"W4A16 under `even` against {floor['rms_rel']:.1%} ({floor['max_rel']:.1%}) under `floor`, so "
-        f"the production rule is {closer} the unquantised-activation layer here; the two W4A4 layers "
-        f"differ by {sd['w4a4 even vs w4a4 floor']['rms_rel']:.1%} rms, the size of the error the old "
-        f"default made against production.",
+        f"W4A16 under `even` against {floor['rms_rel']:.1%} ({floor['max_rel']:.1%}) under `floor`, so the "
+        f"production rule is {'closer to' if even['rms_rel'] < floor['rms_rel'] else 'further from'} the "
+        f"unquantised-activation layer here; the two W4A4 layers differ by "
+        f"{sd['w4a4 even vs w4a4 floor']['rms_rel']:.1%} rms, the size of the error the old default made "
+        "against production.",
         f"W4A4 with and without the deferred MXFP4 routed input: batch dependence "
         f"{_fmt(w4a4_dep['even'])} under `even`, {_fmt(w4a4_dep['floor'])} under `floor` "
         + ("(a request's output never depends on its batch: the shard quantises with the deployment's "
            "rule, exactly as the experts do unsharded)."
-           if max(w4a4_dep.values()) == 0 else "(not 0: the deferred quantisation is not exact here)."),
-    ]
+           if max(w4a4_dep.values()) == 0 else "(not 0: the deferred quantisation is not exact here).")]
     if {"even", "floor"} <= approx.keys():
-        parts.append(
-            f"`mxfp4-approx` in front of dense experts (fp32): max error {approx['even']['max_rel']:.1%} "
-            f"under `even`, {approx['floor']['max_rel']:.1%} under `floor`; batch dependence "
-            f"{approx['even']['batch_dependence']:.1%} / {approx['floor']['batch_dependence']:.1%}."
-        )
+        parts.append(f"`mxfp4-approx` in front of dense experts (fp32): max error "
+                     f"{approx['even']['max_rel']:.1%} "
+                     f"under `even`, {approx['floor']['max_rel']:.1%} under `floor`; batch dependence "
+                     f"{approx['even']['batch_dependence']:.1%} / {approx['floor']['batch_dependence']:.1%}.")
     return " ".join(parts)
 
 

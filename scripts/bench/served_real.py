@@ -1,27 +1,15 @@
 """One served layer end to end: `serve run`, time to ready, one POST, error vs the CLI, peak memory.
 
-What the README's real-size served run claims, as a script. For a checkpoint, TP size and dtype:
-
-1. the CLI reference: ``python -m moe_runtime forward`` on the same input (seeded ``[T, H]``), at the
-   same TP size and dtype, under scripts/bench/rss.py's sampler (its whole process tree);
-2. ``serve run`` of a generated Serve config (``deployments.app:build_app`` with the checkpoint,
-   ``tp_size``, ``dtype`` and ``layers: [layer]``; HTTP on a free local port), as a child process
-   whose whole tree (the Ray instance it starts: GCS, raylet, replica, TP ranks) is sampled the same
-   way from launch to shutdown;
-3. time to ready (launch until ``GET /healthz`` answers 200), then one
-   ``POST /v1/layers/{layer}/forward`` (``HTTPMoEClient``): its status and wall time, and the answer's
-   relative (Frobenius) and max-abs difference from the CLI's output;
-4. Ctrl-C (SIGINT) to `serve run`, which tears the app and its Ray instance down.
-
-Peaks are anonymous + shmem RSS summed over the tree, and PSS (shared pages divided among the
-processes that map them); see scripts/bench/rss.py.
+What the README's real-size served run claims, as a script: the CLI reference (``python -m
+moe_runtime forward`` on the same seeded input, TP size and dtype), then ``serve run`` of a generated
+config (``deployments.app:build_app``, HTTP on a free local port) as a child process: time to ready
+(``GET /healthz``), one ``POST /v1/layers/{layer}/forward`` (its time, and its error against the
+CLI's output), then Ctrl-C. Both process trees' peak anonymous + shmem RSS and PSS are sampled
+(``bench.rss``).
 
     python -m scripts.bench.served_real --preset tiny --tp 2            # seconds of compute, ~1-2 min
     python -m scripts.bench.served_real --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 \\
         --tokens 4 --seed 11 --ready-timeout 1800                       # the real-size run: ~17 GB RSS
-
-Uses ``deployments`` only through ``serve run deployments.app:build_app`` (a config file) and
-``deployments.client.HTTPMoEClient``.
 """
 
 from __future__ import annotations
@@ -45,39 +33,17 @@ from moe_runtime.tp.collectives import free_port
 from moe_runtime.units import torch_dtype
 
 from . import ROOT, harness
-from .docs import model_text, no_targets, run_record, section_start
+from .docs import model_text, section_start, table
 from .rss import TreeSampler, measure
 
 SECTION = "# Served layer: `serve run`, one POST, vs the CLI (scripts/bench/served_real.py)"
 APP = "served"
 
 
-def serve_config(ckpt: Path, tp: int, dtype: str, layer: int, port: int, tokens: int,
-                 tail: str) -> dict[str, Any]:
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{
-            "name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
-            "args": {"checkpoint": str(ckpt), "tp_size": tp, "dtype": dtype, "layers": [layer], "tail": tail,
-                     "max_tokens_per_request": max(tokens, 16), "max_batch_tokens": max(tokens, 16),
-                     "num_replicas": 1},
-        }],
-    }
-
-
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    got, ref = got.double(), ref.double()
-    return {"rel_frobenius": ((got - ref).norm() / ref.norm()).item(),
-            "max_abs": (got - ref).abs().max().item(), "max_abs_ref": ref.abs().max().item()}
-
-
 def wait_ready(client, proc: subprocess.Popen, timeout_s: float) -> float | None:
     """Seconds from now until /healthz answers 200 (None if `serve run` exited or time ran out)."""
     start = time.perf_counter()
-    while time.perf_counter() - start < timeout_s:
-        if proc.poll() is not None:
-            return None
+    while time.perf_counter() - start < timeout_s and proc.poll() is None:
         try:
             client.healthz()
             return time.perf_counter() - start
@@ -86,76 +52,48 @@ def wait_ready(client, proc: subprocess.Popen, timeout_s: float) -> float | None
     return None
 
 
-def cli_reference(args: argparse.Namespace, ckpt: Path, layer: int, work: Path,
-                  env: dict[str, str]) -> tuple[dict[str, Any], torch.Tensor]:
-    """``python -m moe_runtime forward`` on the run's input: its memory record and its output."""
-    cli = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(ckpt), "--layer", str(layer),
-           "--input", str(work / "in.safetensors"), "--output", str(work / "cli.safetensors"),
-           "--tp", str(args.tp), "--dtype", args.dtype, "--tail", args.tail]
-    rc, cli_mem = measure(cli, args.interval, cwd=ROOT, env=env)
-    if rc != 0:
-        raise SystemExit(f"the CLI reference failed (exit {rc}): {' '.join(cli)}")
-    return cli_mem, load_file(str(work / "cli.safetensors"))["output"]
-
-
 def post_once(client: Any, proc: subprocess.Popen, args: argparse.Namespace, x: torch.Tensor, layer: int,
               ref: torch.Tensor) -> dict[str, Any]:
     """`serve run`'s time to ready, then one POST: its time and error against the CLI's answer."""
-    start = time.perf_counter()
-    if wait_ready(client, proc, args.ready_timeout) is None:
+    ready_s = wait_ready(client, proc, args.ready_timeout)
+    if ready_s is None:
         raise SystemExit(f"`serve run` was not ready within {args.ready_timeout} s (exit {proc.poll()})")
-    served: dict[str, Any] = {"ready_s": round(time.perf_counter() - start, 2)}
     t0 = time.perf_counter()
-    out = client.forward(x, layer)
-    served["answer_s"] = round(time.perf_counter() - t0, 3)
+    got = client.forward(x, layer).double()
+    answer_s = time.perf_counter() - t0
     status = client.status()  # after the first forward, which decides the group transport
-    served["status"] = 200  # HTTPMoEClient raises on anything else
-    served.update(rel_error(out.float(), ref.float()))
     dep = next(iter(status.get("deployments", {}).values()), status)
-    served["experts_backend"] = dep.get("experts_backend") if isinstance(dep, dict) else None
-    served["group_transport"] = dep.get("group_transport") if isinstance(dep, dict) else None
-    return served
+    dep = dep if isinstance(dep, dict) else {}
+    ref = ref.double()
+    return {"ready_s": round(ready_s, 2), "answer_s": round(answer_s, 3), "status": 200,  # else it raised
+            "rel_frobenius": ((got - ref).norm() / ref.norm()).item(),
+            "max_abs": (got - ref).abs().max().item(),
+            "max_abs_ref": ref.abs().max().item(), "experts_backend": dep.get("experts_backend"),
+            "group_transport": dep.get("group_transport")}
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """What Ctrl-C does (Serve tears the app down), then SIGKILL if it has not ended in 2 minutes."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def serve_run(args: argparse.Namespace, ckpt: Path, layer: int, x: torch.Tensor, ref: torch.Tensor,
+              work: Path, env: dict[str, str]) -> dict[str, Any]:
+    """``serve run`` of a generated config as a child process, its tree sampled from launch to
+    shutdown; one POST; then what Ctrl-C does (Serve tears the app down; SIGKILL after 2 minutes)."""
     from deployments.client import HTTPMoEClient
 
-    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
-    cfg = LatentMoEConfig.from_pretrained(ckpt)
-    layer = args.layer or cfg.moe_layers[0]
-    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=args.seed, dtype=torch_dtype(args.dtype))
-    save_file({"hidden_states": x.contiguous()}, str(work / "in.safetensors"))
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    result: dict[str, Any] = {
-        "machine": harness.machine_record(), "model": harness.model_record(cfg),
-        "checkpoint": str(ckpt), "preset": None if args.checkpoint else args.preset,
-        "tp": args.tp, "dtype": args.dtype, "layer": layer, "tokens": args.tokens, "seed": args.seed,
-        "tail": args.tail,
-    }
-    print("CLI reference ...", flush=True)
-    result["cli"], ref = cli_reference(args, ckpt, layer, work, env)
-    port = free_port()
-    (work / "serve.yaml").write_text(yaml.safe_dump(serve_config(ckpt, args.tp, args.dtype, layer, port,
-                                                                 args.tokens, args.tail)))
+    port, size = free_port(), max(args.tokens, 16)
+    app_args = {"checkpoint": str(ckpt), "tp_size": args.tp, "dtype": args.dtype, "layers": [layer],
+                "tail": args.tail, "max_tokens_per_request": size, "max_batch_tokens": size,
+                "num_replicas": 1}
+    (work / "serve.yaml").write_text(yaml.safe_dump({
+        "proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": APP, "route_prefix": "/", "import_path": "deployments.app:build_app",
+                          "args": app_args}]}))
     print(f"serve run (HTTP on 127.0.0.1:{port}) ...", flush=True)
     start = time.perf_counter()
     # Started in the background, this process has SIGINT ignored and `serve run` would inherit
     # that, ignoring the Ctrl-C that stops it below; a handler is reset to the default at exec.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     with (work / "serve.log").open("w") as log:
-        serve_run = [str(Path(sys.executable).with_name("serve")), "run", str(work / "serve.yaml")]
-        proc = subprocess.Popen(serve_run, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        cmd = [str(Path(sys.executable).with_name("serve")), "run", str(work / "serve.yaml")]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         sampler = TreeSampler(proc.pid, args.interval).start()
         client = HTTPMoEClient(f"http://127.0.0.1:{port}", timeout_s=args.ready_timeout)
@@ -163,35 +101,62 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             served = post_once(client, proc, args, x, layer, ref)
         finally:
             client.close()
-            stop(proc)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
             sampler.stop()
-    result["served"] = {**served, **sampler.to_dict(), "seconds_total": round(time.perf_counter() - start, 2)}
+    return {**served, **sampler.to_dict(), "seconds_total": round(time.perf_counter() - start, 2)}
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
+    cfg = LatentMoEConfig.from_pretrained(ckpt)
+    layer = args.layer or cfg.moe_layers[0]
+    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=args.seed, dtype=torch_dtype(args.dtype))
+    save_file({"hidden_states": x.contiguous()}, str(work / "in.safetensors"))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result: dict[str, Any] = {
+        "machine": harness.machine_record(), "model": harness.model_record(cfg), "checkpoint": str(ckpt),
+        "preset": None if args.checkpoint else args.preset, "tp": args.tp, "dtype": args.dtype,
+        "layer": layer, "tokens": args.tokens, "seed": args.seed, "tail": args.tail}
+    print("CLI reference ...", flush=True)
+    cli = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(ckpt), "--layer", str(layer),
+           "--input", str(work / "in.safetensors"), "--output", str(work / "cli.safetensors"),
+           "--tp", str(args.tp), "--dtype", args.dtype, "--tail", args.tail]
+    rc, result["cli"] = measure(cli, args.interval, cwd=ROOT, env=env)
+    if rc != 0:
+        raise SystemExit(f"the CLI reference failed (exit {rc}): {' '.join(cli)}")
+    ref = load_file(str(work / "cli.safetensors"))["output"]
+    result["served"] = serve_run(args, ckpt, layer, x, ref, work, env)
     return result
 
 
 def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
-    env, s, c, m = run_record(r), r["served"], r["cli"], r["model"]
+    s, c = r["served"], r["cli"]
     what = f"`{r['preset']}` preset" if r["preset"] else f"checkpoint `{r['checkpoint']}`"
     lines = [
-        section_start(
-            SECTION, "served_real", r["argv"], env,
-            f"{what} ({model_text(m)}), layer {r['layer']}, TP {r['tp']}, tail {r['tail']}, "
-            f"{r['dtype']}, {r['tokens']} tokens (seed {r['seed']})", json_path),
-        "",
-        "| what | measured |",
-        "|---|---|",
-        f"| `serve run` to ready (launch until `GET /healthz` is 200) | {s['ready_s']:.1f} s |",
-        f"| `POST /v1/layers/{r['layer']}/forward`, {r['tokens']} tokens | {s['status']} in "
-        f"{s['answer_s']:.3f} s |",
-        "| answer vs the CLI (`python -m moe_runtime forward`, same input, TP, dtype) | relative (Frobenius) "
-        f"{s['rel_frobenius']:.2e}, max abs {s['max_abs']:.2e} (max abs output {s['max_abs_ref']:.3g}) |",
-        f"| experts backend, group transport (`GET /v1/status`) | {s.get('experts_backend')}, "
-        f"{s.get('group_transport')} |",
-        f"| peak anon + shmem RSS, `serve run` and all its processes | {s['peak_rss_gb']:.3f} GB "
-        f"(PSS {s['peak_pss_gb']:.3f} GB; {s['samples']} samples, up to {s['max_processes']} processes) |",
-        f"| peak anon + shmem RSS, the CLI's process tree | {c['peak_rss_gb']:.3f} GB "
-        f"(PSS {c['peak_pss_gb']:.3f} GB; {c['seconds']:.1f} s) |",
-    ]
+        section_start(SECTION, "served_real", r["argv"], r["machine"],
+                      f"{what} ({model_text(r['model'])}), layer {r['layer']}, TP {r['tp']}, tail "
+                      f"{r['tail']}, "
+                      f"{r['dtype']}, {r['tokens']} tokens (seed {r['seed']})", json_path), "",
+        *table("what | measured", [
+            ["`serve run` to ready (launch until `GET /healthz` is 200)", f"{s['ready_s']:.1f} s"],
+            [f"`POST /v1/layers/{r['layer']}/forward`, {r['tokens']} tokens", f"{s['status']} in "
+                                                                              f"{s['answer_s']:.3f} s"],
+            ["answer vs the CLI (`python -m moe_runtime forward`, same input, TP, dtype)",
+             f"relative (Frobenius) {s['rel_frobenius']:.2e}, max abs {s['max_abs']:.2e} (max abs output "
+             f"{s['max_abs_ref']:.3g})"],
+            ["experts backend, group transport (`GET /v1/status`)",
+             f"{s.get('experts_backend')}, {s.get('group_transport')}"],
+            ["peak anon + shmem RSS, `serve run` and all its processes",
+             f"{s['peak_rss_gb']:.3f} GB (PSS {s['peak_pss_gb']:.3f} GB; {s['samples']} samples, up to "
+             f"{s['max_processes']} processes)"],
+            ["peak anon + shmem RSS, the CLI's process tree",
+             f"{c['peak_rss_gb']:.3f} GB (PSS {c['peak_pss_gb']:.3f} GB; {c['seconds']:.1f} s)"]])]
     if r["preset"]:
         lines += ["", f"This run is the `{r['preset']}` preset: it shows the script works end to end. The "
                   "real-size figures in \"Served at real size\" on [real.md](real.md) were measured by hand "
@@ -215,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="served_real_") as tmp:
         result = run(args, Path(tmp))
-    return harness.report(args, result, result.pop("machine"), markdown, no_targets)
+    return harness.report(args, result, result.pop("machine"), markdown, lambda _: [])
 
 
 if __name__ == "__main__":
