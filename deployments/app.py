@@ -1,5 +1,6 @@
 """App builder: ``serve run deployments.app:build_app checkpoint=DIR tp_size=2 tail=sharded``
-or ``serve run deployments/configs/local.yaml``. ``LMS_HTTP_PORT=PORT serve run
+or ``serve run deployments/configs/local.yaml``. ``DIR`` is a latent-MoE checkpoint or a Qwen3-MoE /
+DeepSeek-V3 model folder (``moe_runtime.families`` tells them apart). ``LMS_HTTP_PORT=PORT serve run
 deployments.app:build_app ...`` serves HTTP on PORT (``serve run`` of an import path has no option
 for it; a config file's ``http_options`` does).
 
@@ -19,7 +20,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from moe_runtime.config import LatentMoEConfig
+from moe_runtime.families import load_layer_config
 
 from . import logger
 from .common.layer_routing import LayerRoutes
@@ -44,7 +45,7 @@ def decide_app(
     is not checked)."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     checkpoint = str(Path(args.checkpoint).expanduser().resolve())
-    cfg = LatentMoEConfig.from_pretrained(checkpoint)
+    cfg = load_layer_config(checkpoint)
     decisions = decide(args.deployments, cfg, checkpoint=checkpoint, view=view)
     ordered = [decisions[spec.name] for spec in args.deployments]
     check_placeable(args, view, {d.deployment: d.accelerator for d in ordered})

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_runtime.config import LatentMoEConfig
+from moe_runtime.families import LayerConfig
 from moe_runtime.inputs import logits_shape_problem, not_finite, not_floating, rows_problem, wrong_dtype
 from moe_runtime.units import dtype_name, torch_dtype
 
@@ -81,7 +81,7 @@ def check_rows(x: WireTensor, hidden_size: int, dtype: str, max_tokens: int | No
         raise ServeInputError(not_finite(what))
 
 
-def check_layer(layer: Any, cfg: LatentMoEConfig, served: Collection[int], deployment: str) -> int:
+def check_layer(layer: Any, cfg: LayerConfig, served: Collection[int], deployment: str) -> int:
     """``layer`` as an int, if it is an MoE layer that ``deployment`` serves."""
     if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
         raise UnknownLayerError(f"layer must be an integer, got {layer!r}")
@@ -98,7 +98,7 @@ def check_layer(layer: Any, cfg: LatentMoEConfig, served: Collection[int], deplo
 
 
 def validate_forward(
-    hidden_states: Any, layer: Any, router_logits: Any, *, cfg: LatentMoEConfig, dtype: str,
+    hidden_states: Any, layer: Any, router_logits: Any, *, cfg: LayerConfig, dtype: str,
     served: Collection[int], deployment: str, max_tokens: int,
 ) -> tuple[int, WireTensor, np.ndarray | None]:
     """``(layer, x [T, H] in dtype, fp32 logits or None)``; ServeInputError (4xx) naming what

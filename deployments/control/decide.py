@@ -10,6 +10,7 @@ launcher configs, and decides per deployment, each concept in one place:
 * the tail: legality by the shardability rule first (a forced illegal tail is refused), then
   ``auto`` either static (TP 1, a single legal candidate, measurement off, or too little time)
   or "measured at warm-up" on the replica's group (``deployments.serve.tuning.tune_group``);
+  a standard (Qwen3-MoE, DeepSeek-V3) layer has no tails: one fixed plan, never measured;
 * capacity (``control.capacity``): the app's shared budget of cluster GPUs;
 * the Serve options (``control.serve_options``): bundles, autoscaling, batching knobs.
 
@@ -25,7 +26,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from moe_runtime.config import LatentMoEConfig
+from moe_runtime.families import LayerConfig, config_from_raw, is_standard
 from moe_runtime.logs import log_once
 from moe_runtime.planning.budget import Budget, cpu_budget, gpu_budget
 from moe_runtime.planning.cost import STARTUP_FLOOR_S, bounded_token_counts, forward_cost_s
@@ -186,6 +187,7 @@ class Decision:
         return {
             "deployment": self.deployment,
             "role": self.spec.role,
+            "layer_family": self.resolved.family,
             **self.tail.to_dict(),
             "cluster_capacity_tp_groups": self.capacity.tp_groups,
             "capacity_share": self.capacity.reason,
@@ -229,7 +231,7 @@ def measure_settings(spec: DeploymentSpec) -> MeasureSettings | None:
 
 def tail_decision(
     resolved: ResolvedDeployment,
-    cfg: LatentMoEConfig,
+    cfg: LayerConfig,
     cost_s: Callable[[int], float] | None = None,
     limit_s: float | None = None,
 ) -> TailDecision:
@@ -243,6 +245,10 @@ def tail_decision(
     """
     spec, static = resolved.spec, resolved.plan
     P = spec.tp_size
+    if is_standard(cfg):  # its one plan (resolve_deployment refused any latent-only option)
+        rule = Shardability(False, (f"a {cfg.family} layer has no latent up-projection to shard: no "
+                                    "latent tail applies",))
+        return TailDecision(spec.tail, P, False, False, static.tails, rule, static, why_static=static.reason)
     candidates = legal_tails(cfg, P, spec.preshard_up_proj, spec.sequence_parallel)
     rule = shardability_for(cfg, P, spec.preshard_up_proj, spec.sequence_parallel)
     base = TailDecision(spec.tail, P, spec.sequence_parallel, spec.preshard_up_proj, candidates, rule, static)
@@ -288,10 +294,14 @@ def memory_budget(spec: DeploymentSpec, compute: str, node_bytes: int | None = N
 
 
 def memory_decision(
-    resolved: ResolvedDeployment, cfg: LatentMoEConfig, accelerator: Accelerator
+    resolved: ResolvedDeployment, cfg: LayerConfig, accelerator: Accelerator
 ) -> tuple[MemoryPlan | None, str]:
     """The per-rank memory plan of a deployment against its budget (ValueError with the arithmetic
     when it does not fit), or None with the reason it cannot be planned."""
+    if is_standard(cfg):
+        return None, (f"memory not checked: the planner sizes latent-MoE layers; this is a {cfg.family} "
+                      "model (each rank loads its slices of the served layers, status() reports the bytes "
+                      "held)")
     # The checkpoint reader loads torch: imported where the plan is made, never by a group
     # replica, which imports this module for its decision's records (serve.deployment).
     from moe_runtime.checkpoint import resolve_expert_formats
@@ -339,21 +349,22 @@ def launcher_config_of(
 
 def decide(
     deployments: Sequence[DeploymentSpec | Mapping[str, Any]],
-    model: LatentMoEConfig | Mapping[str, Any],
+    model: LayerConfig | Mapping[str, Any],
     cluster: Mapping[str, Any] | str | Path | None = None,
     checkpoint: str | Path | None = None,
     view: ClusterView | None = None,
 ) -> dict[str, Decision]:
     """The controller's decision for every deployment of a table, by name (pure, no Ray).
 
-    ``model``: the checkpoint's config (``LatentMoEConfig`` or a ``config.json`` dict);
+    ``model``: the checkpoint's config (``LatentMoEConfig``, a standard layer's config, or a
+    ``config.json`` dict of either: ``moe_runtime.families``);
     ``checkpoint``: its folder (the experts format is read from its tensor names; None or a
     config-only folder: the spec's ``experts_format``). ``cluster``: a cluster-launcher config
     (dict, or a YAML path, validated) that every deployment counts against; None: each spec's
     ``autoscaling.cluster_config``, if any. ``view``: the cluster the app is placed on (None: the
     MI300X layout is assumed). Errors are ``ValueError`` naming the deployment, with the numbers.
     """
-    cfg = model if isinstance(model, LatentMoEConfig) else LatentMoEConfig.from_dict(dict(model))
+    cfg = config_from_raw(dict(model)) if isinstance(model, Mapping) else model
     where = str(checkpoint) if checkpoint is not None else CONFIG_ONLY
     specs: list[DeploymentSpec] = []
     for raw in deployments:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from moe_runtime.config import LatentMoEConfig
+from moe_runtime.families import load_layer_config
 from moe_runtime.units import format_layers
 
 from .. import logger
@@ -105,7 +105,7 @@ class MoEGroupDeployment:
         resolved = decision.resolved
         spec = resolved.spec
         self.resolved, self.spec = resolved, spec
-        self.cfg = LatentMoEConfig.from_pretrained(resolved.checkpoint)
+        self.cfg = load_layer_config(resolved.checkpoint)
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id if ctx is not None else "local"
         self.group = TPGroup.start(resolved, decision.accelerator, self.replica)

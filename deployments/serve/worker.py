@@ -2,8 +2,10 @@
 
 The replica (``serve.group.TPGroup``) starts rank ``r`` in bundle ``1 + r`` of its placement
 group. Rank 0 picks a free port on its node IP; every rank joins the process group with a
-finite timeout and loads only its shard of every served layer, once. Where it computes is the
-controller's decision (``control.accelerator``): ``cpu``, or ``gpu`` on the device Ray assigned.
+finite timeout and loads only its shard of every served layer, once, in the runner of the
+checkpoint's layer family (``moe_runtime.families``: the latent runner, or the standard one).
+Where it computes is the controller's decision (``control.accelerator``): ``cpu``, or ``gpu`` on
+the device Ray assigned.
 
 The group replica imports this module to start the ranks and never loads torch (see
 ``serve.deployment``), so torch and the runtime are imported inside the methods, which run in
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from moe_runtime.config import LatentMoEConfig
+from moe_runtime.families import is_standard, load_layer_config
 from moe_runtime.units import dtype_name
 
 from .. import logger
@@ -118,6 +120,7 @@ class TPWorker:
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the group (finite timeout) and load this rank's shard of every served layer."""
+        from moe_runtime.standard import build_standard_runners
         from moe_runtime.tp.collectives import Collectives, init_group
         from moe_runtime.tp.runner import build_rank_runners
         from moe_runtime.units import torch_dtype
@@ -130,14 +133,19 @@ class TPWorker:
                        r.spec.bounds.startup_s)
         self.comm = Collectives(self.rank, self.world, self.device)
         start = time.perf_counter()
-        self.cfg = cfg = LatentMoEConfig.from_pretrained(r.checkpoint)
-        self.runners = build_rank_runners(
-            r.checkpoint, cfg, r.layers, self.comm, r.plan,
-            dtype=torch_dtype(r.spec.dtype), device=self.device, backend=r.spec.backend,
-            preshard_up_proj=r.spec.preshard_up_proj,
-            experts_activation_quant=r.spec.experts_activation_quant,
-            mxfp4_scale_rule=r.spec.mxfp4_scale_rule,
-        )
+        self.cfg = cfg = load_layer_config(r.checkpoint)
+        dtype = torch_dtype(r.spec.dtype)
+        if is_standard(cfg):  # one fixed plan; the controller refused every latent-only option
+            self.runners = build_standard_runners(r.checkpoint, cfg, r.layers, self.comm, dtype=dtype,
+                                                  device=self.device, backend=r.spec.backend)
+        else:
+            self.runners = build_rank_runners(
+                r.checkpoint, cfg, r.layers, self.comm, r.plan,
+                dtype=dtype, device=self.device, backend=r.spec.backend,
+                preshard_up_proj=r.spec.preshard_up_proj,
+                experts_activation_quant=r.spec.experts_activation_quant,
+                mxfp4_scale_rule=r.spec.mxfp4_scale_rule,
+            )
         self.load_s = time.perf_counter() - start
         self.comm.loaded(r.spec.collective_timeout_s)  # then every collective gets its own bound
         return self.info()
