@@ -18,6 +18,7 @@ from __future__ import annotations
 # Alias -> the class that serves it (vLLM imports it lazily, on first use).
 ALIASES: dict[str, str] = {
     "LatentMoeQwen3MoeForCausalLM": "deployments.vllm_plugin.models:TierQwen3MoeForCausalLM",
+    "LatentMoeDeepseekV3ForCausalLM": "deployments.vllm_plugin.models:TierDeepseekV3ForCausalLM",
     "LatentMoeKimiK3ForConditionalGeneration":
         "deployments.vllm_plugin.models:TierKimiK3ForConditionalGeneration",
 }

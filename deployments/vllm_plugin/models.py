@@ -1,17 +1,27 @@
-"""The aliases' model classes: vLLM's own decoders with every MoE block on the tier.
+"""The aliases' model classes: vLLM's own model classes with every MoE block on the tier.
 
-A native model builds its MoE blocks by naming a class in its module. :func:`tier_blocks` puts
-:class:`TierMoE` under that name while the decoder stack is built (and puts the native class
-back after), so the stack gets parameter-free blocks and vLLM creates no gate, expert or
-shared-expert weights; checkpoint tensors under those blocks' prefixes are skipped on load.
+Each alias subclasses the native class (:data:`NATIVE`) and changes two things, the plugin's one
+seam into vLLM's model code:
+
+* **the block**: a native model builds its MoE blocks by naming a class of a vLLM module.
+  :func:`tier_blocks` puts :class:`TierMoE` under that name while the native ``__init__`` runs
+  (and the native class back after), so the model gets parameter-free blocks and vLLM creates
+  no gate, expert or shared-expert weights;
+* **the checkpoint**: :func:`without_blocks` drops every tensor of those blocks (one rule for
+  every alias: a name holding ``layers.N.<block>.`` of a block built at layer N) before the
+  native loader sees them.
+
 Then the blocks' tier is opened (``settings``, ``tiers``): the blocks' layers in model order are
-one step of this engine as a session peer.
+one step of this engine as a session peer. ``tests/vllm_lane`` checks that each native module
+still names its block class, so a vLLM release that renames one fails there, not in a user's
+engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -25,10 +35,25 @@ from . import tiers
 from .settings import TierSettings
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+OP = "latent_moe::tier_moe"
+log = logging.getLogger(__name__)
+
+# Alias class -> (vLLM's model class it subclasses, the (module, class name) of its MoE block).
+NATIVE: dict[str, tuple[str, tuple[str, str]]] = {
+    "TierQwen3MoeForCausalLM": ("vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM",
+                                ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock")),
+    "TierDeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2:DeepseekV3ForCausalLM",
+                                  ("vllm.model_executor.models.deepseek_v2", "DeepseekV2MoE")),
+    "TierKimiK3ForConditionalGeneration": ("vllm.models.kimi_k3:KimiK3ForConditionalGeneration",
+                                           ("<kimi_k3 stack>", "KimiMoE")),
+}
 
 
 class TierMoE(nn.Module):
-    """One MoE block on the tier: ``[T, H]`` in, the layer's output (routed + shared) out."""
+    """One MoE block on the tier: ``[T, H]`` in, the layer's output (routed + shared) out.
+
+    It holds no experts (``experts`` is None), but answers the expert counts vLLM's MoE model
+    classes read from their blocks (the model config's; none redundant)."""
 
     def __init__(self, *args: Any, prefix: str = "", **kwargs: Any):
         super().__init__()
@@ -38,15 +63,27 @@ class TierMoE(nn.Module):
         self.prefix, self.layer = prefix, int(found.group(1))
         self.tier_layer = self.layer  # set from the settings' layer map once the model is built
         self.tier = -1  # tiers.add's number, once the tier is open
+        # The native blocks take the text config as config= (DeepSeek, Kimi) or in vllm_config= (Qwen3).
+        model_config = getattr(kwargs.get("vllm_config"), "model_config", None)
+        text = kwargs.get("config") or getattr(model_config, "hf_text_config", None)
+        experts = next((getattr(text, n) for n in ("num_experts", "n_routed_experts", "num_local_experts")
+                        if getattr(text, n, None)), 0)
+        self.n_routed_experts = self.n_logical_experts = experts
+        self.n_physical_experts = self.n_local_physical_experts = experts
+        self.n_shared_experts = getattr(text, "n_shared_experts", None) or 0
+        self.n_redundant_experts = 0
+        self.experts = None
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        return torch.ops.latent_moe.tier_moe(x, self.tier_layer, self.tier).view_as(hidden_states)
+        out = torch.empty_like(x)
+        torch.ops.latent_moe.tier_moe(x, out, self.tier_layer, self.tier)
+        return out.view_as(hidden_states)
 
 
 @contextlib.contextmanager
-def tier_blocks(natives: Iterable[tuple[str, str]]) -> Iterator[list[TierMoE]]:
-    """While open, each ``(module, class name)`` of ``natives`` builds a :class:`TierMoE`;
+def tier_blocks(native: tuple[str, str]) -> Iterator[list[TierMoE]]:
+    """While open, the ``(module, class name)`` of a native MoE block builds a :class:`TierMoE`;
     yields the blocks built, in build order."""
     built: list[TierMoE] = []
 
@@ -55,25 +92,20 @@ def tier_blocks(natives: Iterable[tuple[str, str]]) -> Iterator[list[TierMoE]]:
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    saved = []
+    module_name, name = native
+    module = importlib.import_module(module_name)
+    saved = getattr(module, name)
+    setattr(module, name, Block)
     try:
-        for module_name, name in natives:
-            module = importlib.import_module(module_name)
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, Block)
         yield built
     finally:
-        for module, name, native in saved:
-            setattr(module, name, native)
+        setattr(module, name, saved)
 
 
 def open_tier(vllm_config: Any, blocks: list[TierMoE]) -> TierSettings:
     """Check the engine's config against the tier, open it and wire every block to it."""
     settings = TierSettings.parse(vllm_config.additional_config)
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp != 1:
-        raise ValueError(f"a latent-MoE tier model runs at tensor_parallel_size 1 per engine (the tier holds "
-                         f"the MoE's parallelism), got tensor_parallel_size = {tp}")
+    check_engine(vllm_config)
     if not blocks:
         raise ValueError("the model built no MoE block to send to the tier")
     for block in blocks:
@@ -99,96 +131,72 @@ def open_tier(vllm_config: Any, blocks: list[TierMoE]) -> TierSettings:
     return settings
 
 
-def without_blocks(weights: Iterable[tuple[str, torch.Tensor]], blocks: list[TierMoE],
-                   prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint tensors minus those of the tier's blocks (``prefix``: what the checkpoint's
-    names carry before the blocks' own prefixes)."""
-    skip = tuple(prefix + b.prefix + "." for b in blocks)
-    return ((name, w) for name, w in weights if not name.startswith(skip))
+def check_engine(vllm_config: Any) -> None:
+    """Refuse what cannot run with the MoE on the tier, and split compiled graphs around the op."""
+    from vllm.config import CompilationMode
+
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp != 1:
+        raise ValueError(f"a latent-MoE tier model runs at tensor_parallel_size 1 per engine (the tier holds "
+                         f"the MoE's parallelism), got tensor_parallel_size = {tp}")
+    if vllm_config.parallel_config.enable_eplb:
+        raise ValueError("expert-parallel load balancing (enable_eplb) moves experts the engine does not "
+                         "hold: the tier holds every expert; turn it off")
+    cc = vllm_config.compilation_config
+    if cc.cudagraph_mode.has_full_cudagraphs():
+        raise ValueError(
+            f"cudagraph_mode {cc.cudagraph_mode.name} captures whole forwards in CUDA graphs, and a replay "
+            f"would skip the tier's call (host I/O the graph does not hold); use piecewise graphs, which "
+            "run the tier between their pieces: --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'")
+    split = cc.splitting_ops
+    if cc.mode == CompilationMode.VLLM_COMPILE and split is not None and OP not in split:
+        split.append(OP)  # piecewise graphs end before the op and start again after it
+        log.info("latent-MoE tier: compiled graphs split at %s", OP)
 
 
-def _qwen3_moe() -> type[nn.Module]:
-    from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-    from vllm.model_executor.models.interfaces import SupportsPP
-    from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
-    from vllm.model_executor.models.utils import AutoWeightsLoader, maybe_prefix
-
-    class TierQwen3MoeForCausalLM(nn.Module, SupportsPP):
-        """Qwen3-MoE with its MoE blocks on the tier (its dense layers, attention, embeddings and
-        head stay in vLLM)."""
-
-        packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                  "gate_up_proj": ["gate_proj", "up_proj"]}
-
-        def __init__(self, *, vllm_config: Any, prefix: str = ""):
-            super().__init__()
-            config = vllm_config.model_config.hf_text_config
-            self.config = config
-            with tier_blocks([("vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock")]) as built:
-                self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-            self.blocks = list(built)
-            self.settings = open_tier(vllm_config, self.blocks)
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                          quant_config=vllm_config.quant_config,
-                                          prefix=maybe_prefix(prefix, "lm_head"))
-            if config.tie_word_embeddings:
-                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-            self.logits_processor = LogitsProcessor(config.vocab_size)
-            self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
-        def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-            return self.model.embed_input_ids(input_ids)
-
-        def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                    intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None) -> Any:
-            return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-        def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-            return self.logits_processor(self.lm_head, hidden_states)
-
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-            kept = without_blocks(weights, self.blocks)
-            if self.config.tie_word_embeddings:  # the head is the embedding
-                kept = ((name, w) for name, w in kept if not name.startswith("lm_head."))
-            return AutoWeightsLoader(self).load_weights(kept)
-
-    return TierQwen3MoeForCausalLM
+def without_blocks(weights: Iterable[tuple[str, torch.Tensor]],
+                   blocks: list[TierMoE]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors minus those of the tier's blocks: a name holding a block's
+    ``layers.N.<block>.`` (the module tree may name what comes before it otherwise, as Kimi-K3's
+    ``language_model.model.`` against its checkpoint's ``language_model.``)."""
+    mine = tuple("." + b.prefix[b.prefix.index("layers."):] + "." for b in blocks)
+    return ((name, w) for name, w in weights if not any(m in "." + name for m in mine))
 
 
-def _kimi_k3() -> type[nn.Module]:
-    from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration
+def _native_block(block: tuple[str, str]) -> tuple[str, str]:
+    if block[0] != "<kimi_k3 stack>":
+        return block
     from vllm.platforms import current_platform
 
-    # The decoder stack's module, and the MoE block's class name in it, per platform.
-    stack = ("vllm.models.kimi_k3.amd.linear" if current_platform.is_rocm()
-             else "vllm.models.kimi_k3.nvidia.model")
+    # Kimi-K3's decoder stack lives in a module per platform.
+    return ("vllm.models.kimi_k3.amd.linear" if current_platform.is_rocm()
+            else "vllm.models.kimi_k3.nvidia.model", block[1])
 
-    class TierKimiK3ForConditionalGeneration(KimiK3ForConditionalGeneration):
-        """Kimi-K3 (vision tower, KDA and MLA attention in vLLM) with its MoE blocks on the tier."""
 
-        def __init__(self, *, vllm_config: Any, prefix: str = ""):
-            with tier_blocks([(stack, "KimiMoE")]) as built:
-                super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self.blocks = list(built)
-            self.settings = open_tier(vllm_config, self.blocks)
+def tier_model(name: str) -> type[nn.Module]:
+    """The alias class ``name``: :data:`NATIVE`'s model class with its MoE blocks on the tier."""
+    native_path, block = NATIVE[name]
+    module_name, class_name = native_path.split(":")
+    native = getattr(importlib.import_module(module_name), class_name)
+    block = _native_block(block)
 
-        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
-            # The blocks' prefixes are the module tree's (language_model.model.layers.N.block_sparse_moe);
-            # a K3 checkpoint names them language_model.layers.N.block_sparse_moe, which the native
-            # loader maps onto the tree: skip any name holding a block's "layers.N.<block>." part.
-            mine = [".layers." + b.prefix.split(".layers.", 1)[-1] + "." for b in self.blocks]
-            kept = ((name, w) for name, w in weights if not any(m in "." + name for m in mine))
-            return super().load_weights(kept)
+    def __init__(self: Any, *, vllm_config: Any, prefix: str = "") -> None:
+        with tier_blocks(block) as built:
+            native.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        self.blocks = list(built)
+        self.settings = open_tier(vllm_config, self.blocks)
 
-    return TierKimiK3ForConditionalGeneration
+    def load_weights(self: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        return native.load_weights(self, without_blocks(weights, self.blocks))
+
+    doc = f"vLLM's {class_name} with its MoE blocks ({block[1]}) on the latent-MoE tier."
+    return type(name, (native,), {"__init__": __init__, "load_weights": load_weights, "__doc__": doc,
+                                  "__module__": __name__})
 
 
 def __getattr__(name: str) -> type[nn.Module]:
     # vLLM imports an alias's class by name; build it on first use (vLLM is imported then).
-    builders = {"TierQwen3MoeForCausalLM": _qwen3_moe, "TierKimiK3ForConditionalGeneration": _kimi_k3}
-    if name not in builders:
+    if name not in NATIVE:
         raise AttributeError(name)
-    cls = builders[name]()
-    globals()[name] = cls
+    cls = globals()[name] = tier_model(name)
     return cls

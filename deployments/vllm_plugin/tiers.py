@@ -1,9 +1,9 @@
 """Where a model's MoE blocks run: the tier (a session peer) or this process (the reference).
 
 Both take a block's input ``[T, H]`` and return its output in the same dtype. The model reaches
-them through one custom op, ``torch.ops.latent_moe.tier_moe(x, layer, tier)`` (``tier``: the
-number :func:`add` gave), so torch.compile and graph capture see one opaque call; its fake
-returns an empty tensor of the input's shape.
+them through one custom op, ``torch.ops.latent_moe.tier_moe(x, out, layer, tier)`` (``tier``: the
+number :func:`add` gave; the answer is written into ``out``), so torch.compile sees one opaque
+call and vLLM splits its piecewise graphs around it (``models.check_engine``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 
 from moe_runtime.checkpoint import CheckpointReader, load_layer_weights
-from moe_runtime.config import LatentMoEConfig
+from moe_runtime.families import is_standard, load_layer_config
 from moe_runtime.layer import moe_forward
+from moe_runtime.standard.layer import standard_moe_forward
+from moe_runtime.standard.weights import load_standard_layer
 from moe_runtime.units import torch_dtype
 
 from ..common.wire import DeviceRows, WireTensor
@@ -28,27 +30,30 @@ from ..dataplane.peer import Peer, SessionTicket
 
 
 class LocalTier:
-    """Every mapped layer of a tier checkpoint in this process (``moe_runtime.layer.moe_forward``)."""
+    """Every mapped layer of a checkpoint in this process: a tier checkpoint (``moe_runtime.layer``)
+    or a Qwen3-MoE / DeepSeek-V3 model folder, the engine's own included (``moe_runtime.standard``)."""
 
     def __init__(self, checkpoint: str | Path, layers: Sequence[int], dtype: torch.dtype, backend: str,
                  hidden_size: int):
-        self.cfg = LatentMoEConfig.from_pretrained(checkpoint)
+        self.cfg = load_layer_config(checkpoint)
+        load, self._forward = ((load_standard_layer, standard_moe_forward) if is_standard(self.cfg)
+                               else (load_layer_weights, moe_forward))
         check_layers(layers, self.cfg.moe_layers, f"tier checkpoint {checkpoint}")
         check_hidden(hidden_size, self.cfg.hidden_size, f"tier checkpoint {checkpoint}")
         reader = CheckpointReader(checkpoint)
         # vLLM builds its model under its device as torch's default (cuda on a GPU): read on the
         # CPU, and move each layer to the device its rows come on at its first call.
         with torch.device("cpu"):
-            self.weights = {x: load_layer_weights(reader, self.cfg, x, dtype) for x in sorted(set(layers))}
+            self.weights = {x: load(reader, self.cfg, x, dtype) for x in sorted(set(layers))}
+        self.device = dict.fromkeys(self.weights, torch.device("cpu"))
         self.dtype, self.backend = dtype, backend
         self.calls: collections.Counter[int] = collections.Counter()
 
     def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
         self.calls[layer] += 1
-        weights = self.weights[layer]
-        if weights.down_DH.device != x_TH.device:
-            weights = self.weights[layer] = weights.to(x_TH.device)
-        return moe_forward(x_TH.to(self.dtype), weights, self.cfg, self.backend).to(x_TH.dtype)
+        if self.device[layer] != x_TH.device:
+            self.weights[layer], self.device[layer] = self.weights[layer].to(x_TH.device), x_TH.device
+        return self._forward(x_TH.to(self.dtype), self.weights[layer], self.cfg, self.backend).to(x_TH.dtype)
 
 
 class SessionTier:
@@ -117,11 +122,24 @@ def _write_calls(folder: Path, number: int) -> None:
     (folder / f"calls-{os.getpid()}-{number}.json").write_text(json.dumps(calls))
 
 
-@torch.library.custom_op("latent_moe::tier_moe", mutates_args=())
-def tier_moe(x: torch.Tensor, layer: int, tier: int) -> torch.Tensor:
-    return _TIERS[tier].forward(x, layer)
+@torch.library.custom_op("latent_moe::tier_moe", mutates_args=("out",))
+def tier_moe(x: torch.Tensor, out: torch.Tensor, layer: int, tier: int) -> None:
+    # The answer goes into ``out``, a buffer the caller made: under piecewise CUDA graphs the graph
+    # piece before the op allocates it and the piece after reads it at the address captured.
+    if dummy_pass():  # its output is thrown away: no step of the session, no rows on the tier
+        out.zero_()
+    else:
+        out.copy_(_TIERS[tier].forward(x, layer))
 
 
 @tier_moe.register_fake
-def _(x: torch.Tensor, layer: int, tier: int) -> torch.Tensor:
-    return torch.empty_like(x)
+def _(x: torch.Tensor, out: torch.Tensor, layer: int, tier: int) -> None:
+    return None
+
+
+def dummy_pass() -> bool:
+    """Whether vLLM runs the model on made-up rows: its warm-up, compilation and profiling passes
+    (and CUDA-graph capture) run the model without attention metadata, a real batch never."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return is_forward_context_available() and get_forward_context().attn_metadata is None

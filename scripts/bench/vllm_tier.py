@@ -133,12 +133,14 @@ def make_models(folder: Path) -> dict[str, Path]:
 
 def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int,
                  start_after: Path | None = None, calls: Path | None = None,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``env``: settings over :data:`ENGINE_ENV` for this engine."""
+                 env: dict[str, str] | None = None, engine: dict | None = None) -> subprocess.Popen:
+    """``env``: settings over :data:`ENGINE_ENV` for this engine; ``engine``: ``LLM`` arguments over
+    the engine script's defaults (e.g. ``{"enforce_eager": True}``)."""
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"model": str(model), "latent_moe": latent_moe, "prompts": prompts,
                                 "max_tokens": max_tokens,
-                                "start_after": str(start_after) if start_after else None}))
+                                "start_after": str(start_after) if start_after else None,
+                                "engine": engine or {}}))
     env = {**os.environ, **ENGINE_ENV, **(env or {}), **({"LMS_VLLM_CALLS": str(calls)} if calls else {})}
     with (folder / "engine.log").open("w") as out:
         # A session of its own: the engine's vLLM processes are one group to kill.
@@ -156,9 +158,9 @@ def finish_engine(folder: Path, proc: subprocess.Popen) -> dict:
 
 
 def run_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]],
-               max_tokens: int) -> dict:
+               max_tokens: int, engine: dict | None = None) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    return finish_engine(folder, start_engine(folder, model, latent_moe, prompts, max_tokens))
+    return finish_engine(folder, start_engine(folder, model, latent_moe, prompts, max_tokens, engine=engine))
 
 
 def kill_engine(proc: subprocess.Popen) -> None:

@@ -3,9 +3,10 @@
     python tests/vllm_lane/engine.py SPEC.json OUT.json
 
 SPEC: {"model": dir, "latent_moe": additional_config["latent_moe"], "prompts": [[token ids]...],
-"max_tokens": n, "start_after": path or null}. Builds ``vllm.LLM`` (CPU, float32, eager),
+"max_tokens": n, "start_after": path or null, "engine": {LLM arguments over ENGINE} or absent}.
+Builds ``vllm.LLM`` (CPU, float32, vLLM's default compilation unless "engine" says otherwise),
 waits for ``start_after`` to exist when given (so several engines decode at once), greedy-decodes
-every prompt and writes {"tokens": [[ids]...], "seconds": decode time, "steps_tokens": n}.
+every prompt and writes {"tokens": [[ids]...], "seconds": decode time}.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 128, "max_num_batched_tokens": 64,
+ENGINE = {"dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 64,
           "max_num_seqs": 8, "skip_tokenizer_init": True, "seed": 0}
 
 
@@ -23,7 +24,8 @@ def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["model"], additional_config={"latent_moe": spec["latent_moe"]}, **ENGINE)
+    llm = LLM(model=spec["model"], additional_config={"latent_moe": spec["latent_moe"]},
+              **{**ENGINE, **spec.get("engine", {})})
     if spec.get("start_after"):
         Path(spec_path + ".ready").write_text("")
         while not Path(spec["start_after"]).exists():

