@@ -36,6 +36,7 @@ SKIP = {
     "docs/serving.md: from deployments.client import MoEClient": _SERVER + " (and an event loop: it awaits)",
     "docs/serving.md: from deployments.client import AsyncHTTPMoEClient, HTTPMoEClient": _SERVER,
     "docs/serving.md: with MoEClient(\"default\").lane(max_tokens=16) as lane:": _SERVER,
+    "docs/serving.md: import numpy as np": _SERVER + " on checkpoints/qwen3-tiny",
     "docs/serving.md: # the opener: a process of the app's Ray cluster": _SERVER,
     "docs/serving.md: workers = [ray.remote(MyWorker).remote(...) for _ in range(M)]": _RAY + " (MyWorker, M)",
     "docs/vllm.md: from vllm import LLM, SamplingParams": "needs the vLLM lane's venv and a session's ticket",

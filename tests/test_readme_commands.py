@@ -40,6 +40,8 @@ SKIP = {
     "serve run deployments/configs/local.yaml": "long-running server (serves until Ctrl-C)",
     "serve run deployments.app:build_app checkpoint=checkpoints/tiny tp_size=2 tail=sharded dtype=float32":
         "long-running server (serves until Ctrl-C); tests/test_serve_cli.py runs serve run",
+    "serve run deployments.app:build_app checkpoint=checkpoints/qwen3-tiny tp_size=2 dtype=float32":
+        "long-running server (serves until Ctrl-C); tests/test_standard_serving.py serves such folders",
     "LMS_HTTP_PORT=8123 serve run deployments.app:build_app checkpoint=checkpoints/tiny dtype=float32":
         "long-running server (serves until Ctrl-C); tests/test_serve_cli.py serves an import path on a free port",
     "curl -s --data-binary @in.safetensors -o out.safetensors http://127.0.0.1:8000/v1/layers/1/forward":
@@ -105,6 +107,8 @@ EXPECT = {
     "--experts-format mxfp4 --max-tokens 64 --explain": ("stdout", "experts_packed 7.86 GB"),
     "python scripts/make_checkpoint.py --preset tiny --out checkpoints/tiny-afd --decoder":
         ("file", "checkpoints/tiny-afd/config.json"),
+    "python -m moe_runtime.standard.synthetic --family qwen3_moe --out checkpoints/qwen3-tiny":
+        ("stdout", "wrote a qwen3_moe model folder to checkpoints/qwen3-tiny: hidden_size 64, MoE layers [1, 2, 3]"),
 }
 
 

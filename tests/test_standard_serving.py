@@ -190,6 +190,21 @@ def test_a_sessions_peers_get_the_single_device_forward(apps, family, deployment
 
 @pytest.mark.ray
 @pytest.mark.slow
+@pytest.mark.parametrize("family", list(APPS))
+def test_a_lane_calls_over_its_session(apps, family):
+    """A lane (a session of one peer, the caller) at TP 2: every call over the data plane, none
+    on the Serve path, each the reference."""
+    a = apps[family]
+    with MoEClient(a.app, deployment="tp2", timeout_s=BOUND_S).lane(max_tokens=8) as lane:
+        for layer in a.cfg.moe_layers:
+            x = rows(3, 70 + layer)
+            torch.testing.assert_close(lane.forward(x, layer), reference(a, x, layer), **FP32_TOL)
+        st = lane.status()["deployments"]["tp2"]
+    assert st["path"] == "session" and st["session_calls"] == len(a.cfg.moe_layers) and st["serve_calls"] == 0, st
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_dense_and_unknown_layers_get_the_unknown_layer_error(apps):
     a = apps["deepseek_v3"]  # layer 0 is dense (first_k_dense_replace = 1); the model has layers 0..2
     client = MoEClient(a.app, deployment="tp2", timeout_s=BOUND_S)

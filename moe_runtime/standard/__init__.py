@@ -12,13 +12,18 @@ Modules: ``config`` (one validated config type per family, from the model folder
 ``config.json``: ``load_standard_config``), ``weights`` (one layer's tensors from the folder's
 own safetensors, HF names, this TP rank's slices only: ``load_standard_layer``), ``layer``
 (``standard_moe_forward`` on one device; ``StandardMoERunner`` on one rank of a TP group, one
-all-reduce per forward; ``build_standard_runners``), ``synthetic`` (tiny random model folders).
+all-reduce per forward; ``build_standard_runners``), ``synthetic`` (tiny random model folders;
+``python -m moe_runtime.standard.synthetic --family qwen3_moe --out DIR``).
 
 The math is shared with the latent layer (``router.route``, the experts backends,
 ``layer.gated_mlp``) and so is the sharding table (``tp.sharding``: experts split along their
 intermediate dimension, the router replicated). Tested against an independent float64 loop
 (``tests/test_standard_moe.py``) and, in the vLLM lane, against Hugging Face's own blocks.
-Not yet served: ``deployments`` knows only the latent layer.
+
+Served by the same app as the latent layer (``deployments.app``, ``tests/test_standard_serving.py``):
+``moe_runtime.families`` tells a folder's kind from its ``config.json``, the ranks build these
+runners (which report what a latent runner does: ``tp.served``), and the controller gives them their
+one plan (``tp.plan.standard_plan``) and refuses the latent layer's options for them.
 """
 
 from __future__ import annotations
