@@ -1,21 +1,14 @@
 """Packed MXFP4 experts on CPU, one projection pair at a time, against memcpy and torch's bf16 GEMM.
 
-Real-size Kimi-K3 experts (gate|up [2I, D] = [6144, 3584], down [D, I] = [3584, 3072]) as random
-packed codes built in memory (no checkpoint), ``--experts`` of them, every timed call walking all
-of them once, so the weights come from memory as in a forward and not from a last-level cache
-that one expert fits in (17.5 MB; 260 MB of L3 on the machine measured). Per token count T and
-thread count, in the same run:
+Real-size Kimi-K3 experts (gate|up [6144, 3584], down [3584, 3072]) as random packed codes in
+memory, ``--experts`` of them walked by every timed call so that the weights come from memory, not
+from a cache one expert fits in. Per T and thread count, in turns (medians of ``--reps``): ``avx2``
+(``mxfp4_cpu.linear``'s AVX2 build, the release before issue 48), ``fused`` (the build this CPU
+gets), ``batched`` (decoded tiles x torch's GEMM) and ``torch bf16`` (dense weights, one expert:
+the compute peak); memcpy of a 256 MiB buffer before each thread setting.
 
-- memcpy GB/s of a 256 MiB buffer (bytes copied / time), measured before each thread setting;
-- ``avx2``: ``mxfp4_cpu.linear`` from the AVX2 build (the release before issue 48);
-- ``fused``: the same from the build this CPU gets (AVX-512 where it has F/BW/VL/DQ);
-- ``batched``: tiles decoded to bf16 and multiplied by torch's GEMM (``experts.batched``);
-- ``torch bf16``: the same shapes as dense bf16 weights through torch's GEMM (one expert, no walk:
-  its compute rate, the peak the packed paths are compared with).
-
-Each path's packed GB/s and fraction of memcpy, GFLOP/s (2 T x weights / time) and its share of
-torch's dense bf16 GEMM. Timings are the median of ``--reps`` walks, in turns. Each row records
-``os.getloadavg()`` at its start and end: rows measured on a loaded machine are marked.
+Targets: best packed path's packed GB/s >= 0.9 x memcpy at T = 1; >= 0.5 x torch's bf16 GFLOP/s at
+T >= 64.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from moe_runtime import mxfp4
 from moe_runtime.experts import batched, crossover, mxfp4_cpu
 
 from . import harness
-from .docs import Target, is_contended, section_start, table, table_row, target, verdict
+from .docs import Target, is_contended, section_start, table, table_row, target, target_lines, verdict
 
 D, I = 3584, 3072
 SHAPES = {"w13": (2 * I, D), "w2": (D, I)}
@@ -38,9 +31,23 @@ PATHS = ("avx2", "fused", "batched")
 SECTION = "# Packed MXFP4 experts on CPU: fused AVX2 / AVX-512 and batched (`scripts/bench/fused_cpu.py`)"
 
 
-def walk_seconds(paths: dict, reps: int) -> dict[str, float]:
-    """Median seconds of each path's call, ``reps`` calls in turns after one untimed call each."""
-    return {name: statistics.median(t) for name, t in harness.time_interleaved(paths, reps).items()}
+def walk_ms(packed: dict, dense: dict, xs: dict, walked: int, buffer, reps: int) -> dict[str, float]:
+    """Each packed path's median ms per expert over ``walked`` experts, in turns, and torch's dense bf16
+    GEMM of the same shapes (one expert)."""
+    def walk(linear, isa=None):
+        def call():
+            os.environ[mxfp4_cpu.ISA_ENV] = isa or mxfp4_cpu.wanted_isa()
+            for e in range(walked):
+                for k, (p, s) in packed.items():
+                    linear(xs[k], p[e], s[e])
+            os.environ.pop(mxfp4_cpu.ISA_ENV)
+        return call
+
+    paths = {"avx2": walk(mxfp4_cpu.linear, "avx2"), "fused": walk(mxfp4_cpu.linear),
+             "batched": walk(lambda x, p, s: batched.linear(x, p, s, buffer))}
+    ms = {k: statistics.median(t) * 1e3 / walked for k, t in harness.time_interleaved(paths, reps).items()}
+    torch_bf16 = harness.time_interleaved({"torch": lambda: [xs[k] @ w.t() for k, w in dense.items()]}, reps)
+    return {**ms, "torch_bf16": statistics.median(torch_bf16["torch"]) * 1e3}
 
 
 def run(args) -> dict:
@@ -51,7 +58,7 @@ def run(args) -> dict:
               for k, (rows, cols) in SHAPES.items()}
     dense = {k: mxfp4.decode(p[0], s[0], torch.bfloat16) for k, (p, s) in packed.items()}
     packed_bytes = sum(p[0].numel() + s[0].numel() for p, s in packed.values())
-    weights = sum(w.numel() for w in dense.values())
+    flops_per_token = 2 * sum(rows * cols for rows, cols in SHAPES.values())
     buffer = batched.tile_buffer(torch.bfloat16, batched.TILE_BYTES)
     rows = []
     for threads in args.threads:
@@ -60,33 +67,13 @@ def run(args) -> dict:
         for T in args.tokens:
             load0 = harness.loadavg()
             xs = {"w13": torch.randn(T, D).bfloat16(), "w2": torch.randn(T, I).bfloat16()}
-
-            walked = n if T <= 64 else 2
-
-            def walk(linear, isa=None, xs=xs, walked=walked):
-                def call():
-                    os.environ[mxfp4_cpu.ISA_ENV] = isa or mxfp4_cpu.wanted_isa()
-                    for e in range(walked):
-                        for k, (p, s) in packed.items():
-                            linear(xs[k], p[e], s[e])
-                    os.environ.pop(mxfp4_cpu.ISA_ENV)
-                return call
-
-            def torch_dense(xs=xs):
-                for k, w in dense.items():
-                    xs[k] @ w.t()
-
-            t = walk_seconds({"avx2": walk(mxfp4_cpu.linear, "avx2"), "fused": walk(mxfp4_cpu.linear),
-                              "batched": walk(lambda x, p, s: batched.linear(x, p, s, buffer))}, args.reps)
-            t = {k: v / walked for k, v in t.items()}  # per expert
-            t["torch_bf16"] = walk_seconds({"torch": torch_dense}, args.reps)["torch"]
-            flops = 2 * T * weights
+            ms = walk_ms(packed, dense, xs, n if T <= 64 else 2, buffer, args.reps)
+            gflops = {k: flops_per_token * T / v / 1e6 for k, v in ms.items()}
             row = {"threads": threads, "T": T, "memcpy_GBs": memcpy, "loadavg_start": load0,
-                   "torch_bf16_GFLOPs": flops / t["torch_bf16"] / 1e9}
-            for path in PATHS:
-                row[path] = {"ms": t[path] * 1e3, "GBs": packed_bytes / t[path] / 1e9,
-                             "vs_memcpy": packed_bytes / t[path] / 1e9 / memcpy,
-                             "GFLOPs": flops / t[path] / 1e9, "vs_torch_bf16": t["torch_bf16"] / t[path]}
+                   "torch_bf16_GFLOPs": gflops["torch_bf16"],
+                   **{p: {"ms": ms[p], "GBs": packed_bytes / ms[p] / 1e6,
+                          "vs_memcpy": packed_bytes / ms[p] / 1e6 / memcpy, "GFLOPs": gflops[p],
+                          "vs_torch_bf16": ms["torch_bf16"] / ms[p]} for p in PATHS}}
             row["best"] = min(("fused", "batched"), key=lambda k: row[k]["ms"])
             row["loadavg_end"] = harness.loadavg()
             row["loaded"] = is_contended(max(load0[0], row["loadavg_end"][0]), harness.cpu_count())
@@ -101,46 +88,36 @@ def index_rows(results: dict) -> list[Target]:
     low = [r[r["best"]]["vs_memcpy"] for r in rows if r["T"] == 1]
     high = [r[r["best"]]["vs_torch_bf16"] for r in rows if r["T"] >= 64]
     return [target("best packed path's packed GB/s / memcpy, T = 1, best thread count",
-                   verdict(max(low, default=None), ">=", 0.9), ".2f"),
+                   verdict(max(low, default=None), ">=", 0.9)),
             target("best packed path's GFLOP/s / torch's dense bf16 GEMM's, worst row at T >= 64",
-                   verdict(min(high, default=None), ">=", 0.5), ".2f")]
-
-
-def markdown(results: dict, json_rel: str, png_rel: str) -> str:
-    rows = results["rows"]
-    lines = [
-        section_start(
-            SECTION, "fused_cpu", results["argv"], results["machine"],
-            f"fused kernel build {results['isa']}; torch's bf16 GEMM on {results['gemm_engine']}", json_rel,
-            png_rel),
-        "",
-        f"Real-size Kimi-K3 experts, gate|up [6144, 3584] + down [3584, 3072]: "
-        f"{results['packed_bytes_per_expert'] / 1e6:.1f} MB packed each; every timed call at T <= 64 walks "
-        f"{results['experts']} of them ({results['experts'] * results['packed_bytes_per_expert'] / 1e9:.2f} "
-        "GB), so the weights come from memory (from T = 256, compute-bound, 2). Per expert: ms, the packed "
-        "bytes' GB/s over memcpy (bytes "
-        "copied / s, same run), GFLOP/s (2 T x weights / time) and over torch's dense bf16 GEMM of the same "
-        "shapes. "
-        "*avx2* is the release before issue 48; *fused* the build this CPU gets; *batched* decoded tiles x "
-        "torch's GEMM. Medians of the reps, in turns. Rows marked * were measured while other work held at "
-        "least half the CPUs.",
-        "",
-        *table("threads | T | memcpy GB/s | avx2 ms | avx2 % memcpy | fused ms | fused % memcpy | batched ms "
-               "| batched % memcpy | avx2 GFLOP/s | fused GFLOP/s | batched GFLOP/s | torch bf16 GFLOP/s "
-               "| best / torch bf16 | load avg", map(row_cells, rows)),
-        "",
-    ]
-    lines += [f"- {t.target}: {t.measured} ({'met' if t.met else 'missed' if t.met is False else '-'})"
-              for t in index_rows(results)]
-    return "\n".join(lines)
+                   verdict(min(high, default=None), ">=", 0.5))]
 
 
 def row_cells(r: dict) -> list:
-    cells = [r["threads"], r["T"], f"{r['memcpy_GBs']:.2f}"]
-    cells += [c for p in PATHS for c in (f"{r[p]['ms']:.2f}", f"{100 * r[p]['vs_memcpy']:.0f}%")]
-    cells += [f"{r[p]['GFLOPs']:.1f}" for p in PATHS]
-    return cells + [f"{r['torch_bf16_GFLOPs']:.1f}", f"{r[r['best']]['vs_torch_bf16']:.2f} ({r['best']})",
-                    f"{r['loadavg_start'][0]:.1f}-{r['loadavg_end'][0]:.1f}{' *' if r['loaded'] else ''}"]
+    return [r["threads"], r["T"], f"{r['memcpy_GBs']:.2f}",
+            *(c for p in PATHS for c in (f"{r[p]['ms']:.2f}", f"{100 * r[p]['vs_memcpy']:.0f}%")),
+            *(f"{r[p]['GFLOPs']:.1f}" for p in PATHS), f"{r['torch_bf16_GFLOPs']:.1f}",
+            f"{r[r['best']]['vs_torch_bf16']:.2f} ({r['best']})",
+            f"{r['loadavg_start'][0]:.1f}-{r['loadavg_end'][0]:.1f}{' *' if r['loaded'] else ''}"]
+
+
+def markdown(results: dict, json_rel: str, png_rel: str) -> str:
+    per_expert, n = results["packed_bytes_per_expert"], results["experts"]
+    return "\n".join([
+        section_start(SECTION, "fused_cpu", results["argv"], results["machine"],
+                      f"fused kernel build {results['isa']}; torch's bf16 GEMM on {results['gemm_engine']}",
+                      json_rel, png_rel), "",
+        f"Real-size Kimi-K3 experts, gate|up [6144, 3584] + down [3584, 3072]: {per_expert / 1e6:.1f} MB "
+        f"packed each; every timed call at T <= 64 walks {n} of them ({n * per_expert / 1e9:.2f} GB), so the "
+        "weights come from memory (from T = 256, compute-bound, 2). Per expert: ms, the packed bytes' GB/s "
+        "over memcpy (bytes copied / s, same run), GFLOP/s (2 T x weights / time) and over torch's dense "
+        "bf16 GEMM of the same shapes. *avx2* is the release before issue 48; *fused* the build this CPU "
+        "gets; *batched* decoded tiles x torch's GEMM. Medians of the reps, in turns. Rows marked * were "
+        "measured while other work held at least half the CPUs.", "",
+        *table("threads | T | memcpy GB/s | avx2 ms | avx2 % memcpy | fused ms | fused % memcpy | batched ms "
+               "| batched % memcpy | avx2 GFLOP/s | fused GFLOP/s | batched GFLOP/s | torch bf16 GFLOP/s "
+               "| best / torch bf16 | load avg", map(row_cells, results["rows"])), "",
+        *target_lines(index_rows(results))])
 
 
 def plot(results: dict, path: Path) -> None:
@@ -152,24 +129,19 @@ def plot(results: dict, path: Path) -> None:
             ax.plot(ts, [r[p]["GFLOPs"] for r in rows], style, label=f"{p}, {threads} thr")
         ax.plot(ts, [r["torch_bf16_GFLOPs"] for r in rows], "x--", label=f"torch bf16 GEMM, {threads} thr")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens T")
-    ax.set_ylabel("GFLOP/s")
-    ax.set_title("real-size K3 experts on CPU, weights from memory")
+    ax.set(xlabel="tokens T", ylabel="GFLOP/s", title="real-size K3 experts on CPU, weights from memory")
     ax.legend(fontsize=7)
     harness.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = harness.bench_parser(__doc__, "fused_cpu")
-    ap.add_argument("--tokens", default="1,4,16,64,256,1024")
-    ap.add_argument("--threads", default="2")
+    ap.add_argument("--tokens", type=harness.int_list, default=[1, 4, 16, 64, 256, 1024])
+    ap.add_argument("--threads", type=harness.int_list, default=[2])
     ap.add_argument("--experts", type=int, default=24, help="distinct experts each timed call walks")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
-    args.tokens = [int(t) for t in args.tokens.split(",")]
-    args.threads = [int(t) for t in args.threads.split(",")]
-    reason = mxfp4_cpu.unavailable_reason()
-    if reason is not None:
+    if (reason := mxfp4_cpu.unavailable_reason()) is not None:
         print(f"the fused kernel is unavailable here: {reason}")
         return 1
     machine = harness.machine_record()

@@ -1,29 +1,20 @@
 """Per-call overhead of the Serve paths, next to Ray's own floors, in one run.
 
-The MoE tier is called once per layer per decode step, so what a call costs on top of the
-forward decides whether the tier is usable. One run (tiny checkpoint, float32, layer 1):
-
-* ``inprocess``: the runner in this process (TP 1) or in ``local_group`` ranks (TP 2), no Ray;
-* Ray's floors, the same payload (a ``WireTensor`` of ``[T, H]``) round-tripped: ``actor`` (a bare
-  actor call), ``serve_echo`` (Serve handle -> a deployment that returns its input),
-  ``serve_actor1`` / ``serve_actor2`` (Serve handle -> a deployment that awaits one call on each
-  of 1 / 2 actors, the shape of our replica -> TP-group hop);
-* ours: ``direct`` (``MoEClient.direct``: handle -> TP-group deployment), ``app`` (the ingress
-  handle: one more hop), ``http`` (HTTP through the proxy and the ingress).
-
-A lane's (data-plane session's) per-layer call is measured by ``scripts.bench.dataplane`` alone.
-Every path is called sequentially (one request in flight: the lone-decode-request case) for TP 1
-and 2 and T in {1, 16, 128}, in rounds so a noisy neighbour hits every path alike.
+The MoE tier is called once per layer per decode step, so what a call costs on top of the forward
+decides whether the tier is usable. Tiny checkpoint, float32, layer 1, TP 1 and 2, T in {1, 16,
+128}, one call in flight, in rounds so that a noisy neighbour hits every path alike: the runner in
+process (``inprocess``), Ray's floors on the same payload (``actor``, ``serve_echo``,
+``serve_actorP``: a deployment awaiting one call on each of P actors) and ours (``direct``, ``app``,
+``http``); a lane's call is ``scripts.bench.dataplane``'s.
 
     python -m scripts.bench.overhead        # ~3 minutes on 2 cores
 
-Targets, every (TP, T) row: direct <= in-process + serve_actor floor + 1.5 ms (TP 1: one actor,
-TP 2: two actors); app <= direct + 1 ms; HTTP <= direct + 3 ms.
+Targets, every (TP, T) row: direct <= in-process + serve_actorP floor + 1.5 ms; app <= direct + 1 ms;
+HTTP <= direct + 3 ms.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -54,11 +45,11 @@ def _inprocess_rank(comm: Collectives, checkpoint: str, calls: int) -> dict[int,
     from moe_runtime.tp.runner import build_rank_runners
 
     cfg = LatentMoEConfig.from_pretrained(checkpoint)
-    plan = resolve_tail("auto", cfg, comm.world)
-    runner = build_rank_runners(checkpoint, cfg, [LAYER], comm, plan, dtype=torch.float32)[LAYER]
+    runner = build_rank_runners(checkpoint, cfg, [LAYER], comm, resolve_tail("auto", cfg, comm.world),
+                                dtype=torch.float32)[LAYER]
     inputs = {T: harness.seeded_randn(T, cfg.hidden_size, seed=T) for T in SIZES}
     with torch.inference_mode():
-        return {T: harness.time_calls(lambda x=x: runner.forward(x), calls, warmup=10).seconds
+        return {T: harness.time_calls(lambda x=x: runner.forward(x), calls, warmup=10)
                 for T, x in inputs.items()}
 
 
@@ -78,9 +69,13 @@ class EchoActor:
         return x
 
 
-def floor_deployments() -> tuple[Any, Any]:
+def serve_calls(ckpt: Path, H: int, url: str, app_overrides: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """Deploy the app and the floors; every timed call by name, and the HTTP client to close."""
     import ray
     from ray import serve
+
+    from deployments.client import HTTPMoEClient, MoEClient
+    from deployments.common.wire import WireTensor
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Echo:
@@ -95,20 +90,8 @@ def floor_deployments() -> tuple[Any, Any]:
         async def __call__(self, x: Any) -> Any:
             return (await asyncio.gather(*(a.echo.remote(x) for a in self.actors)))[0]
 
-    return Echo, ActorHop
-
-
-def serve_calls(ckpt: Path, H: int, url: str, app_overrides: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """Deploy the app and the floors; every timed call by name, and the HTTP client to close."""
-    import ray
-    from ray import serve
-
-    from deployments.client import HTTPMoEClient, MoEClient
-    from deployments.common.wire import WireTensor
-
     harness.deploy({"checkpoint": str(ckpt), "layers": [LAYER], "auto_tune_tokens": [],
                     "deployments": [{"name": f"tp{tp}", "tp_size": tp} for tp in TPS], **app_overrides}, APP)
-    Echo, ActorHop = floor_deployments()
     echo = serve.run(Echo.bind(), name=f"{FLOOR_APP}_echo", route_prefix=None)
     hops = {n: serve.run(ActorHop.bind(n), name=f"{FLOOR_APP}_actor{n}", route_prefix=None) for n in TPS}
     actor = ray.remote(EchoActor).options(num_cpus=0).remote()
@@ -127,30 +110,6 @@ def serve_calls(ckpt: Path, H: int, url: str, app_overrides: dict[str, Any]) -> 
             calls[f"app/tp{n}/T{T}"] = lambda x=x, n=n: app[n].forward(x, LAYER)
             calls[f"http/tp{n}/T{T}"] = lambda x=x, n=n: http.forward(x, LAYER, deployment=f"tp{n}")
     return calls, http
-
-
-def run(args: argparse.Namespace) -> int:
-    ckpt = args.checkpoint or harness.preset_checkpoint("tiny")
-    H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
-    machine = harness.machine_record(with_ray=True, hidden_size=H, calls_per_path=args.calls,
-                                     rounds=args.rounds)
-    print(f"in-process runner ({args.calls} calls per T)", flush=True)
-    samples = inprocess(str(ckpt), args.calls)
-    with harness.local_serve(num_cpus=4, num_gpus=8, worker_niceness=0) as base_url:
-        calls, http = serve_calls(ckpt, H, base_url, json.loads(args.app_args))
-        for call in calls.values():  # warm-up: connections, handles, first batches
-            for _ in range(5):
-                call()
-        per_round = max(1, args.calls // args.rounds)
-        for r in range(args.rounds):
-            print(f"round {r + 1}/{args.rounds} ({per_round} calls per path), load {harness.loadavg()[0]}",
-                  flush=True)
-            for name, call in calls.items():
-                samples.setdefault(name, []).extend(harness.time_calls(call, per_round, warmup=0).seconds)
-        http.close()
-    paths = {k: {"n": len(v), **harness.latency_ms(v)} for k, v in samples.items()}
-    results = {"paths": paths, "overheads": overheads(paths)}
-    return harness.report(args, results, machine, markdown, index_rows)
 
 
 def overheads(paths: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
@@ -188,11 +147,12 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     m, keys = results["machine"], ("inprocess", "direct", "app", "http", "floor")
-    lines = [
+    return "\n".join([
         section_start(SECTION, "overhead", results["argv"], m,
                       f"`tiny` preset (H = {m['hidden_size']}), float32, layer {LAYER}; "
                       f"{m['calls_per_path']} calls per path in {m['rounds']} interleaved rounds, one "
-                      "request in flight", json_path),
+                      "request in flight",
+                      json_path),
         "", "Paths: `inprocess` = the runner with no Ray (TP 2: `local_group` ranks); Ray's floors on the "
         "same payload: `actor` (a bare actor call), `serve_echo` (Serve handle -> a deployment returning its "
         "input), `serve_actorP` (Serve handle -> a deployment awaiting one call on each of P actors: the "
@@ -207,15 +167,13 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                "| HTTP - direct",
                ([r["tp"], r["T"], *(f"{r[f'{k}_ms']:.2f}" for k in keys),
                  *(f"{r[f'{k}_ms']:+.2f}" for k in TARGETS_MS)] for r in results["overheads"]),
-               "ll" + "r" * 8)]
-    lines += ["", "Targets (a target is met only when every (TP, T) row meets it):", ""]
-    for key, t in targets(results).items():
-        w, b = t["worst"], t["best"]
-        lines.append(f"- {TARGET_TEXT[key]} {t['target']}: {verdict_word(t['met'])} -- "
-                     f"{sum(v['met'] for v in t['rows'])} of {len(t['rows'])} rows; worst TP {w['tp']}, "
-                     f"T = {w['T']}: {w['value']:+.2f} ms; best TP {b['tp']}, T = {b['T']}: "
-                     f"{b['value']:+.2f} ms.")
-    return "\n".join(lines)
+               "ll" + "r" * 8),
+        "", "Targets (a target is met only when every (TP, T) row meets it):", "",
+        *(f"- {TARGET_TEXT[key]} {t['target']}: {verdict_word(t['met'])} -- "
+          f"{sum(v['met'] for v in t['rows'])} "
+          f"of {len(t['rows'])} rows; worst TP {t['worst']['tp']}, T = {t['worst']['T']}: "
+          f"{t['worst']['value']:+.2f} ms; best TP {t['best']['tp']}, T = {t['best']['T']}: "
+          f"{t['best']['value']:+.2f} ms." for key, t in targets(results).items())])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +182,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=150, help="timed calls per path (all rounds)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--app-args", default="{}", help="JSON merged into the app's args (e.g. batching knobs)")
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    ckpt = args.checkpoint or harness.preset_checkpoint("tiny")
+    H = LatentMoEConfig.from_pretrained(ckpt).hidden_size
+    machine = harness.machine_record(with_ray=True, hidden_size=H, calls_per_path=args.calls,
+                                     rounds=args.rounds)
+    print(f"in-process runner ({args.calls} calls per T)", flush=True)
+    samples = inprocess(str(ckpt), args.calls)
+    with harness.local_serve(num_cpus=4, num_gpus=8, worker_niceness=0) as base_url:
+        calls, http = serve_calls(ckpt, H, base_url, json.loads(args.app_args))
+        for call in calls.values():  # warm-up: connections, handles, first batches
+            for _ in range(5):
+                call()
+        per_round = max(1, args.calls // args.rounds)
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds} ({per_round} calls per path), load {harness.loadavg()[0]}",
+                  flush=True)
+            for name, call in calls.items():
+                samples.setdefault(name, []).extend(harness.time_calls(call, per_round, warmup=0))
+        http.close()
+    paths = {k: {"n": len(v), **harness.latency_ms(v)} for k, v in samples.items()}
+    results = {"paths": paths, "overheads": overheads(paths)}
+    return harness.report(args, results, machine, markdown, index_rows)
 
 
 if __name__ == "__main__":
