@@ -2,16 +2,12 @@
 
     python -m scripts.bench.gpu_check_summary OUT_DIR [--smoke] NAME:RC:SECONDS:LIMIT ...
 
-Exit 0 only when the run checked something on a GPU: every stage exited 0, and, unless it was a
-``--cpu-smoke`` dry run, torch saw a GPU and at least one GPU-marked test ran (a run whose GPU tests
-all skipped, or that saw no GPU, is a failure however green its stages were). ``problems`` in the
-summary says why not. Each timing stage's rows are counted from its JSON-lines file, and a file
-without its closing record (a stage cut off by its time limit) is reported as partial.
-
-A stage that writes a record of its own (``vllm_kimi``: ``vllm_kimi.json``) has its ``result``
-(passed, failed or skipped) and ``reason`` in the summary; a skipped one (no vLLM in this Python,
-or a ``--cpu-smoke`` run) fails nothing but is listed under ``skipped`` with its reason, so it is
-never mistaken for a pass; a failed one, or one that wrote no record, is a problem.
+Exit 0 only when the run checked something on a GPU: every stage exited 0 and, unless it was a
+``--cpu-smoke`` dry run, torch saw a GPU and a GPU-marked test ran (a run whose GPU tests all
+skipped fails however green its stages were); ``problems`` says why not. A timing stage's rows are
+counted from its JSON-lines file, partial when it lacks its closing record. A stage that writes a
+record of its own (``vllm_kimi.json``) has its ``result`` and ``reason`` in the summary: skipped (no
+vLLM, or a smoke run) fails nothing but is listed under ``skipped``; failed, or no record, is a problem.
 """
 
 from __future__ import annotations
@@ -55,55 +51,45 @@ def gpu_problems(environment: dict[str, Any] | None, tests: dict[str, int] | Non
     return problems
 
 
-def record_problems(name: str, path: Path, stage: dict[str, Any], skipped: list[str]) -> list[str]:
-    """Adds the stage's record (result, reason) to ``stage``; its skip to ``skipped``; its problems."""
-    if not path.exists():
-        return [f"stage {name} wrote no {path.name}"]
-    record = json.loads(path.read_text())
-    stage.update(result=record.get("status"), reason=record.get("reason"))
-    if record.get("status") == "skipped":
-        skipped.append(f"{name}: {record.get('reason')}")
-        return []
-    if record.get("status") != "passed":
-        return [f"stage {name} {record.get('status')}: {record.get('reason')}"]
-    return []
-
-
 def summarize(out: Path, smoke: bool, stages: list[str]) -> dict[str, Any]:
-    summary: dict[str, Any] = {"cpu_smoke": smoke, "stages": {}}
+    summary: dict[str, Any] = {"cpu_smoke": smoke, "stages": {}, "skipped": []}
     for item in stages:
         name, rc, seconds, limit = item.split(":")
         summary["stages"][name] = {"exit": int(rc), "seconds": int(seconds), "limit_s": int(limit),
                                    "timed_out": int(rc) in (124, 137)}
-    env_path = out / "environment.json"
-    environment = json.loads(env_path.read_text()) if env_path.exists() else None
     tests = junit_counts(out / "gpu_tests.xml")
     if tests is not None:
         summary["gpu_tests"] = tests
     for name in TIMING_STAGES:
-        path = out / f"{name}.jsonl"
-        if path.exists():
+        if (path := out / f"{name}.jsonl").exists():
             header, rows, done = read_rows(path)
             summary["stages"].setdefault(name, {}).update(
                 rows=len(rows), complete=done is not None, skipped=header.get("skipped"))
     problems = [f"stage {n} exited {s['exit']}" + (" (time limit)" if s["timed_out"] else "")
                 for n, s in summary["stages"].items() if s.get("exit", 0) != 0]
-    summary["skipped"] = []
     for name, file in RECORD_STAGES.items():
-        if name in summary["stages"]:
-            problems += record_problems(name, out / file, summary["stages"][name], summary["skipped"])
+        if (stage := summary["stages"].get(name)) is None:
+            continue
+        if not (out / file).exists():
+            problems.append(f"stage {name} wrote no {file}")
+            continue
+        record = json.loads((out / file).read_text())
+        stage.update(result=record.get("status"), reason=record.get("reason"))
+        if record.get("status") == "skipped":
+            summary["skipped"].append(f"{name}: {record.get('reason')}")
+        elif record.get("status") != "passed":
+            problems.append(f"stage {name} {record.get('status')}: {record.get('reason')}")
     if not smoke:
-        problems += gpu_problems(environment, tests)
-    summary["problems"] = problems
-    summary["passed"] = not problems
-    summary["total_seconds"] = sum(s.get("seconds", 0) for s in summary["stages"].values())
+        env_path = out / "environment.json"
+        problems += gpu_problems(json.loads(env_path.read_text()) if env_path.exists() else None, tests)
+    summary.update(problems=problems, passed=not problems,
+                   total_seconds=sum(s.get("seconds", 0) for s in summary["stages"].values()))
     return summary
 
 
 def main(argv: list[str]) -> int:
     out, rest = Path(argv[0]), argv[1:]
-    smoke = "--smoke" in rest
-    summary = summarize(out, smoke, [a for a in rest if a and a != "--smoke"])
+    summary = summarize(out, "--smoke" in rest, [a for a in rest if a and a != "--smoke"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     for problem in summary["problems"]:

@@ -3,10 +3,9 @@
     python -m scripts.bench.measure_rss [--interval 0.2] [--json OUT] -- python -m moe_runtime forward ...
 
 Every ``--interval`` seconds it sums ``rss`` (RssAnon + RssShmem) and ``pss`` (Pss_Anon + Pss_Shmem)
-over the command's process and all its descendants (see scripts/bench/rss.py). The peak of each sum
-over the run, the sample count and the processes seen at the ``rss`` peak go to stdout and, with
-``--json``, to a file (with the load average before and after). The exit status is the command's.
-Linux only (/proc). Page-cache (file) memory is not counted.
+over the command's process and all its descendants (``bench.rss``; Linux only, page cache not
+counted): the peaks, the sample count and the processes seen at the ``rss`` peak go to stderr and,
+with ``--json``, to a file (with the load average before and after). The exit status is the command's.
 """
 
 from __future__ import annotations
@@ -21,18 +20,14 @@ from .rss import measure
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
+    if "--" not in argv or argv[-1] == "--":
         print(__doc__, file=sys.stderr)
         return 2
-    split = argv.index("--")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
     ap.add_argument("--json", type=Path, help="also write the measurement here")
-    args = ap.parse_args(argv[:split])
-    cmd = argv[split + 1:]
-    if not cmd:
-        ap.error("no command after --")
-    rc, result = measure(cmd, args.interval)
+    args = ap.parse_args(argv[:argv.index("--")])
+    rc, result = measure(argv[argv.index("--") + 1:], args.interval)
     print(f"peak anon+shmem RSS of the process tree: {result['peak_rss_gb']:.3f} GB "
           f"(PSS {result['peak_pss_gb']:.3f} GB; {result['samples']} samples every {args.interval} s, "
           f"up to {result['max_processes']} processes; command exit {rc})", file=sys.stderr)

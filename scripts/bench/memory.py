@@ -1,14 +1,9 @@
 """Check the memory planner (``moe_runtime.memory``) against measured memory, side by side.
 
-For each (dtype, experts format, T) it runs one fresh process that loads one MoE layer of a
-generated checkpoint (``--preset``, TP 1) and runs one forward of T tokens, and reports:
-
-* resident bytes of the loaded layer (``LayerWeights.nbytes_by_part``) vs the planner's bytes
-  by part for the format the loader holds (must be equal: ``weights_exact``);
-* the forward's peak RSS growth (Linux ``VmHWM`` after resetting it through
-  ``/proc/self/clear_refs``, minus ``VmRSS`` before the forward) vs the planner's activation
-  allowance ``T x activation_bytes_per_token`` and its whole workspace (+ decode scratch):
-  ``ratio`` = measured / activation allowance (<= 1: the allowance bounds what was measured).
+Per (dtype, experts format, T), one fresh process loads one MoE layer of a generated checkpoint
+(``--preset``, TP 1) and runs one forward of T tokens: the loaded layer's resident bytes by part
+against the planner's (``weights_exact``), and the forward's peak RSS growth (``VmHWM`` after
+resetting it, minus ``VmRSS`` before) against the planner's activation allowance and workspace.
 """
 
 from __future__ import annotations
@@ -48,16 +43,12 @@ def measure_one(ckpt: str, dtype: str, tokens: int) -> dict:
         before = proc_bytes("/proc/self/status", "VmRSS")
         moe_forward(x, w, cfg)
         growth = proc_bytes("/proc/self/status", "VmHWM") - before
-    return {
-        "dtype": dtype, "tokens": tokens, "experts_held": held,
-        "checkpoint_format": checkpoint_expert_formats(ckpt, cfg, [1])[1],
-        "resident_by_part": w.nbytes_by_part(), "planned_by_part": plan.by_part,
-        "weights_exact": w.nbytes_by_part() == plan.by_part,
-        "forward_peak_growth_bytes": growth,
-        "activation_allowance_bytes": plan.workspace.activation_bytes,
-        "workspace_bytes": plan.workspace.total,
-        "ratio": growth / plan.workspace.activation_bytes,
-    }
+    return {"dtype": dtype, "tokens": tokens, "experts_held": held,
+            "checkpoint_format": checkpoint_expert_formats(ckpt, cfg, [1])[1],
+            "resident_by_part": w.nbytes_by_part(), "planned_by_part": plan.by_part,
+            "weights_exact": w.nbytes_by_part() == plan.by_part, "forward_peak_growth_bytes": growth,
+            "activation_allowance_bytes": plan.workspace.activation_bytes,
+            "workspace_bytes": plan.workspace.total, "ratio": growth / plan.workspace.activation_bytes}
 
 
 def index_rows(results: dict) -> list[Target]:
@@ -68,22 +59,18 @@ def index_rows(results: dict) -> list[Target]:
                   all(r["forward_peak_growth_bytes"] <= r["workspace_bytes"] for r in rows))]
 
 
-def row_cells(r: dict) -> list:
-    sizes = ("forward_peak_growth_bytes", "activation_allowance_bytes", "workspace_bytes")
-    mb = [f"{r[k] / 1e6:.1f}" for k in sizes]
-    return [r["checkpoint_format"], r["experts_held"], r["dtype"], r["tokens"], r["weights_exact"], *mb,
-            f"{r['ratio']:.2f}"]
-
-
 def markdown(results: dict, json_path: str, png_path: str) -> str:
-    lines = [section_start(SECTION, "memory", results["argv"], results["machine"],
-                           f"preset `{results['preset']}`, TP 1, one fresh process per row, 1 torch thread",
-                           json_path), "",
-             *table("checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB "
-                    "| workspace MB | ratio",
-                    map(row_cells, results["rows"]), "lllrlrrrr"), ""]
-    lines += [f"- {t.target}: {t.measured}" for t in index_rows(results)]
-    return "\n".join(lines)
+    sizes = ("forward_peak_growth_bytes", "activation_allowance_bytes", "workspace_bytes")
+    return "\n".join([
+        section_start(SECTION, "memory", results["argv"], results["machine"],
+                      f"preset `{results['preset']}`, TP 1, one fresh process per row, 1 torch thread",
+                      json_path), "",
+        *table("checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB "
+               "| workspace MB | ratio (peak / allowance)",
+               ([r["checkpoint_format"], r["experts_held"], r["dtype"], r["tokens"], r["weights_exact"],
+                 *(f"{r[k] / 1e6:.1f}" for k in sizes), f"{r['ratio']:.2f}"] for r in results["rows"]),
+               "lllrlrrrr"), "",
+        *(f"- {t.target}: {t.measured}" for t in index_rows(results))])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,11 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in ("dense", "mxfp4"):
         ckpt = harness.preset_checkpoint(args.preset, 2, mxfp4=fmt == "mxfp4")
         for dtype in ("float32", "bfloat16"):
-            for T in (int(t) for t in args.tokens.split(",")):
+            for T in harness.int_list(args.tokens):
                 child = [sys.executable, "-m", "scripts.bench.memory", "--child", str(ckpt), dtype, str(T)]
                 out = subprocess.run(child, cwd=ROOT, capture_output=True, text=True, check=True).stdout
-                row = json.loads(out.strip().splitlines()[-1])
-                rows.append(row)
+                rows.append(row := json.loads(out.strip().splitlines()[-1]))
                 print(f"{fmt:5s} {dtype:8s} T={T:5d}: weights exact {row['weights_exact']}, forward peak "
                       f"{row['forward_peak_growth_bytes'] / 1e6:7.1f} MB vs allowance "
                       f"{row['activation_allowance_bytes'] / 1e6:7.1f} MB (ratio {row['ratio']:.2f})")

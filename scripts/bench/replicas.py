@@ -1,29 +1,17 @@
 """What an app's replicas cost to start and to keep: ours against Ray Serve's floor, side by side.
 
-Neither of our replicas imports torch, which costs a process ~1.7 CPU-s to import and holds its
-libraries' pages (~125 MB PSS): the HTTP ingress routes calls and reads and writes safetensors
-bodies with numpy; a TP-group replica checks, rounds, batches and splits rows with numpy (its
-ranks, separate processes, compute). Every app runs at least one ingress replica (two by default)
-and one group replica per deployment, and every start, replacement and scale-up pays them again.
-One private Ray, in turns (``--reps`` rounds; each app deployed, called once over HTTP with a
-3-token F32 body, measured, deleted):
-
-* ``ours``: the app (ingress + one TP-1 group, tiny checkpoint, float32): its ingress replica
-  and its group replica (the group's rank is a process of its own, not measured);
-* ``floor``: Ray's floor: a FastAPI ingress deployment passing the body to a trivial backend
-  deployment and back (the same shape of app), Serve's defaults;
-* ``floor_torch``: the same floor, both replicas importing torch as they start: what replicas
-  that convert with torch pay (ours did: the ingress until it read bodies with numpy, the group
-  replica until it batched with numpy).
-
-Measured on each replica process after the call: the CPU time it has used since it started (user
-+ system) and its resident memory (anonymous + shared, RSS and PSS).
+Neither of our replicas imports torch (~1.7 CPU-s to import, ~125 MB PSS of libraries): the HTTP
+ingress and the TP-group replica convert and batch rows with numpy; every start, replacement and
+scale-up pays them again. One private Ray, in turns (``--reps`` rounds; each app deployed, called
+once over HTTP with a 3-token F32 body, its two replicas measured: CPU time since start, RSS and
+PSS; then deleted): ``ours`` (ingress + one TP-1 group, tiny checkpoint), ``floor`` (a FastAPI
+ingress passing the body to a trivial backend, Serve's defaults) and ``floor_torch`` (the same, both
+replicas importing torch: what replicas that convert with torch pay).
 
     python -m scripts.bench.replicas        # ~1 minute on 2 cores
 
-Targets (medians): each of ours uses <= 0.5 CPU-s more than its counterpart in the floor (the
-group replica also starts its rank and reads the checkpoint's config) and holds <= 30 MB more
-PSS; against ``floor_torch``, each of ours uses less CPU and holds less PSS.
+Targets (medians): each of ours uses <= 0.5 CPU-s more than its counterpart in the floor and holds
+<= 30 MB more PSS; against ``floor_torch``, each of ours uses less CPU and holds less PSS.
 """
 
 import statistics
@@ -84,14 +72,14 @@ def deploy_call_measure(name: str, app_args: dict[str, Any], url: str, body: byt
         harness.deploy(app_args, name)
     else:
         serve.run(floor_app(name == "floor_torch"), name=name, route_prefix="/")
-    answer = httpx.post(f"{url}/v1/layers/1/forward", content=body, timeout=120)
-    answer.raise_for_status()
+    httpx.post(f"{url}/v1/layers/1/forward", content=body, timeout=120).raise_for_status()
     measured = {}
     backend = DEFAULT_DEPLOYMENT if name == "ours" else "backend"
     for role, deployment in (("ingress", "ingress"), ("backend", backend)):
         pid = serve_replica_pid(name, deployment)
-        cpu_s, memory = cpu_seconds([pid]), process_memory(pid)
-        measured[role] = {"cpu_s": cpu_s, "rss_mb": memory["rss"] / MB, "pss_mb": memory["pss"] / MB}
+        memory = process_memory(pid)
+        measured[role] = {"cpu_s": cpu_seconds([pid]), "rss_mb": memory["rss"] / MB,
+                          "pss_mb": memory["pss"] / MB}
     serve.delete(name)
     return measured
 
@@ -100,15 +88,12 @@ def per_round(results: dict[str, Any], role: str, metric: str) -> dict[str, list
     return {n: [r[role][metric] for r in rounds] for n, rounds in results["rounds"].items()}
 
 
-def medians(results: dict[str, Any], role: str, metric: str) -> dict[str, float]:
-    return {n: statistics.median(values) for n, values in per_round(results, role, metric).items()}
-
-
 def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The targets of the module docstring, from the measured results."""
+    """The targets of the module docstring, from the medians of the measured rounds."""
     out = {}
     for role in ROLES:
-        cpu, pss = medians(results, role, "cpu_s"), medians(results, role, "pss_mb")
+        cpu, pss = ({n: statistics.median(v) for n, v in per_round(results, role, m).items()}
+                    for m in ("cpu_s", "pss_mb"))
         out[f"{role}_cpu_over_floor"] = verdict(cpu["ours"] - cpu["floor"], "<=", 0.5)
         out[f"{role}_pss_over_floor"] = verdict(pss["ours"] - pss["floor"], "<=", 30.0)
         out[f"{role}_cpu_vs_floor_torch"] = verdict(cpu["ours"] / cpu["floor_torch"], "<", 1.0)
@@ -117,30 +102,26 @@ def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def index_rows(results: dict[str, Any]) -> list[Target]:
-    v, rows = results["verdicts"], []
-    for role in ROLES:
-        replica = "ingress replica" if role == "ingress" else "group replica"
-        rows += [target(f"{replica}'s CPU-s, ours - Ray's floor", v[f"{role}_cpu_over_floor"]),
-                 target(f"{replica}'s PSS, ours - Ray's floor", v[f"{role}_pss_over_floor"], ".1f", " MB"),
-                 target(f"{replica}'s CPU-s, ours / the floor with torch", v[f"{role}_cpu_vs_floor_torch"]),
-                 target(f"{replica}'s PSS, ours / the floor with torch", v[f"{role}_pss_vs_floor_torch"])]
-    return rows
+    v = results["verdicts"]
+    return [row for role, replica in SHORT.items() for row in (
+        target(f"{replica}'s CPU-s, ours - Ray's floor", v[f"{role}_cpu_over_floor"]),
+        target(f"{replica}'s PSS, ours - Ray's floor", v[f"{role}_pss_over_floor"], ".1f", " MB"),
+        target(f"{replica}'s CPU-s, ours / the floor with torch", v[f"{role}_cpu_vs_floor_torch"]),
+        target(f"{replica}'s PSS, ours / the floor with torch", v[f"{role}_pss_vs_floor_torch"]))]
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     what = {"ours": "our app (ingress + TP-1 group, tiny, float32)",
             "floor": "Ray's floor: a FastAPI ingress passing the body to a trivial deployment",
             "floor_torch": "the same floor, both replicas importing torch as they start"}
-    v = results["verdicts"]
-    tables = []
+    v, tables = results["verdicts"], []
     for role, label in ROLES.items():
         for metric, unit in (("cpu_s", "CPU-s since it started"), ("pss_mb", "PSS, MB")):
             tables += [*rounds_table("app", f"{label}: {unit}", per_round(results, role, metric), what), ""]
     return "\n".join([
         section_start(SECTION, "replicas", results["argv"], results["machine"],
                       "each app deployed, called once over HTTP, its two replicas measured, then "
-                      f"deleted, in turns, {results['reps']} rounds", json_path), "",
-        *tables,
+                      f"deleted, in turns, {results['reps']} rounds", json_path), "", *tables,
         *(f"- {label.capitalize()}, ours over the floor: {verdict_text(v[f'{role}_cpu_over_floor'])} CPU-s, "
           f"{verdict_text(v[f'{role}_pss_over_floor'], '.1f')} MB PSS; as a share of the floor that imports "
           f"torch: {verdict_text(v[f'{role}_cpu_vs_floor_torch'])} of its CPU-s, "

@@ -1,21 +1,15 @@
 """How long deleting an idle app takes: ours against Ray Serve's own floor, side by side.
 
-A stopping Serve replica looks at intervals (``graceful_shutdown_wait_loop_s``) whether its
-requests are done before it exits; Serve's default interval is 2 s, so even an idle replica
-takes that long to stop. Ours look every ``DRAIN_POLL_S`` (``deployments/config/timeouts.py``),
-the TP groups and the ingress alike. Deleting an app, scaling down and replacing a replica all
-wait for it. One private Ray, in turns (``--reps`` rounds, each app deployed, called once, then
-deleted and timed):
-
-* ``ours``: the app (ingress + one TP-2 group, tiny checkpoint, float32);
-* ``floor_default``: Ray's floor: two trivial Serve deployments (one calls the other, the same
-  shape of app) with Serve's default options;
-* ``floor_fast``: the same two with ``graceful_shutdown_wait_loop_s`` = ``DRAIN_POLL_S``.
+A stopping Serve replica looks at intervals (``graceful_shutdown_wait_loop_s``, 2 s by default)
+whether its requests are done; ours look every ``DRAIN_POLL_S`` (``deployments/config/timeouts.py``).
+Deleting an app, scaling down and replacing a replica all wait for it. One private Ray, in turns
+(``--reps`` rounds, each app deployed, called once, then deleted and timed): ``ours`` (ingress + one
+TP-2 group, tiny checkpoint), ``floor_default`` (two trivial deployments, one calling the other,
+Serve's defaults) and ``floor_fast`` (the same with the interval ``DRAIN_POLL_S``).
 
     python -m scripts.bench.shutdown        # ~1 minute on 2 cores
 
-Targets: deleting ours takes <= 0.5 s over ``floor_fast`` (medians), and less than
-``floor_default`` (a ratio < 1).
+Targets: deleting ours takes <= 0.5 s over ``floor_fast`` and less than ``floor_default`` (medians).
 """
 
 from __future__ import annotations
@@ -73,7 +67,6 @@ def deploy_call_delete_s(name: str, app_args: dict[str, Any], x: Any) -> float:
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The targets of the module docstring, from the measured results."""
     med = {n: statistics.median(v) for n, v in results["delete_s"].items()}
     return {"over_floor": verdict(med["ours"] - med["floor_fast"], "<=", 0.5),
             "vs_default": verdict(med["ours"] / med["floor_default"], "<", 1.0)}
@@ -90,15 +83,13 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
             "floor_default": "Ray's floor: two trivial deployments, Serve's default options",
             "floor_fast": f"the same, graceful_shutdown_wait_loop_s = {results['drain_poll_s']:g} s"}
     rows = rounds_table("app", "serve.delete, s", results["delete_s"], what)
-    over, default = results["verdicts"]["over_floor"], results["verdicts"]["vs_default"]
+    v = results["verdicts"]
     return "\n".join([
         section_start(SECTION, "shutdown", results["argv"], results["machine"],
                       f"each app deployed, called once, then deleted, in turns, {results['reps']} rounds",
-                      json_path), "",
-        *rows, "",
-        f"- Ours over the fast floor: {verdict_text(over)} s; ours as a share of Serve's default "
-        f"floor: {verdict_text(default)}.",
-    ])
+                      json_path), "", *rows, "",
+        f"- Ours over the fast floor: {verdict_text(v['over_floor'])} s; ours as a share of Serve's default "
+        f"floor: {verdict_text(v['vs_default'])}."])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                                               lambda app, _: deploy_call_delete_s(app, app_args, x))
     results = {"delete_s": measured, "reps": args.reps, "drain_poll_s": DRAIN_POLL_S}
     results["verdicts"] = verdicts(results)
-    met = [v["met"] for v in results["verdicts"].values()]
-    return harness.report(args, results, machine, markdown, index_rows, ok=all(met))
+    ok = all(v["met"] for v in results["verdicts"].values())
+    return harness.report(args, results, machine, markdown, index_rows, ok=ok)
 
 
 if __name__ == "__main__":

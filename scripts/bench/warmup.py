@@ -1,19 +1,14 @@
-"""Warm-up: time from `serve.run` to the first answer, cold (no stored tail plan) and warm (the
-plan measured by an earlier replica reused), and from a rank's SIGKILL to the next answer (the
-replaced replica reuses the plan). One run, one local Ray instance, CPU ranks.
+"""Warm-up: time from `serve.run` to the first answer, cold (no stored tail plan) and warm (the plan
+an earlier replica measured, reused), and from a rank's SIGKILL to the next answer (the replaced
+replica reuses the plan). Each phase deploys the same app (TP --tp, tail auto, ``auto_tune_tokens``
+1,16,128,1024) and sends one --tokens forward, whose answer must equal the first phase's bit for bit.
+
+Targets: the warm start and the replaced replica reuse the plan; answered again after the SIGKILL
+within 1.5x the warm start; no call hung (ran into the client's timeout); no answer wrong.
 
     python -m scripts.bench.warmup                                   # small preset, ~2 min
     python -m scripts.bench.warmup --checkpoint /work/ckpt/k3-1layer --dtype bfloat16 --layers 1 \\
         --max-tokens 64                                              # real size (heavy demo)
-
-Each phase deploys the same app (TP --tp, tail auto, ``auto_tune_tokens`` 1,16,128,1024, the
-default ``warmup_limit_s``) and sends one --tokens forward; it checks that the answer equals the
-first phase's bit for bit.
-Target: warm start <= cold start - the cold measurement's time (nothing measured again), and a
-replaced replica answers again without measuring (plan_source: reused). After the rank's SIGKILL:
-answered again within 1.5x the warm start (a load without measuring; the cold
-ratio is printed too), no call hung (each call's seconds are recorded; a call that ran into the
-client's timeout counts as hung), no answer wrong (every answer equals the cold one).
 """
 
 from __future__ import annotations
@@ -27,14 +22,15 @@ from typing import Any
 import torch
 
 from . import harness
-from .docs import Target, section_start, target, verdict, verdict_word
+from .docs import Target, section_start, table, target, verdict, verdict_word
 
 APP = "warmup"
 SECTION = "# Warm-up (scripts/bench/warmup.py)"
+CALL_TIMEOUT_S = 600.0  # the client's bound on one call after the kill: a call reaching it hung
 
 
-def deploy_and_answer(args: dict[str, Any], x: torch.Tensor, layer: int) -> tuple[float, float, Any, dict]:
-    """Seconds from serve.run to ready and to the first answer, the answer, and the status."""
+def deploy_and_answer(args: dict[str, Any], x: torch.Tensor, layer: int) -> dict[str, Any]:
+    """Seconds from serve.run to ready and to the first answer, the plan it used, the answer."""
     from deployments.client import MoEClient
 
     start = time.perf_counter()
@@ -43,21 +39,18 @@ def deploy_and_answer(args: dict[str, Any], x: torch.Tensor, layer: int) -> tupl
     client = MoEClient(APP, timeout_s=3600)
     out = client.forward(x, layer)
     answered = time.perf_counter() - start
-    return ready, answered, out, client.status()
-
-
-CALL_TIMEOUT_S = 600.0  # the client's bound on one call after the kill: a call reaching it hung
+    plan = client.status()["deployments"]["moe"]["controller"]
+    return {"ready_s": ready, "answered_s": answered, "plan_source": plan["plan_source"],
+            "plan": plan["choice"], "out": out}
 
 
 def answer_after_rank_kill(x: torch.Tensor, layer: int, deadline_s: float) -> dict[str, Any]:
     """SIGKILL rank 0 of the serving replica; seconds until a forward answers again, the calls
-    that failed meanwhile (each retried after 1 s until the deadline) with their seconds and
-    errors, and the answer."""
+    that failed meanwhile (each retried after 1 s until the deadline) and the answer."""
     from deployments.client import MoEClient
 
     client = MoEClient(APP, timeout_s=CALL_TIMEOUT_S)
-    pid = client.status()["deployments"]["moe"]["workers"][0]["pid"]
-    os.kill(pid, signal.SIGKILL)
+    os.kill(client.status()["deployments"]["moe"]["workers"][0]["pid"], signal.SIGKILL)
     start, failed = time.perf_counter(), []
     while time.perf_counter() - start < deadline_s:
         sent = time.perf_counter()
@@ -69,8 +62,9 @@ def answer_after_rank_kill(x: torch.Tensor, layer: int, deadline_s: float) -> di
                            "hung": took >= CALL_TIMEOUT_S})
             time.sleep(1.0)
             continue
+        plan = client.status()["deployments"]["moe"]["controller"]
         return {"answered_s": time.perf_counter() - start, "failed": failed, "out": out,
-                "status": client.status()}
+                "plan_source": plan["plan_source"]}
     raise TimeoutError(f"no answer within {deadline_s:.0f} s after the rank was killed")
 
 
@@ -88,33 +82,28 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     cold, warm, rep = results["cold"], results["warm"], results["replaced"]
     reuse, reuse_after, equal, restart, none_hung = (verdict_word(t.met) for t in index_rows(results))
     slowest = max((c["s"] for c in rep["failed"]), default=0.0)
-    lines = [
-        section_start(
-            SECTION, "warmup", results["argv"], results["machine"],
-            f"checkpoint `{results['checkpoint_name']}`, TP {results['tp']}, {results['dtype']}, "
-            "CPU ranks", json_path), "",
-        "| phase | plan | ready (s) | first answer (s) |", "|---|---|---|---|",
-        f"| cold: nothing stored | {cold['plan_source']} | {cold['ready_s']:.1f} "
-        f"| {cold['answered_s']:.1f} |",
-        f"| warm: stored plan | {warm['plan_source']} | {warm['ready_s']:.1f} | {warm['answered_s']:.1f} |",
-        f"| rank SIGKILL -> answered again | {rep['plan_source']} | | {rep['answered_s']:.1f} "
-        f"({len(rep['failed'])} failed call(s) before, the slowest {slowest:.1f} s) |", "",
+    errors = sorted({c["error"].split(":")[0] for c in rep["failed"]})
+    return "\n".join([
+        section_start(SECTION, "warmup", results["argv"], results["machine"],
+                      f"checkpoint `{results['checkpoint_name']}`, TP {results['tp']}, {results['dtype']}, "
+                      "CPU ranks", json_path), "",
+        *table("phase | plan | ready (s) | first answer (s)", [
+            *([name, p["plan_source"], f"{p['ready_s']:.1f}", f"{p['answered_s']:.1f}"]
+              for name, p in (("cold: nothing stored", cold), ("warm: stored plan", warm))),
+            ["rank SIGKILL -> answered again", rep["plan_source"], "", f"{rep['answered_s']:.1f} "
+             f"({len(rep['failed'])} failed call(s) before, the slowest {slowest:.1f} s)"]]), "",
         f"Measured tail plan: {cold['plan']}. Warm start saves "
         f"{cold['answered_s'] - warm['answered_s']:.1f} s "
-        f"({warm['answered_s'] / cold['answered_s']:.2f} x the cold time). "
-        f"Verdicts: warm start reuses the plan — {reuse}; the replaced replica reuses it — {reuse_after}; "
-        f"answers equal across phases — {equal}.",
-        "",
+        f"({warm['answered_s'] / cold['answered_s']:.2f} x the cold time). Verdicts: warm start reuses the "
+        f"plan — {reuse}; the replaced replica reuses it — {reuse_after}; answers equal across phases — "
+        f"{equal}.", "",
         f"Restart: answered again {rep['answered_s']:.1f} s after the SIGKILL = "
         f"{rep['answered_s'] / warm['answered_s']:.2f} x the warm start "
         f"({rep['answered_s'] / cold['answered_s']:.2f} x the cold one), target <= 1.5 x — {restart}; hung "
         f"calls (reaching the {CALL_TIMEOUT_S:.0f} s client timeout): "
         f"{sum(c['hung'] for c in rep['failed'])} — {none_hung}; wrong answers: "
         f"{0 if results['answers_equal'] else 'some'} — {equal}."
-        + (f" Errors the failed calls saw: {sorted({c['error'].split(':')[0] for c in rep['failed']})}."
-           if rep["failed"] else ""),
-    ]
-    return "\n".join(lines)
+        + (f" Errors the failed calls saw: {errors}." if errors else "")])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,35 +124,24 @@ def main(argv: list[str] | None = None) -> int:
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = cfg.moe_layers[0] if args.layers is None else int(str(args.layers).split(",")[0].split("-")[0])
     app = {"checkpoint": str(ckpt), "tp_size": args.tp, "dtype": args.dtype, "tail": "auto",
-           "accelerator": "cpu", "auto_tune_tokens": [1, 16, 128, 1024], "ingress_replicas": 1}
-    if args.layers is not None:
-        app["layers"] = args.layers
-    if args.max_tokens is not None:
-        app.update(max_tokens_per_request=args.max_tokens, max_batch_tokens=args.max_tokens)
+           "accelerator": "cpu", "auto_tune_tokens": [1, 16, 128, 1024], "ingress_replicas": 1,
+           **({} if args.layers is None else {"layers": args.layers}),
+           **({} if args.max_tokens is None else {"max_tokens_per_request": args.max_tokens,
+                                                  "max_batch_tokens": args.max_tokens})}
     x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=0,
-                     dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
+                             dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
     machine = harness.machine_record(with_ray=True)
     with harness.local_serve(num_cpus=4):
         for key in kv.entries(kv.PLAN_PREFIX):  # cold: nothing stored
             kv.delete(key)
-        phases: dict[str, Any] = {}
-        ready, answered, cold_out, status = deploy_and_answer(app, x, layer)
-        ctl = status["deployments"]["moe"]["controller"]
-        phases["cold"] = {"ready_s": ready, "answered_s": answered, "plan_source": ctl["plan_source"],
-                          "plan": ctl["choice"]}
+        cold = deploy_and_answer(app, x, layer)
         serve.delete(APP)
-        ready, answered, warm_out, status = deploy_and_answer(app, x, layer)
-        phases["warm"] = {"ready_s": ready, "answered_s": answered,
-                          "plan_source": status["deployments"]["moe"]["controller"]["plan_source"]}
-        kill = answer_after_rank_kill(x, layer, deadline_s=3600)
-        ctl = kill["status"]["deployments"]["moe"]["controller"]
-        phases["replaced"] = {"answered_s": kill["answered_s"], "failed": kill["failed"],
-                              "plan_source": ctl["plan_source"]}
-        replaced_out = MoEClient(APP, timeout_s=600).forward(x, layer)
-    results = {
-        **phases, "checkpoint_name": ckpt.name, "tp": args.tp, "dtype": args.dtype,
-        "answers_equal": all(torch.equal(cold_out, out) for out in (warm_out, kill["out"], replaced_out)),
-    }
+        warm = deploy_and_answer(app, x, layer)
+        replaced = answer_after_rank_kill(x, layer, deadline_s=3600)
+        outs = [phase.pop("out") for phase in (cold, warm, replaced)]
+        outs.append(MoEClient(APP, timeout_s=600).forward(x, layer))
+    results = {"cold": cold, "warm": warm, "replaced": replaced, "checkpoint_name": ckpt.name, "tp": args.tp,
+               "dtype": args.dtype, "answers_equal": all(torch.equal(outs[0], out) for out in outs[1:])}
     return harness.report(args, results, machine, markdown, index_rows)
 
 
