@@ -2,29 +2,17 @@
 
     python -m scripts.bench.vllm_kimi_gpu --out DIR [--budget-s 150] [--smoke]
 
-Writes ``DIR/vllm_kimi.json`` (``status``: passed, failed or skipped, with ``reason`` and
-``problems``) and each engine's log beside it; exits 0 when the check passed or was skipped, 1
-when it failed. Skipped: ``--smoke`` (vLLM's CPU backend runs neither KDA nor Kimi-K3's MLA), no
-vLLM in this Python, no GPU visible to torch, or a vLLM without ``vllm.models.kimi_k3``.
-
-Otherwise it writes the tiny Kimi-K3 model (``make_vllm_model.py --arch kimi_k3``: KDA and MLA
-attention, MoE layers 1 and 2, bfloat16) and the tiny tier checkpoint whose MoE tensors that model
-carries (``make_checkpoint.py --preset tiny``), then runs two engines, one after the other, each in
-a process of its own (``vllm.LLM``, eager, text only), greedy-decoding the same prompts:
-
-* ``tier``: the alias ``LatentMoeKimiK3ForConditionalGeneration``, its MoE blocks run by
-  ``moe_runtime`` in the engine's process (``additional_config`` ``latent_moe.checkpoint``, float32);
-* ``native``: vLLM's own ``KimiK3ForConditionalGeneration`` on the same folder, whose MoE blocks
-  load the same expert tensors and run vLLM's latent-MoE kernels.
-
-The tier engine must have built one ``TierMoE`` per MoE layer and no parameter under them, decode
-every token, and call the tier's op exactly once per MoE layer per model step (steps counted by a
-hook on the model's forward). Against the native engine: wherever the two have seen the same
-tokens (every position up to and including the first where their greedy picks differ), the
-log-probabilities of the tokens both rank in their top ``TOP`` differ by at most ``TOLERANCE``.
-Wrong MoE math should move them by far more than vLLM's bfloat16 kernels against the float32
-reference do (expected: a few hundredths; the record keeps the measured maximum). The first
-differing pick, if any, is thus a near-tie, not an error.
+Writes ``DIR/vllm_kimi.json`` (``status`` passed, failed or skipped, ``reason``, ``problems``) and
+each engine's log; exits 1 only when the check failed. Skipped: ``--smoke`` (vLLM's CPU backend runs
+neither KDA nor Kimi-K3's MLA), no vLLM, no GPU, or a vLLM without ``vllm.models.kimi_k3``.
+Otherwise two engines (``vllm.LLM``, eager, each in its own process) greedy-decode the same prompts
+on the tiny Kimi-K3 model (``make_vllm_model.py --arch kimi_k3``): ``tier``, the alias whose MoE
+blocks ``moe_runtime`` runs from the tiny tier checkpoint of the same tensors, and ``native``,
+vLLM's own model. The tier engine must build one ``TierMoE`` per MoE layer and no parameter under
+them, decode every token and call the tier's op once per MoE layer per model step; wherever both
+engines saw the same tokens (up to and including their first differing pick, a near-tie), the
+log-probabilities of the tokens both rank in their top ``TOP`` differ by at most ``TOLERANCE``
+(wrong MoE math moves them far more; the record keeps the measured maximum).
 """
 
 from __future__ import annotations
@@ -62,16 +50,17 @@ ENGINE = {"enforce_eager": True, "language_model_only": True, "max_model_len": 1
 GPU_ENGINE = {"gpu_memory_utilization": 0.5}
 
 
-# ---- one engine (a child process) ---------------------------------------------------------------
-
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """Build ``spec``'s engine, greedy-decode PROMPTS and report what it did (no judging here)."""
-    if spec.get("requires") and not has_module(spec["requires"]):
-        import vllm
-
-        return {"skipped": f"vLLM {vllm.__version__} has no {spec['requires']}"}
     import torch
     import vllm
+
+    try:
+        found = not spec.get("requires") or importlib.util.find_spec(spec["requires"]) is not None
+    except ModuleNotFoundError:  # a parent package is missing too
+        found = False
+    if not found:
+        return {"skipped": f"vLLM {vllm.__version__} has no {spec['requires']}"}
     from vllm import LLM, SamplingParams
 
     from deployments.vllm_plugin import register
@@ -111,13 +100,6 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a parent package is missing too
-        return False
-
-
 def engine_main(spec_path: Path, result_path: Path) -> None:
     try:
         result = run_engine(json.loads(spec_path.read_text()))
@@ -125,8 +107,8 @@ def engine_main(spec_path: Path, result_path: Path) -> None:
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     result_path.write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
     os._exit(0)  # the result is written; an engine's teardown has nothing left to say
 
 
@@ -155,8 +137,6 @@ def start_engine(out: Path, name: str, spec: dict[str, Any], timeout_s: float) -
     tail = log.read_text(errors="replace")[-1500:]
     return {"error": f"the engine process {why} without a result; log tail: {tail}", "seconds": seconds}
 
-
-# ---- judging ------------------------------------------------------------------------------------
 
 def tier_problems(tier: dict[str, Any], moe_layers: list[int]) -> list[str]:
     """What the tier engine got wrong: its blocks, their parameters, its tokens, its op calls."""
