@@ -1,15 +1,11 @@
 """The transport's own floor: the data plane's message pattern over raw TCP, no project code.
 
-``A`` peer processes each send, per layer, a small header and ``T x H`` float32 rows to one
-gathering rank process. Once it has all ``A`` parts it concatenates them, hands the batch to
-``P - 1`` echo ranks (each answers a header alone, as a rank's DONE), and answers each peer its
-slice. Every wait is a blocking socket read (TCP_NODELAY on every connection); the processes are
-spawned and import numpy, nothing of the project. A peer's *step* is ``layers`` such round trips.
-
-Peers stay in step: rank 0 ends the run, at a step's last layer, once ``warmup + min_steps`` steps
-are done and ``min_time_s`` has passed since the warm-up ended, by flagging that layer's answers.
-:func:`echo_floor` returns each peer's timed steps (seconds) and the cores the whole machine kept
-busy over rank 0's timed window (/proc/stat).
+``A`` peer processes each send, per layer, a small header and ``T x H`` float32 rows to one gathering
+rank process, which concatenates all ``A`` parts, hands the batch to ``P - 1`` echo ranks (each
+answers a header alone, as a rank's DONE) and answers each peer its slice: blocking socket reads,
+TCP_NODELAY, spawned processes importing numpy only. A peer's *step* is ``layers`` round trips; rank
+0 ends the run at a step's last layer once ``warmup + min_steps`` steps are done and ``min_time_s``
+has passed since the warm-up, so the peers stay in step.
 """
 
 from __future__ import annotations
@@ -39,6 +35,12 @@ def _bytes(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
+def _read(sock: socket.socket, size: int) -> bytearray:
+    buf = bytearray(size)
+    _exact(sock, memoryview(buf))
+    return buf
+
+
 def _exact(sock: socket.socket, view: memoryview) -> None:
     # deployments.dataplane.frames reads the same way; the floor imports nothing of the project
     got = 0
@@ -61,9 +63,7 @@ def _send(sock: socket.socket, layer: int, rows: np.ndarray, stop: int = 0) -> N
 
 
 def _recv(sock: socket.socket, cols: int) -> tuple[int, int, np.ndarray]:
-    header = bytearray(HEADER.size)
-    _exact(sock, memoryview(header))
-    layer, rows, stop = HEADER.unpack(header)
+    layer, rows, stop = HEADER.unpack(_read(sock, HEADER.size))
     out = np.empty((rows, cols), np.float32)
     _exact(sock, _bytes(out))
     return layer, stop, out
@@ -85,9 +85,7 @@ def _rank0(ports, peers: int, ranks: int, cols: int, layers: int, steps: int, mi
     for _ in range(peers + ranks - 1):
         sock, _ = listener.accept()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = bytearray(HELLO.size)
-        _exact(sock, memoryview(hello))
-        (who,) = HELLO.unpack(hello)
+        (who,) = HELLO.unpack(_read(sock, HELLO.size))
         if who >= 0:
             peer_socks[who] = sock
         else:

@@ -1,20 +1,15 @@
 """The resident memory of a process tree, sampled from /proc (Linux only).
 
-Every sample lists the root process and all its descendants (by parent pid, from /proc/*/stat, so
-Ray's raylet, workers and TP ranks count too) and sums, over them,
-
-* ``rss``: ``RssAnon + RssShmem`` from /proc/PID/status (anonymous memory plus shared memory the
-  process touched: what the kernel cannot drop under pressure). Shared pages mapped by several
-  processes (Ray's object store, torch's shared tensors) count once per process: an upper bound.
-* ``pss``: ``Pss_Anon + Pss_Shmem`` from /proc/PID/smaps_rollup, which divides each shared page
-  among the processes that map it: the tree's own share, never more than ``rss``.
-
-Page-cache (file) memory is not counted: a checkpoint read through mmap is reclaimable and is not
-the process tree's.
+Every sample lists the root process and all its descendants (by parent pid, so Ray's raylet, workers
+and TP ranks count too) and sums ``rss`` (``RssAnon + RssShmem``: what the kernel cannot drop; a page
+several processes map counts once per process, an upper bound) and ``pss`` (``Pss_Anon + Pss_Shmem``,
+each shared page divided among the processes that map it). Page cache (a checkpoint read through
+mmap) is not counted: it is reclaimable and not the tree's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -32,15 +27,11 @@ def proc_bytes(path: str, *names: str) -> int | None:
     """Sum of the ``NAME: N kB`` lines of a /proc file (/proc/meminfo, /proc/PID/status, ...); None
     when it cannot be read (the process is gone)."""
     try:
-        text = Path(path).read_text()
+        lines = Path(path).read_text().splitlines()
     except OSError:
         return None
-    total = 0
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in names:
-            total += int(rest.split()[0]) * KB
-    return total
+    return sum(int(rest.split()[0]) * KB for key, _, rest in (line.partition(":") for line in lines)
+               if key in names)
 
 
 def stat_fields(pid: int) -> list[str]:
@@ -65,23 +56,13 @@ def serve_replica_pid(app: str, deployment: str) -> int:
     return max(pids, key=lambda pid: int(stat_fields(pid)[19]))  # field 22 of stat: its start time
 
 
-def children_map() -> dict[int, list[int]]:
-    """parent pid -> child pids, for every process /proc shows now."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            ppid = int(stat_fields(int(entry))[1])
-        except OSError:  # gone since listdir
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
 def tree_pids(root: int) -> list[int]:
     """``root`` and all its descendants alive now."""
-    children, out, todo = children_map(), [], [root]
+    children: dict[int, list[int]] = {}
+    for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
+        with contextlib.suppress(OSError):  # gone since listdir
+            children.setdefault(int(stat_fields(pid)[1]), []).append(pid)
+    out, todo = [], [root]
     while todo:
         pid = todo.pop()
         out.append(pid)
@@ -112,13 +93,11 @@ class TreeSampler:
 
     def __init__(self, root: int, interval_s: float = 0.2, pss: bool = True) -> None:
         self.root, self.interval_s, self.pss = root, interval_s, pss
-        self.samples = 0
+        self.samples = self.max_processes = 0
         self.peak = {"rss": 0, "pss": 0}
         self.peak_by_pid: dict[int, int] = {}
         self.at_peak: list[dict[str, Any]] = []
-        self.max_processes = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._stop, self._thread = threading.Event(), threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> dict[str, int]:
         per = {pid: m for pid in tree_pids(self.root) if (m := process_memory(pid, self.pss)) is not None}
@@ -139,13 +118,12 @@ class TreeSampler:
             self._stop.wait(self.interval_s)
 
     def start(self) -> TreeSampler:
-        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._thread.is_alive():
             self._thread.join()
 
     def __enter__(self) -> TreeSampler:
@@ -155,9 +133,8 @@ class TreeSampler:
         self.stop()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"peak_rss_bytes": self.peak["rss"], "peak_pss_bytes": self.peak["pss"],
-                "peak_rss_gb": round(self.peak["rss"] / 1e9, 3),
-                "peak_pss_gb": round(self.peak["pss"] / 1e9, 3),
+        return {**{f"peak_{k}_bytes": v for k, v in self.peak.items()},
+                **{f"peak_{k}_gb": round(v / 1e9, 3) for k, v in self.peak.items()},
                 "samples": self.samples, "interval_s": self.interval_s, "max_processes": self.max_processes,
                 "processes_at_rss_peak": self.at_peak}
 
