@@ -344,28 +344,6 @@ def deploy(app_args: dict[str, Any], name: str, route_prefix: str | None = "/") 
     serve.run(build_app(app_args), name=name, route_prefix=route_prefix)
 
 
-def rank_pid(deployment: str, replica: str, rank: int) -> int:
-    """The process of ``rank`` of the TP group of ``deployment``'s replica ``replica``."""
-    import ray
-
-    from deployments.common.workers import WORKER_NAMESPACE, worker_name
-
-    actor = ray.get_actor(worker_name(deployment, replica, rank), namespace=WORKER_NAMESPACE)
-    return ray.get(actor.info.remote(), timeout=60)["pid"]
-
-
-def healthy_replicas_s(client: Any, replicas: int, timeout_s: float, gone: str | None = None) -> float:
-    """Seconds until ``replicas`` distinct replicas answer ``client.status()`` with a usable group,
-    none of them ``gone`` (a replica Serve is to replace)."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        seen = {st["replica"] for st in (client.status() for _ in range(8 * replicas)) if st["healthy"]}
-        if len(seen - {gone}) >= replicas and gone not in seen:
-            return time.monotonic() - start
-        time.sleep(0.5)
-    raise TimeoutError(f"fewer than {replicas} healthy replicas (none {gone}) after {timeout_s:.0f} s")
-
-
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend: benchmarks draw to files, with no display."""
     import matplotlib

@@ -6,7 +6,8 @@ checking every answer against the Serve path's, through: rank 1 of the session's
 rank 1 of its next replica SIGSTOPped; a redeploy of a changed config; a scale-down to 1 replica.
 Per fault, from the peers' own step times: caller errors and steps lost (targets 0), the worst step
 in its window (target: at most the call bound plus the replacement time measured here) and the
-seconds until every peer finished a step begun after it.
+seconds until every peer finished a step begun after it. A lane is a session of one peer: this is
+also the measure of a lane's calls through a killed or stopped rank.
 
     python -m scripts.bench.session_faults     # tiny checkpoint, about 2 minutes on 2 cores
 """
@@ -38,15 +39,34 @@ def app_args(replicas: int, batch_wait_s: float = 0.01) -> dict[str, Any]:
     return args
 
 
+def rank_pid(replica: str, rank: int) -> int:
+    import ray
+
+    from deployments.common.workers import WORKER_NAMESPACE, worker_name
+
+    actor = ray.get_actor(worker_name(NAME, replica, rank), namespace=WORKER_NAMESPACE)
+    return ray.get(actor.info.remote(), timeout=60)["pid"]
+
+
+def replaced(client: Any, gone: str, replicas: int, since: float) -> None:
+    """Back once ``replicas`` healthy replicas answer, none of them ``gone``."""
+    while time.monotonic() - since < RECOVERY_S:
+        seen = {st["replica"] for st in (client.status() for _ in range(8 * replicas)) if st["healthy"]}
+        if len(seen - {gone}) >= replicas and gone not in seen:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"replica {gone} not replaced within {RECOVERY_S:.0f} s")
+
+
 def inject(fault: str, session: Any, client: Any, stopped: list[int]) -> tuple[float, float]:
     """Inject ``fault``: (its wall time, the replacement time it costs Serve)."""
     replica, at, started = session.groups()[NAME].replica, time.time(), time.monotonic()
     if fault in ("sigkill", "sigstop"):
-        pid = harness.rank_pid(NAME, replica, 1)
+        pid = rank_pid(replica, 1)
         if fault == "sigstop":
             stopped.append(pid)
         os.kill(pid, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
-        harness.healthy_replicas_s(client, 2, RECOVERY_S, gone=replica)
+        replaced(client, replica, 2, started)
     else:
         harness.deploy(app_args(2 if fault == "redeploy" else 1, 0.02), APP, "/")
     return at, time.monotonic() - started
