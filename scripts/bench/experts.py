@@ -4,9 +4,9 @@ Per token count T and experts format (dense, or MXFP4-packed and decoded per bat
 inputs: ``torch`` (two GEMMs per active expert), ``grouped`` (one grouped GEMM per projection over
 the active experts), ``naive`` (a Python loop over tokens and slots; at large T timed on the first
 ``--naive-max-tokens`` tokens and scaled) and ``dense`` (two plain GEMMs with the same FLOPs, 6·T·K·D·I:
-the roofline), ``torch``, ``grouped`` and ``dense`` in turns, medians kept. With ``--packed-checkpoint``
-(the real-size MXFP4 Kimi-K3 one), also the packed CPU experts *before* and *after* issue 48
-(``harness.packed_mode``) on the layer's own routing. Target: ``torch`` >= 40 % of dense at T = 4096.
+the roofline), ``torch``, ``grouped`` and ``dense`` in turns, medians kept. The packed CPU experts
+*before* and *after* issue 48 at real size are ``real``'s forward (and ``fused_cpu``'s kernel).
+Target: ``torch`` >= 40 % of dense at T = 4096.
 Legend: T tokens, D latent, K experts per token, I intermediate.
 """
 
@@ -19,7 +19,6 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -27,14 +26,14 @@ from moe_runtime import mxfp4
 from moe_runtime.activation import GatedActivation
 from moe_runtime.checkpoint import load_layer_weights
 from moe_runtime.config import LatentMoEConfig
-from moe_runtime.experts import TorchExperts, crossover, get_backend, mxfp4_cpu
+from moe_runtime.experts import get_backend
 from moe_runtime.layer import down_project
 from moe_runtime.router import route
 from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
 
 from . import harness
-from .docs import Target, pct, section_start, table, table_row, target, verdict, verdict_text
+from .docs import Target, section_start, table, table_row, target, verdict, verdict_text
 
 SECTION = "# Experts backends: `torch` and `grouped` against a dense GEMM (scripts/bench/experts.py)"
 TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
@@ -119,69 +118,6 @@ def timing_row(T: int, dtype: torch.dtype, fmt: str, K: int, active: int, flops:
         "min_ms": {k: 1e3 * best[k] for k in PATHS[:3]}, **diffs}
 
 
-def packed_row(backend: Any, w: Any, cfg: LatentMoEConfig, T: int, reps: int, per_expert: int,
-               memcpy: float, peak: float) -> dict[str, Any]:
-    """The packed experts of ``w`` on the layer's routing of ``T`` random tokens, before and after."""
-    x_TH = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch.bfloat16)
-    h_TD = down_project(x_TH, w)
-    ids, weights = route(x_TH, w.gate_EH, w.bias_E, cfg)
-    act = GatedActivation.from_config(cfg)
-    load0 = harness.loadavg()
-    times, outs = harness.before_and_after(lambda: backend(h_TD, ids, weights, w.experts, act), reps)
-    active = int(torch.unique(ids).numel())
-    floor_s = active * per_expert / 1e9 / memcpy
-    flops = 6 * T * cfg.num_experts_per_token * cfg.routed_expert_hidden_size * cfg.moe_intermediate_size
-    diff = (outs["after"] - outs["before"]).abs().max() / outs["before"].abs().max()
-    row = {"T": T, "active_experts": active, "must_read_bytes": active * per_expert,
-           "floor_ms": floor_s * 1e3, "loadavg": [load0[0], harness.loadavg()[0]],
-           "after_vs_before": diff.item()}
-    for mode, t in times.items():
-        med = statistics.median(t)
-        row[mode] = {"ms": med * 1e3, "all_ms": [1e3 * v for v in t], "memory_bound_fraction": floor_s / med,
-                     "gflops": flops / med / 1e9, "peak_fraction": flops / med / 1e9 / peak}
-    print(f"packed T={T}: " + ", ".join(f"{m} {row[m]['ms']:.1f} ms ({row[m]['memory_bound_fraction']:.2f} "
-                                       "of the limit)" for m in times), flush=True)
-    return row
-
-
-def bench_packed(ckpt: Path, tokens: list[int], reps: int) -> dict:
-    """The packed CPU experts stage of ``ckpt``'s first MoE layer, before and after (module doc)."""
-    cfg = LatentMoEConfig.from_pretrained(ckpt)
-    layer = cfg.moe_layers[0]
-    memcpy = harness.memcpy_gbps()
-    w = load_layer_weights(ckpt, cfg, layer, dtype=torch.bfloat16)
-    ex, backend = w.experts, TorchExperts()
-    harness.packed_mode("after")
-    backend.prepare(ex)  # the crossover, measured as at load
-    per_expert = sum(t[0].numel() for t in (ex.w13, ex.w2, ex.w13_scale, ex.w2_scale))
-    peak = harness.bf16_peak_gflops(3)
-    with torch.inference_mode():
-        rows = [packed_row(backend, w, cfg, T, reps, per_expert, memcpy, peak) for T in tokens]
-    return {"checkpoint": ckpt.name, "layer": layer, "memcpy_gbps": memcpy, "bf16_peak_gflops": peak,
-            "gemm_engine": crossover.gemm_engine(), "isa": mxfp4_cpu.isa(), "reps": reps,
-            "experts_path": backend.path(ex)[1], "rows": rows}
-
-
-def packed_table(packed: dict) -> list[str]:
-    intro = (
-        f"**Packed MXFP4 experts on CPU, before and after issue 48** (`{packed['checkpoint']}`, layer "
-        f"{packed['layer']}, bf16): the routed-experts stage alone on the layer's routing of T random "
-        f"tokens, *before* (the AVX2 fused kernel for every expert) and *after* (the {packed['isa']} build, "
-        f"the batched path from the measured crossover) in turns, medians of {packed['reps']}. Memory-bound "
-        f"limit: the active experts' packed bytes over memcpy {packed['memcpy_gbps']:.2f} GB/s (same run). "
-        f"bf16 GEMM peak {harness.peak_text(packed['bf16_peak_gflops'], packed['gemm_engine'])}. "
-        f"Path: {packed['experts_path']}.")
-    cells = [[r["T"], r["active_experts"], f"{r['must_read_bytes'] / 1e9:.3f}", f"{r['floor_ms']:.1f}",
-              f"{b['ms']:.1f}", f"{a['ms']:.1f}", pct(b["memory_bound_fraction"]),
-              pct(a["memory_bound_fraction"]), f"{b['gflops']:.1f}", f"{a['gflops']:.1f}",
-              pct(a["peak_fraction"]), f"{r['after_vs_before']:.1e}",
-              f"{r['loadavg'][0]:.1f}-{r['loadavg'][1]:.1f}"]
-             for r in packed["rows"] for b, a in [(r["before"], r["after"])]]
-    return [intro, "", *table("T | active | must read GB | memory-bound ms | before ms | after ms "
-                              "| before % of limit | after % of limit | before GFLOP/s | after GFLOP/s "
-                              "| after % of bf16 peak | after vs before | load avg", cells)]
-
-
 def cpu_snapshot() -> tuple[float, float, float] | None:
     """(wall s, busy CPU-s of the whole machine, CPU-s of this process), Linux only."""
     busy, usage = harness.busy_cpu_s(), resource.getrusage(resource.RUSAGE_SELF)
@@ -251,8 +187,6 @@ def markdown(results: dict, json_path: str, png_path: str) -> str:
         lines += ["", "\\* naive loop timed on the first tokens only and scaled by T / n "
                   "(see `naive_tokens_timed` in the results JSON)."]
     lines += ["", *(f"- {what}: {verdict_text(v)}" for what, v in target_verdicts(results))]
-    if "packed" in results:
-        lines += ["", *packed_table(results["packed"])]
     return "\n".join(lines)
 
 
@@ -293,10 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--packed-checkpoint", type=Path,
-                    help="an MXFP4 checkpoint: also its packed CPU experts before and after issue 48")
-    ap.add_argument("--packed-tokens", default="1,4,16,64,256,1024")
-    ap.add_argument("--packed-reps", type=int, default=3)
     args = ap.parse_args(argv)
     dtypes, formats = args.dtypes.split(","), args.formats.split(",")
     if not set(dtypes) <= set(DTYPES) or not set(formats) <= set(FORMATS):
@@ -323,9 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"other processes used {100 * busy:.0f}% of the machine's CPU time during the run"
               + (" -- the numbers are disturbed, rerun on an idle machine" if busy > 0.1 else ""))
     results = {"preset": args.preset, "layer": layer, "config": cfg.to_dict(), "rows": rows}
-    if args.packed_checkpoint:
-        results["packed"] = bench_packed(args.packed_checkpoint, harness.int_list(args.packed_tokens),
-                                         args.packed_reps)
     return harness.report(args, results, info, markdown, index_rows, plot)
 
 
