@@ -27,7 +27,7 @@ import torch
 
 from examples.rows import RowsWorker
 
-from . import harness
+from . import ROOT, harness
 from .docs import Target, section_start, table, target, verdict, verdict_text, yes_no
 from .floor import echo_floor
 from .rss import cpu_seconds, serve_replica_pid
@@ -39,6 +39,29 @@ HIDDEN = 128  # the tiny preset's hidden size
 WARMUP = 2  # untimed steps a worker takes on its own before timing
 TARGETS = {"call_over_inprocess_ms": 0.5, "m4_vs_own_sessions": 2.0}
 MODES = ("session", "own_sessions", "serve", "floor")
+
+
+def cli_forward_ms(checkpoint: str | Path, layer: int, tp: int, T: int, repeat: int,
+                   tail: str | None = None) -> dict[str, Any]:
+    """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) of MoE
+    ``layer`` of ``checkpoint`` at TP ``tp`` on ``T`` seeded float32 rows (seed ``T``, as
+    ``harness.seeded_randn`` draws them), ``repeat`` times; ``tail`` as the CLI's ``--tail``. The
+    in-process number a served call is set against."""
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(checkpoint), "--layer",
+               str(layer), "--tp", str(tp), "--dtype", "float32", "--random-input", str(T), "--seed", str(T),
+               "--repeat", str(repeat), *(["--tail", tail] if tail else []),
+               "--output", f"{tmp}/out.safetensors"]
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    m = re.search(r"^forward ms: first [\d.]+, median ([\d.]+) over \d+$", out, re.M)
+    if m is None:
+        raise RuntimeError(f"no 'forward ms' line in the output of {' '.join(cmd)}:\n{out}")
+    return {"tp": tp, "T": T, "layer": layer, "repeat": repeat, "median_ms": float(m.group(1)),
+            "command": "python -m moe_runtime " + " ".join(cmd[3:-2])}
 
 
 class SyntheticWorker(RowsWorker):
@@ -213,8 +236,8 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
 
     for _ in range(rounds):
         for T in tokens:
-            out[T]["cli"].append(harness.cli_forward_ms(ckpt, CALL_LAYER, tp, T, per_round,
-                                                        "sharded" if tp > 1 else None))
+            tail = "sharded" if tp > 1 else None
+            out[T]["cli"].append(cli_forward_ms(ckpt, CALL_LAYER, tp, T, per_round, tail))
         before = counters(client)
         with client.lane(max_tokens=max(tokens), name="bench-calls") as lane:
             times = harness.time_interleaved({T: lambda T=T: call(lane, T) for T in tokens}, per_round)
