@@ -34,15 +34,14 @@ class BenchParser(argparse.ArgumentParser):
         return parsed
 
 
-def bench_parser(doc: str, name: str, *, docs_default: Path | None = PAGES,
-                 quick: str | None = None, tp: int | None = None) -> BenchParser:
+def bench_parser(doc: str, name: str, *, quick: str | None = None, tp: int | None = None) -> BenchParser:
     """A benchmark's parser with the shared options: ``--out`` (its results, default artifacts/NAME),
     ``--docs`` (the pages' folder whose NAME.md and index a run rewrites; '' for none), ``--quick``
     (help: ``quick``) where it has a short mode, ``--tp`` (default ``tp``) where it serves one TP size."""
     ap = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.set_defaults(bench=name)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / name, help="folder for the results")
-    ap.add_argument("--docs", default=docs_default and str(docs_default),
+    ap.add_argument("--docs", default=str(PAGES),
                     help="the benchmark pages' folder whose page and index this run rewrites ('' for none)")
     if quick:
         ap.add_argument("--quick", action="store_true", help=quick)
@@ -100,10 +99,14 @@ def model_record(cfg: Any) -> dict[str, int]:
 
 
 def report(args: argparse.Namespace, results: dict[str, Any], machine: dict[str, Any], markdown: Any,
-           index_rows: Any, plot: Any = None, ok: bool = True) -> int:
+           index_rows: Any, plot: Any = None, ok: bool = True, verdicts: Any = None) -> int:
     """``results`` of the benchmark ``args.bench`` with its command and ``machine`` (the load average
     after the run added), written under ``args.out`` with its page and index rows in ``args.docs``
-    (``docs.write_results``): the run's exit status, 1 where the run says it is not ``ok``."""
+    (``docs.write_results``): the run's exit status, 1 where the run says it is not ``ok`` or, given
+    ``verdicts`` (results -> its verdicts, kept under ``verdicts``), where one is not met."""
+    if verdicts is not None:
+        results["verdicts"] = verdicts(results)
+        ok = ok and all(v["met"] for v in results["verdicts"].values())
     results.update(argv=args.argv, machine=dict(machine, loadavg_after=loadavg()))
     write_results(results, args.out, args.bench, plot, markdown, index_rows, args.docs)
     return 0 if ok else 1
@@ -130,30 +133,27 @@ def time_calls(fn: Callable[[], Any], reps: int, *, warmup: int = 1, min_time_s:
     start = time.perf_counter()
     while ((len(seconds) < reps or sum(seconds) < min_time_s)
            and (len(seconds) < 2 or time.perf_counter() - start < budget_s)):
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        seconds.append(time.perf_counter() - t0)
+        seconds.append(_timed(fn, sync))
     return seconds
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None] | None) -> float:
+    t0 = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - t0
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, min_time_s: float = 0.0,
                      sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Like :func:`time_calls` for several functions called in turn, so that a busy (shared) machine
     slows them alike and their ratios stay meaningful: seconds of each one's calls."""
-    for fn in fns.values():
-        fn()
-    if sync:
-        sync()
+    _timed(lambda: [fn() for fn in fns.values()], sync)  # the warm-up
     times: dict[str, list[float]] = {name: [] for name in fns}
     while min(len(t) for t in times.values()) < reps or min(sum(t) for t in times.values()) < min_time_s:
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            if sync:
-                sync()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(_timed(fn, sync))
     return times
 
 

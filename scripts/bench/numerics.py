@@ -168,11 +168,11 @@ def _fmt(v: float | None) -> str:
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env, m, b, sd = results["machine"], results["model"], results["blocks"], results["single_device_fp32"]
+    what = (f"{env['seconds']} s (the numbers below are exact and deterministic, load changes only the "
+            f"time); `{results['preset']}` preset ({model_text(m)}, random weights), layer {LAYER}, batch "
+            f"{results['batch']}")
     return "\n".join([
-        section_start(SECTION, "numerics", results["argv"], env,
-                      f"{env['seconds']} s (the numbers below are exact and deterministic, load changes only "
-                      f"the time); `{results['preset']}` preset ({model_text(m)}, random weights), layer "
-                      f"{LAYER}, batch {results['batch']}", json_path), "",
+        section_start(SECTION, "numerics", results["argv"], env, what, json_path), "",
         "**Where the two MXFP4 scale rules differ.** `even` (the default: AMD Quark's, as vLLM's "
         "emulation and aiter's Triton quantiser round) against `floor` (plain OCP), per non-zero "
         "32-block; error = the rule's quantise-dequantise against the unquantised block: the worst "
