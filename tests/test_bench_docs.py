@@ -6,7 +6,6 @@ from __future__ import annotations
 from scripts.bench.docs import (
     INDEX,
     Target,
-    commentary,
     is_contended,
     load_label,
     publish,
@@ -90,7 +89,6 @@ def test_verdicts_and_labels_are_computed() -> None:
     assert is_contended([1.0, 0, 0], 2) and not is_contended([0.9, 0, 0], 2)
     assert "contended" not in load_label([0.2, 0, 0], [0.5, 0, 0], 2)
     assert "**contended**" in load_label([7.5, 0, 0], None, 2)
-    assert commentary("2026-12-03, load 10", "why.").startswith("*Commentary written for the run of 2026-12-03")
 
 
 def test_rounds_table_gives_each_name_its_median_and_rounds() -> None:

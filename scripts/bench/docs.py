@@ -101,11 +101,6 @@ def load_label(load_before: list[float] | float, load_after: list[float] | float
     return text
 
 
-def commentary(written_for: str, text: str) -> str:
-    """Prose that the script does not compute, labelled with the run it was written for."""
-    return f"*Commentary written for the run of {written_for} (not recomputed by this run):* {text}"
-
-
 def section_start(heading: str, script: str, argv: list[str], machine: dict[str, Any], details: str,
                   json_path: str, png_path: str | None = None) -> str:
     """A section's heading and opening line, from the run's machine record

@@ -27,24 +27,11 @@ from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
 
 from . import harness
-from .docs import Target, commentary, section_start, table, target, verdict, verdict_text
+from .docs import Target, section_start, table, target, verdict, verdict_text
 
 APP = "bench"
 SECTION = "# Serving (scripts/bench/serve.py)"
 LAYER = 1
-# The notes below that no run recomputes, and the run they were written for.
-COMMENTARY_RUN = "2026-12-02 (small preset, TP 2, float32, 2 CPUs, load 2.31 before the run)"
-COMMENTARY = (
-    "the load generator runs in the driver process on the same CPUs as the TP ranks, so on a small "
-    "machine every served number pays for it; the in-process baseline has the CPUs to itself. Ray "
-    "worker niceness is set to the driver's (0), so Ray's default of 15 does not starve the served "
-    "side. With 16-token requests the request path (driver router, replica event loop, raylet) needs "
-    "about as much CPU as the forwards; when the ranks take every core, requests reach the replica "
-    "late and batches stay small -- hence `worker_nice_increment` for CPU-only deployments (no effect "
-    "on GPUs). HTTP moves safetensors bodies through the proxy and the ingress (extra copies of "
-    "T x H x 4 bytes each way). Batches form continuously: requests that arrive during a forward are "
-    "released together when it ends, so with a closed loop the 32 clients settle into cohorts that "
-    "alternate.")
 
 
 def _inprocess_rank(comm: Collectives, checkpoint: str, tail: str, dtype: str, sizes: list[int],
@@ -122,10 +109,8 @@ def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: in
     batch = (after["forward_tokens"] - before["forward_tokens"]) / forwards if forwards else None
     r.update(scenario=name, path=path, deployment=deployment, clients=clients, tokens_per_request=tokens,
              forwards=forwards, mean_batch_tokens=batch)
-    print(f"  {name:<10} {path:<6} {deployment:<9} clients {clients:>3} x {tokens:>5} tok: "
-          f"{r['tokens_per_s']:9.0f} tok/s {r['requests_per_s']:7.1f} req/s p50 {r['p50_ms']:8.1f} ms p99 "
-          f"{r['p99_ms']:8.1f} ms ({r['requests']} req, {forwards} fwd, mean batch "
-          f"{r['mean_batch_tokens'] or 0:.0f} tok)", flush=True)
+    print(f"  {name} {path} {deployment} {clients} x {tokens} tokens: {r['tokens_per_s']:.0f} tokens/s, p50 "
+          f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {forwards} forwards", flush=True)
     return r
 
 
@@ -144,8 +129,8 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
             SECTION, "serve", results["argv"], env,
             f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on "
             f"logical GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, "
-            f"TP ranks +{env['worker_nice_increment']}. Closed loop: each client sends its next request "
-            f"when the previous answer arrives; {env['duration_s']} s per row", json_path),
+            f"TP ranks +{env['worker_nice_increment']}; closed loop, {env['duration_s']} s per row",
+            json_path),
         "", "In-process runner (moe_runtime `local_group`, no Ray), same TP size and batch sizes:", "",
         *table("T (tokens/forward) | forward ms | tokens/s",
                ([T, f"{r['forward_ms']:.1f}", f"{r['tokens_per_s']:.0f}"]
@@ -159,35 +144,29 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                  f"{r['mean_batch_tokens'] or 0:.0f}"] for r in results["scenarios"]), "llllrrrrrr"),
         "", "Targets (verdicts computed from the rows above):", "",
         f"- handle path at {t['large_tokens']}-token requests / in-process: "
-        f"{verdict_text(t['handle_vs_inprocess'])}; "
-        f"app handle {t['app_vs_inprocess']:.2f}, HTTP {t['http_vs_inprocess']:.2f}.",
+        f"{verdict_text(t['handle_vs_inprocess'])}; app handle {t['app_vs_inprocess']:.2f}, HTTP "
+        f"{t['http_vs_inprocess']:.2f}.",
         f"- 32 concurrent 16-token clients, batching / max_batch_tokens = 16: "
         f"{verdict_text(t['batching_speedup'], '.1f')} with the ranks at worker_nice_increment "
-        f"{env['worker_nice_increment']}" + ("." if nice0 is None else f"; {nice0:.1f}x with the ranks at "
-                                                                       f"the "
-                                            "replica's priority (rows `batching-nice0`)."),
-        "", "Computed from this run: " + computed_notes(results), "",
-        commentary(COMMENTARY_RUN, COMMENTARY), ""])
+        f"{env['worker_nice_increment']}" + ("." if nice0 is None else f"; {nice0:.1f}x with the ranks "
+                                            "at the replica's priority (rows `batching-nice0`)."),
+        *computed_notes(results)])
 
 
-def computed_notes(results: dict[str, Any]) -> str:
-    """What the rows say about batching and the paths, every figure from this run."""
+def computed_notes(results: dict[str, Any]) -> list[str]:
+    """The batched deployment's batches against the tokens in flight, and HTTP against the handle path."""
+    rows = {(r["scenario"], r["path"], r["deployment"]): r for r in results["scenarios"]}
     notes = []
-    for r in results["scenarios"]:
-        key = (r["scenario"], r["path"], r["deployment"])
-        if key == ("batching", "handle", "batched") and r["mean_batch_tokens"]:
-            offered = r["clients"] * r["tokens_per_request"]
-            notes.append(f"with {r['clients']} clients of {r['tokens_per_request']} tokens the batched "
-                         f"deployment "
-                         f"ran {r['forwards']} forwards of {r['mean_batch_tokens']:.0f} tokens on average, "
-                         f"{r['mean_batch_tokens'] / offered:.0%} of the {offered} tokens in flight")
-    large = {r["path"]: r for r in results["scenarios"] if r["scenario"] == "large"}
-    if "handle" in large and "http" in large:
-        h, w = large["handle"], large["http"]
-        notes.append(f"at {h['tokens_per_request']}-token requests HTTP reached "
-                     f"{w['tokens_per_s'] / h['tokens_per_s']:.2f} "
-                     f"of the handle path's tokens/s (p50 {w['p50_ms']:.0f} vs {h['p50_ms']:.0f} ms)")
-    return ("; ".join(notes) + ".") if notes else "no scenario to compare."
+    if (r := rows.get(("batching", "handle", "batched"))) and r["mean_batch_tokens"]:
+        offered = r["clients"] * r["tokens_per_request"]
+        notes.append(f"- {r['clients']} clients of {r['tokens_per_request']} tokens, batched: "
+                     f"{r['forwards']} forwards of {r['mean_batch_tokens']:.0f} tokens on average, "
+                     f"{r['mean_batch_tokens'] / offered:.0%} of the {offered} tokens in flight.")
+    if (h := rows.get(("large", "handle", "batched"))) and (w := rows.get(("large", "http", "batched"))):
+        notes.append(f"- {h['tokens_per_request']}-token requests, HTTP / handle tokens/s: "
+                     f"{w['tokens_per_s'] / h['tokens_per_s']:.2f} (p50 {w['p50_ms']:.0f} vs "
+                     f"{h['p50_ms']:.0f} ms).")
+    return notes
 
 
 def measure(args: Any, ckpt: Path, H: int, mbt: dict[str, int]) -> tuple[dict[str, Any], list[dict]]:
