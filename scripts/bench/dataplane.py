@@ -17,8 +17,11 @@ bit-equal to the Serve path's.
 from __future__ import annotations
 
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ import torch
 from examples.rows import RowsWorker
 
 from . import ROOT, harness
-from .docs import Target, section_start, table, target, verdict, verdict_text, yes_no
+from .docs import Target, section_start, table, target, target_lines, verdict, yes_no
 from .floor import echo_floor
 from .rss import cpu_seconds, serve_replica_pid
 
@@ -43,14 +46,8 @@ MODES = ("session", "own_sessions", "serve", "floor")
 
 def cli_forward_ms(checkpoint: str | Path, layer: int, tp: int, T: int, repeat: int,
                    tail: str | None = None) -> dict[str, Any]:
-    """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) of MoE
-    ``layer`` of ``checkpoint`` at TP ``tp`` on ``T`` seeded float32 rows (seed ``T``, as
-    ``harness.seeded_randn`` draws them), ``repeat`` times; ``tail`` as the CLI's ``--tail``. The
-    in-process number a served call is set against."""
-    import re
-    import subprocess
-    import tempfile
-
+    """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) of ``layer``
+    at TP ``tp`` on ``T`` seeded float32 rows (seed ``T``, as ``harness.seeded_randn``), ``repeat`` times."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(checkpoint), "--layer",
                str(layer), "--tp", str(tp), "--dtype", "float32", "--random-input", str(T), "--seed", str(T),
@@ -82,10 +79,9 @@ class SyntheticWorker(RowsWorker):
         return os.getpid()
 
     def run_for(self, app: str, mode: str, tokens: int, seconds: float, warmup: int) -> dict[str, Any]:
-        """Steps on its own for ``seconds`` (after ``warmup`` untimed ones), each MoE layer one call
-        through a lane of its own (``own_sessions``) or the Serve handles (``serve``): every timed
-        step's duration, when the timed steps began and ended (``time.monotonic``: one clock for
-        every process of the machine) and where a lane's calls went."""
+        """Steps alone for ``seconds`` after ``warmup`` steps, a call per layer on a lane of its own
+        (``own_sessions``) or the Serve path: each step's seconds, the timed window (``time.monotonic``,
+        one clock for the machine's processes) and where a lane's calls went."""
         from deployments.client import MoEClient
 
         client = MoEClient(app, timeout_s=300)
@@ -221,10 +217,8 @@ def measure_floor(workers: int, tokens: int, layers: int, tp: int, seconds: floa
 
 def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: int, rounds: int
                   ) -> dict[int, dict[str, Any]]:
-    """A lane's per-layer call against the in-process forward, in rounds under the same load: each
-    round the CLI's forward at every T (a subprocess, no Ray), then a lane's calls at every T
-    (interleaved), then as many at the first T alone, whose served forward times (rank 0's, from
-    ``status()["sessions"]["group"]["recent_ms"]``) split the call into forward and data plane."""
+    """A lane's per-layer call against the in-process forward, in rounds: the CLI at every T, a lane's
+    calls at every T (interleaved), then as many at the first T alone (rank 0's forward times)."""
     xs = {T: harness.seeded_randn(T, HIDDEN, seed=T) for T in tokens}
     per_round = max(1, calls // rounds)
     last: dict[int, Any] = {}
@@ -317,10 +311,6 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
             target("every session step bit-equal to the Serve path's", v["exact"]["met"])]
 
 
-def value_text(v: dict[str, Any], fmt: str = ".2f", unit: str = "") -> str:
-    return f"not measured (target {v['target']}{unit})" if v["value"] is None else verdict_text(v, fmt, unit)
-
-
 def cell(r: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if r.get(key) is None else f"{r[key]:{fmt}}"
 
@@ -345,88 +335,43 @@ def call_table(results: dict[str, Any]) -> list[str]:
                   for c in call_rows(results)), "lrrrlrrl")
 
 
-def call_findings(results: dict[str, Any], v: dict[str, Any]) -> list[str]:
-    """The A = 1, T = 1 call against the in-process forward, and where its time goes."""
-    one = next((c for c in call_rows(results) if c["T"] == 1), None)
-    if one is None:
-        return ["- A = 1, T = 1, per-layer call: not measured."]
-    lines = [f"- A = 1, T = 1, per-layer call, lane - in-process (the median over rounds of each round's "
-             f"lane p50 - its CLI median): {value_text(v['call_over_inprocess'], '+.3f', ' ms')}."]
-    if (served := one.get("served_p50_ms")) is not None:
-        lines.append(
-            f"- Where the A = 1, T = 1 call's time goes: the served forward itself (rank 0's time for the "
-            f"group's forward, its hand-off to rank 1 included; p50 of {one['served_n']} lane forwards) "
-            f"takes {served:.3f} ms, {served - one['inprocess_ms']:+.3f} ms against the CLI's "
-            f"{one['inprocess_ms']:.2f} ms; the rest of the call, lane p50 - served forward, is "
-            f"{one['lane_p50_ms'] - served:.3f} ms (the peer's frames, rank 0's checks and answer, the "
-            f"replies' wake-ups) against the floor's {one['floor_p50_ms']:.3f} ms for a whole round trip.")
-    return lines
-
-
-def step_findings(results: dict[str, Any], v: dict[str, Any]) -> list[str]:
-    """The A = 4, T = 4 rates and where a session step goes."""
-    L, rows = results["layers"], results["rows"]
-    s4, o4 = pick(rows, "session", 4, 4), pick(rows, "own_sessions", 4, 4)
-    rate = ", ".join(f"{name} {r['worker_steps_per_s']:.1f}" for name, r in
-                     (("session", s4), ("own_sessions", o4)) if r)
-    lines = [f"- A = 4, T = 4: worker-steps/s {rate or 'not measured'}; session over own_sessions "
-             f"{value_text(v['m4_vs_own_sessions'])}."]
-    if s4 and s4.get("group_forward_ms"):
-        step_ms, forwards_ms = 4e3 / s4["worker_steps_per_s"], L * s4["group_forward_ms"]
-        lines.append(
-            f"- Where an A = 4, T = 4 session step goes: {step_ms:.1f} ms per group step (from "
-            f"worker-steps/s), of which the group's {L} forwards take {forwards_ms:.1f} ms "
-            f"({s4['group_forward_ms']:.2f} ms each, rank 0's busy time per forward, mean) and the rest -- "
-            f"the workers' own step, the peers' frames and wake-ups -- {step_ms - forwards_ms:.1f} ms, "
-            f"while the machine's cores were {s4['cores_busy']:.2f} busy.")
-    if o4 and "lane_calls" in o4:
-        share = o4["lane_calls"] / max(1, o4["lane_calls"] + o4["serve_calls"])
-        lines.append(f"- own_sessions at A = 4, T = 4: {o4['lane_calls']} calls on a worker's own session, "
-                     f"{o4['serve_calls']} on the Serve path ({share:.0%} on sessions); the workers' "
-                     f"{results['seconds']:g} s timed windows spanned {o4['span_s']:.1f} s together (they "
-                     f"overlapped {o4['overlap']:.2f}-fold of 4).")
-    return lines
-
-
 def findings(results: dict[str, Any]) -> list[str]:
-    v, L, rows = results["verdicts"], results["layers"], results["rows"]
-    T = 4 if 4 in results["tokens"] else results["tokens"][0]
-    scaling = {m: (pick(rows, m, 4, T), pick(rows, m, 1, T)) for m in ("floor", "session")}
-    per_mode = ", ".join(f"{mode} {a['worker_steps_per_s'] / b['worker_steps_per_s']:.2f}x"
-                         for mode, (a, b) in scaling.items() if a and b)
-    on = yes_no(all(r["on_session"] for r in rows if r["mode"] == "session"))
-    return [*call_findings(results, v), *step_findings(results, v),
-            f"- Group forwards per session step = MoE layers ({L}) at every A and T: largest deviation "
-            f"{value_text(v['forwards_per_step'])}.",
-            f"- Every session step checked equals the Serve path's forward of the same concatenated rows bit "
-            f"for bit: {yes_no(v['exact']['met'])}; every timed step ran on the session (no Serve-path step, "
-            f"no rerun): {on}.",
-            *([f"- Worker-steps/s at A = 4 over A = 1 (T = {T}): {per_mode}."] if per_mode else [])]
+    """Where the A = 1, T = 1 call's time and an A = 4, T = 4 session step go, and how A scales."""
+    L, rows, T = results["layers"], results["rows"], 4 if 4 in results["tokens"] else results["tokens"][0]
+    one = next((c for c in call_rows(results) if c["T"] == 1), None)
+    s4, o4, cells = pick(rows, "session", 4, 4), pick(rows, "own_sessions", 4, 4), []
+    if one and (served := one.get("served_p50_ms")) is not None:
+        cells += [["A = 1, T = 1: the served forward (rank 0's, hand-off included; p50), against the CLI",
+                   f"{served:.3f} ms ({served - one['inprocess_ms']:+.3f} ms; {one['served_n']} forwards)"],
+                  ["A = 1, T = 1: lane p50 - served forward; the floor's whole round trip",
+                   f"{one['lane_p50_ms'] - served:.3f} ms; {one['floor_p50_ms']:.3f} ms"]]
+    if s4 and (each := s4.get("group_forward_ms")):
+        step = 4e3 / s4["worker_steps_per_s"]
+        cells.append([f"A = 4, T = 4 session step: group step; its {L} forwards (rank 0's busy time); the "
+                      "rest; machine cores busy", f"{step:.1f} ms; {L * each:.1f} ms ({each:.2f} each); "
+                      f"{step - L * each:.1f} ms; {s4['cores_busy']:.2f}"])
+    if o4 and "lane_calls" in o4:
+        cells.append(["own_sessions, A = 4, T = 4: calls on a worker's own session / on the Serve path; the "
+                      "workers' timed windows overlapping (of 4), spanning", f"{o4['lane_calls']} / "
+                      f"{o4['serve_calls']}; {o4['overlap']:.2f}-fold, {o4['span_s']:.1f} s"])
+    cells.append(["every timed session step on the session (no Serve-path step, no rerun)",
+                  yes_no(all(r["on_session"] for r in rows if r["mode"] == "session"))])
+    pairs = {m: (pick(rows, m, 4, T), pick(rows, m, 1, T)) for m in ("floor", "session")}
+    if scaling := [f"{m} {a['worker_steps_per_s'] / b['worker_steps_per_s']:.2f}x"
+                   for m, (a, b) in pairs.items() if a and b]:
+        cells.append([f"worker-steps/s at A = 4 over A = 1 (T = {T})", ", ".join(scaling)])
+    return table("finding | measured", cells)
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     what = (f"tiny preset, TP {results['tp']}, {results['layers']} MoE layers, one replica, float32, sharded "
             f"tail, {results['seconds']:g} s per configuration")
-    lines = [section_start(SECTION, "dataplane", results["argv"], results["machine"], what, json_path), ""]
-    lines += ["Modes: `session` = the A workers as the peers of one data-plane session "
-              "(`MoEClient.cohort`: one group forward per MoE layer of all A workers' rows); "
-              "`own_sessions` = each worker on a lane of its own (a session of one peer); `serve` = each "
-              "worker calling `MoEClient.forward` per layer; `floor` = the transport's own floor "
-              "(`scripts/bench/floor.py`: A peer processes -> a gathering rank process -> "
-              f"{results['tp'] - 1} echo rank(s) -> back over raw TCP, blocking reads, no project code). "
-              "Worker-steps/s is decode steps finished per second summed over the A workers; "
-              "forwards/step counts the group's forwards per decode step of all A workers (the replica's "
-              "counters); cores busy (machine) is the whole machine's non-idle CPU while stepping, cores "
-              "used the replica's, ranks', workers' and this driver's own CPU.", "",
-              "Findings (computed from the rows below):", ""]
-    lines += findings(results)
-    first = results["calls"][str(results["tokens"][0])]
-    lines += ["", f"Per-layer call at A = 1 (`MoEClient.lane`, layer {CALL_LAYER}) against the in-process "
-              f"forward (`{first['cli'][0]['command']}` and the same at each T), in {len(first['cli'])} "
-              f"rounds under the same load (each: the CLI at every T, then {first['cli'][0]['repeat']} lane "
-              "calls per T, interleaved); and the transport's floor for one call (one peer, same T), ms:",
-              ""]
-    lines += call_table(results) + [""]
+    cli = results["calls"][str(results["tokens"][0])]["cli"]
+    lines = [section_start(SECTION, "dataplane", results["argv"], results["machine"], what, json_path), "",
+             *target_lines(index_rows(results)), "", *findings(results), "",
+             f"Per-layer call at A = 1 (layer {CALL_LAYER}) against `{cli[0]['command']}` (the same at each "
+             f"T), {len(cli)} rounds of {cli[0]['repeat']} lane calls per T; the floor: one peer, ms:", "",
+             *call_table(results), ""]
     for T in results["tokens"]:
         lines += step_table(results["rows"], T)
     return "\n".join(lines)
