@@ -1,11 +1,9 @@
 """Real-size benchmark: one Kimi-K3 MoE layer (MXFP4 experts held packed) at TP 1 and 2, bf16.
 
-Per TP size, in one run: the **load** (per rank and for the group, against plain sequential reads
-of the same files just before; its peak RSS over the packed bytes read), then the **forward** at
-each ``--tokens`` T *before* and *after* issue 48 (``harness.packed_mode``) in turns, ``--reps``
-each: the fraction of the memory-bound limit (bytes the forward must read over memcpy), GFLOP/s
-against torch's bf16 GEMM peak and, at T >= 512, against torch's dense GEMMs of the same shapes.
-TP 2's output is checked against TP 1's within bf16 tolerance. The page says more.
+Per TP size: the **load** against plain sequential reads of the same files just before (and its
+peak RSS over the packed bytes read), then the **forward** at each ``--tokens`` T *before* and
+*after* issue 48 in turns: the fraction of the memory-bound limit, GFLOP/s and, at T >= 512, the
+share of torch's dense GEMMs of the same shapes; TP 2's output against TP 1's. The page says more.
 
 Targets (TP 1): group load GB/s >= 50 % of the kept sequential read; after: memory-bound fraction
 >= 0.9 at T = 1, >= 0.8 at T = 16 and 64; at T >= 512 >= 50 % of the dense GEMMs' GFLOP/s.
@@ -36,7 +34,7 @@ from moe_runtime.tp.plan import resolve_tail
 from moe_runtime.tp.runner import LatentMoERunner, build_rank_runners
 
 from . import harness
-from .docs import Target, pct, section_start, table, target, verdict, verdict_word
+from .docs import Target, pct, section_start, table, target, target_lines, verdict, verdict_word
 from .rss import TreeSampler, proc_bytes
 
 SECTION = "# Real-size layer on CPU: fused, batched and AVX-512 experts (`scripts/bench/real.py`)"
@@ -51,8 +49,6 @@ GEMM_FROM_TOKENS, GEMM_TARGET = 512, 0.5  # forward GFLOP/s / dense GEMM GFLOP/s
 # One GEMM shape of a forward: [m, k] @ [k, n] in dtype, count times; flops the forward's own
 # (experts: from the exact token-slot count, not m x count).
 Gemm = namedtuple("Gemm", "name m n k dtype count flops")
-
-
 PEAK_SHAPE = (2048, 3584, 6144)  # m, k, n of the bf16 GEMM peak: a K3 expert's gate|up over 2048 rows
 
 
@@ -265,10 +261,8 @@ def run_tp(ckpt: str, files: list[Path], P: int, tokens: list[int], reps: int, s
 
 
 def forward_verdicts(results: dict[str, Any]) -> None:
-    """Per forward row, for *after* (its top-level fields) and *before* (under ``before``): the
-    memory-bound fraction and GFLOP/s (after's share of the rank's bf16 GEMM peak too); at T >= 512
-    the dense GEMM comparison; each target's verdict on *after* where one is set (TP 1); at TP > 1
-    the group's memory-bound fraction next to each rank's."""
+    """Per forward row, *after* (top level) and *before*: the memory-bound fraction and GFLOP/s, the
+    dense GEMMs' share at T >= 512, the verdicts (TP 1) and at TP > 1 the group's fraction."""
     for run in results["runs"]:
         for r in run["ranks"]:
             for f in r["forward"]:
@@ -381,69 +375,34 @@ def forward_cells(P: int, rank: int, f: dict[str, Any]) -> list[Any]:
 
 
 def forward_text(results: dict[str, Any]) -> list[str]:
-    """The forward table with its introduction."""
+    """The forward table with its introduction (the page says what *before*, *after* and the limit are)."""
     first, (m, k, n) = results["runs"][0]["ranks"][0], PEAK_SHAPE
-    intro = (
-        f"**Forward**, *before* and *after* in the same rank, in turns, the median of {results['reps']} "
-        "each. *Before*: the AVX2 build of the fused MXFP4 kernel for every expert and the bf16 kernel for "
-        f"every dense GEMM (the release before). *After*: the {first['isa']} build, the batched path "
-        "(decoded tiles x torch's GEMM) for experts from the crossover measured at load, torch's GEMM for "
-        "dense parts from theirs. Memory-bound limit: the bytes the forward must read (active experts "
-        "packed + every dense tensor of the rank) over the memcpy above. Targets on *after*: "
-        + ", ".join(f"T = {t} >= {pct(v)}" for t, v in MEMORY_BOUND_TARGETS.items())
-        + f" of the limit; T >= {GEMM_FROM_TOKENS}: the forward's GFLOP/s over torch's dense GEMM GFLOP/s "
-        f"on the same shapes and dtypes (measured in the rank after its forwards) >= {pct(GEMM_TARGET)}. "
-        f"bf16 GEMM peak: {first['bf16_peak_gflops']:.0f} GFLOP/s (torch's [{m}, {k}] x [{k}, {n}] bf16 "
-        f"GEMM, {first['gemm_engine']}), in the "
-        "rank. TP > 1 rows also show the group's fraction (every rank's bytes over memcpy, over the "
-        "slowest rank's time).")
     cells = [forward_cells(run["P"], rank, f) for run in results["runs"]
              for rank, r in enumerate(run["ranks"]) for f in r["forward"]]
-    return ["", intro, "", *table(
+    return ["", f"**Forward**, *before* and *after* in turns, medians of {results['reps']}; *after* on the "
+            f"{first['isa']} build; bf16 GEMM peak {first['bf16_peak_gflops']:.0f} GFLOP/s (torch's "
+            f"[{m}, {k}] x [{k}, {n}] bf16 GEMM, {first['gemm_engine']}, in the rank).", "", *table(
         "TP | rank | T | active | must read GB | memory-bound ms | before ms | after ms | after / before "
         "| before % of limit | after % of limit | group % of limit | before GFLOP/s | after GFLOP/s "
         "| after % of bf16 peak | % of GEMM | after vs before | verdict | load avg", cells)]
 
 
-def verdicts_text(results: dict[str, Any]) -> str:
-    loads = [run["load_verdict"] for run in results["runs"]]
-    missed = [f"TP {run['P']} {pct(run['load_verdict']['value'])}" for run in results["runs"]
-              if not run["load_verdict"]["met"]]
-    load = (f"load vs kept sequential read (group) (>= {pct(LOAD_TARGET)}): "
-            + (f"**missed** on {len(missed)} of {len(loads)} rows ({'; '.join(missed)})" if missed
-               else f"met on all {len(loads)} rows"))
-    forwards = [f"TP {run['P']} T = {f['T']}: {pct(f['verdict']['value'])} (>= "
-                f"{pct(float(f['verdict']['target'].split()[1]))}) {verdict_word(f['verdict']['met'])}"
-                for run in results["runs"] for f in run["ranks"][0]["forward"] if f.get("verdict")]
-    return "Verdicts: " + "; ".join([load, *forwards]) + "."
-
-
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     first = results["runs"][0]["ranks"][0]
-    lines = [
-        section_start(
-            SECTION, NAME, results["argv"], results["machine"],
-            f"checkpoint `{results['checkpoint_name']}` ({results['shard_bytes'] / GB:.2f} GB of "
-            f"shards), bfloat16, experts path {first['experts_path']}; memcpy "
-            f"{results['memcpy_gbps']:.2f} GB/s in the same run", json_path, png_path), "",
-        "**Load**: right before each TP size's loads, plain sequential reads of the same "
-        "files in 64 MiB reads: *kept* (into one fresh buffer of the files' size, held to the end, as "
-        "a load holds what it reads) and *reused* (into one 64 MiB buffer, twice, the faster "
-        "counted). A reused read of cached files runs at page-cache speed, which no load reaches "
-        "here: files that the page cache cannot hold beside the bytes already loaded come partly from "
-        f"disk. Target: load GB/s >= {pct(LOAD_TARGET)} of the kept read, judged on the group (the "
-        "ranks load at the same time from the same disk: every rank's bytes over the slowest rank's "
-        "seconds). Peak RSS is anonymous + shared memory (the mapped checkpoint's page cache is not "
-        "counted) over the packed bytes the rank read.", "",
-        *load_table(results), *forward_text(results), "", verdicts_text(results),
-        "Crossovers measured in rank 0: experts " + first["experts_path"] + "; dense GEMMs "
-        + "; ".join(f"{shape}: {c}" for shape, c in first["dense_crossovers"].items()) + "."]
+    what = (f"checkpoint `{results['checkpoint_name']}` ({results['shard_bytes'] / GB:.2f} GB of shards), "
+            f"bfloat16, experts path {first['experts_path']}; memcpy {results['memcpy_gbps']:.2f} GB/s in "
+            "the same run")
+    lines = [section_start(SECTION, NAME, results["argv"], results["machine"], what, json_path, png_path), "",
+             "**Load** against plain sequential reads of the same files just before:", "",
+             *load_table(results), *forward_text(results), "", *target_lines(index_rows(results)), "",
+             "Crossovers measured in rank 0: experts " + first["experts_path"] + "; dense GEMMs "
+             + "; ".join(f"{shape}: {c}" for shape, c in first["dense_crossovers"].items()) + "."]
     lines += [f"TP {c['P']} vs TP 1 at T = {c['T']}: max abs error {c['max_abs_err_vs_tp1']:.4f} (output max "
               f"{c['ref_abs_max']:.2f}): {'within' if c['ok'] else '**outside**'} the bf16 tolerance (2 % of "
               "the output scale + 0.01)." for c in results["tp_vs_tp1"]]
     if any(run["lone_rank"] for run in results["runs"]):
-        lines.append("Lone-rank runs: only rank 0 ran, its collectives the identity (other ranks' partials "
-                     "count as zero): its timings and memory are a rank's, its output is not the layer's.")
+        lines.append("Lone-rank runs: only rank 0 ran, its collectives the identity: its timings and memory "
+                     "are a rank's, its output is not the layer's.")
     return "\n".join(lines)
 
 
