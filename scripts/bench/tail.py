@@ -39,10 +39,8 @@ WIDE = "single_allreduce_wide"
 
 
 def timed_replays(runner: LatentMoERunner, fn, reps: int) -> dict:
-    """``fn`` once to warm up, then ``reps`` replays each timed whole and by stage in the same call:
-    the median replay's total ``ms`` (the lower middle one for an even count), its own ``stages_ms``
-    (started inside the timed interval, so they add up to at most ``ms``), ``other_ms`` (the rest),
-    and every replay's total (``all_ms``)."""
+    """``fn`` once, then ``reps`` replays timed whole and by stage in the same call: the median (lower
+    middle) replay's ``ms``, its own ``stages_ms`` and ``other_ms`` (the rest), every replay's ``all_ms``."""
     timer = runner.timer
     fn()
     replays = []
@@ -195,68 +193,47 @@ def tail_cells(r: dict) -> list:
 
 
 def markdown(result: dict, json_path: str, png_path: str) -> str:
-    m, model = result["machine"], result["model"]
+    what = (f"`{result['preset']}` preset ({model_text(result['model'])}), {result['dtype']}, gloo on CPU, "
+            f"TP {', '.join(map(str, result['tp']))}")
     lines = [
-        section_start(SECTION, "tail", result["argv"], m, f"`{result['preset']}` preset "
-                                                          f"({model_text(model)}), "
-                      f"{result['dtype']}, gloo on CPU, TP {', '.join(map(str, result['tp']))}",
-                      json_path),
-        "",
-        "Tail = everything after the experts (collectives, norm, up-projection), replayed on the same "
-        "partials; layer = a whole forward. Each number is the median of its replays; the stage columns "
-        "are the stages *of that same replay* (one timed call gives the total and its stages), so they "
-        "never add up to more than the total; `other` is the rest (Python between the stage marks).", "",
+        section_start(SECTION, "tail", result["argv"], result["machine"], what, json_path), "",
         *table("P | T | tail | tail ms | tail: collectives | tail: up-proj | tail: other | layer ms "
                "| layer: down-proj | layer: experts | layer: collectives | layer: up-proj | layer: other "
                "| B/token", map(tail_cells, result["rows"]), "rrlrrrrrrrrrrr"), "",
-        f"`{WIDE}` is the earlier fp32 `[S | (gamma*L)Wup^T | L]` packing, replayed for comparison "
-        "(tail only). Fastest tail per token count (sequence_parallel and the wide replay excluded: "
-        "the first returns only a rank's rows):", "",
+        "Fastest tail per token count (sequence_parallel and the wide replay excluded):", "",
         *(f"- TP {P}: " + " -> ".join(f"T={b['T']}: {b['fastest_tail']} ({b['tail_ms']:.2f} ms)"
                                       for b in best) for P, best in result["crossovers"].items())]
     if result["routed_input"]:
-        lines += ["", "Token-sharded routed input (per rank): the routed-input modes by their deployment "
-                  "names; `fp8-approx` and `mxfp4-approx` are lossy (they change a request's output with "
-                  "its batch), `none` is the exact token-sharded gather, `off` the replicated "
-                  "down-projection. Stages of the median replay, as above:", "",
+        lines += ["", "Token-sharded routed input (per rank), stages of the median replay:", "",
                   *table("P | T | routed input | total ms | down-proj ms | all-gather (+quant) ms | other ms",
                          ([x["P"], x["T"], x["routed_input"], *(f"{x[k]:.2f}" for k in (
                              "total_ms", "down_proj_ms", "gather_ms", "other_ms"))]
                           for x in result["routed_input"]), "rrlrrrr")]
-    lines += ["", "Targets (ratios of the medians above; verdicts computed by the script):", "",
-              *([f"- {name}: {verdict_text(t)}" for name, t in result["targets"].items()]
-                or ["- none measurable with these TP sizes and token counts"]),
-              "", "Reading (computed from this run): " + reading(result)]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", "Targets (ratios of the medians above):", "",
+                      *([f"- {name}: {verdict_text(t)}" for name, t in result["targets"].items()]
+                        or ["- none measurable with these TP sizes and token counts"]), "", *reading(result)])
 
 
-def reading(result: dict) -> str:
-    """Sentences whose every claim is a comparison of this run's numbers."""
-    out = []
-    for P, best in result["crossovers"].items():
-        winners = list(dict.fromkeys(b["fastest_tail"] for b in best))
-        out.append(f"at TP {P} `{winners[0]}` was the fastest tail at every T measured." if len(winners) == 1
-                   else f"at TP {P} the fastest tail changed with T ({', '.join(winners)}), which is why "
-                   "`tail: auto` measures on the deployment's own group.")
-    by = {(r["P"], r["T"], r["tail"]): r for r in result["rows"] if r["P"] > 1}
+def reading(result: dict) -> list[str]:
+    """The sharded tail against the replicated one, and the exact token-sharded routed input's
+    down-projection against the replicated one's at the largest T, per TP size."""
+    by, out = {(r["P"], r["T"], r["tail"]): r for r in result["rows"]}, []
     for (P, T, tail), s in sorted(by.items()):
         rp = by.get((P, T, "replicated"))
         su, ru = s["tail_stages_ms"].get("up_proj"), rp and rp["tail_stages_ms"].get("up_proj")
         if tail == "sharded" and su is not None and ru:
-            out.append(f"TP {P}, T={T}: sharded tail {s['tail_ms']:.2f} ms vs replicated "
-                       f"{rp['tail_ms']:.2f} ms, up-projection {su:.2f} vs {ru:.2f} ms ({su / ru:.2f}x).")
+            out.append(f"- TP {P}, T = {T}: sharded / replicated tail {s['tail_ms'] / rp['tail_ms']:.2f}x, "
+                       f"up-projection {su:.2f} / {ru:.2f} ms ({su / ru:.2f}x).")
     routed = result["routed_input"]
     for P in sorted({x["P"] for x in routed}):
         Tmax = max(x["T"] for x in routed if x["P"] == P)
         by = {x["routed_input"]: x for x in routed if (x["P"], x["T"]) == (P, Tmax)}
-        if "off" in by and "none" in by and by["none"]["down_proj_ms"] > 0:
+        if "off" in by and by.get("none", {}).get("down_proj_ms"):
             off, on = by["off"]["down_proj_ms"], by["none"]["down_proj_ms"]
-            lossy = [f"{q} gather {by[q]['gather_ms']:.2f} ms" for q in ROUTED_INPUT_MODES[2:] if q in by]
-            out.append(f"Token-sharded routed input at TP {P}, T={Tmax}: down-projection {off:.2f} -> "
-                       f"{on:.2f} ms ({off / on:.2f}x), for an all-gather of {by['none']['gather_ms']:.2f} "
-                       f"ms; "
-                       + ", ".join(lossy) + ".")
-    return " ".join(sentence[0].upper() + sentence[1:] for sentence in out) or "Nothing to compare."
+            gathers = ", ".join(f"{q} {by[q]['gather_ms']:.2f}" for q in ROUTED_INPUT_MODES[1:] if q in by)
+            out.append(f"- Token-sharded routed input, TP {P}, T = {Tmax}: down-projection {off:.2f} -> "
+                       f"{on:.2f} ms ({off / on:.2f}x); all-gather ms: {gathers}.")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
