@@ -28,7 +28,7 @@ from moe_runtime.tp.runner import build_rank_runners
 from moe_runtime.units import SCALE_RULES, SERVED_DTYPES, torch_dtype
 
 from . import harness
-from .docs import Target, model_text, section_start, table, target, verdict
+from .docs import Target, model_text, section_start, table, target, target_lines, verdict
 
 SECTION = ("# Numerics: routed-input modes and W4A4 under both MXFP4 scale rules "
            "(`scripts/bench/numerics.py`)")
@@ -162,85 +162,39 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
             for rule in RULES]
 
 
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else ("0" if v == 0 else f"{v:.1e}")
-
-
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env, m, b, sd = results["machine"], results["model"], results["blocks"], results["single_device_fp32"]
     what = (f"{env['seconds']} s (the numbers below are exact and deterministic, load changes only the "
             f"time); `{results['preset']}` preset ({model_text(m)}, random weights), layer {LAYER}, batch "
             f"{results['batch']}")
+    even, floor = sd["w4a4 even vs w4a16"]["rms_rel"], sd["w4a4 floor vs w4a16"]["rms_rel"]
     return "\n".join([
         section_start(SECTION, "numerics", results["argv"], env, what, json_path), "",
-        "**Where the two MXFP4 scale rules differ.** `even` (the default: AMD Quark's, as vLLM's "
-        "emulation and aiter's Triton quantiser round) against `floor` (plain OCP), per non-zero "
-        "32-block; error = the rule's quantise-dequantise against the unquantised block: the worst "
-        "block's max|x - q| / amax, and the RMS of x - q relative to the RMS of x:", "",
+        "**Where the two MXFP4 scale rules differ**, per non-zero 32-block:", "",
         *table("tensor (fp32) | blocks | quantised differently | worst block, even | floor "
                "| rms rel error, even | floor",
                ([name, s["blocks"], f"{s['differ']} ({s['differ'] / s['blocks']:.1%})",
                  f"{s['even']['worst_block']:.3f}", f"{s['floor']['worst_block']:.3f}",
                  f"{s['even']['rms_rel']:.4f}", f"{s['floor']['rms_rel']:.4f}"] for name, s in b.items()),
                "lrrrrrr"), "",
-        "**W4A4 against W4A16, one device, fp32** (the MXFP4 checkpoint's experts, activations "
-        "fake-quantised or not; relative to max|out| and to the output RMS):", "",
+        "**W4A4 against W4A16, one device, fp32**:", "",
         *table("comparison | max rel | rms rel",
                ([name, f"{e['max_rel']:.2e}", f"{e['rms_rel']:.2e}"] for name, e in sd.items()), "lrr"), "",
         f"**On a TP {results['tp']} gloo group** (tail `{results['tail']}`, min_sharded_tokens "
-        f"{results['request'] + 1}). Error = max|out - ref| / max|ref| against the single-device fp32 "
-        "layer of the same experts (dense: the dense layer; w4a16 / w4a4: the MXFP4 checkpoint "
-        "without / with activation fake-quant under the row's rule). Batch dependence = a "
-        f"{results['request']}-token request alone (never token-sharded) against the same rows inside "
-        "the batch, max|diff| / max|alone|. In bf16 a token whose `x` rounds differently may pick "
-        "other experts (a routing flip), which shows in the max column first; the rms and "
-        "batch-dependence columns compare across dtypes.", "",
+        f"{results['request'] + 1}; batch dependence: a {results['request']}-token request alone against the "
+        "same rows inside the batch):", "",
         *table("dtype | experts | MXFP4 rule | routed input | max rel error | rms rel error "
-               "| batch dependence", map(case_cells, results["rows"]), "llllrrr"),
-        "", reading(results)])
+               "| batch dependence", map(case_cells, results["rows"]), "llllrrr"), "",
+        *target_lines(index_rows(results)),
+        f"- W4A4 is {'closer to' if even < floor else 'further from'} W4A16 under the production rule `even` "
+        f"than under `floor`: rms {even:.1%} against {floor:.1%}."])
 
 
 def case_cells(r: dict[str, Any]) -> list[Any]:
     mode = "mxfp4 (exact, deferred)" if r["routed_input"] == "mxfp4" else r["routed_input"]
     mode, dep = "off, single device" if r["case"] == "single device" else mode, r["batch_dependence"]
-    return [r["dtype"], r["experts"], r["rule"], mode,
-            f"{r['max_rel']:.1e}", f"{r['rms_rel']:.1e}",
-            _fmt(dep) if dep is None or dep < 1e-3 else f"**{dep:.1e}**"]
-
-
-def reading(results: dict[str, Any]) -> str:
-    """The reading, computed from the numbers."""
-    b, sd, rows = results["blocks"], results["single_device_fp32"], results["rows"]
-    even, floor, h = sd["w4a4 even vs w4a16"], sd["w4a4 floor vs w4a16"], b["latent h"]
-    share = {k: v["differ"] / v["blocks"] for k, v in b.items()}
-    w4a4_dep = {rule: max(r["batch_dependence"] for r in rows if r["experts"] == "w4a4" and r["rule"] == rule)
-                for rule in RULES}
-    approx = {r["rule"]: r for r in rows if r["routed_input"] == "mxfp4-approx" and r["dtype"] == "float32"}
-    parts = [
-        f"Reading: the production rule quantises {share['random normal']:.1%} of random-normal blocks, "
-        f"{share['latent h']:.1%} of the latent's and {share['gated activations']:.1%} of the gated "
-        f"activations' blocks differently from the OCP rule (the blocks whose amax mantissa is >= 1.75). "
-        f"On those it trades the OCP rule's clipping of the block maximum for a twice coarser grid: on h "
-        f"the worst block's error goes from {h['floor']['worst_block']:.3f} to "
-        f"{h['even']['worst_block']:.3f} of its amax, the rms error from {h['floor']['rms_rel']:.4f} to "
-        f"{h['even']['rms_rel']:.4f}.",
-        f"W4A4 moves the fp32 output {even['rms_rel']:.1%} (rms; {even['max_rel']:.1%} of max|out|) from "
-        f"W4A16 under `even` against {floor['rms_rel']:.1%} ({floor['max_rel']:.1%}) under `floor`, so the "
-        f"production rule is {'closer to' if even['rms_rel'] < floor['rms_rel'] else 'further from'} the "
-        f"unquantised-activation layer here; the two W4A4 layers differ by "
-        f"{sd['w4a4 even vs w4a4 floor']['rms_rel']:.1%} rms, the size of the error the old default made "
-        "against production.",
-        f"W4A4 with and without the deferred MXFP4 routed input: batch dependence "
-        f"{_fmt(w4a4_dep['even'])} under `even`, {_fmt(w4a4_dep['floor'])} under `floor` "
-        + ("(a request's output never depends on its batch: the shard quantises with the deployment's "
-           "rule, exactly as the experts do unsharded)."
-           if max(w4a4_dep.values()) == 0 else "(not 0: the deferred quantisation is not exact here).")]
-    if {"even", "floor"} <= approx.keys():
-        parts.append(f"`mxfp4-approx` in front of dense experts (fp32): max error "
-                     f"{approx['even']['max_rel']:.1%} "
-                     f"under `even`, {approx['floor']['max_rel']:.1%} under `floor`; batch dependence "
-                     f"{approx['even']['batch_dependence']:.1%} / {approx['floor']['batch_dependence']:.1%}.")
-    return " ".join(parts)
+    return [r["dtype"], r["experts"], r["rule"], mode, f"{r['max_rel']:.1e}", f"{r['rms_rel']:.1e}",
+            "-" if dep is None else "0" if dep == 0 else f"{dep:.1e}" if dep < 1e-3 else f"**{dep:.1e}**"]
 
 
 if __name__ == "__main__":
