@@ -1,13 +1,7 @@
-"""Benchmark the routed-experts stage (DESIGN §2 steps 3-4): the ``torch`` and ``grouped`` backends.
-
-Per token count T and experts format (dense, or MXFP4-packed and decoded per batch), on the same
-inputs: ``torch`` (two GEMMs per active expert), ``grouped`` (one grouped GEMM per projection over
-the active experts), ``naive`` (a Python loop over tokens and slots; at large T timed on the first
-``--naive-max-tokens`` tokens and scaled) and ``dense`` (two plain GEMMs with the same FLOPs, 6·T·K·D·I:
-the roofline), ``torch``, ``grouped`` and ``dense`` in turns, medians kept. The packed CPU experts
-*before* and *after* issue 48 at real size are ``real``'s forward (and ``fused_cpu``'s kernel).
+"""The routed-experts stage: the ``torch`` and ``grouped`` backends against a dense GEMM of the same
+FLOPs (6·T·K·D·I) and a naive per-token loop, per token count T, dtype and experts format (dense, or
+MXFP4 decoded per batch); the page says more. Packed CPU experts at real size: ``real``, ``fused_cpu``.
 Target: ``torch`` >= 40 % of dense at T = 4096.
-Legend: T tokens, D latent, K experts per token, I intermediate.
 """
 
 from __future__ import annotations
@@ -15,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import resource
 import statistics
 import time
@@ -33,7 +28,7 @@ from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
 
 from . import harness
-from .docs import Target, section_start, table, table_row, target, verdict, verdict_text
+from .docs import Target, section_start, table, table_row, target, target_lines, verdict
 
 SECTION = "# Experts backends: `torch` and `grouped` against a dense GEMM (scripts/bench/experts.py)"
 TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
@@ -92,19 +87,15 @@ def bench_one(cfg: LatentMoEConfig, w, ex: ExpertWeights, fmt: str, T: int, dtyp
     times = harness.time_interleaved(calls, args.min_reps, min_time_s=args.min_time, sync=sync)
     times["naive"] = harness.time_calls(naive, 1, min_time_s=args.min_time, sync=sync)
 
-    def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-        return (out - ref).abs().max().item() / (ref.abs().max().item() or 1.0)
-
     out_t = calls["torch"]()  # the backend against the naive loop on its tokens, grouped against the backend
-    diffs = {"backend_vs_naive_max_rel_diff": rel(out_t[:n], naive()),
-             "grouped_vs_torch_max_rel_diff": rel(calls["grouped"](), out_t)}
+    diffs = {"backend_vs_naive_max_rel_diff": harness.rel_diff(out_t[:n], naive()),
+             "grouped_vs_torch_max_rel_diff": harness.rel_diff(calls["grouped"](), out_t)}
     active = int(torch.bincount(ids_TK.reshape(-1), minlength=E).gt(0).sum())
     return timing_row(T, dtype, fmt, K, active, 6 * T * K * D * I, n, times, diffs)
 
 
 def timing_row(T: int, dtype: torch.dtype, fmt: str, K: int, active: int, flops: float, n_naive: int,
                times: dict[str, list[float]], diffs: dict[str, float]) -> dict:
-    """One row of the results from each path's timed calls (seconds)."""
     med = {k: statistics.median(t) for k, t in times.items()}
     best = {k: min(t) for k, t in times.items()}
     med["naive"] *= T / n_naive
@@ -125,23 +116,18 @@ def cpu_snapshot() -> tuple[float, float, float] | None:
 
 
 def other_load(start, end) -> float | None:
-    """Fraction of the machine's CPU time used by *other* processes between two snapshots:
-    the benchmark is only trustworthy when this is near 0."""
+    """The share of the machine's CPU time (all its CPUs) *other* processes used between two snapshots."""
     if start is None or end is None:
         return None
     others = (end[1] - start[1]) - (end[2] - start[2])
-    # /proc/stat counts every CPU of the machine, not only the ones this process may use
     return max(0.0, others / ((end[0] - start[0]) * (os.cpu_count() or 1)))
 
 
 def machine_info(device: torch.device) -> dict:
-    """The machine record with the CPU model, torch's threads and the device."""
     info = harness.machine_record(processor=platform.processor() or platform.machine(),
                                   torch_threads=torch.get_num_threads(), device=str(device))
-    with contextlib.suppress(OSError):
-        models = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")]
-        info.update({"cpu_model": models[0]} if models else {})
+    with contextlib.suppress(OSError, IndexError):
+        info["cpu_model"] = re.findall(r"^model name\s*: (.*)$", Path("/proc/cpuinfo").read_text(), re.M)[0]
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -162,14 +148,11 @@ def shape_text(results: dict) -> str:
             f"K={cfg['num_experts_per_token']}, I={cfg['moe_intermediate_size']})")
 
 
-def target_verdicts(results: dict) -> list[tuple[str, dict]]:
-    """Each dtype and format at T = 4096: the torch backend's share of the dense GEMM's GFLOP/s."""
-    return [(f"torch backend / dense GEMM GFLOP/s, {r['dtype']} {r['format']}, T = 4096",
-             verdict(r["torch_vs_dense"], ">=", TARGET_FRACTION)) for r in results["rows"] if r["T"] == 4096]
-
-
 def index_rows(results: dict) -> list[Target]:
-    return [target(what, v) for what, v in target_verdicts(results)]
+    """Each dtype and format at T = 4096: the torch backend's share of the dense GEMM's GFLOP/s."""
+    return [target(f"torch backend / dense GEMM GFLOP/s, {r['dtype']} {r['format']}, T = 4096",
+                   verdict(r["torch_vs_dense"], ">=", TARGET_FRACTION))
+            for r in results["rows"] if r["T"] == 4096]
 
 
 def markdown(results: dict, json_path: str, png_path: str) -> str:
@@ -184,10 +167,8 @@ def markdown(results: dict, json_path: str, png_path: str) -> str:
                     "| grouped GFLOP/s | dense GFLOP/s | torch / dense (median; best) | torch vs naive",
                     map(row_cells, rows))]
     if any(r["naive_scaled"] for r in rows):
-        lines += ["", "\\* naive loop timed on the first tokens only and scaled by T / n "
-                  "(see `naive_tokens_timed` in the results JSON)."]
-    lines += ["", *(f"- {what}: {verdict_text(v)}" for what, v in target_verdicts(results))]
-    return "\n".join(lines)
+        lines += ["", "\\* naive loop timed on the first `naive_tokens_timed` tokens, scaled by T / n."]
+    return "\n".join([*lines, "", *target_lines(index_rows(results))])
 
 
 def plot(results: dict, path: Path) -> None:
@@ -238,20 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         harness.preset_checkpoint(args.preset)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = args.layer if args.layer is not None else cfg.moe_layers[0]
-    info = machine_info(device)
-    print(f"machine: {info.get('cpu_model', info['processor'])}, {info['cpus']} CPUs, torch {info['torch']} "
-          f"with {info['torch_threads']} threads, device {device}, load {info['loadavg_before'][0]:.2f}")
-    rows, snap0 = [], cpu_snapshot()
+    info, rows, snap0 = machine_info(device), [], cpu_snapshot()
     for dtype in dtypes:
         w = load_layer_weights(ckpt, cfg, layer, dtype=DTYPES[dtype]).to(device)
         for fmt in formats:
             for T in harness.int_list(args.tokens):
                 rows.append(bench_one(cfg, w, in_format(w.experts, fmt), fmt, T, DTYPES[dtype], device, args))
                 print(table_row(row_cells(rows[-1])), flush=True)
-    info["other_processes_cpu_fraction"] = busy = other_load(snap0, cpu_snapshot())
-    if busy is not None:
-        print(f"other processes used {100 * busy:.0f}% of the machine's CPU time during the run"
-              + (" -- the numbers are disturbed, rerun on an idle machine" if busy > 0.1 else ""))
+    info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
     results = {"preset": args.preset, "layer": layer, "config": cfg.to_dict(), "rows": rows}
     return harness.report(args, results, info, markdown, index_rows, plot)
 

@@ -1,20 +1,15 @@
-"""GPU timings for scripts/gpu_check.sh: experts backends, latent collectives, a TP-2 tail comparison.
-
-Each subcommand writes one JSON-lines file (``--out``, ``bench.rows``: a header, a record per point
-the moment it is measured, a closing record), so a stage cut off by its time limit keeps its points.
+"""GPU timings for scripts/gpu_check.sh: one JSON-lines file per subcommand (``--out``, ``bench.rows``),
+each point written the moment it is measured, so that a stage cut off by its time limit keeps its points.
 
 * ``experts``: the ``torch`` and ``grouped`` backends (and vLLM's fused MoE, where installed) at
-  Kimi-K3 per-rank shapes (D = 3584, E = 896, K = 16, I_local = 3072 / P; default P = 8), dense bf16
-  and MXFP4-packed, T = 1 ... 8192, on synthetic weights and routing: medians, the backends' max
-  difference relative to max|L|, and each one's fraction of its HBM floor (the touched experts'
-  bytes over the copy bandwidth of a 1 GiB ``clone``). A vLLM that does not name the layer's SiTU
-  is timed on plain SiLU for T <= 64, against torch on SiLU.
-* ``collectives``: all-reduce and reduce-scatter of the latent ``[T, D]`` (bf16, fp32) over every
-  GPU (NCCL / RCCL); one GPU gives a launch-overhead figure only.
-* ``tail``: with two GPUs or more, every legal tail at TP 2 on a generated small checkpoint against
-  the single-GPU layer.
+  Kimi-K3 per-rank shapes (I_local = 3072 / P, default P = 8), dense bf16 and MXFP4, T = 1 ... 8192,
+  synthetic weights and routing: medians, the difference from torch relative to max|L|, and each
+  one's fraction of its HBM floor (the touched experts' bytes over a 1 GiB ``clone``'s copy
+  bandwidth); a vLLM that does not name the layer's SiTU runs plain SiLU for T <= 64.
+* ``collectives``: all-reduce and reduce-scatter of the latent ``[T, D]`` (bf16, fp32) over every GPU.
+* ``tail``: with two GPUs or more, every legal tail at TP 2 on a small checkpoint against one GPU.
 
-``--smoke`` runs the same code on the CPU with tiny shapes (gloo, two processes) where no GPU is lent.
+``--smoke`` runs the same code on the CPU with tiny shapes (gloo, two processes).
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ from moe_runtime.tp.collectives import Collectives, free_port, init_group
 from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
 
-from .harness import machine_record, synchronizer, time_calls
+from .harness import machine_record, rel_diff, synchronizer, time_calls
 from .rows import RowWriter, read_rows
 
 K3 = {"D": 3584, "E": 896, "K": 16, "I": 3072}
@@ -111,10 +106,6 @@ def time_backend(be, h, ids, w, ex, act, device, args) -> tuple[dict, torch.Tens
         return {"error": f"{type(exc).__name__}: {exc}"}, None
 
 
-def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got - want).abs().max().item() / (want.abs().max().item() or 1.0)
-
-
 def experts_point(backends: dict, ex: ExpertWeights, fmt: str, T: int, shape: dict, floor_gbps: float,
                   device, args) -> dict:
     """Every backend at one point: its timing, its share of the HBM floor, its distance from torch."""
@@ -163,12 +154,9 @@ def run_experts(args) -> None:
         ex = synthetic_experts(shape, P, torch.bfloat16, fmt == "mxfp4", device)
         for T in tokens:
             row = experts_point(backends, ex, fmt, T, shape, hbm, device, args)
-            fractions = ", ".join(f"{n} {v['hbm_fraction']:.0%}" for n, v in row.items()
-                                  if isinstance(v, dict) and "hbm_fraction" in v)
-            print(f"experts {fmt:5} T={T:5d}: torch {row['torch']['median_ms']:9.3f} ms, grouped "
-                  f"{row['grouped']['median_ms']:9.3f} ms ({row['grouped_speedup']:.2f}x), rel diff "
-                  f"{row['grouped_vs_torch_rel_diff']:.1e}; HBM floor {row['floor_ms']:.3f} ms: {fractions}",
-                  flush=True)
+            print(f"experts {fmt} T={T}: " + ", ".join(
+                f"{n} {v['median_ms']:.3f} ms ({v['hbm_fraction']:.0%} of the HBM floor)"
+                for n, v in row.items() if isinstance(v, dict) and "hbm_fraction" in v), flush=True)
             out.row(row)
     out.close()
 

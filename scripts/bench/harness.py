@@ -1,8 +1,6 @@
 """What every benchmark script does the same way: its options, the machine record and its report,
 timing loops and percentiles, a private Ray + Serve, checkpoints written once, seeded inputs and plots.
-
-Heavy modules (torch, Ray, matplotlib, the project's own) are imported where they are used, so
-importing the harness costs nothing: ``rows`` and ``rss`` build on it without torch.
+Heavy modules (torch, Ray, matplotlib, the project's own) are imported where they are used.
 """
 
 from __future__ import annotations
@@ -35,9 +33,8 @@ class BenchParser(argparse.ArgumentParser):
 
 
 def bench_parser(doc: str, name: str, *, quick: str | None = None, tp: int | None = None) -> BenchParser:
-    """A benchmark's parser with the shared options: ``--out`` (its results, default artifacts/NAME),
-    ``--docs`` (the pages' folder whose NAME.md and index a run rewrites; '' for none), ``--quick``
-    (help: ``quick``) where it has a short mode, ``--tp`` (default ``tp``) where it serves one TP size."""
+    """A benchmark's parser: ``--out``, ``--docs``, ``--quick`` (help: ``quick``) where it has a short
+    mode, ``--tp`` (default ``tp``) where it serves one TP size."""
     ap = BenchParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.set_defaults(bench=name)
     ap.add_argument("--out", type=Path, default=ROOT / "artifacts" / name, help="folder for the results")
@@ -51,18 +48,15 @@ def bench_parser(doc: str, name: str, *, quick: str | None = None, tp: int | Non
 
 
 def int_list(text: str) -> list[int]:
-    """A comma-separated option's integers: '1,16,256' -> [1, 16, 256]."""
     return [int(t) for t in text.split(",")]
 
 
 def loadavg() -> list[float]:
-    """The 1-, 5- and 15-minute load averages now (other work on the machine skews every timing)."""
     return [round(v, 2) for v in os.getloadavg()]
 
 
 def busy_cpu_s() -> float | None:
-    """CPU-seconds the whole machine has been busy so far (/proc/stat: every state but idle and
-    iowait; the guest states are inside user already); None where there is no /proc/stat."""
+    """CPU-seconds the machine has been busy (/proc/stat: all but idle and iowait); None without it."""
     try:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
@@ -76,8 +70,7 @@ def cpu_count() -> int:
 
 
 def machine_record(with_ray: bool = False, **extra: Any) -> dict[str, Any]:
-    """Where and when a run measured: date (UTC), CPUs, machine, platform, torch (and Ray's version
-    ``with_ray``), the load average before the run and ``extra``; :func:`report` adds the load after."""
+    """Date (UTC), CPUs, machine, platform, torch (and Ray) versions, the load before, and ``extra``."""
     import torch
 
     if with_ray:
@@ -94,16 +87,14 @@ MODEL_FIELDS = ("hidden_size", "routed_expert_hidden_size", "num_experts", "num_
 
 
 def model_record(cfg: Any) -> dict[str, int]:
-    """The shape of the measured layer (a ``LatentMoEConfig``), for a run's JSON."""
     return {k: getattr(cfg, k) for k in MODEL_FIELDS}
 
 
 def report(args: argparse.Namespace, results: dict[str, Any], machine: dict[str, Any], markdown: Any,
            index_rows: Any, plot: Any = None, ok: bool = True, verdicts: Any = None) -> int:
-    """``results`` of the benchmark ``args.bench`` with its command and ``machine`` (the load average
-    after the run added), written under ``args.out`` with its page and index rows in ``args.docs``
-    (``docs.write_results``): the run's exit status, 1 where the run says it is not ``ok`` or, given
-    ``verdicts`` (results -> its verdicts, kept under ``verdicts``), where one is not met."""
+    """Write ``results`` (with the command and ``machine``, the load after added), its page and index
+    rows (``docs.write_results``): exit status 1 where not ``ok`` or, given ``verdicts`` (results ->
+    verdicts, kept under ``verdicts``), where one is not met."""
     if verdicts is not None:
         results["verdicts"] = verdicts(results)
         ok = ok and all(v["met"] for v in results["verdicts"].values())
@@ -113,7 +104,6 @@ def report(args: argparse.Namespace, results: dict[str, Any], machine: dict[str,
 
 
 def synchronizer(device: Any) -> Callable[[], None] | None:
-    """What closes a timed call on ``device``: a CUDA synchronisation (kernels run asynchronously)."""
     import torch
 
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
@@ -121,10 +111,9 @@ def synchronizer(device: Any) -> Callable[[], None] | None:
 
 def time_calls(fn: Callable[[], Any], reps: int, *, warmup: int = 1, min_time_s: float = 0.0,
                budget_s: float = math.inf, sync: Callable[[], None] | None = None) -> list[float]:
-    """Seconds of each timed call of ``fn``, after ``warmup`` untimed ones: until there are ``reps``
-    calls and ``min_time_s`` seconds of them, or ``budget_s`` runs out (two calls at least); ``sync``
-    closes the warm-up and every call. No budget for calls with collectives inside: every rank must
-    make the same number of calls."""
+    """Seconds of each call of ``fn`` after ``warmup`` untimed ones, until ``reps`` calls and
+    ``min_time_s`` seconds, or ``budget_s`` runs out (two calls at least; no budget where every rank
+    must make the same calls); ``sync`` closes the warm-up and every call."""
     for _ in range(warmup):
         fn()
     if sync:
@@ -147,8 +136,7 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None] | None) -> float:
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, min_time_s: float = 0.0,
                      sync: Callable[[], None] | None = None) -> dict[str, list[float]]:
-    """Like :func:`time_calls` for several functions called in turn, so that a busy (shared) machine
-    slows them alike and their ratios stay meaningful: seconds of each one's calls."""
+    """:func:`time_calls` of several functions in turn (a busy machine slows them alike)."""
     _timed(lambda: [fn() for fn in fns.values()], sync)  # the warm-up
     times: dict[str, list[float]] = {name: [] for name in fns}
     while min(len(t) for t in times.values()) < reps or min(sum(t) for t in times.values()) < min_time_s:
@@ -158,8 +146,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, *, min_time_s
 
 
 def in_turns(names: Iterable[str], reps: int, measure: Callable[[str], Any]) -> dict[str, list[Any]]:
-    """``measure(name)`` for every name in turn, ``reps`` rounds (whatever slows the machine meanwhile
-    slows each alike): every name's results in round order."""
+    """``measure(name)`` for every name in turn, ``reps`` rounds: each name's results in round order."""
     results: dict[str, list[Any]] = {name: [] for name in names}
     for _ in range(reps):
         for name in results:
@@ -174,7 +161,6 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def latency_ms(seconds: list[float]) -> dict[str, float]:
-    """p50 (the median), p90 and p99 of call latencies given in seconds, in ms."""
     ms = [s * 1e3 for s in seconds]
     return {"p50_ms": statistics.median(ms), "p90_ms": percentile(ms, 0.9), "p99_ms": percentile(ms, 0.99)}
 
@@ -183,9 +169,13 @@ def median_ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1e3
 
 
+def rel_diff(got: Any, want: Any) -> float:
+    """max|got - want| / max|want| of two tensors."""
+    return (got - want).abs().max().item() / (want.abs().max().item() or 1.0)
+
+
 def memcpy_gbps(reps: int = 5, nbytes: int = 256 * 2**20) -> float:
-    """This machine's memory bandwidth: bytes copied per second between two ``nbytes`` buffers,
-    best of ``reps`` copies (GB = 1e9 bytes)."""
+    """Bytes copied per second between two ``nbytes`` buffers, best of ``reps`` (GB = 1e9 bytes)."""
     import torch
 
     src = torch.ones(nbytes, dtype=torch.uint8)
@@ -194,8 +184,7 @@ def memcpy_gbps(reps: int = 5, nbytes: int = 256 * 2**20) -> float:
 
 
 def seeded_randn(rows: int, cols: int, seed: int, dtype: Any = None) -> Any:
-    """A ``[rows, cols]`` standard-normal input from its own generator (the same on every run and
-    rank), cast to ``dtype`` when given."""
+    """A ``[rows, cols]`` standard-normal input from its own generator, cast to ``dtype`` when given."""
     import torch
 
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
@@ -203,8 +192,7 @@ def seeded_randn(rows: int, cols: int, seed: int, dtype: Any = None) -> Any:
 
 
 def ensure_checkpoint(path: Path, preset: str, layers: int | None = None, *, mxfp4: bool = False) -> Path:
-    """The ``preset`` checkpoint (seed 0) at ``path``, written there when it is missing:
-    ``layers`` hidden layers (layer 0 dense), experts as MXFP4 with ``mxfp4``."""
+    """The ``preset`` checkpoint (seed 0) at ``path``, written there when missing."""
     from moe_runtime.synthetic import preset_config, write_checkpoint
 
     if not (path / "config.json").is_file():
@@ -215,15 +203,14 @@ def ensure_checkpoint(path: Path, preset: str, layers: int | None = None, *, mxf
 
 
 def preset_checkpoint(preset: str, layers: int | None = None, *, mxfp4: bool = False) -> Path:
-    """The checkpoint under checkpoints/ named for what it holds (``small``, ``small-mxfp4``,
-    ``small-4layers``), written once and shared by every script that asks for it."""
+    """checkpoints/NAME, named for what it holds (``small``, ``small-mxfp4``, ``small-4layers``)."""
     name = "-".join([preset, *([f"{layers}layers"] if layers else []), *(["mxfp4"] if mxfp4 else [])])
     return ensure_checkpoint(CHECKPOINTS / name, preset, layers, mxfp4=mxfp4)
 
 
 def tiny_app(**spec: Any) -> tuple[dict[str, Any], Any]:
-    """App arguments serving the tiny preset's checkpoint with one deployment (``spec``), one
-    ingress replica and no tail measurement; and a seeded 3-token float32 input of its width."""
+    """App arguments serving the tiny checkpoint (one deployment ``spec``, one ingress replica, no
+    tail measurement), and a seeded 3-token float32 input of its width."""
     from moe_runtime.config import LatentMoEConfig
 
     checkpoint = preset_checkpoint("tiny")
@@ -234,9 +221,8 @@ def tiny_app(**spec: Any) -> tuple[dict[str, Any], Any]:
 
 @contextlib.contextmanager
 def local_serve(num_cpus: int, num_gpus: int = 0, worker_niceness: int | None = None) -> Iterator[str]:
-    """``deployments.cluster.local.local_serve`` (TP groups on ``num_gpus`` logical GPUs), yielding
-    the proxy's URL. ``worker_niceness`` overrides Ray's 15 for its workers (a benchmark's served
-    side then gets the driver's priority)."""
+    """A private Ray + Serve (``deployments.cluster.local``), yielding the proxy's URL;
+    ``worker_niceness`` overrides Ray's 15 for its workers."""
     from deployments.cluster.local import local_serve as private_serve
 
     system = {} if worker_niceness is None else {"_system_config": {"worker_niceness": worker_niceness}}
@@ -247,7 +233,7 @@ def local_serve(num_cpus: int, num_gpus: int = 0, worker_niceness: int | None = 
 @contextlib.contextmanager
 def serving(app_args: dict[str, Any], app: str, num_cpus: int, num_gpus: int = 0,
             worker_niceness: int | None = None) -> Iterator[str]:
-    """:func:`local_serve` with ``app_args`` deployed as the application ``app``: the proxy's URL."""
+    """:func:`local_serve` with ``app_args`` deployed as the application ``app``."""
     with local_serve(num_cpus, num_gpus, worker_niceness) as url:
         deploy(app_args, app)
         yield url
@@ -256,8 +242,7 @@ def serving(app_args: dict[str, Any], app: str, num_cpus: int, num_gpus: int = 0
 def apps_in_turns(apps: Iterable[str], reps: int, num_gpus: int,
                   measure: Callable[[str, str], Any]) -> tuple[dict[str, list[Any]], dict[str, Any]]:
     """``measure(app, url)`` for every app in turn, ``reps`` rounds, on a private Ray + Serve of 8
-    logical CPUs and ``num_gpus`` GPUs (``url``: its HTTP proxy): the rounds, and the machine record
-    of the run with the load average before and after."""
+    CPUs: the rounds, and the run's machine record with the load before and after."""
     machine = machine_record(with_ray=True)
     with local_serve(num_cpus=8, num_gpus=num_gpus) as url:
         rounds = in_turns(apps, reps, lambda app: measure(app, url))
@@ -265,8 +250,7 @@ def apps_in_turns(apps: Iterable[str], reps: int, num_gpus: int,
 
 
 def deploy(app_args: dict[str, Any], name: str, route_prefix: str | None = "/") -> None:
-    """``deployments.app:build_app(app_args)`` as the Serve application ``name`` (replacing one of
-    that name), back when it is ready."""
+    """``deployments.app:build_app(app_args)`` as the Serve application ``name``, back when ready."""
     from ray import serve
 
     from deployments.app import build_app
@@ -275,10 +259,9 @@ def deploy(app_args: dict[str, Any], name: str, route_prefix: str | None = "/") 
 
 
 def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend: benchmarks draw to files, with no display."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # benchmarks draw to files, with no display
     import matplotlib.pyplot as plt
 
     return plt
