@@ -1,11 +1,8 @@
-"""Per-call overhead of the Serve paths, next to Ray's own floors, in one run.
+"""Per-call overhead of the Serve paths, next to Ray's own floors, in one run (the page says more).
 
-The MoE tier is called once per layer per decode step, so what a call costs on top of the forward
-decides whether the tier is usable. Tiny checkpoint, float32, layer 1, TP 1 and 2, T in {1, 16,
-128}, one call in flight, in rounds so that a noisy neighbour hits every path alike: the runner in
-process (``inprocess``), Ray's floors on the same payload (``actor``, ``serve_echo``,
-``serve_actorP``: a deployment awaiting one call on each of P actors) and ours (``direct``, ``app``,
-``http``); a lane's call is ``scripts.bench.dataplane``'s.
+Tiny checkpoint, float32, layer 1, TP 1 and 2, T in {1, 16, 128}, one call in flight, in rounds:
+the runner in process, Ray's floors on the same payload (``actor``, ``serve_echo``, ``serve_actorP``)
+and ours (``direct``, ``app``, ``http``); a lane's call is ``scripts.bench.dataplane``'s.
 
     python -m scripts.bench.overhead        # ~3 minutes on 2 cores
 
@@ -153,12 +150,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                       f"{m['calls_per_path']} calls per path in {m['rounds']} interleaved rounds, one "
                       "request in flight",
                       json_path),
-        "", "Paths: `inprocess` = the runner with no Ray (TP 2: `local_group` ranks); Ray's floors on the "
-        "same payload: `actor` (a bare actor call), `serve_echo` (Serve handle -> a deployment returning its "
-        "input), `serve_actorP` (Serve handle -> a deployment awaiting one call on each of P actors: the "
-        "shape of the replica -> TP group hop); ours: `direct` (`MoEClient.direct`), `app` (the ingress "
-        "handle), `http` (proxy and ingress). A lane's call: [dataplane](dataplane.md). p50 / p90 / p99 "
-        "per call, ms:", "",
+        "", "Per call, ms:", "",
         *table("path | p50 ms | p90 ms | p99 ms",
                ([k, *(f"{v[q]:.2f}" for q in ("p50_ms", "p90_ms", "p99_ms"))]
                 for k, v in results["paths"].items()), "lrrr"),

@@ -1,11 +1,6 @@
-"""One served layer end to end: `serve run`, time to ready, one POST, error vs the CLI, peak memory.
-
-What the README's real-size served run claims, as a script: the CLI reference (``python -m
-moe_runtime forward`` on the same seeded input, TP size and dtype), then ``serve run`` of a generated
-config (``deployments.app:build_app``, HTTP on a free local port) as a child process: time to ready
-(``GET /healthz``), one ``POST /v1/layers/{layer}/forward`` (its time, and its error against the
-CLI's output), then Ctrl-C. Both process trees' peak anonymous + shmem RSS and PSS are sampled
-(``bench.rss``).
+"""One served layer end to end: ``serve run`` of a generated config, time to ready, one POST, its
+error against the CLI (``python -m moe_runtime forward``, same seeded input, TP size and dtype) and
+both process trees' peak memory (``bench.rss``). The page says more.
 
     python -m scripts.bench.served_real --preset tiny --tp 2            # seconds of compute, ~1-2 min
     python -m scripts.bench.served_real --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 \\
@@ -40,42 +35,35 @@ SECTION = "# Served layer: `serve run`, one POST, vs the CLI (scripts/bench/serv
 APP = "served"
 
 
-def wait_ready(client, proc: subprocess.Popen, timeout_s: float) -> float | None:
-    """Seconds from now until /healthz answers 200 (None if `serve run` exited or time ran out)."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < timeout_s and proc.poll() is None:
-        try:
-            client.healthz()
-            return time.perf_counter() - start
-        except Exception:
-            time.sleep(0.5)
-    return None
-
-
 def post_once(client: Any, proc: subprocess.Popen, args: argparse.Namespace, x: torch.Tensor, layer: int,
               ref: torch.Tensor) -> dict[str, Any]:
-    """`serve run`'s time to ready, then one POST: its time and error against the CLI's answer."""
-    ready_s = wait_ready(client, proc, args.ready_timeout)
-    if ready_s is None:
+    """Seconds until /healthz answers 200, then one POST: its time and error against the CLI's answer."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.ready_timeout and proc.poll() is None:
+        try:
+            client.healthz()
+            break
+        except Exception:
+            time.sleep(0.5)
+    else:
         raise SystemExit(f"`serve run` was not ready within {args.ready_timeout} s (exit {proc.poll()})")
     t0 = time.perf_counter()
+    ready_s = t0 - start
     got = client.forward(x, layer).double()
     answer_s = time.perf_counter() - t0
     status = client.status()  # after the first forward, which decides the group transport
     dep = next(iter(status.get("deployments", {}).values()), status)
-    dep = dep if isinstance(dep, dict) else {}
-    ref = ref.double()
+    dep, ref = dep if isinstance(dep, dict) else {}, ref.double()
     return {"ready_s": round(ready_s, 2), "answer_s": round(answer_s, 3), "status": 200,  # else it raised
             "rel_frobenius": ((got - ref).norm() / ref.norm()).item(),
-            "max_abs": (got - ref).abs().max().item(),
-            "max_abs_ref": ref.abs().max().item(), "experts_backend": dep.get("experts_backend"),
-            "group_transport": dep.get("group_transport")}
+            "max_abs": (got - ref).abs().max().item(), "max_abs_ref": ref.abs().max().item(),
+            "experts_backend": dep.get("experts_backend"), "group_transport": dep.get("group_transport")}
 
 
 def serve_run(args: argparse.Namespace, ckpt: Path, layer: int, x: torch.Tensor, ref: torch.Tensor,
               work: Path, env: dict[str, str]) -> dict[str, Any]:
     """``serve run`` of a generated config as a child process, its tree sampled from launch to
-    shutdown; one POST; then what Ctrl-C does (Serve tears the app down; SIGKILL after 2 minutes)."""
+    shutdown; one POST; then Ctrl-C (SIGKILL after 2 minutes)."""
     from deployments.client import HTTPMoEClient
 
     port, size = free_port(), max(args.tokens, 16)
@@ -137,33 +125,23 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def markdown(r: dict[str, Any], json_path: str, png_path: str) -> str:
     s, c = r["served"], r["cli"]
-    what = f"`{r['preset']}` preset" if r["preset"] else f"checkpoint `{r['checkpoint']}`"
-    lines = [
-        section_start(SECTION, "served_real", r["argv"], r["machine"],
-                      f"{what} ({model_text(r['model'])}), layer {r['layer']}, TP {r['tp']}, tail "
-                      f"{r['tail']}, "
-                      f"{r['dtype']}, {r['tokens']} tokens (seed {r['seed']})", json_path), "",
-        *table("what | measured", [
-            ["`serve run` to ready (launch until `GET /healthz` is 200)", f"{s['ready_s']:.1f} s"],
-            [f"`POST /v1/layers/{r['layer']}/forward`, {r['tokens']} tokens", f"{s['status']} in "
-                                                                              f"{s['answer_s']:.3f} s"],
-            ["answer vs the CLI (`python -m moe_runtime forward`, same input, TP, dtype)",
-             f"relative (Frobenius) {s['rel_frobenius']:.2e}, max abs {s['max_abs']:.2e} (max abs output "
-             f"{s['max_abs_ref']:.3g})"],
-            ["experts backend, group transport (`GET /v1/status`)",
-             f"{s.get('experts_backend')}, {s.get('group_transport')}"],
-            ["peak anon + shmem RSS, `serve run` and all its processes",
-             f"{s['peak_rss_gb']:.3f} GB (PSS {s['peak_pss_gb']:.3f} GB; {s['samples']} samples, up to "
-             f"{s['max_processes']} processes)"],
-            ["peak anon + shmem RSS, the CLI's process tree",
-             f"{c['peak_rss_gb']:.3f} GB (PSS {c['peak_pss_gb']:.3f} GB; {c['seconds']:.1f} s)"]])]
-    if r["preset"]:
-        lines += ["", f"This run is the `{r['preset']}` preset: it shows the script works end to end. The "
-                  "real-size figures in \"Served at real size\" on [real.md](real.md) were measured by hand "
-                  "before this script existed; this script reproduces that run with `--checkpoint <16 GB K3 "
-                  "one-layer checkpoint> --tp 2 --dtype bfloat16 --tokens 4 --seed 11` (not re-run here: it "
-                  "needs the checkpoint and ~20 GB of free memory)."]
-    return "\n".join(lines)
+    what = (f"`{r['preset']}` preset" if r["preset"] else f"checkpoint `{r['checkpoint']}`") + (
+        f" ({model_text(r['model'])}), layer {r['layer']}, TP {r['tp']}, tail {r['tail']}, {r['dtype']}, "
+        f"{r['tokens']} tokens (seed {r['seed']})")
+    return "\n".join([section_start(SECTION, "served_real", r["argv"], r["machine"], what, json_path), "",
+                      *table("what | measured", [
+        ["`serve run` to ready (launch until `GET /healthz` is 200)", f"{s['ready_s']:.1f} s"],
+        [f"`POST /v1/layers/{r['layer']}/forward`, {r['tokens']} tokens",
+         f"{s['status']} in {s['answer_s']:.3f} s"],
+        ["answer vs the CLI (`python -m moe_runtime forward`, same input, TP, dtype)",
+         f"relative (Frobenius) {s['rel_frobenius']:.2e}, max abs {s['max_abs']:.2e} (max abs output "
+         f"{s['max_abs_ref']:.3g})"],
+        ["experts backend, group transport (`GET /v1/status`)",
+         f"{s.get('experts_backend')}, {s.get('group_transport')}"],
+        ["peak anon + shmem RSS, `serve run` and all its processes", f"{s['peak_rss_gb']:.3f} GB (PSS "
+         f"{s['peak_pss_gb']:.3f} GB; {s['samples']} samples, up to {s['max_processes']} processes)"],
+        ["peak anon + shmem RSS, the CLI's process tree",
+         f"{c['peak_rss_gb']:.3f} GB (PSS {c['peak_pss_gb']:.3f} GB; {c['seconds']:.1f} s)"]])])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,11 @@
-"""Session faults: a strict session's peers step on through four faults, one after another.
+"""Session faults: a strict session's peers step on through four faults, one after another (a lane is a
+session of one peer: this is also the measure of a lane's calls through a killed or stopped rank).
 
-One deployment of 2 replicas of TP 2 (tiny checkpoint), one session of 4 peers (2 processes that
-cannot import Ray, 2 threads of this process), each stepping the served layers with its own rows and
-checking every answer against the Serve path's, through: rank 1 of the session's replica SIGKILLed;
-rank 1 of its next replica SIGSTOPped; a redeploy of a changed config; a scale-down to 1 replica.
-Per fault, from the peers' own step times: caller errors and steps lost (targets 0), the worst step
-in its window (target: at most the call bound plus the replacement time measured here) and the
-seconds until every peer finished a step begun after it. A lane is a session of one peer: this is
-also the measure of a lane's calls through a killed or stopped rank.
+2 replicas of TP 2 (tiny checkpoint), one session of 4 peers (2 of them processes without Ray), each
+checking every answer against the Serve path's, through: rank 1 of the session's replica SIGKILLed,
+rank 1 of its next replica SIGSTOPped, a redeploy of a changed config, a scale-down to 1 replica.
+Targets per fault: caller errors, steps lost and wrong outputs 0; the worst step in its window at
+most the call bound plus the replacement time measured here.
 
     python -m scripts.bench.session_faults     # tiny checkpoint, about 2 minutes on 2 cores
 """
@@ -141,9 +139,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str | None) -> s
         "", *table("fault | worst step | replacement | every peer stepped again after | steps in window",
                    rows), "",
         f"Caller errors {results['errors']}, steps lost {results['lost']}, wrong outputs {results['wrong']} "
-        f"over {results['steps']} steps. Peer 0's moves: {moves}. A redeploy's or scale-down's time is "
-        "when it was asked for: the peers step on the old replicas until Serve stops the one they are on, "
-        "so its worst step, not its wait, is the measure."])
+        f"over {results['steps']} steps. Peer 0's moves: {moves}."])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,12 +1,6 @@
-"""Shared sessions on one replica: what an open session costs, what it does to the Serve path, and
-what two sessions stepping at once get over the same two one after the other.
-
-A private Ray serves the tiny checkpoint (``--layers`` MoE layers, float32) on one replica of a TP-2
-group; peers are threads of this driver. **Idle**: the cores of the app's processes over
-``--idle-s`` windows, in turns: the app alone, 1 and 8 open sessions. **Serve path**: p50 of
-``--calls`` handle calls (T = 4) with 0, 1 and 4 one-peer sessions stepping meanwhile. **Two at
-once**: two 2-peer sessions stepped together against each alone, one after the other: worker-steps/s,
-group forwards per step, the group's busy fraction.
+"""Shared sessions on one replica (tiny checkpoint, TP 2, peers are threads of this driver): the cores
+an open session costs when idle, the Serve path's p50 beside stepping sessions, and two 2-peer
+sessions stepping at once against one after the other. The page says more.
 
 Targets: each open state costs <= 0.01 cores over the app alone; Serve-path p50 with 1 and with 4
 sessions stepping <= 2x with none; at once >= 1.0x one after the other (medians of the rounds).
@@ -62,9 +56,8 @@ def measure_idle(client: Any, seconds: float, rounds: int) -> dict[str, list[flo
 
 
 class Stepper:
-    """``peers`` peers of a session, each stepping every layer back to back on its own thread until
-    the session is closed (its peers' waiting layer then ends as ``session_ended``); counts the
-    steps each finished."""
+    """``peers`` peers of a session, each stepping every layer on a thread of its own until the
+    session is closed (the layer it waits on then ends as ``session_ended``)."""
 
     def __init__(self, client: Any, name: str, peers: int, layers: list[int], hidden: int):
         self.session = client.session(peers, max_tokens=T, name=name)
@@ -91,8 +84,7 @@ class Stepper:
         return self
 
     def close(self) -> int:
-        """Close the session (a strict session's peers must stop together: closing it ends the
-        layer each waits on), then the peers; the steps they finished."""
+        """Close the session, then its peers: the steps they finished."""
         self.session.close()
         for t in self.threads:
             t.join()
@@ -115,8 +107,7 @@ def measure_serve_path(client: Any, layers: list[int], hidden: int, calls: int) 
 
 
 def run_pair(client: Any, layers: list[int], hidden: int, seconds: float, together: bool) -> dict[str, Any]:
-    """Two 2-peer sessions stepping together, or each alone in turn: worker-steps/s, the group's
-    forwards per session step and its busy fraction over the run."""
+    """Two 2-peer sessions stepping together, or each alone in turn."""
     snap0, wall0 = client.status()["sessions"]["group"], time.monotonic()
     steps = 0
     batches = [["a", "b"]] if together else [["a"], ["b"]]
@@ -175,19 +166,14 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                   for mode, r in zip(("at once", "one after the other"), rounds, strict=True)]
     return "\n".join([
         section_start(SECTION, "sessions", results["argv"], results["machine"], what, json_path, png_path),
-        "", "**Idle**: cores of the app's processes (its replica and ranks), each window "
-        f"{results['idle_s']:g} s, states in turns.", "",
+        "", f"**Idle**: cores of the app's replica and ranks, {results['idle_s']:g} s windows in turns.", "",
         *table("state | cores, each round | median | over the app alone (median) | verdict", idle_cells),
-        "", f"**The Serve path beside stepping sessions**: {results['calls']} handle calls of {T} rows, "
-        "layer 1, while sessions of one peer each step every layer back to back.", "",
+        "", f"**The Serve path beside stepping sessions** of one peer: {results['calls']} handle calls of "
+        f"{T} rows, layer 1.", "",
         *table("sessions stepping | p50 ms | p90 ms | / p50 with none | their steps meanwhile", serve_cells),
         "", f"**Two 2-peer sessions**, {results['seconds']:g} s of stepping each run:", "",
         *table("round | mode | worker-steps/s | group forwards per session step | busy fraction", pair_cells),
-        "", f"- At once / one after the other (median): {verdict_text(v['at_once'])}. Forwards per session "
-        f"step below the {len(results['layers'])} layers mean that the two sessions' same-layer parts ran "
-        "as one forward.",
-        "- Rank 0 pushes a session's counts to the replica at most once a second and nothing while idle; "
-        "the replica reads no rank on a timer."])
+        "", f"- At once / one after the other (median): {verdict_text(v['at_once'])}."])
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
