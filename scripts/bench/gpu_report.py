@@ -1,11 +1,8 @@
-"""The record of one scripts/gpu_check.sh run: its JSON, a plot, its page and its index rows.
+"""The record of one scripts/gpu_check.sh run (OUT_DIR): its combined JSON (``--json``), a plot of the
+experts timings beside it, and the ``gpu_check`` page and index rows in ``--docs`` ('' skips them);
+every number and verdict of the page comes from the record (no GPU or torch needed here).
 
     python -m scripts.bench.gpu_report OUT_DIR [--docs docs/benchmarks] [--json PATH]
-
-Reads a gpu_check.sh output folder (environment.json, summary.json, gpu_tests.xml and the timing
-stages' JSON lines) and writes one combined record to ``--json``, a plot of the experts timings
-beside it, and the ``gpu_check`` page and index rows in ``--docs`` ('' skips them); every number
-and verdict of the page comes from the record (no GPU or torch needed here).
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ COMMAND = "`scripts/gpu_check.sh OUT` then `python -m scripts.bench.gpu_report O
 
 
 def collect(out: Path) -> dict[str, Any]:
-    """The combined record of the gpu_check.sh run in ``out``: its JSON files, the GPU tests' junit
-    counts (``passed``, skips by reason) and each timing stage's header, rows and closing record."""
+    """The JSON files of the run in ``out``, its GPU tests' junit counts and each timing stage's rows."""
     record: dict[str, Any] = {"source": repo_relative(out.resolve())}
     for name in ("environment", "summary"):
         path = out / f"{name}.json"
@@ -55,7 +51,6 @@ def experts_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plot(record: dict[str, Any], path: Path) -> None:
-    """Experts median ms against T, log-log: torch and grouped, dense and mxfp4."""
     rows = experts_rows(record)
     fig, ax = harness.pyplot().subplots(figsize=(6, 3.6))
     for fmt in dict.fromkeys(r["format"] for r in rows):
@@ -80,13 +75,11 @@ def size(nbytes: int) -> str:
 
 
 def extremes(rows: list[dict[str, Any]], key: str, fmt: str = ".2f") -> str:
-    """'LOx (T = t) to HIx (T = t)' of ``row[key]`` over ``rows``."""
     lo, hi = min(rows, key=lambda r: r[key]), max(rows, key=lambda r: r[key])
     return f"{lo[key]:{fmt}}x (T = {lo['T']}) to {hi[key]:{fmt}}x (T = {hi['T']})"
 
 
 def machine_of(record: dict[str, Any]) -> dict[str, Any]:
-    """The machine record the experts stage kept (empty when the stage wrote none)."""
     return (record.get("experts") or {}).get("header", {}).get("machine", {})
 
 
@@ -96,7 +89,6 @@ def gpus_text(record: dict[str, Any]) -> str:
 
 
 def experts_verdicts(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Grouped is not slower than torch in any row; every row is within the check tolerance."""
     return (verdict(min(r["grouped_speedup"] for r in rows), ">=", 1.0),
             verdict(sum(not r["within_tolerance"] for r in rows), "<=", 0))
 
@@ -151,9 +143,7 @@ def experts_text(record: dict[str, Any]) -> list[str]:
         f"**Experts backends `torch` vs `grouped`** ({dtype}, one rank's shapes at TP "
         f"{s['P']}: D = {s['D']}, E = {s['E']}, K = {s['K']}, I = {s['I']} / {s['P']} = {s['I_local']}; "
         f"synthetic random weights and top-K routing; medians of {reps[0]}-{reps[-1]} calls"
-        f"{'' if stage['complete'] else '; **stage cut off**, rows measured so far'}). Speedup = torch ms / "
-        "grouped ms; rel diff = max|grouped - torch| / max|torch|; within tolerance = within the experts "
-        f"backends' check tolerance for {dtype}.", "",
+        f"{'' if stage['complete'] else '; **stage cut off**, rows measured so far'}).", "",
         *table("format | T | active experts | torch ms | grouped ms | speedup | rel diff | within tolerance",
                ([r["format"], r["T"], r["active_experts"], f"{r['torch']['median_ms']:.3f}",
                  f"{r['grouped']['median_ms']:.3f}", f"{r['grouped_speedup']:.2f}x",
@@ -203,7 +193,6 @@ def tail_text(record: dict[str, Any]) -> list[str]:
 
 
 def markdown(record: dict[str, Any], json_path: str, png_path: str) -> str:
-    """The ``gpu_check`` page's part, from :func:`collect`'s record alone."""
     parts = [[opening(record, json_path, png_path)], stages_text(record), experts_text(record),
              collectives_text(record), tail_text(record)]
     return "\n\n".join("\n".join(p) for p in parts) + "\n"

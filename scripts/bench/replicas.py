@@ -1,12 +1,8 @@
-"""What an app's replicas cost to start and to keep: ours against Ray Serve's floor, side by side.
-
-Neither of our replicas imports torch (~1.7 CPU-s to import, ~125 MB PSS of libraries): the HTTP
-ingress and the TP-group replica convert and batch rows with numpy; every start, replacement and
-scale-up pays them again. One private Ray, in turns (``--reps`` rounds; each app deployed, called
-once over HTTP with a 3-token F32 body, its two replicas measured: CPU time since start, RSS and
-PSS; then deleted): ``ours`` (ingress + one TP-1 group, tiny checkpoint), ``floor`` (a FastAPI
-ingress passing the body to a trivial backend, Serve's defaults) and ``floor_torch`` (the same, both
-replicas importing torch: what replicas that convert with torch pay).
+"""What an app's replicas cost to start and to keep: ours against Ray Serve's floor, side by side. In
+turns (``--reps`` rounds), each app deployed, called once over HTTP, its two replicas measured (CPU
+time since start, RSS and PSS), then deleted: ``ours`` (ingress + one TP-1 group, tiny checkpoint),
+``floor`` (a FastAPI ingress passing the body to a trivial backend) and ``floor_torch`` (the same,
+both replicas importing torch). The page says more.
 
     python -m scripts.bench.replicas        # ~1 minute on 2 cores
 
@@ -18,7 +14,7 @@ import statistics
 from typing import Any
 
 from . import harness
-from .docs import Target, rounds_table, section_start, target, verdict, verdict_text
+from .docs import Target, rounds_table, section_start, target, target_lines, verdict
 from .rss import cpu_seconds, process_memory, serve_replica_pid
 
 SECTION = "# An app's replicas at start: CPU and memory (`scripts/bench/replicas.py`)"
@@ -114,7 +110,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     what = {"ours": "our app (ingress + TP-1 group, tiny, float32)",
             "floor": "Ray's floor: a FastAPI ingress passing the body to a trivial deployment",
             "floor_torch": "the same floor, both replicas importing torch as they start"}
-    v, tables = results["verdicts"], []
+    tables = []
     for role, label in ROLES.items():
         for metric, unit in (("cpu_s", "CPU-s since it started"), ("pss_mb", "PSS, MB")):
             tables += [*rounds_table("app", f"{label}: {unit}", per_round(results, role, metric), what), ""]
@@ -122,11 +118,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
         section_start(SECTION, "replicas", results["argv"], results["machine"],
                       "each app deployed, called once over HTTP, its two replicas measured, then "
                       f"deleted, in turns, {results['reps']} rounds", json_path), "", *tables,
-        *(f"- {label.capitalize()}, ours over the floor: {verdict_text(v[f'{role}_cpu_over_floor'])} CPU-s, "
-          f"{verdict_text(v[f'{role}_pss_over_floor'], '.1f')} MB PSS; as a share of the floor that imports "
-          f"torch: {verdict_text(v[f'{role}_cpu_vs_floor_torch'])} of its CPU-s, "
-          f"{verdict_text(v[f'{role}_pss_vs_floor_torch'])} of its PSS." for role, label in SHORT.items()),
-    ])
+        *target_lines(index_rows(results))])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,8 @@
-"""How long deleting an idle app takes: ours against Ray Serve's own floor, side by side.
-
-A stopping Serve replica looks at intervals (``graceful_shutdown_wait_loop_s``, 2 s by default)
-whether its requests are done; ours look every ``DRAIN_POLL_S`` (``deployments/config/timeouts.py``).
-Deleting an app, scaling down and replacing a replica all wait for it. One private Ray, in turns
-(``--reps`` rounds, each app deployed, called once, then deleted and timed): ``ours`` (ingress + one
+"""How long deleting an idle app takes: ours against Ray Serve's own floor, side by side. In turns
+(``--reps`` rounds), each app deployed, called once, then deleted and timed: ``ours`` (ingress + one
 TP-2 group, tiny checkpoint), ``floor_default`` (two trivial deployments, one calling the other,
-Serve's defaults) and ``floor_fast`` (the same with the interval ``DRAIN_POLL_S``).
+Serve's defaults) and ``floor_fast`` (the same, polling its drain every ``DRAIN_POLL_S`` as ours do).
+The page says more.
 
     python -m scripts.bench.shutdown        # ~1 minute on 2 cores
 
@@ -19,7 +16,7 @@ import time
 from typing import Any
 
 from . import harness
-from .docs import Target, rounds_table, section_start, target, verdict, verdict_text
+from .docs import Target, rounds_table, section_start, target, target_lines, verdict
 
 SECTION = "# Deleting an idle app: how fast replicas stop (`scripts/bench/shutdown.py`)"
 APPS = ("ours", "floor_default", "floor_fast")
@@ -83,13 +80,10 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
             "floor_default": "Ray's floor: two trivial deployments, Serve's default options",
             "floor_fast": f"the same, graceful_shutdown_wait_loop_s = {results['drain_poll_s']:g} s"}
     rows = rounds_table("app", "serve.delete, s", results["delete_s"], what)
-    v = results["verdicts"]
     return "\n".join([
         section_start(SECTION, "shutdown", results["argv"], results["machine"],
                       f"each app deployed, called once, then deleted, in turns, {results['reps']} rounds",
-                      json_path), "", *rows, "",
-        f"- Ours over the fast floor: {verdict_text(v['over_floor'])} s; ours as a share of Serve's default "
-        f"floor: {verdict_text(v['vs_default'])}."])
+                      json_path), "", *rows, "", *target_lines(index_rows(results))])
 
 
 def main(argv: list[str] | None = None) -> int:
