@@ -10,10 +10,17 @@ layer's output. Where the tier is and which tier layer serves which block come f
 of the data plane (``deployments.dataplane``; each engine one peer) or, for a reference, a local
 checkpoint run in-process with ``moe_runtime``. docs/vllm.md has the commands.
 
+Each engine's tier calls per layer, rows and call latency are among vLLM's own metrics (its
+``/metrics``) and answered for an ``LLM`` by :func:`tier_stats` (:mod:`~deployments.vllm_plugin.metrics`).
+
 Needs no Ray: a vLLM process joins a session with the ticket alone.
 """
 
 from __future__ import annotations
+
+from .metrics import tier_stats
+
+__all__ = ["ALIASES", "register", "tier_stats"]
 
 # Alias -> the class that serves it (vLLM imports it lazily, on first use).
 ALIASES: dict[str, str] = {
@@ -25,8 +32,13 @@ ALIASES: dict[str, str] = {
 
 
 def register() -> None:
-    """vLLM's plugin hook: add the aliases (idempotent; vLLM calls it in every process)."""
+    """vLLM's plugin hook: add the aliases and set up the engine metrics (idempotent; vLLM calls it
+    in every process, the front end first)."""
     from vllm import ModelRegistry
+
+    from . import metrics
+
+    metrics.setup()
 
     known = set(ModelRegistry.get_supported_archs())
     for alias, target in ALIASES.items():

@@ -8,10 +8,6 @@ call and vLLM splits its piecewise graphs around it (``models.check_engine``).
 
 from __future__ import annotations
 
-import atexit
-import collections
-import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,6 +23,7 @@ from moe_runtime.units import torch_dtype
 from ..common.wire import DeviceRows, WireTensor
 from ..dataplane.errors import SessionError
 from ..dataplane.peer import Peer, SessionTicket
+from . import metrics
 
 
 class LocalTier:
@@ -47,10 +44,10 @@ class LocalTier:
             self.weights = {x: load(reader, self.cfg, x, dtype) for x in sorted(set(layers))}
         self.device = dict.fromkeys(self.weights, torch.device("cpu"))
         self.dtype, self.backend = dtype, backend
-        self.calls: collections.Counter[int] = collections.Counter()
+        self.stats = metrics.TierStats(self.weights)
 
+    @metrics.recorded
     def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
-        self.calls[layer] += 1
         if self.device[layer] != x_TH.device:
             self.weights[layer], self.device[layer] = self.weights[layer].to(x_TH.device), x_TH.device
         return self._forward(x_TH.to(self.dtype), self.weights[layer], self.cfg, self.backend).to(x_TH.dtype)
@@ -76,10 +73,10 @@ class SessionTier:
         on_gpu = torch.device(device).type == "cuda" and all(g.channel == "nccl" for g in ticket.groups)
         self.device = device if on_gpu else None
         self.peer = Peer(ticket, index, tuple(step), self.device)
-        self.calls: collections.Counter[int] = collections.Counter()
+        self.stats = metrics.TierStats(step)
 
+    @metrics.recorded
     def forward(self, x_TH: torch.Tensor, layer: int) -> torch.Tensor:
-        self.calls[layer] += 1
         g = self.ticket.group_for(layer)
         x = x_TH.detach().to(torch_dtype(g.dtype)).contiguous()
         rows = DeviceRows(x, g.dtype) if self.device is not None else WireTensor.from_torch(x)
@@ -111,15 +108,9 @@ def add(tier: LocalTier | SessionTier) -> int:
     """Register ``tier`` for the op; its number."""
     number = len(_TIERS)
     _TIERS[number] = tier
-    if os.environ.get("LMS_VLLM_CALLS"):  # tests and benchmarks read each engine's calls per layer
-        atexit.register(_write_calls, Path(os.environ["LMS_VLLM_CALLS"]), number)
+    if hasattr(tier, "stats"):  # the engine's metrics (a TP engine's rank 0 holds its tier)
+        metrics.publish(tier.stats)
     return number
-
-
-def _write_calls(folder: Path, number: int) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    calls = {str(k): v for k, v in _TIERS[number].calls.items()}
-    (folder / f"calls-{os.getpid()}-{number}.json").write_text(json.dumps(calls))
 
 
 @torch.library.custom_op("latent_moe::tier_moe", mutates_args=("out",))

@@ -39,9 +39,9 @@ MAX_TOKENS = 12
 TOP = 5
 TOLERANCE = 0.1
 NATIVE_RESERVE_S = 40.0  # kept for the native engine while the tier engine runs (its kernels are then cached)
-# In-process engine core: the script reaches the model object (apply_model) and the plugin's tier
-# counters directly. Kimi-K3's GEMM + all-reduce fusion imports CUTLASS's DSL; at TP 1 it has
-# nothing to fuse, so it stays off rather than depend on that package.
+# In-process engine core: the script reaches the model object (apply_model) and hooks its forward.
+# Kimi-K3's GEMM + all-reduce fusion imports CUTLASS's DSL; at TP 1 it has nothing to fuse, so it
+# stays off rather than depend on that package.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_KIMI_K3_GEMM_AR": "0"}
 # Small and bounded: four short prompts, no prefix cache (hybrid KDA state), half the GPU at most.
 ENGINE = {"enforce_eager": True, "language_model_only": True, "max_model_len": 128,
@@ -63,8 +63,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         return {"skipped": f"vLLM {vllm.__version__} has no {spec['requires']}"}
     from vllm import LLM, SamplingParams
 
-    from deployments.vllm_plugin import register
-    from deployments.vllm_plugin import tiers as plugin_tiers
+    from deployments.vllm_plugin import register, tier_stats
     from deployments.vllm_plugin.models import TierMoE
 
     register()  # vLLM's entry point finds the plugin only where the project is pip-installed
@@ -77,7 +76,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     model.register_forward_pre_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
 
     def calls() -> dict[int, int]:
-        return {layer: n for b in blocks for layer, n in plugin_tiers._TIERS[b.tier].calls.items()}
+        return {layer: s["calls"] for layer, s in tier_stats(llm).items()}
 
     before, steps_before = calls(), steps[0]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)

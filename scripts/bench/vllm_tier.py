@@ -132,8 +132,8 @@ def make_models(folder: Path) -> dict[str, Path]:
 
 
 def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int,
-                 start_after: Path | None = None, calls: Path | None = None,
-                 env: dict[str, str] | None = None, engine: dict | None = None) -> subprocess.Popen:
+                 start_after: Path | None = None, env: dict[str, str] | None = None,
+                 engine: dict | None = None) -> subprocess.Popen:
     """``env``: settings over :data:`ENGINE_ENV` for this engine; ``engine``: ``LLM`` arguments over
     the engine script's defaults (e.g. ``{"enforce_eager": True}``)."""
     spec = folder / "spec.json"
@@ -141,7 +141,7 @@ def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list
                                 "max_tokens": max_tokens,
                                 "start_after": str(start_after) if start_after else None,
                                 "engine": engine or {}}))
-    env = {**os.environ, **ENGINE_ENV, **(env or {}), **({"LMS_VLLM_CALLS": str(calls)} if calls else {})}
+    env = {**os.environ, **ENGINE_ENV, **(env or {})}
     with (folder / "engine.log").open("w") as out:
         # A session of its own: the engine's vLLM processes are one group to kill.
         return subprocess.Popen([sys.executable, str(ENGINE), str(spec), str(folder / "out.json")], cwd=ROOT,
@@ -161,6 +161,11 @@ def run_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[i
                max_tokens: int, engine: dict | None = None) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     return finish_engine(folder, start_engine(folder, model, latent_moe, prompts, max_tokens, engine=engine))
+
+
+def tier_calls(out: dict) -> dict[int, int]:
+    """An engine's tier calls per layer, from its out.json (the plugin's ``tier_stats``)."""
+    return {int(layer): s["calls"] for layer, s in out["tier_stats"].items()}
 
 
 def kill_engine(proc: subprocess.Popen) -> None:
@@ -204,7 +209,7 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 def start_engines(folder: Path, model: Path, specs: list[tuple[dict, list[list[int]], int]],
-                  calls: Path | None = None, env: dict[str, str] | None = None
+                  env: dict[str, str] | None = None
                   ) -> tuple[list[tuple[Path, subprocess.Popen]], Path]:
     """One engine per ``(latent_moe, prompts, max_tokens)`` under ``folder``/engineN, each built and
     then waiting; the engines and the file whose creation releases them all at once. An engine
@@ -213,7 +218,7 @@ def start_engines(folder: Path, model: Path, specs: list[tuple[dict, list[list[i
     for i, (latent_moe, prompts, max_tokens) in enumerate(specs):
         f = folder / f"engine{i}"
         f.mkdir(parents=True)
-        procs.append((f, start_engine(f, model, latent_moe, prompts, max_tokens, go, calls, env)))
+        procs.append((f, start_engine(f, model, latent_moe, prompts, max_tokens, go, env)))
     deadline = time.monotonic() + ENGINE_S
     while not all((f / "spec.json.ready").exists() for f, _ in procs):
         for f, p in procs:

@@ -6,7 +6,9 @@ SPEC: {"model": dir, "latent_moe": additional_config["latent_moe"], "prompts": [
 "max_tokens": n, "start_after": path or null, "engine": {LLM arguments over ENGINE} or absent}.
 Builds ``vllm.LLM`` (CPU, float32, vLLM's default compilation unless "engine" says otherwise),
 waits for ``start_after`` to exist when given (so several engines decode at once), greedy-decodes
-every prompt and writes {"tokens": [[ids]...], "seconds": decode time}.
+every prompt and writes {"tokens": [[ids]...], "seconds": decode time, "tier_stats": the engine's
+tier calls per layer ({layer: {"calls", "rows", "seconds", "p50_ms", "p99_ms"}}, from
+``deployments.vllm_plugin.tier_stats``; {} for a model without tier blocks)}.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ ENGINE = {"dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 64
 def main(spec_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
 
+    from deployments.vllm_plugin import tier_stats
+
     spec = json.loads(Path(spec_path).read_text())
     llm = LLM(model=spec["model"], additional_config={"latent_moe": spec["latent_moe"]},
               **{**ENGINE, **spec.get("engine", {})})
@@ -35,7 +39,8 @@ def main(spec_path: str, out_path: str) -> None:
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    Path(out_path).write_text(json.dumps({"tokens": tokens, "seconds": seconds}))
+    out = {"tokens": tokens, "seconds": seconds, "tier_stats": tier_stats(llm)}
+    Path(out_path).write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from scripts.bench.vllm_tier import (  # noqa: E402
     start_engines,
     status_forwards,
     stop,
+    tier_calls,
 )
 
 # The fixtures live here, not in a conftest.py: the default suite's modules import names from
@@ -91,11 +92,21 @@ def test_entry_point_and_settings():
 
 
 def test_one_engine_on_the_tier_matches_the_in_process_model(tier, models, reference, tmp_path):
+    """The same tokens; the engine's tier stats (``tier_stats``, vLLM's dummy passes not counted):
+    one call per MoE layer per model step (the prompts' prefills in one step or, as the engine core
+    gets them, a few, then a step per further token), each of the session's group forwards one of
+    them, and every token's row once."""
     with tier.session(tmp_path, peers=1) as session:
         got = run_engine(tmp_path / "engine", models["model"], {"ticket": str(session["ticket"])}, PROMPTS,
                          MAX_TOKENS)
     assert got["tokens"] == reference
-    assert group_forwards(session["counters"]) > 0  # it did go to the tier
+    steps = tier_calls(got)[MOE_LAYERS[0]]
+    assert tier_calls(got) == dict.fromkeys(MOE_LAYERS, steps), got["tier_stats"]
+    assert MAX_TOKENS <= steps < MAX_TOKENS + len(PROMPTS), got["tier_stats"]
+    assert group_forwards(session["counters"]) == steps * len(MOE_LAYERS)
+    rows = sum(len(p) + MAX_TOKENS - 1 for p in PROMPTS)
+    for s in got["tier_stats"].values():
+        assert s["rows"] == rows and 0 < s["p50_ms"] <= s["p99_ms"] and s["seconds"] > 0, got["tier_stats"]
 
 
 def test_native_qwen3_moe_on_the_plugin_matches_vllm_without_it(models, tmp_path):
@@ -167,10 +178,34 @@ def test_vllm_serve_answers_a_completion_from_the_tier(tier, models, reference, 
                     break
                 except OSError:
                     time.sleep(1)
+            # The engine's tier stats among vLLM's own metrics: a snapshot of its worker's at most
+            # half a second old.
+            calls = {x: f'latent_moe_tier_calls_total{{layer="{x}"}}' for x in MOE_LAYERS}
+            deadline = time.monotonic() + 30
+            while [(seen := metric_values(port)).get(c) for c in calls.values()] != [MAX_TOKENS] * len(calls):
+                assert time.monotonic() < deadline, {k: v for k, v in seen.items() if k.startswith("latent_moe")}
+                time.sleep(0.2)
+            (tmp_path / "metrics.txt").write_text("".join(f"{k} {v}\n" for k, v in seen.items()))  # to look at
         finally:
             stop(server)
     words = answer["choices"][0]["text"].split()
     assert [int(w[1:]) for w in words] == reference[0]
+    # One call per MoE layer per model step (a prefill, then a step per further token): the
+    # session's group forwards, vLLM's own count of generated tokens; every token's row once.
+    assert sum(seen[c] for c in calls.values()) == group_forwards(session["counters"])
+    assert sum(v for k, v in seen.items() if k.startswith("vllm:generation_tokens_total{")) == MAX_TOKENS
+    for x in MOE_LAYERS:
+        assert seen[f'latent_moe_tier_rows_total{{layer="{x}"}}'] == answer["usage"]["prompt_tokens"] + MAX_TOKENS - 1
+        assert seen[f'latent_moe_tier_call_seconds_count{{layer="{x}"}}'] == MAX_TOKENS
+        assert seen[f'latent_moe_tier_call_seconds_bucket{{layer="{x}",le="+Inf"}}'] == MAX_TOKENS
+        assert 0 < seen[f'latent_moe_tier_call_recent_seconds{{layer="{x}",quantile="0.5"}}'] < 60
+
+
+def metric_values(port: int) -> dict[str, float]:
+    """An OpenAI server's /metrics: ``{'name{labels}': value}``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))}
 
 
 @pytest.mark.parametrize("engines", [2, 4])
@@ -178,18 +213,17 @@ def test_engines_share_one_expert_batch_per_layer(tier, models, reference, tmp_p
     """Engines of one elastic session, each with its own prompt and a different number of steps
     (they start together and stop apart): each engine's tokens are its reference's, and the group
     ran fewer forwards than the engines made MoE calls (their layers shared forwards)."""
-    calls = tmp_path / "calls"
     lengths = [MAX_TOKENS - 4 * i for i in range(engines)]
     with tier.session(tmp_path, peers=engines, idle_after_s=2.0) as session:
         specs = [({"ticket": str(session["ticket"]), "peer": i}, [PROMPTS[i]], lengths[i]) for i in range(engines)]
-        procs, go = start_engines(tmp_path / "engines", models["model"], specs, calls)
+        procs, go = start_engines(tmp_path / "engines", models["model"], specs)
         go.write_text("")
         outs = [finish_engine(f, p) for f, p in procs]
     for i, out in enumerate(outs):
         assert out["tokens"] == [reference[i][:lengths[i]]]
+        assert tier_calls(out) == dict.fromkeys(MOE_LAYERS, lengths[i])  # a call per layer per step
     forwards = group_forwards(session["counters"])
-    made = sum(sum(json.loads(p.read_text()).values()) for p in calls.glob("calls-*.json"))
-    assert len(list(calls.glob("calls-*.json"))) == engines
+    made = sum(sum(tier_calls(out).values()) for out in outs)
     assert 0 < forwards < made, (forwards, made)
 
 
