@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue 11 item 7), bounded to under 8 minutes: the GPU-marked tests
-# (tests/test_gpu.py), then the GPU timings of scripts/bench/gpu_timings.py: torch vs grouped experts
+# One prepared GPU check (issue 11 item 7), bounded to under 10 minutes (one device call): the
+# GPU-marked tests (tests/test_gpu.py), then the GPU timings of scripts/bench/gpu_timings.py: torch vs grouped experts
 # backend (and vLLM's fused MoE kernels, the vllm backend, where this Python has vLLM on CUDA) at
 # Kimi-K3 per-rank shapes for T = 1..8192, each against the HBM floor of the bytes its point reads,
 # all-reduce / reduce-scatter of the latent,
 # and a TP-2 tail comparison when two GPUs exist; last, the vLLM plugin's Kimi-K3 alias on the GPU
 # (scripts/bench/vllm_kimi_gpu.py: a tiny Kimi-K3 with its MoE blocks on the tier against vLLM's own
-# Kimi-K3 with the same experts; skipped, and listed as such, where this Python has no vLLM).
+# Kimi-K3 with the same experts; skipped, and listed as such, where this Python has no vLLM) and the
+# plugin under CUDA graphs (scripts/bench/vllm_graphs_gpu.py: a tiny Qwen3-MoE with piecewise CUDA
+# graphs split at the tier's op, against the same engine eager and vLLM's own model; tokens/s of each).
 # Writes under OUT_DIR each stage's log, the timings as JSON lines (experts.jsonl, collectives.jsonl,
 # tail.jsonl: one record per point, written the moment it is measured, so a stage cut off by its
-# limit keeps what it measured), vllm_kimi.json and summary.json.
+# limit keeps what it measured), vllm_kimi.json, vllm_graphs.json and summary.json.
 #
 #   scripts/gpu_check.sh [OUT_DIR] [--cpu-smoke]     (OUT_DIR default: $OUT, else artifacts/gpu_check)
 #
-# --cpu-smoke runs every stage on the CPU with tiny shapes (the Kimi-K3 stage records itself as
-# skipped: vLLM's CPU backend cannot run that model): a dry run where no GPU is lent.
+# --cpu-smoke runs every stage on the CPU with tiny shapes (the vLLM stages record themselves as
+# skipped: vLLM's CPU backend runs neither that model nor CUDA graphs): a dry run where no GPU is lent.
 # It uses $PYTHON (default python3) as it finds it: a GPU machine brings its own torch build and
 # nothing is installed here. Exit status (scripts/bench/gpu_check_summary.py): 0 when every stage passed
-# (or, for the Kimi-K3 stage, was skipped: see "skipped" in summary.json) and, outside --cpu-smoke,
+# (or, for a vLLM stage, was skipped: see "skipped" in summary.json) and, outside --cpu-smoke,
 # torch saw a GPU and at least one GPU-marked test ran rather than skipped; else 1, with the reasons
 # under "problems" in summary.json.
 set -uo pipefail
@@ -48,7 +50,7 @@ stage() {
   tail -n 4 "$OUT_DIR/$name.log"
 }
 
-# Budget (s): 30 + 80 + 120 + 40 + 40 + 160 = 470 < 480, each a hard limit (an H200 run took 12 s of
+# Budget (s): 30 + 80 + 120 + 40 + 40 + 130 + 120 = 560 < 600, each a hard limit (an H200 run took 12 s of
 # GPU tests, 61 s of experts, 10 s of collectives, 4 s of tail).
 stage environment 30 "$PY" -c "
 import json, sys, torch
@@ -71,6 +73,7 @@ stage collectives 40 "$PY" -m scripts.bench.gpu_timings collectives --out "$OUT_
   --reps "$REPS" "${SMOKE[@]}"
 stage tail 40 "$PY" -m scripts.bench.gpu_timings tail --out "$OUT_DIR/tail.jsonl" --reps "$REPS" "${SMOKE[@]}"
 # Its own budget leaves the stage's limit 15 s to write its record after a slow engine.
-stage vllm_kimi 160 "$PY" -m scripts.bench.vllm_kimi_gpu --out "$OUT_DIR" --budget-s 145 "${SMOKE[@]}"
+stage vllm_kimi 130 "$PY" -m scripts.bench.vllm_kimi_gpu --out "$OUT_DIR" --budget-s 115 "${SMOKE[@]}"
+stage vllm_graphs 120 "$PY" -m scripts.bench.vllm_graphs_gpu --out "$OUT_DIR" --budget-s 105 "${SMOKE[@]}"
 
 "$PY" -m scripts.bench.gpu_check_summary "$OUT_DIR" "${SMOKE[@]}" "${STAGES[@]}"

@@ -82,7 +82,7 @@ SKIP = {
     "--ticket /tmp/ticket.json": _SERVER + " (holds a session until Ctrl-C); tests/vllm_lane runs it",
     "python scripts/make_vllm_model.py --out models/tiny-qwen3-moe": _VLLM,
     "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model models/tiny-qwen3-moe "
-    "--dtype float32 --enforce-eager --max-model-len 128 --max-num-batched-tokens 64 --port 8100 "
+    "--dtype float32 --max-model-len 128 --max-num-batched-tokens 64 --port 8100 "
     "--additional-config '{\"latent_moe\": {\"ticket\": \"/tmp/ticket.json\", \"peer\": 0}}' &":
         _VLLM + " (a server, with the tier and a session running)",
     "curl -s localhost:8100/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "

@@ -114,12 +114,19 @@ def open_tier(vllm_config: Any, blocks: list[TierMoE]) -> TierSettings:
     if len(set(step)) != len(step):
         raise ValueError(f"two MoE blocks map to one tier layer: {step}")
     hidden = vllm_config.model_config.hf_text_config.hidden_size
-    if settings.ticket is not None:
+    tier: tiers.LocalTier | tiers.SessionTier | tiers.TPFollower
+    if vllm_config.parallel_config.tensor_parallel_size > 1:  # rank 0 is the engine's one peer
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tiers.set_tp_group(get_tp_group())
+    if tiers.tp_rank() > 0:
+        tier = tiers.TPFollower()
+    elif settings.ticket is not None:
         peer = settings.peer if settings.peer is not None else vllm_config.parallel_config.data_parallel_rank
         device = torch.device(vllm_config.device_config.device)
         if device.type == "cuda" and device.index is None:  # this worker's own GPU
             device = torch.device("cuda", torch.cuda.current_device())
-        tier: tiers.LocalTier | tiers.SessionTier = tiers.SessionTier(
+        tier = tiers.SessionTier(
             settings.ticket, peer, step, hidden, vllm_config.scheduler_config.max_num_batched_tokens,
             str(device))
     else:
@@ -135,10 +142,10 @@ def check_engine(vllm_config: Any) -> None:
     """Refuse what cannot run with the MoE on the tier, and split compiled graphs around the op."""
     from vllm.config import CompilationMode
 
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp != 1:
-        raise ValueError(f"a latent-MoE tier model runs at tensor_parallel_size 1 per engine (the tier holds "
-                         f"the MoE's parallelism), got tensor_parallel_size = {tp}")
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp != 1:
+        raise ValueError(f"a latent-MoE tier model runs at pipeline_parallel_size 1 (an engine's MoE layers "
+                         f"are one step of one session peer), got pipeline_parallel_size = {pp}")
     if vllm_config.parallel_config.enable_eplb:
         raise ValueError("expert-parallel load balancing (enable_eplb) moves experts the engine does not "
                          "hold: the tier holds every expert; turn it off")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,10 +102,27 @@ def check_hidden(model: int, tier: int, where: str) -> None:
         raise ValueError(f"the model's hidden_size = {model} but {where} has hidden_size = {tier}")
 
 
-_TIERS: dict[int, LocalTier | SessionTier] = {}
+class TPFollower:
+    """A rank other than 0 of a tensor-parallel engine: rank 0 is the engine's tier (one peer of its
+    session); this rank gets rank 0's answer through the engine's TP group (:func:`tier_moe`)."""
 
 
-def add(tier: LocalTier | SessionTier) -> int:
+_TIERS: dict[int, LocalTier | SessionTier | TPFollower] = {}
+# The engine's vLLM TP group (set_tp_group) when its tensor_parallel_size > 1.
+_TP_GROUP: Any = None
+
+
+def set_tp_group(group: Any) -> None:
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
+def tp_rank() -> int:
+    """This process's rank in its engine's TP group (0 without one)."""
+    return 0 if _TP_GROUP is None else _TP_GROUP.rank_in_group
+
+
+def add(tier: LocalTier | SessionTier | TPFollower) -> int:
     """Register ``tier`` for the op; its number."""
     number = len(_TIERS)
     _TIERS[number] = tier
@@ -119,8 +137,11 @@ def tier_moe(x: torch.Tensor, out: torch.Tensor, layer: int, tier: int) -> None:
     # piece before the op allocates it and the piece after reads it at the address captured.
     if dummy_pass():  # its output is thrown away: no step of the session, no rows on the tier
         out.zero_()
-    else:
+        return
+    if tp_rank() == 0:
         out.copy_(_TIERS[tier].forward(x, layer))
+    if _TP_GROUP is not None:  # every rank of a TP engine holds the same rows; rank 0 asked the tier
+        _TP_GROUP.broadcast(out, src=0)
 
 
 @tier_moe.register_fake

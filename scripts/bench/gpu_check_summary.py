@@ -6,8 +6,9 @@ Exit 0 only when the run checked something on a GPU: every stage exited 0 and, u
 ``--cpu-smoke`` dry run, torch saw a GPU and a GPU-marked test ran (a run whose GPU tests all
 skipped fails however green its stages were); ``problems`` says why not. A timing stage's rows are
 counted from its JSON-lines file, partial when it lacks its closing record. A stage that writes a
-record of its own (``vllm_kimi.json``) has its ``result`` and ``reason`` in the summary: skipped (no
-vLLM, or a smoke run) fails nothing but is listed under ``skipped``; failed, or no record, is a problem.
+record of its own (``vllm_kimi.json``, ``vllm_graphs.json``) has its ``result`` and ``reason`` in
+the summary: skipped (no vLLM, or a smoke run) fails nothing but is listed under ``skipped``;
+failed, or no record, is a problem.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 from .rows import read_rows
 
 TIMING_STAGES = ("experts", "collectives", "tail")
-RECORD_STAGES = {"vllm_kimi": "vllm_kimi.json"}  # stage -> its record: status passed/failed/skipped, reason
+# stage -> its record: status passed/failed/skipped, reason
+RECORD_STAGES = {"vllm_kimi": "vllm_kimi.json", "vllm_graphs": "vllm_graphs.json"}
 
 
 def junit_counts(path: Path) -> dict[str, int] | None:

@@ -12,7 +12,8 @@ vLLM's own model. The tier engine must build one ``TierMoE`` per MoE layer and n
 them, decode every token and call the tier's op once per MoE layer per model step; wherever both
 engines saw the same tokens (up to and including their first differing pick, a near-tie), the
 log-probabilities of the tokens both rank in their top ``TOP`` differ by at most ``TOLERANCE``
-(wrong MoE math moves them far more; the record keeps the measured maximum).
+and each engine's pick is in the other's top ``TOP`` (wrong MoE math moves them far more; the
+record keeps the measured maximum).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     from deployments.vllm_plugin.models import TierMoE
 
     register()  # vLLM's entry point finds the plugin only where the project is pip-installed
-    engine = ENGINE | (GPU_ENGINE if torch.cuda.is_available() else {})
+    engine = ENGINE | (GPU_ENGINE if torch.cuda.is_available() else {}) | spec.get("engine", {})
     llm = LLM(model=spec["model"], hf_overrides={"architectures": [spec["arch"]]},
               additional_config=spec.get("additional_config") or {}, **engine)
     (model,) = llm.apply_model(lambda m: m)  # the in-process engine hands back the module itself
@@ -80,8 +81,9 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
 
     before, steps_before = calls(), steps[0]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    after = calls()
+    decode_s, after = time.perf_counter() - start, calls()
     prefixes = tuple(b.prefix + "." for b in blocks)
     return {
         "vllm": vllm.__version__,
@@ -91,6 +93,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         "tier_block_params": sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes)),
         "moe_params": sum(p.numel() for n, p in model.named_parameters() if ".block_sparse_moe." in n),
         "steps": steps[0] - steps_before,
+        "decode_s": decode_s,
         "calls": {str(k): after[k] - before.get(k, 0) for k in sorted(after)},
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         # Per prompt and position: {token id: log-probability} of the top TOP (and the pick).
@@ -160,19 +163,27 @@ def tier_problems(tier: dict[str, Any], moe_layers: list[int]) -> list[str]:
 
 def compare(native: dict[str, Any], tier: dict[str, Any], tolerance: float = TOLERANCE) -> dict[str, Any]:
     """Greedy tokens and log-probabilities of two engines on the same prompts. Positions compared:
-    each prompt's up to and including the first whose picks differ (both saw the same tokens)."""
-    worst, compared, first_diff = 0.0, 0, []
+    each prompt's up to and including the first whose picks differ (both saw the same tokens).
+    Within tolerance: each engine's pick is in the other's top k there, and the log-probabilities
+    of the tokens both list differ by at most ``tolerance``; a differing pick then leads by at most
+    2 x ``tolerance`` in either engine (a near-tie). ``max_logprob_diff_same_picks``: the maximum
+    over the positions before each first difference alone."""
+    worst, same, compared, first_diff, outside = 0.0, 0.0, 0, [], []
     pairs = zip(native["tokens"], tier["tokens"], native["logprobs"], tier["logprobs"], strict=True)
-    for n_tok, t_tok, n_lp, t_lp in pairs:
+    for prompt, (n_tok, t_tok, n_lp, t_lp) in enumerate(pairs):
         diff = next((i for i, (a, b) in enumerate(zip(n_tok, t_tok, strict=True)) if a != b), None)
         first_diff.append(diff)
         for pos in range(len(n_tok) if diff is None else diff + 1):
             common = n_lp[pos].keys() & t_lp[pos].keys()
             compared += bool(common)
-            worst = max([worst, *(abs(n_lp[pos][t] - t_lp[pos][t]) for t in common)])
+            here = max((abs(n_lp[pos][t] - t_lp[pos][t]) for t in common), default=0.0)
+            worst, same = max(worst, here), same if pos == diff else max(same, here)
+            if str(n_tok[pos]) not in t_lp[pos] or str(t_tok[pos]) not in n_lp[pos]:
+                outside.append([prompt, pos])
     return {"tokens_equal": [d is None for d in first_diff], "first_difference": first_diff,
-            "positions_compared": compared, "max_logprob_diff": worst, "tolerance": tolerance,
-            "within_tolerance": worst <= tolerance and compared >= len(first_diff)}
+            "positions_compared": compared, "max_logprob_diff": worst, "max_logprob_diff_same_picks": same,
+            "tolerance": tolerance, "picks_outside_top": outside,
+            "within_tolerance": worst <= tolerance and compared >= len(first_diff) and not outside}
 
 
 def skip_reason(smoke: bool) -> str | None:
@@ -238,14 +249,19 @@ def main(argv: list[str] | None = None) -> int:
         engine_main(args.engine, args.result)
     if args.out is None:
         ap.error("--out is required")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / RECORD).unlink(missing_ok=True)  # a run cut off by its limit leaves none, not an old one
+    return run_stage(args.out, "vllm_kimi", RECORD, skip_reason(args.smoke),
+                     lambda: check(args.out, args.budget_s))
+
+
+def run_stage(out: Path, stage: str, record_file: str, skip: str | None, run: Any) -> int:
+    """A vLLM stage's record: ``skip`` (a reason) or what ``run()`` found, with its seconds; exit 1
+    only when it failed. A run cut off by its limit leaves no record, not an old one."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / record_file).unlink(missing_ok=True)
     start = time.monotonic()
-    reason = skip_reason(args.smoke)
-    record = ({"status": "skipped", "reason": reason, "problems": []} if reason
-              else check(args.out, args.budget_s))
-    record = {"stage": "vllm_kimi", **record, "seconds": round(time.monotonic() - start, 1)}
-    (args.out / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    record = {"status": "skipped", "reason": skip, "problems": []} if skip else run()
+    record = {"stage": stage, **record, "seconds": round(time.monotonic() - start, 1)}
+    (out / record_file).write_text(json.dumps(record, indent=1) + "\n")
     print(f"{record['status']}" + (f": {record['reason']}" if record["reason"] else ""))
     return 1 if record["status"] == "failed" else 0
 
