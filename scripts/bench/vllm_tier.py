@@ -46,14 +46,15 @@ def free_port() -> int:
 class Tier:
     """The app under `serve run` and the Ray address its sessions are opened through."""
 
-    def __init__(self, checkpoint: Path, folder: Path):
+    def __init__(self, checkpoint: Path, folder: Path, args: dict | None = None):
+        """``args``: the app's arguments over local.yaml's (a model folder takes ``tail: auto``)."""
         if not (VENV / "bin" / "serve").exists():
             raise RuntimeError(f"the project venv {VENV} has no `serve`: run scripts/env.sh "
                                "(or set LMS_VENV)")
         config = yaml.safe_load((ROOT / "deployments/configs/local.yaml").read_text())
         self.port = free_port()
         config["http_options"]["port"] = self.port
-        config["applications"][0]["args"]["checkpoint"] = str(checkpoint)
+        config["applications"][0]["args"].update({"checkpoint": str(checkpoint), **(args or {})})
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "tier.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -67,7 +68,11 @@ class Tier:
             self.server = subprocess.Popen([str(VENV / "bin" / "serve"), "run", str(path)], cwd=ROOT,
                                            env={**self.env, "RAY_ADDRESS": "local"}, stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True)
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # a tier that never answered is still a process group to end
+            self.stop()
+            raise
         (port_file,) = Path(self.ray_tmp, "ray", "session_latest").glob("gcs_server_port_*")
         self.address = f"127.0.0.1:{port_file.read_text().strip()}"
 
@@ -133,14 +138,15 @@ def make_models(folder: Path) -> dict[str, Path]:
 
 def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int,
                  start_after: Path | None = None, env: dict[str, str] | None = None,
-                 engine: dict | None = None) -> subprocess.Popen:
+                 engine: dict | None = None, logprobs: int | None = None) -> subprocess.Popen:
     """``env``: settings over :data:`ENGINE_ENV` for this engine; ``engine``: ``LLM`` arguments over
-    the engine script's defaults (e.g. ``{"enforce_eager": True}``)."""
+    the engine script's defaults (e.g. ``{"enforce_eager": True}``); ``logprobs``: k, to have each
+    token's top-k log-probabilities in the output."""
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"model": str(model), "latent_moe": latent_moe, "prompts": prompts,
                                 "max_tokens": max_tokens,
                                 "start_after": str(start_after) if start_after else None,
-                                "engine": engine or {}}))
+                                "engine": engine or {}, "logprobs": logprobs}))
     env = {**os.environ, **ENGINE_ENV, **(env or {})}
     with (folder / "engine.log").open("w") as out:
         # A session of its own: the engine's vLLM processes are one group to kill.
@@ -158,9 +164,10 @@ def finish_engine(folder: Path, proc: subprocess.Popen) -> dict:
 
 
 def run_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]],
-               max_tokens: int, engine: dict | None = None) -> dict:
+               max_tokens: int, engine: dict | None = None, logprobs: int | None = None) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    return finish_engine(folder, start_engine(folder, model, latent_moe, prompts, max_tokens, engine=engine))
+    return finish_engine(folder, start_engine(folder, model, latent_moe, prompts, max_tokens, engine=engine,
+                                              logprobs=logprobs))
 
 
 def tier_calls(out: dict) -> dict[int, int]:
@@ -209,7 +216,7 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
 
 
 def start_engines(folder: Path, model: Path, specs: list[tuple[dict, list[list[int]], int]],
-                  env: dict[str, str] | None = None
+                  env: dict[str, str] | None = None, engine: dict | None = None
                   ) -> tuple[list[tuple[Path, subprocess.Popen]], Path]:
     """One engine per ``(latent_moe, prompts, max_tokens)`` under ``folder``/engineN, each built and
     then waiting; the engines and the file whose creation releases them all at once. An engine
@@ -218,7 +225,7 @@ def start_engines(folder: Path, model: Path, specs: list[tuple[dict, list[list[i
     for i, (latent_moe, prompts, max_tokens) in enumerate(specs):
         f = folder / f"engine{i}"
         f.mkdir(parents=True)
-        procs.append((f, start_engine(f, model, latent_moe, prompts, max_tokens, go, env)))
+        procs.append((f, start_engine(f, model, latent_moe, prompts, max_tokens, go, env, engine)))
     deadline = time.monotonic() + ENGINE_S
     while not all((f / "spec.json.ready").exists() for f, _ in procs):
         for f, p in procs:
