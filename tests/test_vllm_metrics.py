@@ -137,6 +137,16 @@ def test_the_front_end_makes_the_folder_and_its_children_use_it(tmp_path):
     assert not Path(got["folder"]).exists()
 
 
+def test_setup_sweeps_the_folders_of_exited_front_ends(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, live = tmp_path / f"{metrics.PREFIX}{gone.stdout.strip()}-ab12", tmp_path / f"{metrics.PREFIX}{os.getpid()}-cd34"
+    for folder in (dead, live, tmp_path / f"{metrics.PREFIX}old"):
+        folder.mkdir()
+        (folder / "1.json").write_text("{}")
+    metrics.sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, f"{metrics.PREFIX}old"])
+
+
 def test_snapshots_are_written_when_changed_and_touched_otherwise(tmp_path):
     pub = metrics.Publisher(tmp_path)
     stats = metrics.TierStats([1])

@@ -325,20 +325,33 @@ class TierCollector:
         return [calls, rows, seconds, recent]
 
 
+PREFIX = "lms-vllm-metrics-"  # + the owner's pid + "-" + mkdtemp's letters
+
+
+def sweep(tmp: Path) -> None:
+    """Remove the folders under ``tmp`` whose front end has exited."""
+    for folder in tmp.glob(f"{PREFIX}*-*"):
+        owner = folder.name[len(PREFIX):].split("-")[0]
+        if owner.isdigit() and not alive(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def setup() -> None:
     """The plugin's ``register()`` part (vLLM runs it in each of its processes, before it starts the
     engine core): in a process vLLM started (multiprocessing: engine core, workers, more API
     servers) under a folder already named, nothing; otherwise (the front end: the OpenAI server,
     the process of an ``LLM``) make the folder, name it in :data:`ENV` for the processes started
-    from here, remove it at exit and add :class:`TierCollector` to prometheus_client's default
-    registry (vLLM's ``/metrics`` serves it unless ``PROMETHEUS_MULTIPROC_DIR`` is set: several
-    API servers). Idempotent."""
+    from here, remove it at exit (and the folders of front ends that exited without: killed, or
+    ``os._exit``) and add :class:`TierCollector` to prometheus_client's default registry (vLLM's
+    ``/metrics`` serves it unless ``PROMETHEUS_MULTIPROC_DIR`` is set: several API servers).
+    Idempotent."""
     global _owner
     if _owner == os.getpid():
         return
     if os.environ.get(ENV) and multiprocessing.parent_process() is not None:
         return
-    folder = tempfile.mkdtemp(prefix="lms-vllm-metrics-")
+    sweep(Path(tempfile.gettempdir()))
+    folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
     os.environ[ENV], _owner = folder, os.getpid()
     atexit.register(shutil.rmtree, folder, True)
     try:
