@@ -3,7 +3,9 @@
     python tests/vllm_lane/engine.py SPEC.json OUT.json
 
 SPEC: {"model": dir, "latent_moe": additional_config["latent_moe"], "prompts": [[token ids]...],
-"max_tokens": n, "start_after": path or null, "engine": {LLM arguments over ENGINE} or absent}.
+"max_tokens": n, "start_after": path or null, "engine": {LLM arguments over ENGINE} or absent,
+"logprobs": k or absent (then it also writes "logprobs": per prompt and position, {token id:
+log-probability} of the top k and the pick)}.
 Builds ``vllm.LLM`` (CPU, float32, vLLM's default compilation unless "engine" says otherwise),
 waits for ``start_after`` to exist when given (so several engines decode at once), greedy-decodes
 every prompt and writes {"tokens": [[ids]...], "seconds": decode time, "tier_stats": the engine's
@@ -34,12 +36,16 @@ def main(spec_path: str, out_path: str) -> None:
         Path(spec_path + ".ready").write_text("")
         while not Path(spec["start_after"]).exists():
             time.sleep(0.01)
-    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True,
+                            logprobs=spec.get("logprobs"))
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     out = {"tokens": tokens, "seconds": seconds, "tier_stats": tier_stats(llm)}
+    if spec.get("logprobs"):
+        out["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                           for o in outs]
     Path(out_path).write_text(json.dumps(out))
 
 

@@ -122,6 +122,39 @@ def test_native_qwen3_moe_on_the_plugin_matches_vllm_without_it(models, tmp_path
     assert plugin["tokens"] == native["tokens"]  # (the folder's config.json names the plugin's alias)
 
 
+def test_native_deepseek_v3_mla_bf16_on_the_plugin_agrees_with_vllm_without_it(tmp_path):
+    """A whole DeepSeek-V3 in bfloat16 (make_vllm_model.py --arch deepseek_v3: MLA, grouped sigmoid
+    routing with a correction bias, a shared expert, routed scaling) decoded by vLLM's own
+    DeepseekV3ForCausalLM and by the plugin's alias, its MoE layers run by moe_runtime.standard
+    from the same folder; each token with its top-5 log-probabilities (the Kimi-K3 stage's judge).
+    In float32 the two agree on every token to 2e-6; bfloat16 needs a tolerance."""
+    from scripts import make_vllm_model
+    from scripts.bench.vllm_kimi_gpu import TOLERANCE, TOP, compare
+
+    model = tmp_path / "model"
+    make_vllm_model.main(["--arch", "deepseek_v3", "--out", str(model)])
+    bf16 = {"dtype": "bfloat16"}
+    native = run_engine(tmp_path / "native", model, {}, PROMPTS, MAX_TOKENS, logprobs=TOP,
+                        engine=bf16 | {"hf_overrides": {"architectures": ["DeepseekV3ForCausalLM"]}})
+    plugin = run_engine(tmp_path / "plugin", model, {"checkpoint": str(model)}, PROMPTS, MAX_TOKENS,
+                        engine=bf16, logprobs=TOP)
+    got = compare(native, plugin)
+    # Until their first differing pick both engines see the same tokens and differ only in the MoE
+    # layers' bf16 roundings (vLLM's fused CPU experts and moe_runtime round partial sums at other
+    # places: relative 2^-8 each, O(1e-2) of the layer's output). vLLM's logits are bf16 as well:
+    # an ulp of a logit in [2, 8) is 2^-6..2^-5 (0.016..0.031), and these roundings move a log-prob
+    # by an ulp or two. TOLERANCE (0.1) allows 3 ulps of the largest; measured 0.017 (one ulp).
+    # Wrong MoE math moves far more: the bias zeroed or routed scaling 1 diverge at token 0 or 1 of
+    # every prompt, with picks outside vLLM's top 5 (and up to 0.5 apart while the picks agree).
+    # At a first differing pick there is no log-prob bound, only each pick in the other's top 5:
+    # vLLM's CPU router rounds its logits to bf16 (moe_runtime, as HF, keeps fp32), so a token whose
+    # group or expert scores lie within that rounding (~3e-3) takes other experts there, and its
+    # log-probs move by O(1) (measured: PROMPTS[1]'s 7th token, group margin 9e-4, 0.75 apart).
+    assert not got["picks_outside_top"] and got["max_logprob_diff_same_picks"] <= TOLERANCE, got
+    agreed = sum(MAX_TOKENS if d is None else d for d in got["first_difference"])
+    assert agreed >= len(PROMPTS) * MAX_TOKENS // 2, got  # measured: 45 of 64 tokens before a difference
+
+
 def test_the_engine_check_splits_graphs_at_the_op_and_refuses_full_graphs(models):
     """What CPU can check of CUDA graphs: under vLLM's piecewise compilation (its GPU default) the
     op joins the splitting ops, so graph pieces end before it and start after it; a full-graph
@@ -527,6 +560,10 @@ def test_kimi_stage_judges_tier_calls_and_native_logprobs():
     tier = report([[1, 5, 9]], [[{"1": -0.52, "4": -1.0}, {"2": -0.75, "5": -0.74}, {"9": -7.0}]])
     near = compare(native, tier)
     assert near["within_tolerance"] and near["first_difference"] == [1] and near["positions_compared"] == 2
+    assert near["max_logprob_diff_same_picks"] == pytest.approx(0.02)
+    # A differing pick the other engine does not rank in its top k is no near-tie, however close the rest.
+    apart = compare(native, report([[1, 9, 3]], [[{"1": -0.5, "4": -1.0}, {"9": -0.6, "2": -0.7}, {"3": -0.1}]]))
+    assert not apart["within_tolerance"] and apart["picks_outside_top"] == [[0, 1]] and apart["max_logprob_diff"] == 0
     off = compare(native, report([[1, 2, 3]], [[{"1": -0.5, "4": -1.0}, {"2": -1.2, "5": -0.3}, {"3": -0.1}]]))
     assert not off["within_tolerance"] and off["max_logprob_diff"] == pytest.approx(0.5)
 
