@@ -155,6 +155,40 @@ def test_native_deepseek_v3_mla_bf16_on_the_plugin_agrees_with_vllm_without_it(t
     assert agreed >= len(PROMPTS) * MAX_TOKENS // 2, got  # measured: 45 of 64 tokens before a difference
 
 
+def test_native_qwen3_moe_on_the_served_folder_matches_vllm_without_the_plugin(models, tmp_path_factory, tmp_path):
+    """The same folder served by the tier (`serve run` of the model folder: moe_runtime.standard on
+    a TP 2 group) and decoded by an engine on a session: vLLM's own tokens, compiled, float32
+    (the ranks' partial sums add in another order: ~1e-7 relative, far below the logit gaps)."""
+    native = run_engine(tmp_path / "native", models["model"], {}, PROMPTS, MAX_TOKENS,
+                        engine={"hf_overrides": {"architectures": ["Qwen3MoeForCausalLM"]}})
+    served = Tier(models["model"], tmp_path_factory.mktemp("native-tier"), {"tail": "auto"})
+    try:
+        with served.session(tmp_path / "session", peers=1) as session:
+            got = run_engine(tmp_path / "engine", models["model"], {"ticket": str(session["ticket"])}, PROMPTS,
+                             MAX_TOKENS)
+    finally:
+        served.stop()
+    assert got["tokens"] == native["tokens"]
+    assert group_forwards(session["counters"]) > 0
+
+
+@pytest.mark.parametrize("where", ["tier", "in-process"])
+def test_a_tensor_parallel_engine_is_one_peer_and_decodes_the_tp1_tokens(tier, models, reference, tmp_path, where):
+    """tensor_parallel_size = 2: rank 0 is the engine's one peer of a one-peer session (or runs the
+    layers in-process), rank 1 gets every answer through the engine's TP group; the greedy tokens
+    are the TP 1 engine's (vLLM's TP 2 attention sums its heads in another order: float32
+    rounding, far below this model's logit gaps)."""
+    tp2 = {"tensor_parallel_size": 2}
+    if where == "tier":
+        with tier.session(tmp_path, peers=1) as session:
+            got = run_engine(tmp_path / "engine", models["model"], {"ticket": str(session["ticket"])}, PROMPTS,
+                             MAX_TOKENS, engine=tp2)
+        assert group_forwards(session["counters"]) > 0
+    else:
+        got = run_engine(tmp_path / "engine", models["model"], local(models), PROMPTS, MAX_TOKENS, engine=tp2)
+    assert got["tokens"] == reference
+
+
 def test_the_engine_check_splits_graphs_at_the_op_and_refuses_full_graphs(models):
     """What CPU can check of CUDA graphs: under vLLM's piecewise compilation (its GPU default) the
     op joins the splitting ops, so graph pieces end before it and start after it; a full-graph
@@ -386,6 +420,19 @@ def test_aliases_subclass_the_native_class_and_replace_its_block(alias):
         made = getattr(module, block_name)(config=None, vllm_config=None, prefix="model.layers.3.mlp", layer_idx=3)
     assert getattr(module, block_name) is original and built == [made]
     assert isinstance(made, models.TierMoE) and made.layer == 3 and not list(made.parameters())
+
+
+def test_the_cuda_graphs_stage_passes_where_it_can_run_here(tmp_path):
+    """gpu_check.sh's vllm_graphs stage, run on the CPU (one compiled graph, no CUDA graphs): its
+    three engines decode, the alias's op runs once per MoE layer per step, the three agree, and the
+    record has each engine's tokens/s. On a GPU the same script captures piecewise CUDA graphs."""
+    from scripts.bench import vllm_graphs_gpu
+
+    assert vllm_graphs_gpu.main(["--out", str(tmp_path), "--on-cpu", "--budget-s", str(ENGINE_S)]) == 0
+    record = json.loads((tmp_path / vllm_graphs_gpu.RECORD).read_text())
+    assert record["status"] == "passed" and set(record["comparisons"]) == {"eager", "native"}, record["problems"]
+    assert all(v > 0 for v in record["tokens_per_s"].values())
+    assert vllm_graphs_gpu.main(["--out", str(tmp_path), "--smoke"]) == 0  # --cpu-smoke records a skip
 
 
 # ---- Kimi-K3: what CPU allows (scripts/gpu_check.sh's vllm_kimi stage runs it on a GPU) ----------
