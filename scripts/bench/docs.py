@@ -1,11 +1,6 @@
-"""Benchmark pages: each benchmark writes its page, docs/benchmarks/NAME.md, and its rows of the
-index, docs/benchmarks/README.md.
-
-A script's part of its page sits between ``<!-- bench:NAME begin -->`` and ``<!-- bench:NAME end -->``
-and is rewritten whole from the run's data on every run; text outside the markers (notes on earlier
-runs) is never touched. The index is one table, a row per target of every benchmark: the target, the
-value measured, the verdict, the date and the machine of the run. A run replaces its benchmark's
-rows (:func:`update_index`) and leaves the others'; nothing in the index is written by hand.
+"""Benchmark pages: a run rewrites its part of docs/benchmarks/NAME.md (between ``<!-- bench:NAME
+begin -->`` and ``<!-- bench:NAME end -->``; text outside the markers is never touched) and its rows of
+the index, docs/benchmarks/README.md (a row per target: value, verdict, date and machine).
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ Targets = Callable[[dict[str, Any]], list[Target]]  # results -> the run's rows 
 
 
 def update_section(docs: Path, section: str, name: str | None = None) -> None:
-    """Put ``section`` in ``docs`` between ``name``'s markers (``name`` defaults to the section's
-    heading): replace what the markers hold, else the old unmarked section with that heading, else
-    append it at the end."""
+    """Put ``section`` between ``name``'s markers in ``docs``: in place of what they hold, else of the
+    old unmarked section with its heading, else at the end."""
     heading = section.splitlines()[0]
     name = name or heading.lstrip("# ").strip()
     begin, end = f"<!-- bench:{name} begin -->", f"<!-- bench:{name} end -->"
@@ -74,7 +68,6 @@ def verdict_word(met: bool | None) -> str:
 
 
 def yes_no(ok: bool) -> str:
-    """A yes/no fact in a report, the no in bold (it is the one a reader must not miss)."""
     return "yes" if ok else "**no**"
 
 
@@ -92,7 +85,6 @@ def is_contended(load_before: list[float] | float, cpus: int) -> bool:
 
 
 def load_label(load_before: list[float] | float, load_after: list[float] | float | None, cpus: int) -> str:
-    """'load average X before, Y after on N CPUs' plus a contended warning when it applies."""
     after = "" if load_after is None else f", {_one_minute(load_after):.2f} after"
     text = f"1-minute load average {_one_minute(load_before):.2f} before{after} on {cpus} CPUs"
     if is_contended(load_before, cpus):
@@ -103,9 +95,7 @@ def load_label(load_before: list[float] | float, load_after: list[float] | float
 
 def section_start(heading: str, script: str, argv: list[str], machine: dict[str, Any], details: str,
                   json_path: str, png_path: str | None = None) -> str:
-    """A section's heading and opening line, from the run's machine record
-    (:func:`bench.harness.machine_record`): the command, its date, CPUs, torch (and Ray), ``details``,
-    the load average before and after, and where the raw data and the plot are."""
+    """A section's heading and its run: command, date, machine, ``details``, load, raw data and plot."""
     command = " ".join(["python", "-m", f"scripts.bench.{script}", *([shlex.join(argv)] if argv else [])])
     ray = f", Ray {machine['ray']}" if "ray" in machine else ""
     load = load_label(machine["loadavg_before"], machine.get("loadavg_after"), machine["cpus"])
@@ -115,34 +105,29 @@ def section_start(heading: str, script: str, argv: list[str], machine: dict[str,
 
 
 def table(head: str, rows: Iterable[Iterable[Any]], align: str = "") -> list[str]:
-    """A markdown table: ``head`` the column names joined by ' | ', then a row per sequence of cells;
-    ``align`` an 'l' or 'r' per column (default: all left)."""
+    """A markdown table: ``head`` the column names joined by ' | ', ``align`` an 'l' or 'r' per column."""
     align = align or "l" * len(head.split(" | "))
     rule = "|" + "".join("---:|" if a == "r" else "---|" for a in align)
     return [f"| {head} |", rule, *map(table_row, rows)]
 
 
 def table_row(cells: Iterable[Any]) -> str:
-    """One row of a markdown table (a benchmark prints it too, as the row is measured)."""
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def pct(value: float | None) -> str:
-    """A fraction as a whole percentage ('' for none)."""
     return "" if value is None else f"{100 * value:.0f} %"
 
 
 def rounds_table(kind: str, measure: str, values: dict[str, list[float]], what: dict[str, str],
                  fmt: str = ".2f") -> list[str]:
-    """Markdown rows of measurements taken in rounds: each ``kind`` (a name of ``values``), what
-    it is, the median of its rounds (``measure``) and every round, each written with ``fmt``."""
+    """A table of measurements in rounds: each name of ``values``, what it is, the median and the rounds."""
     return table(f"{kind} | what it is | {measure} (median of rounds) | rounds",
                  ([name, what[name], f"{statistics.median(vs):{fmt}}", ", ".join(f"{v:{fmt}}" for v in vs)]
                   for name, vs in values.items()), "llrl")
 
 
 def model_text(model: dict[str, int]) -> str:
-    """A :func:`bench.harness.model_record` in words: 'H=2048, D=1024, E=32, k=4, I=512, 2 shared experts'."""
     text = (f"H={model['hidden_size']}, D={model['routed_expert_hidden_size']}, E={model['num_experts']}, "
             f"k={model['num_experts_per_token']}, I={model['moe_intermediate_size']}")
     return text + (f", {model['num_shared_experts']} shared experts" if "num_shared_experts" in model else "")
@@ -153,8 +138,7 @@ def repo_relative(path: Path) -> str:
 
 
 def target(what: str, v: dict[str, Any] | bool, fmt: str = ".2f", unit: str = "") -> Target:
-    """A :func:`verdict` as an index row: ``what`` followed by its threshold, the value in ``fmt``;
-    or, for a yes/no target (no wrong answer, no call hung, ...), whether it held."""
+    """A :func:`verdict` as an index row (``what``, its threshold, the value), or a yes/no one."""
     if isinstance(v, bool):
         return Target(what, yes_no(v).strip("*"), v)
     measured = "-" if v["value"] is None else f"{v['value']:{fmt}}{unit}"
@@ -162,7 +146,6 @@ def target(what: str, v: dict[str, Any] | bool, fmt: str = ".2f", unit: str = ""
 
 
 def target_lines(targets: Iterable[Target]) -> list[str]:
-    """The page's bullet per index row: '- what <= x: measured (verdict)'."""
     return [f"- {t.target}: {t.measured} ({verdict_word(t.met)})" for t in targets]
 
 
@@ -183,16 +166,14 @@ Raw results and plots go to `artifacts/`, which is not committed.
 
 
 def index_rows(pages: Path = PAGES) -> list[list[str]]:
-    """The index's rows, each as its cells: benchmark link, target, measured, verdict, date, machine."""
     index = pages / INDEX
     return [_cells(line) for line in (index.read_text().splitlines() if index.exists() else [])
             if line.startswith("| [")]
 
 
 def update_index(pages: Path, name: str, targets: Sequence[Target], date: str, machine: str) -> None:
-    """Replace ``name``'s rows of the index in ``pages`` with ``targets`` (measured at ``date`` on
-    ``machine``), and drop the rows of pages that are gone; the index lists every page, those
-    without a target below its table."""
+    """Replace ``name``'s rows of the index with ``targets``, drop those of pages that are gone, and list
+    the pages without a target below the table."""
     link = f"[{name}]({name}.md)"
     # A retired benchmark's page is deleted with its script: its rows go with it.
     rows = [r for r in index_rows(pages)
@@ -210,9 +191,7 @@ def update_index(pages: Path, name: str, targets: Sequence[Target], date: str, m
 
 def publish(section: str, name: str, targets: Sequence[Target], record: dict[str, Any],
             pages: str | Path | None, machine: str | None = None) -> None:
-    """Rewrite ``name``'s part of its page in ``pages`` and its rows of the index, from a run whose
-    machine record is ``record`` (``machine``: where it ran, in words, when the record does not say:
-    '2 CPUs (x86_64)'); nothing when ``pages`` is empty."""
+    """Rewrite ``name``'s page part and index rows in ``pages`` (none: nothing), dated from ``record``."""
     if not pages:
         return
     pages = Path(pages)
@@ -224,8 +203,7 @@ def publish(section: str, name: str, targets: Sequence[Target], record: dict[str
 
 def render_section(json_path: Path, markdown: Markdown, targets: Targets, pages: str | Path | None,
                    name: str, results: dict[str, Any] | None = None, machine: str | None = None) -> str:
-    """A benchmark's page part from ``results`` (by default the JSON it wrote earlier at ``json_path``:
-    no measurement), published as ``name``'s page and index rows in ``pages`` when given."""
+    """The page part of ``results`` (default: the JSON at ``json_path``), published in ``pages``."""
     results = results or json.loads(json_path.read_text())
     section = markdown(results, repo_relative(json_path), repo_relative(json_path.with_suffix(".png")))
     print("\n" + section)
@@ -236,8 +214,7 @@ def render_section(json_path: Path, markdown: Markdown, targets: Targets, pages:
 def write_results(results: dict[str, Any], out_dir: Path, name: str,
                   plot: Callable[[dict[str, Any], Path], None] | None, markdown: Markdown,
                   targets: Targets, pages: str | Path | None) -> str:
-    """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``, then its page part
-    (:func:`render_section`), which names the files relative to the repository."""
+    """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``, then its page part."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{name}.json"
     json_path.write_text(json.dumps(results, indent=1) + "\n")

@@ -1,11 +1,9 @@
-"""Run a command and sample the resident memory of its whole process tree; print the peak.
+"""Run a command and sample the resident memory of its whole process tree (``bench.rss``); print the peak.
 
     python -m scripts.bench.measure_rss [--interval 0.2] [--json OUT] -- python -m moe_runtime forward ...
 
-Every ``--interval`` seconds it sums ``rss`` (RssAnon + RssShmem) and ``pss`` (Pss_Anon + Pss_Shmem)
-over the command's process and all its descendants (``bench.rss``; Linux only, page cache not
-counted): the peaks, the sample count and the processes seen at the ``rss`` peak go to stderr and,
-with ``--json``, to a file (with the load average before and after). The exit status is the command's.
+The peak ``rss`` (RssAnon + RssShmem) and ``pss`` (Pss_Anon + Pss_Shmem) sums, the samples and the
+processes at the rss peak go to stderr and, with ``--json``, to a file. The exit status is the command's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Results files that keep up with the measurement: JSON lines, one record per measured point.
-
-A :class:`RowWriter` file holds a header record, then one ``row`` record per point, each appended
-(file opened, written, closed) the moment the point is measured, then a ``done`` record. A process
-killed by a time limit therefore loses at most the point it was measuring, and :func:`read_rows`
-tells a complete file from a cut-off one. No torch import: summaries read these files cheaply.
+"""Results files that keep up with the measurement (JSON lines): a header record, a ``row`` record per
+point appended (file opened, written, closed) the moment it is measured, then a ``done`` record; a
+process killed by a time limit loses at most one point. No torch import: summaries read them cheaply.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ class RowWriter:
 
 
 def read_rows(path: Path) -> tuple[dict, list[dict], dict | None]:
-    """(header, rows, closing record or None when the writer was cut off) of a RowWriter file; a
-    half-written last line (killed mid-write) is dropped."""
+    """(header, rows, closing record or None when cut off); a half-written last line is dropped."""
     header, rows, done = {}, [], None
     for line in Path(path).read_text().splitlines():
         try:
@@ -43,10 +39,7 @@ def read_rows(path: Path) -> tuple[dict, list[dict], dict | None]:
         except json.JSONDecodeError:
             continue
         kind = record.pop("record", None)
-        if kind == "header":
-            header = record
-        elif kind == "row":
+        header, done = (record if kind == "header" else header), (record if kind == "done" else done)
+        if kind == "row":
             rows.append(record)
-        elif kind == "done":
-            done = record
     return header, rows, done

@@ -1,10 +1,7 @@
-"""The resident memory of a process tree, sampled from /proc (Linux only).
-
-Every sample lists the root process and all its descendants (by parent pid, so Ray's raylet, workers
-and TP ranks count too) and sums ``rss`` (``RssAnon + RssShmem``: what the kernel cannot drop; a page
-several processes map counts once per process, an upper bound) and ``pss`` (``Pss_Anon + Pss_Shmem``,
-each shared page divided among the processes that map it). Page cache (a checkpoint read through
-mmap) is not counted: it is reclaimable and not the tree's.
+"""The resident memory of a process tree (the root and all its descendants), sampled from /proc (Linux):
+``rss`` (RssAnon + RssShmem, what the kernel cannot drop; a page mapped by several processes counts in
+each, an upper bound) and ``pss`` (Pss_Anon + Pss_Shmem, shared pages divided among their mappers).
+Page cache (a checkpoint read through mmap) is not counted: it is reclaimable and not the tree's.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ KB = 1024
 
 
 def proc_bytes(path: str, *names: str) -> int | None:
-    """Sum of the ``NAME: N kB`` lines of a /proc file (/proc/meminfo, /proc/PID/status, ...); None
-    when it cannot be read (the process is gone)."""
+    """Sum of the ``NAME: N kB`` lines of a /proc file; None when it cannot be read (the process is gone)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError:
@@ -35,20 +31,16 @@ def proc_bytes(path: str, *names: str) -> int | None:
 
 
 def stat_fields(pid: int) -> list[str]:
-    """The fields of /proc/PID/stat after the command name (which may hold spaces and parens):
-    ``[0]`` is the state, ``[1]`` the parent pid, ``[11]``/``[12]`` user/system CPU ticks."""
+    """/proc/PID/stat after the command name: [1] the parent pid, [11]/[12] user/system CPU ticks."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds the processes ``pids`` have used so far (threads included)."""
     return sum(int(f[11]) + int(f[12]) for f in map(stat_fields, pids)) / os.sysconf("SC_CLK_TCK")
 
 
 def serve_replica_pid(app: str, deployment: str) -> int:
-    """The process of ``app``'s replica of ``deployment``, found by its title (Ray titles it
-    ``ServeReplica:APP:DEPLOYMENT``, followed by the task it runs); the newest, where a replica
-    of an earlier round of the same app is still exiting."""
+    """The newest process titled ``ServeReplica:APP:DEPLOYMENT`` (an earlier round's may still be exiting)."""
     title = re.compile(rf"ServeReplica:{re.escape(app)}:{re.escape(deployment)}(?![\w-])")
     pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and title.search(cmdline(int(p)))]
     if not pids:
@@ -57,7 +49,6 @@ def serve_replica_pid(app: str, deployment: str) -> int:
 
 
 def tree_pids(root: int) -> list[int]:
-    """``root`` and all its descendants alive now."""
     children: dict[int, list[int]] = {}
     for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
         with contextlib.suppress(OSError):  # gone since listdir
@@ -71,8 +62,8 @@ def tree_pids(root: int) -> list[int]:
 
 
 def process_memory(pid: int, pss: bool = True) -> dict[str, int] | None:
-    """``rss`` and ``pss`` bytes of ``pid`` (None when it is gone); without ``pss`` the PSS is not
-    read (smaps_rollup walks the page tables: costly on a process holding many GB) and equals rss."""
+    """``rss`` and ``pss`` bytes of ``pid`` (None when gone); without ``pss``, pss = rss (smaps_rollup is
+    costly on a process holding many GB)."""
     rss = proc_bytes(f"/proc/{pid}/status", "RssAnon", "RssShmem")
     if rss is None:
         return None
@@ -88,8 +79,8 @@ def cmdline(pid: int) -> str:
 
 
 class TreeSampler:
-    """Samples a process tree's memory: ``sample()`` once, or ``start()`` / ``stop()`` a thread (or
-    use it as a context manager). Keeps the peak sums, and each process's own peak rss."""
+    """Samples a tree's memory, once or on a thread (``start()`` / ``stop()`` or ``with``): the peak sums,
+    and each process's own peak rss."""
 
     def __init__(self, root: int, interval_s: float = 0.2, pss: bool = True) -> None:
         self.root, self.interval_s, self.pss = root, interval_s, pss
