@@ -1,11 +1,8 @@
-"""The transport's own floor: the data plane's message pattern over raw TCP, no project code.
-
-``A`` peer processes each send, per layer, a small header and ``T x H`` float32 rows to one gathering
-rank process, which concatenates all ``A`` parts, hands the batch to ``P - 1`` echo ranks (each
-answers a header alone, as a rank's DONE) and answers each peer its slice: blocking socket reads,
-TCP_NODELAY, spawned processes importing numpy only. A peer's *step* is ``layers`` round trips; rank
-0 ends the run at a step's last layer once ``warmup + min_steps`` steps are done and ``min_time_s``
-has passed since the warm-up, so the peers stay in step.
+"""The transport's own floor: the data plane's message pattern over raw TCP, no project code. ``A``
+peer processes send, per layer, a header and ``T x H`` float32 rows to a gathering rank process, which
+hands the batch to ``P - 1`` echo ranks (each answers a header alone, as a rank's DONE) and answers
+each peer its slice: blocking reads, TCP_NODELAY, spawned processes importing numpy only. A peer's
+*step* is ``layers`` round trips; rank 0 ends the run at a step's end, so the peers stay in step.
 """
 
 from __future__ import annotations
@@ -92,9 +89,9 @@ def _rank0(ports, peers: int, ranks: int, cols: int, layers: int, steps: int, mi
             links.append(sock)
     empty = np.empty((0, cols), np.float32)
     done, timed_from, busy_from = 0, None, None
-    if warmup == 0:
-        timed_from, busy_from = time.perf_counter(), busy_cpu_s()
     while True:
+        if done == warmup:
+            timed_from, busy_from = time.perf_counter(), busy_cpu_s()
         for layer in range(layers):
             parts = [_recv(s, cols)[2] for s in peer_socks]
             batch = np.concatenate(parts)
@@ -105,13 +102,10 @@ def _rank0(ports, peers: int, ranks: int, cols: int, layers: int, steps: int, mi
             last = layer + 1 == layers
             stop = int(last and done + 1 >= warmup + steps and timed_from is not None
                        and time.perf_counter() - timed_from >= min_time_s)
-            start = 0
-            for sock, part in zip(peer_socks, parts, strict=True):
-                _send(sock, layer, batch[start:start + len(part)], stop)
-                start += len(part)
+            for sock, piece in zip(peer_socks, np.split(batch, np.cumsum([len(p) for p in parts])[:-1]),
+                                   strict=True):
+                _send(sock, layer, piece, stop)
         done += 1
-        if done == warmup:
-            timed_from, busy_from = time.perf_counter(), busy_cpu_s()
         if stop:
             break
     busy, wall = busy_cpu_s(), time.perf_counter() - timed_from

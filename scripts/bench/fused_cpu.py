@@ -1,11 +1,7 @@
-"""Packed MXFP4 experts on CPU, one projection pair at a time, against memcpy and torch's bf16 GEMM.
-
-Real-size Kimi-K3 experts (gate|up [6144, 3584], down [3584, 3072]) as random packed codes in
-memory, ``--experts`` of them walked by every timed call so that the weights come from memory, not
-from a cache one expert fits in. Per T and thread count, in turns (medians of ``--reps``): ``avx2``
-(``mxfp4_cpu.linear``'s AVX2 build, the release before issue 48), ``fused`` (the build this CPU
-gets), ``batched`` (decoded tiles x torch's GEMM) and ``torch bf16`` (dense weights, one expert:
-the compute peak); memcpy of a 256 MiB buffer before each thread setting.
+"""Packed MXFP4 experts on CPU, one projection pair at a time (real-size Kimi-K3 experts as random
+packed codes, ``--experts`` of them walked per call so the weights come from memory): the AVX2 build,
+the fused build this CPU gets and the batched path, against memcpy and torch's dense bf16 GEMM, per T
+and thread count. The page says more.
 
 Targets: best packed path's packed GB/s >= 0.9 x memcpy at T = 1; >= 0.5 x torch's bf16 GFLOP/s at
 T >= 64.
@@ -33,7 +29,7 @@ SECTION = "# Packed MXFP4 experts on CPU: fused AVX2 / AVX-512 and batched (`scr
 
 def walk_ms(packed: dict, dense: dict, xs: dict, walked: int, buffer, reps: int) -> dict[str, float]:
     """Each packed path's median ms per expert over ``walked`` experts, in turns, and torch's dense bf16
-    GEMM of the same shapes (one expert)."""
+    GEMM of one expert's shapes."""
     def walk(linear, isa=None):
         def call():
             os.environ[mxfp4_cpu.ISA_ENV] = isa or mxfp4_cpu.wanted_isa()
@@ -107,13 +103,8 @@ def markdown(results: dict, json_rel: str, png_rel: str) -> str:
         section_start(SECTION, "fused_cpu", results["argv"], results["machine"],
                       f"fused kernel build {results['isa']}; torch's bf16 GEMM on {results['gemm_engine']}",
                       json_rel, png_rel), "",
-        f"Real-size Kimi-K3 experts, gate|up [6144, 3584] + down [3584, 3072]: {per_expert / 1e6:.1f} MB "
-        f"packed each; every timed call at T <= 64 walks {n} of them ({n * per_expert / 1e9:.2f} GB), so the "
-        "weights come from memory (from T = 256, compute-bound, 2). Per expert: ms, the packed bytes' GB/s "
-        "over memcpy (bytes copied / s, same run), GFLOP/s (2 T x weights / time) and over torch's dense "
-        "bf16 GEMM of the same shapes. *avx2* is the release before issue 48; *fused* the build this CPU "
-        "gets; *batched* decoded tiles x torch's GEMM. Medians of the reps, in turns. Rows marked * were "
-        "measured while other work held at least half the CPUs.", "",
+        f"{per_expert / 1e6:.1f} MB packed per expert; every timed call at T <= 64 walks {n} of them "
+        f"({n * per_expert / 1e9:.2f} GB; 2 above T = 64). Rows marked * ran contended.", "",
         *table("threads | T | memcpy GB/s | avx2 ms | avx2 % memcpy | fused ms | fused % memcpy | batched ms "
                "| batched % memcpy | avx2 GFLOP/s | fused GFLOP/s | batched GFLOP/s | torch bf16 GFLOP/s "
                "| best / torch bf16 | load avg", map(row_cells, results["rows"])), "",
