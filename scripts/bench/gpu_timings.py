@@ -162,15 +162,18 @@ def run_experts(args) -> None:
 
 
 @contextlib.contextmanager
-def rank_group(rank: int, world: int, port: int, smoke: bool) -> Iterator[tuple[torch.device, Collectives]]:
-    """This rank's device and its collectives over the local group (gloo in a smoke run, else nccl);
-    the group is destroyed on the way out."""
+def rank_group(rank: int, world: int, port: int, smoke: bool, out: str, header: dict) -> Iterator[tuple]:
+    """This rank's device, collectives over the local group (gloo in a smoke run, else nccl) and, on
+    rank 0, the stage's row file (closed when the rank is done)."""
     device = device_of(smoke, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_group(rank, world, "127.0.0.1", port, "gloo" if smoke else "nccl", 120.0)
+    writer = RowWriter(Path(out), **header, world=world, machine=machine(device)) if rank == 0 else None
     try:
-        yield device, Collectives(rank, world, device)
+        yield device, Collectives(rank, world, device), writer
+        if writer:
+            writer.close()
     finally:
         dist.destroy_process_group()
 
@@ -178,9 +181,8 @@ def rank_group(rank: int, world: int, port: int, smoke: bool) -> Iterator[tuple[
 def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, out: str) -> None:
     D = (SMOKE if smoke else K3)["D"]
     note = None if world > 1 else "one device: a world of one reduces nothing; launch overhead only"
-    with rank_group(rank, world, port, smoke) as (device, comm):
-        writer = RowWriter(Path(out), what="collectives", world=world, backend="gloo" if smoke else "nccl",
-                           note=note, D=D, machine=machine(device)) if rank == 0 else None
+    header = {"what": "collectives", "backend": "gloo" if smoke else "nccl", "note": note, "D": D}
+    with rank_group(rank, world, port, smoke, out, header) as (device, comm, writer):
         for dtype in (torch.bfloat16, torch.float32):
             for T in SMOKE_TOKENS if smoke else TOKENS:
                 # reduce-scatter needs rows divisible by the world
@@ -192,8 +194,6 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
                 if writer:
                     writer.row({"dtype": dtype_name(dtype), "T": T, "bytes": nbytes,
                                 "all_reduce": ar, "reduce_scatter": rs, "all_reduce_bus_GBps": bus})
-    if writer:
-        writer.close()
 
 
 def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: int, out: str) -> None:
@@ -205,10 +205,9 @@ def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: i
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = cfg.moe_layers[0]
     dtype = torch.bfloat16
-    with rank_group(rank, world, port, smoke) as (device, comm):
+    with rank_group(rank, world, port, smoke, out, {"what": "tail", "checkpoint": cfg.to_dict()}) as (
+            device, comm, writer):
         ref_w = load_layer_weights(ckpt, cfg, layer, dtype).to(device) if rank == 0 else None
-        writer = RowWriter(Path(out), what="tail", world=world, checkpoint=cfg.to_dict(),
-                           machine=machine(device)) if rank == 0 else None
         runner = build_rank_runners(ckpt, cfg, [layer], comm, TailPlan.single("replicated", "gpu check"),
                                     dtype=dtype, device=device)[layer]
         for tail in legal_tails(cfg, world):
@@ -219,12 +218,9 @@ def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: i
                     timing = median_ms(partial(runner.forward, x, tail=tail), device, reps)
                     got = runner.forward(x, tail=tail)
                     if writer:
-                        ref = moe_forward(x, ref_w, cfg)
-                        rel = (got.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+                        rel = rel_diff(got.float(), moe_forward(x, ref_w, cfg).float())
                         writer.row({"tail": tail, "T": T, "layer": timing, "rel_diff_vs_single_gpu": rel,
                                     "within_tolerance": rel <= TAIL_TOLERANCE})
-    if writer:
-        writer.close()
 
 
 def spawn(fn, world: int, *args) -> None:
