@@ -62,14 +62,13 @@ def cli_forward_ms(checkpoint: str | Path, layer: int, tp: int, T: int, repeat: 
 
 
 class SyntheticWorker(RowsWorker):
-    """An attention worker whose attention is a lookup: ``T`` seeded rows per layer. A step's
-    answer is how many layers came back (the driver needs no rows back)."""
+    """An attention worker whose attention is a lookup: ``T`` seeded rows per layer."""
 
     def __init__(self, tokens: int, hidden: int, seed: int, layers: list[int]):
         super().__init__({layer: harness.seeded_randn(tokens, hidden, 1000 * seed + layer)
                           for layer in layers})
 
-    def finish(self) -> int:
+    def finish(self) -> int:  # a step's answer: how many layers came back (the driver needs no rows)
         return len(self.out)
 
     def outputs(self) -> dict[int, torch.Tensor]:
@@ -117,8 +116,7 @@ Roles = dict[str, list[int]]  # a part the processes play (replica, rank0, worke
 
 
 class Cores:
-    """The cores busy from now on: the whole machine's (/proc/stat), and the processes of ``roles``
-    together (``cores_used``) and by role (``by_role``)."""
+    """The cores busy from now on: the machine's, and the processes of ``roles`` together and by role."""
 
     def __init__(self, roles: Roles):
         self.roles = roles
@@ -131,12 +129,6 @@ class Cores:
                    for role, pids in self.roles.items()}
         return {"cores_busy": round((harness.busy_cpu_s() - self.machine) / wall, 3),
                 "cores_used": round(sum(by_role.values()), 4), "by_role": by_role}
-
-
-def group_roles(client: Any) -> Roles:
-    """The replica's and its ranks' processes, and this driver's."""
-    ranks = {f"rank{w['rank']}": [w["pid"]] for w in client.status()["workers"]}
-    return {"replica": [serve_replica_pid(APP, NAME)], **ranks, "driver": [os.getpid()]}
 
 
 def counters(client: Any) -> dict[str, Any]:
@@ -238,7 +230,11 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
             for _ in range(per_round):
                 call(lane, tokens[0])
             status = lane.status()["deployments"][NAME]
-        session_ended(client)
+        deadline = time.monotonic() + 60  # until the replica has no open session (rank 0 pushes each end)
+        while client.status()["sessions"]["open"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the replica still has an open session 60 s on")
+            time.sleep(0.1)
         # The lane's last per_round forwards were the first T's calls alone.
         if counters(client)["session_forwards"] - before["session_forwards"] >= per_round:
             out[tokens[0]]["served_ms"] += client.status()["sessions"]["group"]["recent_ms"][-per_round:]
@@ -254,15 +250,6 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
                    inprocess_ms=statistics.median(c["median_ms"] for c in got["cli"]),
                    over_inprocess_ms=statistics.median(got["paired_ms"]))
     return out
-
-
-def session_ended(client: Any, timeout_s: float = 60.0) -> None:
-    """Back once the replica has no open session (rank 0 pushes each end as it happens)."""
-    deadline = time.monotonic() + timeout_s
-    while client.status()["sessions"]["open"]:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the replica still has an open session {timeout_s:g} s on")
-        time.sleep(0.1)
 
 
 def pick(rows: list[dict[str, Any]], mode: str, workers: int, tokens: int) -> dict[str, Any] | None:
@@ -418,7 +405,8 @@ def run_served(args: Any, ckpt: Path, rows: list[dict[str, Any]]) -> dict[str, A
     with harness.serving(app_args, APP, num_cpus=max(args.workers) + 4, num_gpus=args.tp):
         client = MoEClient.direct(NAME, APP, timeout_s=300)
         layers = sorted(client.status()["layers"])
-        pids = group_roles(client)
+        pids = {"replica": [serve_replica_pid(APP, NAME)], "driver": [os.getpid()],
+                **{f"rank{w['rank']}": [w["pid"]] for w in client.status()["workers"]}}
         for M in args.workers:
             for T in args.tokens:
                 print(f"A = {M}, T = {T}", flush=True)

@@ -53,9 +53,8 @@ PEAK_SHAPE = (2048, 3584, 6144)  # m, k, n of the bf16 GEMM peak: a K3 expert's 
 
 
 def packed_mode(mode: str) -> None:
-    """The packed experts' environment of ``mode``: *before* is the release before issue 48 (the
-    AVX2 build of the fused kernel at every expert, no batched path, the bf16 kernel for every dense
-    GEMM), *after* the defaults."""
+    """*before*: the release before issue 48 (the AVX2 fused kernel at every expert, no batched path, the
+    bf16 kernel for every dense GEMM); *after*: the defaults."""
     for key in (mxfp4_cpu.ISA_ENV, mxfp4_cpu.BATCHED_ENV):
         os.environ.pop(key, None)
     if mode == "before":
@@ -63,8 +62,7 @@ def packed_mode(mode: str) -> None:
 
 
 def before_and_after(call, reps: int) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """``call`` under each packed mode in turns (*after* last, left set), ``reps`` rounds: each
-    mode's seconds, and its last answer."""
+    """``call`` under each packed mode in turns (*after* last, left set): each mode's seconds, last answer."""
     outs: dict[str, Any] = {}
 
     def timed(mode: str) -> float:
@@ -84,9 +82,8 @@ def bf16_peak_gflops(reps: int) -> float:
 
 
 def sequential_read(files: list[Path], keep: bool, chunk: int = READ_CHUNK) -> dict[str, float]:
-    """A plain sequential read of ``files`` in ``chunk``-byte reads: into one fresh buffer of their
-    size, held until the read ends (``keep``: what a load does with what it reads), or into one
-    reused ``chunk`` buffer."""
+    """A sequential read of ``files`` in ``chunk``-byte reads: into one fresh buffer of their size held to
+    the end (``keep``, as a load holds what it reads), or into one reused ``chunk`` buffer."""
     start = time.perf_counter()
     size = sum(p.stat().st_size for p in files) if keep else chunk
     buf = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
@@ -101,8 +98,7 @@ def sequential_read(files: list[Path], keep: bool, chunk: int = READ_CHUNK) -> d
 
 
 def forward_gemms(cfg: LatentMoEConfig, runner: LatentMoERunner, T: int, active: int) -> list[Gemm]:
-    """The GEMMs one rank's forward of T tokens runs (router in fp32, the rest in the layer dtype);
-    routed experts at the mean rows per active expert."""
+    """The GEMMs one rank's forward of T tokens runs; routed experts at the mean rows per active expert."""
     H, D, E, K = cfg.hidden_size, cfg.routed_expert_hidden_size, cfg.num_experts, cfg.num_experts_per_token
     P, bf16 = runner.shard.world, "bfloat16"
     I_l, S_l = cfg.moe_intermediate_size // P, cfg.shared_intermediate_size // P
@@ -123,8 +119,7 @@ def forward_gemms(cfg: LatentMoEConfig, runner: LatentMoERunner, T: int, active:
 
 
 def dense_gemm_seconds(gemms: list[Gemm], reps: int) -> tuple[float, list[dict]]:
-    """Seconds the forward's GEMMs take as torch matmuls with dense weights of the same shapes and
-    dtypes: each shape timed alone (best of ``reps`` after one warm-up), scaled to its flops."""
+    """Seconds the GEMMs take as torch matmuls of the same shapes and dtypes (best of ``reps`` each)."""
     total, rows = 0.0, []
     gen = torch.Generator().manual_seed(0)
     for g in gemms:
@@ -175,23 +170,16 @@ def forward_row(runner: Any, cfg: LatentMoEConfig, T: int, reps: int, active_byt
     ids, _ = route(x, runner.w.gate_EH, runner.w.bias_E, cfg)
     active = len(torch.unique(ids))
     gemms = forward_gemms(cfg, runner, T, active)
-    before, after = outs["before"].float(), outs["after"].float()
-    row = {
-        "T": T,
-        "ms": harness.median_ms(times["after"]),  # after; before's under "before"
-        "before": {"ms": harness.median_ms(times["before"])},
-        "all_ms": {mode: [s * 1e3 for s in t] for mode, t in times.items()},
-        "loadavg": [load0[0], harness.loadavg()[0]],
-        # what this forward must read at least: the active experts' packed bytes and every
-        # dense tensor (shared experts, projections, router) once
-        "must_read_bytes": active * active_bytes + dense_bytes,
-        "active_experts": active,
-        "flops": sum(g.flops for g in gemms),
-        "after_vs_before": (after - before).abs().max().item() / before.abs().max().item(),
-    }
+    # ms: after's (before's under "before"); must read: the active experts' packed bytes, every dense tensor
+    row = {"T": T, "ms": harness.median_ms(times["after"]),
+           "before": {"ms": harness.median_ms(times["before"])},
+           "all_ms": {mode: [s * 1e3 for s in t] for mode, t in times.items()},
+           "loadavg": [load0[0], harness.loadavg()[0]], "active_experts": active,
+           "must_read_bytes": active * active_bytes + dense_bytes, "flops": sum(g.flops for g in gemms),
+           "after_vs_before": harness.rel_diff(outs["after"].float(), outs["before"].float())}
     if T >= GEMM_FROM_TOKENS:
         row["dense_gemm_s"], row["dense_gemms"] = dense_gemm_seconds(gemms, reps)
-    return row, after
+    return row, outs["after"].float()
 
 
 def _rank(comm: Collectives, ckpt: str, tokens: list[int], reps: int, scratch_bytes: int,

@@ -1,9 +1,7 @@
-"""Serving benchmark: closed-loop load on a local Serve app vs the in-process TP runner.
-
-Two TP-2 deployments of one checkpoint, ``batched`` (max_batch_tokens = --max-batch-tokens) and
-``unbatched`` (16), driven by N closed-loop clients through a ``handle`` (``MoEClient.direct``),
-the ``app``'s ingress and ``http`` (``AsyncHTTPMoEClient``): tokens/s, requests/s, p50/p99 latency;
-and the same batch sizes on the in-process runner (``local_group`` ranks, no Ray) in the same run.
+"""Serving benchmark: closed-loop load on a local Serve app vs the in-process TP runner. Two TP-2
+deployments, ``batched`` (--max-batch-tokens) and ``unbatched`` (16), driven by N closed-loop clients
+through a ``handle``, the ``app``'s ingress and ``http``: tokens/s, requests/s, p50/p99; and the same
+batch sizes on the in-process runner (``local_group`` ranks, no Ray) in the same run.
 
     python -m scripts.bench.serve                    # small preset, a few minutes on 2 cores
     python -m scripts.bench.serve --quick            # shorter windows, fewer scenarios
@@ -60,37 +58,31 @@ def _inprocess_rank(comm: Collectives, checkpoint: str, tail: str, dtype: str, s
     return out
 
 
-async def closed_loop(call, make_input, clients: int, duration_s: float, warmup: int = 1) -> dict[str, Any]:
-    """``clients`` tasks each calling ``await call(x)`` back to back for ``duration_s``."""
-    inputs = [make_input(i) for i in range(clients)]
-    for i in range(min(warmup, clients)):
-        await call(inputs[i])
+async def closed_loop(call, inputs: list[torch.Tensor], duration_s: float) -> dict[str, Any]:
+    """A task per input calling ``await call(x)`` back to back for ``duration_s``, after one warm-up call."""
+    await call(inputs[0])
     latencies: list[float] = []
-    tokens = 0
     deadline = time.perf_counter() + duration_s
 
     async def client(x):
-        nonlocal tokens
         while time.perf_counter() < deadline:
             start = time.perf_counter()
             await call(x)
             latencies.append(time.perf_counter() - start)
-            tokens += x.shape[0]
 
     start = time.perf_counter()
     await asyncio.gather(*(client(x) for x in inputs))
     elapsed = time.perf_counter() - start
-    return {"requests": len(latencies), "duration_s": round(elapsed, 3), "tokens_per_s": tokens / elapsed,
-            "requests_per_s": len(latencies) / elapsed, **harness.latency_ms(latencies)}
+    n = len(latencies)
+    return {"requests": n, "duration_s": round(elapsed, 3), "tokens_per_s": n * inputs[0].shape[0] / elapsed,
+            "requests_per_s": n / elapsed, **harness.latency_ms(latencies)}
 
 
 def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: int, duration_s: float,
                  hidden: int, base_url: str) -> dict[str, Any]:
     from deployments.client import AsyncHTTPMoEClient, MoEClient
 
-    def make_input(i: int) -> torch.Tensor:
-        return harness.seeded_randn(tokens, hidden, seed=i)
-
+    inputs = [harness.seeded_randn(tokens, hidden, seed=i) for i in range(clients)]
     direct = MoEClient.direct(deployment, APP, timeout_s=600)
     before = direct.status()["counters"]
 
@@ -98,17 +90,16 @@ def run_scenario(name: str, path: str, deployment: str, clients: int, tokens: in
         if path == "http":
             async with AsyncHTTPMoEClient(base_url, deployment=deployment, timeout_s=600,
                                           max_connections=clients) as http:
-                return await closed_loop(lambda x: http.forward(x, LAYER), make_input, clients, duration_s)
+                return await closed_loop(lambda x: http.forward(x, LAYER), inputs, duration_s)
         client = direct if path == "handle" else MoEClient(APP, deployment=deployment, via_ingress=True,
                                                            timeout_s=600)
-        return await closed_loop(lambda x: client.forward_async(x, LAYER), make_input, clients, duration_s)
+        return await closed_loop(lambda x: client.forward_async(x, LAYER), inputs, duration_s)
 
     r = asyncio.run(go())
     after = direct.status()["counters"]
-    forwards = after["forwards"] - before["forwards"]
-    batch = (after["forward_tokens"] - before["forward_tokens"]) / forwards if forwards else None
+    forwards, batched = (after[k] - before[k] for k in ("forwards", "forward_tokens"))
     r.update(scenario=name, path=path, deployment=deployment, clients=clients, tokens_per_request=tokens,
-             forwards=forwards, mean_batch_tokens=batch)
+             forwards=forwards, mean_batch_tokens=batched / forwards if forwards else None)
     print(f"  {name} {path} {deployment} {clients} x {tokens} tokens: {r['tokens_per_s']:.0f} tokens/s, p50 "
           f"{r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, {forwards} forwards", flush=True)
     return r
