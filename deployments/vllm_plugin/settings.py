@@ -5,7 +5,8 @@
 
 ``ticket``: a session ticket (``SessionTicket.to_json``), as a file path or the JSON itself;
 ``peer``: this engine's peer index (default: its vLLM data-parallel rank). ``checkpoint``: a tier
-checkpoint folder, every mapped layer run in this process (``dtype``: ``float32`` or
+checkpoint folder or a Qwen3-MoE / DeepSeek-V3 model folder (the engine's own works), every mapped
+layer run in this process (``dtype``: ``float32`` or
 ``bfloat16``, default the model's; ``backend``: the experts backend, default ``torch``).
 ``layers``: ``{vLLM decoder layer: tier layer}`` for the model's MoE blocks (default: the same
 numbers). Anything else is an error naming it.
