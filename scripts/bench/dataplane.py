@@ -1,10 +1,7 @@
-"""The data plane against the transport's own floor, in one run on one machine.
-
-A workers (Ray actors, synthetic attention: T seeded rows per layer) decode through --layers MoE
-layers of the tiny preset on one TP --tp deployment, per (A, T) as one session's peers
-(``session``), each on a lane of its own (``own_sessions``), through ``MoEClient.forward``
-(``serve``), and over raw TCP (``floor``, ``bench.floor``); and a lane's per-layer call at A = 1
-against the in-process forward (``harness.cli_forward_ms``). The page says more.
+"""The data plane against the transport's own floor, in one run (the page says how to read it): A
+workers step --layers MoE layers of the tiny preset on one TP --tp deployment per (A, T) as one
+session's peers, each on a lane of its own, through ``MoEClient.forward`` and over raw TCP; and a
+lane's per-layer call at A = 1 against the in-process forward.
 
     python -m scripts.bench.dataplane            # A = 1 2 4 8, T = 1 4 32: ~12 min on 2 cores
     python -m scripts.bench.dataplane --quick    # A = 1 4, T = 4 (a smoke run)

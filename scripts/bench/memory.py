@@ -1,9 +1,6 @@
-"""Check the memory planner (``moe_runtime.memory``) against measured memory, side by side.
-
-Per (dtype, experts format, T), one fresh process loads one MoE layer of a generated checkpoint
-(``--preset``, TP 1) and runs one forward of T tokens: the loaded layer's resident bytes by part
-against the planner's (``weights_exact``), and the forward's peak RSS growth (``VmHWM`` after
-resetting it, minus ``VmRSS`` before) against the planner's activation allowance and workspace.
+"""The memory planner (``moe_runtime.memory``) against measured memory: per dtype, experts format and T,
+a fresh process loads one MoE layer (TP 1) and runs one forward: resident bytes by part against the
+plan, and the forward's peak RSS growth (``VmHWM`` after a reset, minus ``VmRSS``) against its workspace.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Numerics benchmark: what each routed-input mode, the W4A4 emulation under both MXFP4 scale rules
-and the bf16 collectives do to the layer output, on a real TP group.
-
-Per case: the error against the single-device fp32 layer (max |out - ref| / max |ref|, relative RMS)
-and, for the routed-input modes, **batch dependence** (a 16-token request alone, never token-sharded,
-against the same rows inside a large batch: 0 by design for the exact modes). The MXFP4 activations
-run under both scale rules (``even``, AMD Quark's and the default; ``floor``, plain OCP); where the
-two rules quantise a block differently is counted on random-normal blocks and the layer's own
-activations, and W4A4 is compared with W4A16 on one device under each rule.
+"""Numerics: what each routed-input mode, the W4A4 emulation under both MXFP4 scale rules and the bf16
+collectives do to the layer output on a real TP group (error against the single-device fp32 layer,
+and a request's dependence on its batch), and where the two scale rules quantise a block differently.
+The page says more. Target: W4A4 with the routed input off or exact MXFP4: no batch dependence.
 """
 
 from __future__ import annotations

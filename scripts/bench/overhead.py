@@ -1,8 +1,5 @@
-"""Per-call overhead of the Serve paths, next to Ray's own floors, in one run (the page says more).
-
-Tiny checkpoint, float32, layer 1, TP 1 and 2, T in {1, 16, 128}, one call in flight, in rounds:
-the runner in process, Ray's floors on the same payload (``actor``, ``serve_echo``, ``serve_actorP``)
-and ours (``direct``, ``app``, ``http``); a lane's call is ``scripts.bench.dataplane``'s.
+"""Per-call overhead of the Serve paths next to Ray's own floors, in one run (the page says more): tiny
+checkpoint, TP 1 and 2, T in {1, 16, 128}, one call in flight, in rounds.
 
     python -m scripts.bench.overhead        # ~3 minutes on 2 cores
 

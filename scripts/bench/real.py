@@ -1,9 +1,6 @@
-"""Real-size benchmark: one Kimi-K3 MoE layer (MXFP4 experts held packed) at TP 1 and 2, bf16.
-
-Per TP size: the **load** against plain sequential reads of the same files just before (and its
-peak RSS over the packed bytes read), then the **forward** at each ``--tokens`` T *before* and
-*after* issue 48 in turns: the fraction of the memory-bound limit, GFLOP/s and, at T >= 512, the
-share of torch's dense GEMMs of the same shapes; TP 2's output against TP 1's. The page says more.
+"""Real-size benchmark: one Kimi-K3 MoE layer (MXFP4 experts held packed) at TP 1 and 2, bf16: the load
+against plain sequential reads of the same files, then the forward *before* and *after* issue 48 at
+each ``--tokens`` T against the memory-bound limit and torch's dense GEMMs. The page says more.
 
 Targets (TP 1): group load GB/s >= 50 % of the kept sequential read; after: memory-bound fraction
 >= 0.9 at T = 1, >= 0.8 at T = 16 and 64; at T >= 512 >= 50 % of the dense GEMMs' GFLOP/s.

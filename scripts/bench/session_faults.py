@@ -1,11 +1,8 @@
-"""Session faults: a strict session's peers step on through four faults, one after another (a lane is a
-session of one peer: this is also the measure of a lane's calls through a killed or stopped rank).
-
-2 replicas of TP 2 (tiny checkpoint), one session of 4 peers (2 of them processes without Ray), each
-checking every answer against the Serve path's, through: rank 1 of the session's replica SIGKILLed,
-rank 1 of its next replica SIGSTOPped, a redeploy of a changed config, a scale-down to 1 replica.
-Targets per fault: caller errors, steps lost and wrong outputs 0; the worst step in its window at
-most the call bound plus the replacement time measured here.
+"""Session faults: a strict session's peers (4, 2 of them processes without Ray) step on through four
+faults in a row on 2 replicas of TP 2 -- rank 1 SIGKILLed, rank 1 of the next replica SIGSTOPped, a
+redeploy, a scale-down -- each checking every answer (a lane is a session of one peer). The page
+says more. Targets per fault: no caller error, step lost or wrong output; the worst step at most
+the call bound plus the replacement time measured here.
 
     python -m scripts.bench.session_faults     # tiny checkpoint, about 2 minutes on 2 cores
 """

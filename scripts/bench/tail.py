@@ -1,11 +1,7 @@
-"""Tail benchmark: every legal tail at several TP sizes and token counts, side by side.
-
-For each P and T: the median time of the tail alone (everything after the experts, replayed on the
-same partials) and of the whole layer, each with the stages of that same replay (the runner's stage
-timer; ``other`` is the rest), the bytes per token each rank hands to the tail's collectives, the
-fastest tail per T, and the token-sharded routed input's down-projection per routed-input mode
-(``off``, exact ``none``, lossy ``fp8-approx`` / ``mxfp4-approx``). ``single_allreduce_wide``
-replays the earlier fp32 packing ``[S | (gamma*L)Wup^T | L]`` against today's ``[S | L]``.
+"""Tail benchmark: every legal tail (and the earlier wide single all-reduce) at several TP sizes and
+token counts, side by side: the tail alone and the whole layer, each with the stages of the same
+replay, the bytes each rank hands to the collectives, and the token-sharded routed input's
+down-projection per routed-input mode. The page says more.
 
     python -m scripts.bench.tail --tp 1 2 --tokens 1 16 256 2048       # small preset, minutes
     python -m scripts.bench.tail --preset tiny --tp 1 2 --tokens 1 16 --docs ''   # seconds
@@ -63,10 +59,6 @@ def timed_replays(runner: LatentMoERunner, fn, reps: int) -> dict:
             "all_ms": [r[0] for r in replays]}
 
 
-def _replay_tail(runner: LatentMoERunner, tail: str, L, S, dtype) -> None:
-    runner.apply_tail(tail, L.clone(), None if S is None else S.clone(), dtype)  # it may modify its partials
-
-
 def _replay_wide_single_allreduce(runner: LatentMoERunner, L, S, dtype) -> torch.Tensor:
     """The earlier single all-reduce (for comparison only): RMSNorm is a per-row scale, so
     ``R = ((gamma * L) Wup^T) / rms(L)`` and one fp32 all-reduce of
@@ -90,8 +82,8 @@ def _tail_rows(comm: Collectives, runners: dict, base: LatentMoERunner, x: torch
     T, cfg = x.shape[0], base.cfg
     L = routed_experts(x, base.routed_input_latent(x), base.w, cfg, base.backend, act)
     S = shared_experts(x, base.w, act)
-    tails = {tail: (runner, partial(_replay_tail, runner, tail, L, S, dtype))
-             for tail, runner in runners.items()}
+    tails = {tail: (runner, lambda r=runner, t=tail: r.apply_tail(  # it may modify its partials: copies
+                 t, L.clone(), None if S is None else S.clone(), dtype)) for tail, runner in runners.items()}
     if "single_allreduce" in tails:
         tails[WIDE] = (base, partial(_replay_wide_single_allreduce, base, L.clone(), S, dtype))
     rows = []
@@ -144,8 +136,7 @@ def _rank_bench(comm: Collectives, ckpt: str, tokens: list[int], dtype_name: str
 
 
 def _crossovers(rows: list[dict]) -> dict[int, list[dict]]:
-    """Per P and T the fastest tail (sequence_parallel, which returns only a rank's rows, and the wide
-    replay excluded)."""
+    """Per P and T the fastest tail (not sequence_parallel, which returns a rank's rows, nor the wide)."""
     out: dict[int, list[dict]] = {}
     for P, T in sorted({(r["P"], r["T"]) for r in rows}):
         win = min((r for r in rows if (r["P"], r["T"]) == (P, T)
@@ -168,7 +159,7 @@ def compute_targets(rows: list[dict], routed: list[dict], tp: list[int], tokens:
     for P in [p for p in tp if p > 1]:
         for T in tokens:
             ratio(f"P{P}_T{T}_single_allreduce_over_wide", (P, T, "single_allreduce"), (P, T, WIDE), "<", 1)
-    for P in [p for p in tp if p > 1]:  # at P = 1 there is no collective to save
+    for P in [p for p in tp if p > 1]:  # at P = 1 there is no collective to save (listed after the above)
         ratio(f"P{P}_T1_single_allreduce_over_replicated", (P, 1, "single_allreduce"), (P, 1, "replicated"),
               "<", 1)
     down = {x["routed_input"]: x["down_proj_ms"] for x in routed if (x["P"], x["T"]) == (2, max(tokens))}

@@ -1,7 +1,6 @@
-"""Warm-up: time from `serve.run` to the first answer, cold (no stored tail plan) and warm (the plan an
-earlier replica measured, reused), and from a rank's SIGKILL to the next answer (the replaced replica
-reuses the plan). Each phase deploys the same app (TP --tp, tail auto, ``auto_tune_tokens``
-1,16,128,1024) and sends one --tokens forward, whose answer must equal the first phase's bit for bit.
+"""Warm-up: time from `serve.run` to the first answer, cold (no stored tail plan) and warm (the stored
+plan reused), and from a rank's SIGKILL to the next answer; each phase deploys the same app (TP --tp,
+tail auto) and sends one --tokens forward, whose answer must equal the first phase's bit for bit.
 
 Targets: the warm start and the replaced replica reuse the plan; answered again after the SIGKILL
 within 1.5x the warm start; no call hung (ran into the client's timeout); no answer wrong.
