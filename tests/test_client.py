@@ -243,3 +243,23 @@ def test_request_rows_take_every_input_kind_in_one_layout():
         assert out.dtype == np.float32 and out.flags.c_contiguous and np.array_equal(out, [[1.0, -2.0]])
     with pytest.raises(ServeInputError, match="router_logits must be floating point"):
         as_logits(torch.ones(1, 2, dtype=torch.int64))
+
+
+def test_the_session_holder_takes_a_failed_group_for_a_move_not_an_end():
+    """A group whose rank died drops its sessions and says why in its snapshot; the holder of
+    `python -m deployments.client session` must not end the session then (its peers move it: a
+    holder that closed it left them a 404 on their move), but does when rank 0 ended it."""
+    from deployments.client.__main__ import ended
+    from deployments.client.session import gone_from
+
+    class Held:
+        def __init__(self, snapshot):
+            self.snapshot = snapshot
+
+        def state(self):
+            return {"moe": gone_from(self.snapshot)}
+
+    failed = {"sessions": {}, "failed": "rank 1 of the group is gone", "failure": "group_timeout"}
+    assert ended(Held(failed)) is None
+    assert ended(Held({"sessions": {}, "failed": "a forward failed", "failure": None})) is None
+    assert ended(Held({"sessions": {}, "failed": None, "failure": None})) == "moe: ended: no longer open on rank 0"

@@ -195,7 +195,7 @@ class Session:
         for d, g in self.groups().items():
             try:
                 snap = ray.get(rank_of(g).sessions_snapshot.remote(), timeout=RANK_POLL_S)
-                out[d] = snap["sessions"].get(g.session) or {"ended": "no longer open on rank 0"}
+                out[d] = snap["sessions"].get(g.session) or gone_from(snap)
             except Exception as e:  # rank 0 gone: the group failed
                 out[d] = {"ended": f"rank 0 does not answer: {error_message(e)}", "failure": "group_failed"}
         return out
@@ -222,6 +222,15 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def gone_from(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """Why a session is missing from its group's rank 0 (``sessions_snapshot``): the group failed
+    (its peers move the session: not its end), or it ended there."""
+    if snapshot.get("failed"):
+        return {"ended": f"its group failed: {snapshot['failed']}",
+                "failure": snapshot.get("failure") or "group_failed"}
+    return {"ended": "no longer open on rank 0"}
 
 
 def rank_of(g: GroupEndpoint, rank: int = 0) -> Any:
