@@ -13,6 +13,8 @@ bit-equal to the Serve path's.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import re
 import statistics
@@ -83,22 +85,21 @@ class SyntheticWorker(RowsWorker):
         client = MoEClient(app, timeout_s=300)
         lane = client.lane(max_tokens=tokens, name=f"bench-{os.getpid()}") if mode == "own_sessions" else None
         call = lane.forward if lane is not None else client.forward
-        layers = sorted(self.rows)
         steps: list[float] = []
-        deadline = began = None
+        began, deadline = None, math.inf
         try:
-            while deadline is None or time.perf_counter() < deadline:
+            for i in itertools.count():  # the first ``warmup`` steps untimed
                 start, at = time.perf_counter(), time.monotonic()
                 self.start(None)
-                for layer in layers:
+                for layer in sorted(self.rows):
                     self.absorb(layer, call(self.attend(layer), layer))
                 self.finish()
-                if warmup:
-                    warmup -= 1
-                    deadline = None if warmup else time.perf_counter() + seconds
-                    continue
-                steps.append(time.perf_counter() - start)
-                deadline, began = deadline or start + seconds, began or at
+                if i == warmup:
+                    began, deadline = at, start + seconds
+                if i >= warmup:
+                    steps.append(time.perf_counter() - start)
+                if time.perf_counter() >= deadline:
+                    break
             window = [began, time.monotonic()]
             counts = lane.status()["deployments"] if lane is not None else {}
         finally:

@@ -10,7 +10,6 @@ import contextlib
 import os
 import platform
 import re
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -111,8 +110,8 @@ def timing_row(T: int, dtype: torch.dtype, fmt: str, K: int, active: int, flops:
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
     """(wall s, busy CPU-s of the whole machine, CPU-s of this process), Linux only."""
-    busy, usage = harness.busy_cpu_s(), resource.getrusage(resource.RUSAGE_SELF)
-    return None if busy is None else (time.time(), busy, usage.ru_utime + usage.ru_stime)
+    busy = harness.busy_cpu_s()
+    return None if busy is None else (time.time(), busy, time.process_time())
 
 
 def other_load(start, end) -> float | None:

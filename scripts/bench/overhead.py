@@ -21,7 +21,7 @@ from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
 
 from . import harness
-from .docs import Target, section_start, table, verdict, verdict_word
+from .docs import Target, section_start, table, target_lines, verdict
 
 APP, FLOOR_APP = "overhead", "floors"
 LAYER = 1
@@ -129,7 +129,7 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
         rows = [dict(verdict(r[f"{key}_ms"], "<=", limit), tp=r["tp"], T=r["T"])
                 for r in results["overheads"]]
         out[key] = {"rows": rows, "met": all(v["met"] for v in rows), "target": f"<= {limit} ms",
-                    "worst": max(rows, key=lambda v: v["value"]), "best": min(rows, key=lambda v: v["value"])}
+                    "worst": max(rows, key=lambda v: v["value"])}
     return out
 
 
@@ -157,12 +157,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
                ([r["tp"], r["T"], *(f"{r[f'{k}_ms']:.2f}" for k in keys),
                  *(f"{r[f'{k}_ms']:+.2f}" for k in TARGETS_MS)] for r in results["overheads"]),
                "ll" + "r" * 8),
-        "", "Targets (a target is met only when every (TP, T) row meets it):", "",
-        *(f"- {TARGET_TEXT[key]} {t['target']}: {verdict_word(t['met'])} -- "
-          f"{sum(v['met'] for v in t['rows'])} "
-          f"of {len(t['rows'])} rows; worst TP {t['worst']['tp']}, T = {t['worst']['T']}: "
-          f"{t['worst']['value']:+.2f} ms; best TP {t['best']['tp']}, T = {t['best']['T']}: "
-          f"{t['best']['value']:+.2f} ms." for key, t in targets(results).items())])
+        "", *target_lines(index_rows(results))])
 
 
 def main(argv: list[str] | None = None) -> int:
