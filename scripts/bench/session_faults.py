@@ -34,34 +34,27 @@ def app_args(replicas: int, batch_wait_s: float = 0.01) -> dict[str, Any]:
     return args
 
 
-def rank_pid(replica: str, rank: int) -> int:
+def inject(fault: str, session: Any, client: Any, stopped: list[int]) -> tuple[float, float]:
+    """Inject ``fault``: (its wall time, the replacement time it costs Serve: for a signalled rank, until
+    2 healthy replicas answer, none of them the session's)."""
     import ray
 
     from deployments.common.workers import WORKER_NAMESPACE, worker_name
 
-    actor = ray.get_actor(worker_name(NAME, replica, rank), namespace=WORKER_NAMESPACE)
-    return ray.get(actor.info.remote(), timeout=60)["pid"]
-
-
-def replaced(client: Any, gone: str, replicas: int, since: float) -> None:
-    """Back once ``replicas`` healthy replicas answer, none of them ``gone``."""
-    while time.monotonic() - since < RECOVERY_S:
-        seen = {st["replica"] for st in (client.status() for _ in range(8 * replicas)) if st["healthy"]}
-        if len(seen - {gone}) >= replicas and gone not in seen:
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"replica {gone} not replaced within {RECOVERY_S:.0f} s")
-
-
-def inject(fault: str, session: Any, client: Any, stopped: list[int]) -> tuple[float, float]:
-    """Inject ``fault``: (its wall time, the replacement time it costs Serve)."""
     replica, at, started = session.groups()[NAME].replica, time.time(), time.monotonic()
     if fault in ("sigkill", "sigstop"):
-        pid = rank_pid(replica, 1)
+        actor = ray.get_actor(worker_name(NAME, replica, 1), namespace=WORKER_NAMESPACE)
+        pid = ray.get(actor.info.remote(), timeout=60)["pid"]
         if fault == "sigstop":
             stopped.append(pid)
         os.kill(pid, signal.SIGKILL if fault == "sigkill" else signal.SIGSTOP)
-        replaced(client, replica, 2, started)
+        while True:
+            seen = {st["replica"] for st in (client.status() for _ in range(16)) if st["healthy"]}
+            if len(seen) >= 2 and replica not in seen:
+                break
+            if time.monotonic() - started > RECOVERY_S:
+                raise TimeoutError(f"replica {replica} not replaced within {RECOVERY_S:.0f} s")
+            time.sleep(0.5)
     else:
         harness.deploy(app_args(2 if fault == "redeploy" else 1, 0.02), APP, "/")
     return at, time.monotonic() - started
