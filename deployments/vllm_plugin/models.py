@@ -170,7 +170,8 @@ def without_blocks(weights: Iterable[tuple[str, torch.Tensor]],
     return ((name, w) for name, w in weights if not any(m in "." + name for m in mine))
 
 
-def _native_block(block: tuple[str, str]) -> tuple[str, str]:
+def native_block(block: tuple[str, str]) -> tuple[str, str]:
+    """The (module, class name) of a native MoE block on this platform."""
     if block[0] != "<kimi_k3 stack>":
         return block
     from vllm.platforms import current_platform
@@ -185,7 +186,7 @@ def tier_model(name: str) -> type[nn.Module]:
     native_path, block = NATIVE[name]
     module_name, class_name = native_path.split(":")
     native = getattr(importlib.import_module(module_name), class_name)
-    block = _native_block(block)
+    block = native_block(block)
 
     def __init__(self: Any, *, vllm_config: Any, prefix: str = "") -> None:
         with tier_blocks(block) as built:

@@ -418,7 +418,7 @@ def test_aliases_subclass_the_native_class_and_replace_its_block(alias):
     native_path, block = models.NATIVE[name]
     module_name, class_name = native_path.split(":")
     assert issubclass(getattr(models, name), getattr(importlib.import_module(module_name), class_name))
-    module_name, block_name = models._native_block(block)
+    module_name, block_name = models.native_block(block)
     module = importlib.import_module(module_name)
     original = getattr(module, block_name)
     assert issubclass(original, nn.Module)
