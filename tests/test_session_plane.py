@@ -412,6 +412,21 @@ def test_elastic_idle_peer_sits_steps_out_and_rejoins_at_a_step_start(group):
     assert host.state(number)["failure"] is None
 
 
+def test_elastic_peer_that_says_it_is_idle_is_parked_without_the_wait(group):
+    host, computes = group
+    t, number = ticket(host, 2, idle_after_s=CALL_S)  # the longest wait: a parked-by-wait peer shows
+    with ThreadPoolExecutor(2) as pool:
+        a, b = in_step(host, number, t, pool)  # both active, at a step's start
+    assert b.idle()  # between its steps: sent
+    wait_for(lambda: host.state(number)["active"] == [0], "b parked by its notice")
+    assert steps(a, 0, 2) == 2  # a's steps start without waiting for b
+    state = host.state(number)
+    assert (state["idled"], state["parked"], state["failure"]) == (1, 0, None)
+    assert steps(b, 1, 1) == 1 and host.state(number)["active"] == [1]  # b's next step brings it back
+    with b.calling:  # a call in flight: the peer is busy, nothing is sent
+        assert not b.idle()
+
+
 def test_elastic_peer_killed_mid_step_leaves_the_others_serving(group):
     host, computes = group
     t, number = ticket(host, 2, idle_after_s=CALL_S)

@@ -201,13 +201,63 @@ def test_an_idle_peer_is_parked_at_a_step_start_and_comes_back_at_the_next():
     g.send(s, 1, step(1, first=True), 10.0)  # 0 is idle
     assert g.rules.next_deadline() == 10.0 + IDLE_S and g.rules.tick(10.0 + IDLE_S - 0.01) == []
     assert g.rules.tick(10.0 + IDLE_S) == []  # parked: nobody is told anything
-    assert s.active == {1} and list(g.rules.ready) == [s]
+    assert s.active == {1} and list(g.rules.ready) == [s] and s.parked == 1
     assert g.run(now=12.5) == [(s.number, 1, [1])]
     g.send(s, 0, step(1, first=True, last=True), 13.0)  # back, mid-step: held for the next start
     assert set(s.held) == {0}
     g.send(s, 1, step(2, last=True), 13.5)
     g.run(now=14.0)
     assert s.active == {0, 1} and set(s.pending) == {0}
+
+
+def idle(g: Group, s: SessionSteps, index: int, now: float) -> list:
+    return g.send(s, index, part(0, kind=Kind.IDLE), now)
+
+
+def test_a_peer_that_says_it_is_idle_is_parked_at_once_and_comes_back_with_its_next_step():
+    g = Group()
+    s = g.open(2, elastic=True)
+    start_step(g, s, [0, 1])
+    g.run(now=0.0)
+    assert idle(g, s, 0, 5.0) == []  # nobody is told anything; the parked count is the wait's
+    assert s.active == {1} and (s.idled, s.parked) == (1, 0)
+    g.send(s, 1, step(1, first=True, last=True), 10.0)
+    assert list(g.rules.ready) == [s]  # 1's step start waits for no one: no idle_after_s
+    assert g.run(now=10.0) == [(s.number, 1, [1])]
+    g.send(s, 0, step(1, first=True, last=True), 11.0)  # back: at the group's step start, in at once
+    g.send(s, 1, step(1, first=True, last=True), 11.0)
+    assert s.active == {0, 1} and g.run(now=11.0) == [(s.number, 1, [0, 1])]
+
+
+def test_an_idle_notice_that_comes_late_or_to_a_strict_session_changes_nothing():
+    g = Group()
+    s = g.open(2, elastic=True)
+    start_step(g, s, [0, 1])
+    g.run(now=0.0)
+    g.send(s, 0, step(1, first=True), 1.0)
+    idle(g, s, 0, 1.0)  # its next step's first layer came before the notice: it is busy
+    assert s.active == {0, 1} and set(s.pending) == {0}
+    g.send(s, 1, step(1, first=True), 1.0)
+    g.run(now=1.0)
+    idle(g, s, 1, 1.5)  # mid-step: its next layer is on its way
+    assert s.active == {0, 1} and s.idled == 0
+    g.send(s, 0, step(2, last=True), 2.0)
+    g.send(s, 1, step(2, last=True), 2.0)
+    assert g.run(now=2.0) == [(s.number, 2, [0, 1])]
+    strict = g.open(2)
+    assert idle(g, strict, 0, 3.0) == [] and not strict.ended and strict.idled == 0
+    assert g.rules.tick(2.0 + IDLE_S) == [] and s.parked == 0  # nobody waited out idle_after_s
+
+
+def test_a_waiting_step_start_runs_when_the_missing_peer_says_it_is_idle():
+    g = Group()
+    s = g.open(2, elastic=True)
+    start_step(g, s, [0, 1])
+    g.run(now=0.0)
+    g.send(s, 1, step(1, first=True, last=True), 1.0)
+    assert not g.rules.ready  # it waits for 0 (until 1.0 + idle_after_s)
+    idle(g, s, 0, 1.2)
+    assert list(g.rules.ready) == [s] and g.run(now=1.2) == [(s.number, 1, [1])]
 
 
 def test_a_mid_step_peer_silent_for_the_call_bound_is_dropped_and_the_layer_runs():

@@ -55,6 +55,7 @@ class Kind(enum.IntEnum):
     PING = 10  # rank 0 -> other rank, between batches while idle: are you there?
     PONG = 11  # other rank -> rank 0: the answer to a PING
     EVENT = 12  # rank 0 -> the replica's watcher: a session or group event; text: JSON
+    IDLE = 13  # peer -> rank 0, between its steps: it has no step to run now (no answer)
 
 
 WITH_LOGITS = 1  # flags of a FORWARD or BATCH: a LOGITS message follows

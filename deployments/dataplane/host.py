@@ -149,7 +149,8 @@ class HostedSession:
         steps = self.steps
         return {"session": steps.number, "name": steps.name, "peers": steps.peers, "joined": steps.joined(),
                 "layers": self.layers, "waiting_for": steps.waiting_for(), "elastic": steps.elastic,
-                "active": sorted(steps.active) if steps.elastic else None, "ended": steps.ended,
+                "active": sorted(steps.active) if steps.elastic else None, "parked": steps.parked,
+                "idled": steps.idled, "ended": steps.ended,
                 "failure": None if steps.failure is None else steps.failure.value,
                 "max_tokens": self.max_tokens, "linger_s": steps.linger_s, **self.counts.to_dict()}
 

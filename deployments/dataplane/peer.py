@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -149,6 +150,7 @@ class Peer:
         if device is not None:
             check_channels(ticket, device)
         self.closed: str | None = None
+        self.calling = threading.Lock()  # held through a call (:meth:`idle` from another thread)
         self.groups = {g.deployment: g for g in ticket.groups}  # the group serving each, now
         self.socks: dict[str, socket.socket] = {}
         self.channels: dict[str, Any] = {}  # deployment -> its device channel
@@ -184,6 +186,11 @@ class Peer:
                      ) -> tuple[WireTensor | DeviceRows, str]:
         """:meth:`forward` on wire rows: ``(this peer's output rows, tail)``. A failed group is left
         for another (the module doc) until the ticket's ``move_s``; then its failure is raised."""
+        with self.calling:
+            return self._forward_wire(x, layer, router_logits)
+
+    def _forward_wire(self, x: WireTensor | DeviceRows, layer: int, router_logits: np.ndarray | None
+                      ) -> tuple[WireTensor | DeviceRows, str]:
         g = self._group(layer)
         flags = self.bounds.get(layer, 0) | (frames.WITH_LOGITS if router_logits is not None else 0)
         deadline = None
@@ -226,15 +233,33 @@ class Peer:
     def fail(self, layer: int, message: str) -> SessionError:
         """Take part in ``layer`` with this peer's own failure (``message``): the layer ends for every
         peer with ``Failure.PEER_FAILED`` naming this one; returns that error."""
-        g = self._group(layer)
-        with contextlib.suppress(OSError, KeyError):
-            frames.send(self.socks[g.deployment], Kind.FAIL, flags=self.bounds.get(layer, 0),
-                        index=self.index, layer=layer, text=message)
+        with self.calling:
+            g = self._group(layer)
+            with contextlib.suppress(OSError, KeyError):
+                frames.send(self.socks[g.deployment], Kind.FAIL, flags=self.bounds.get(layer, 0),
+                            index=self.index, layer=layer, text=message)
+            try:
+                self._answer(g, layer)
+            except SessionError as e:
+                return e
+            return SessionError(Failure.PEER_FAILED, message, self.index, g.replica)
+
+    def idle(self) -> bool:
+        """Tell the session this peer has no step to run now: an elastic session parks it at once,
+        not after ``idle_after_s`` (``steps``); its next step's first layer brings it back. Between
+        steps only: from another thread while a call is in flight it sends nothing (the peer is
+        busy, not idle). Whether it was sent."""
+        if not self.calling.acquire(blocking=False):
+            return False
         try:
-            self._answer(g, layer)
-        except SessionError as e:
-            return e
-        return SessionError(Failure.PEER_FAILED, message, self.index, g.replica)
+            if self.closed is not None:
+                return False
+            for sock in self.socks.values():
+                with contextlib.suppress(OSError):  # a failed group: the next call finds out and moves
+                    frames.send(sock, Kind.IDLE, index=self.index)
+            return True
+        finally:
+            self.calling.release()
 
     def _group(self, layer: int) -> GroupEndpoint:
         if self.closed is not None:

@@ -20,7 +20,8 @@ come, go and idle without holding the others up. Peers mark the first and last l
 step (``frames.NEW_STEP``, ``END_STEP``). A layer waits only for the *active* peers: those that
 took part in the group's current step. At a step's start, an active peer that has not sent within
 ``idle_after_s`` of the first sits the step out (it is *parked*: 0 rows, as a data-parallel
-engine's dummy batch would send); a parked or newly joined peer's first layer is *held* until the
+engine's dummy batch would send); a peer that says it is idle (``Kind.IDLE``, between its steps)
+is parked at once, without that wait; a parked or newly joined peer's first layer is *held* until the
 group's next step start, so the group never mixes steps. Mid-step, a peer silent for the call
 bound, a peer whose connection closes and a peer out of step are dropped alone (told why); its
 slot can be joined again. A FAIL fails only its own peer's layer.
@@ -112,6 +113,8 @@ class SessionSteps:
     at_boundary: bool = True  # elastic: the group's next layer starts a step
     first_at: float = 0.0  # when the pending layer's first part came
     last_at: float = 0.0  # when the last layer was answered
+    parked: int = 0  # elastic: peers parked after idle_after_s (the others waited that long)
+    idled: int = 0  # elastic: peers that said they were idle at a step's start (parked without a wait)
     ended: str | None = None
     failure: Failure | None = None
 
@@ -222,6 +225,8 @@ class StepRules:
     def receive(self, session: SessionSteps, index: int, part: Part, now: float) -> list[Effect]:
         """Peer ``index`` sent ``part`` (any message other than its device channel's opening)."""
         frame = part[0]
+        if frame.kind is Kind.IDLE:
+            return self.idle(session, index)
         who = f"peer {index} of session {session.name!r}"
         twice = index in session.pending or index in session.held
         if frame.kind not in (Kind.FORWARD, Kind.FAIL) or twice:
@@ -243,6 +248,18 @@ class StepRules:
             session.first_at = now
         session.pending[index] = part
         self._queue_if_complete(session)
+        return []
+
+    def idle(self, session: SessionSteps, index: int) -> list[Effect]:
+        """Peer ``index`` says it has no step to run (elastic): at a step's start it sits the group's
+        steps out at once, as it would after ``idle_after_s``. Anywhere else it changes nothing: a
+        strict session's peers all step, and a peer whose next layer came, or that is mid-step,
+        is busy again (the notice was late)."""
+        late = index in session.pending or index in session.held or not session.at_boundary
+        if session.elastic and not late and index in session.active:
+            session.active.discard(index)
+            session.idled += 1
+            self._queue_if_complete(session)
         return []
 
     def fault(self, session: SessionSteps, index: int, failure: Failure, reason: str,
@@ -322,6 +339,7 @@ class StepRules:
             layer = next(iter(session.pending.values()))[0].layer
             if session.elastic and session.at_boundary:  # idle: they sit this step out
                 session.active -= set(missing)
+                session.parked += len(missing)
                 self._queue_if_complete(session)
             elif session.elastic:
                 for i in missing:

@@ -193,7 +193,7 @@ class GroupSessions:
 def _public(state: dict[str, Any]) -> dict[str, Any]:
     """A session's state as ``status()`` shows it."""
     keys = ("joined", "layers", "forwards", "steps", "parts", "rows", "busy_s", "waiting_for", "active",
-            "ended", "failure")
+            "parked", "idled", "ended", "failure")
     out = {k: state[k] for k in keys if k in state}
     out["rows_per_forward"] = round(state["rows"] / state["forwards"], 2) if state.get("forwards") else None
     return out
