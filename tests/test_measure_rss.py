@@ -1,4 +1,5 @@
-"""scripts/bench/measure_rss.py counts the whole process tree, grandchildren included.
+"""scripts/bench/rss.py (``python -m scripts.bench.rss``) counts the whole process tree, grandchildren
+included.
 
 The child starts a grandchild that touches 64 MiB of anonymous memory and says so on stdout, then
 both wait for stdin to close: the test samples at that moment (no timing involved).
@@ -49,7 +50,7 @@ def test_sampler_sums_the_tree_including_a_grandchild() -> None:
 
 def test_cli_passes_the_exit_status_and_writes_the_measurement(tmp_path) -> None:
     out = tmp_path / "rss.json"
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench.measure_rss", "--json", str(out), "--",
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.rss", "--json", str(out), "--",
                            sys.executable, "-c", "import sys; sys.exit(3)"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 3 and "peak anon+shmem RSS of the process tree" in proc.stderr

@@ -1,18 +1,14 @@
-"""The data plane against the transport's own floor, in one run (the page says how to read it): A
-workers step --layers MoE layers of the tiny preset on one TP --tp deployment per (A, T) as one
-session's peers, each on a lane of its own, through ``MoEClient.forward`` and over raw TCP; and a
-lane's per-layer call at A = 1 against the in-process forward.
+"""The data plane against the transport's own floor (the page says how to read it): A workers step
+--layers MoE layers of the tiny preset as one session's peers, each on a lane of its own, through
+``MoEClient.forward`` and over raw TCP; and a lane's per-layer call at A = 1 against the in-process forward.
 
     python -m scripts.bench.dataplane            # A = 1 2 4 8, T = 1 4 32: ~12 min on 2 cores
     python -m scripts.bench.dataplane --quick    # A = 1 4, T = 4 (a smoke run)
-
-Targets: A = 1, T = 1: lane call p50 - in-process forward <= 0.5 ms; A = 4, T = 4: session
-worker-steps/s >= 2x own_sessions; group forwards per session step = MoE layers; every session step
-bit-equal to the Serve path's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -43,14 +39,14 @@ TARGETS = {"call_over_inprocess_ms": 0.5, "m4_vs_own_sessions": 2.0}
 MODES = ("session", "own_sessions", "serve", "floor")
 
 
-def cli_forward_ms(checkpoint: str | Path, layer: int, tp: int, T: int, repeat: int,
-                   tail: str | None = None) -> dict[str, Any]:
-    """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) of ``layer``
+def cli_forward_ms(checkpoint: str | Path, tp: int, T: int, repeat: int) -> dict[str, Any]:
+    """The median forward of ``python -m moe_runtime forward`` (local gloo ranks, no Ray) of ``CALL_LAYER``
     at TP ``tp`` on ``T`` seeded float32 rows (seed ``T``, as ``harness.seeded_randn``), ``repeat`` times."""
+    layer = CALL_LAYER
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "moe_runtime", "forward", "--checkpoint", str(checkpoint), "--layer",
                str(layer), "--tp", str(tp), "--dtype", "float32", "--random-input", str(T), "--seed", str(T),
-               "--repeat", str(repeat), *(["--tail", tail] if tail else []),
+               "--repeat", str(repeat), *(["--tail", "sharded"] if tp > 1 else []),
                "--output", f"{tmp}/out.safetensors"]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     m = re.search(r"^forward ms: first [\d.]+, median ([\d.]+) over \d+$", out, re.M)
@@ -87,7 +83,7 @@ class SyntheticWorker(RowsWorker):
         call = lane.forward if lane is not None else client.forward
         steps: list[float] = []
         began, deadline = None, math.inf
-        try:
+        with lane or contextlib.nullcontext():
             for i in itertools.count():  # the first ``warmup`` steps untimed
                 start, at = time.perf_counter(), time.monotonic()
                 self.start(None)
@@ -102,9 +98,6 @@ class SyntheticWorker(RowsWorker):
                     break
             window = [began, time.monotonic()]
             counts = lane.status()["deployments"] if lane is not None else {}
-        finally:
-            if lane is not None:
-                lane.close()
         return {"steps": steps, "window": window,
                 "lane_calls": sum(c["session_calls"] for c in counts.values()),
                 "serve_calls": sum(c["serve_calls"] for c in counts.values())}
@@ -220,8 +213,7 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
 
     for _ in range(rounds):
         for T in tokens:
-            tail = "sharded" if tp > 1 else None
-            out[T]["cli"].append(cli_forward_ms(ckpt, CALL_LAYER, tp, T, per_round, tail))
+            out[T]["cli"].append(cli_forward_ms(ckpt, tp, T, per_round))
         before = counters(client)
         with client.lane(max_tokens=max(tokens), name="bench-calls") as lane:
             times = harness.time_interleaved({T: lambda T=T: call(lane, T) for T in tokens}, per_round)
@@ -244,9 +236,8 @@ def measure_calls(client: Any, ckpt: Path, tp: int, tokens: list[int], calls: in
             got["on_lane"] &= on_lane
     for got in out.values():
         times = got.pop("times")
-        got.update(lane=harness.latency_ms(times), calls=len(times),
-                   inprocess_ms=statistics.median(c["median_ms"] for c in got["cli"]),
-                   over_inprocess_ms=statistics.median(got["paired_ms"]))
+        got.update(lane=harness.latency_ms(times), calls=len(times), over_inprocess_ms=statistics.median(
+            got["paired_ms"]), inprocess_ms=statistics.median(c["median_ms"] for c in got["cli"]))
     return out
 
 
@@ -280,8 +271,7 @@ def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     m4 = verdict(s4 and o4 and s4["worker_steps_per_s"] / o4["worker_steps_per_s"], ">=",
                  TARGETS["m4_vs_own_sessions"])
     for v, valid in ((call, one and one["valid"]), (m4, s4 and s4.get("valid", True))):
-        if v["met"] and not valid:
-            v["met"] = False
+        v["met"] = v["met"] and bool(valid)
     return {"call_over_inprocess": call, "m4_vs_own_sessions": m4,
             "forwards_per_step": verdict(max(abs(r["forwards_per_step"] - results["layers"])
                                              for r in sessions), "<=", 0.0),

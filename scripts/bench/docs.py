@@ -209,15 +209,3 @@ def render_section(json_path: Path, markdown: Markdown, targets: Targets, pages:
     print("\n" + section)
     publish(section, name, targets(results), results["machine"], pages, machine)
     return section
-
-
-def write_results(results: dict[str, Any], out_dir: Path, name: str,
-                  plot: Callable[[dict[str, Any], Path], None] | None, markdown: Markdown,
-                  targets: Targets, pages: str | Path | None) -> str:
-    """``{name}.json`` (and ``{name}.png`` when ``plot``) under ``out_dir``, then its page part."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{name}.json"
-    json_path.write_text(json.dumps(results, indent=1) + "\n")
-    if plot is not None:
-        plot(results, json_path.with_suffix(".png"))
-    return render_section(json_path, markdown, targets, pages, name, results)

@@ -194,15 +194,13 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = harness.bench_parser(__doc__, "experts")
-    ap.add_argument("--checkpoint", type=Path, help="checkpoint folder (written there from --preset if it "
-                    "does not exist; default: the --preset checkpoint under checkpoints/)")
+    ap.add_argument("--checkpoint", type=Path, help="default: checkpoints/PRESET; written where missing")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--layer", type=int, help="MoE layer to load (default: the first)")
     ap.add_argument("--tokens", default="16,512,4096", help="comma-separated token counts")
     ap.add_argument("--dtypes", default="float32", help=f"comma-separated, from {list(DTYPES)}")
     ap.add_argument("--formats", default="dense", help=f"experts formats, comma-separated, from {FORMATS}")
-    ap.add_argument("--naive-max-tokens", type=int, default=256,
-                    help="time the naive loop on at most this many tokens and scale by T / n")
+    ap.add_argument("--naive-max-tokens", type=int, default=256, help="tokens the naive loop times (x T / n)")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds of timed calls per measurement")
     ap.add_argument("--min-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
@@ -214,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    ckpt = harness.ensure_checkpoint(args.checkpoint, args.preset) if args.checkpoint else \
-        harness.preset_checkpoint(args.preset)
+    ckpt = harness.ensure_checkpoint(args.checkpoint or harness.CHECKPOINTS / args.preset, args.preset)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = args.layer if args.layer is not None else cfg.moe_layers[0]
     info, rows, snap0 = machine_info(device), [], cpu_snapshot()

@@ -8,6 +8,7 @@ each peer its slice: blocking reads, TCP_NODELAY, spawned processes importing nu
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import queue
 import socket
@@ -32,13 +33,7 @@ def _bytes(a: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
 
 
-def _read(sock: socket.socket, size: int) -> bytearray:
-    buf = bytearray(size)
-    _exact(sock, memoryview(buf))
-    return buf
-
-
-def _exact(sock: socket.socket, view: memoryview) -> None:
+def _exact(sock: socket.socket, view: memoryview) -> memoryview:
     # deployments.dataplane.frames reads the same way; the floor imports nothing of the project
     got = 0
     while got < len(view):
@@ -46,6 +41,11 @@ def _exact(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError("closed")
         got += n
+    return view
+
+
+def _read(sock: socket.socket, size: int) -> memoryview:
+    return _exact(sock, memoryview(bytearray(size)))
 
 
 def _send(sock: socket.socket, layer: int, rows: np.ndarray, stop: int = 0) -> None:
@@ -88,8 +88,8 @@ def _rank0(ports, peers: int, ranks: int, cols: int, layers: int, steps: int, mi
         else:
             links.append(sock)
     empty = np.empty((0, cols), np.float32)
-    done, timed_from, busy_from = 0, None, None
-    while True:
+    timed_from = busy_from = None
+    for done in itertools.count():
         if done == warmup:
             timed_from, busy_from = time.perf_counter(), busy_cpu_s()
         for layer in range(layers):
@@ -99,13 +99,11 @@ def _rank0(ports, peers: int, ranks: int, cols: int, layers: int, steps: int, mi
                 _send(link, layer, batch)
             for link in links:
                 _recv(link, cols)
-            last = layer + 1 == layers
-            stop = int(last and done + 1 >= warmup + steps and timed_from is not None
+            stop = int(layer + 1 == layers and done + 1 >= warmup + steps and timed_from is not None
                        and time.perf_counter() - timed_from >= min_time_s)
             for sock, piece in zip(peer_socks, np.split(batch, np.cumsum([len(p) for p in parts])[:-1]),
                                    strict=True):
                 _send(sock, layer, piece, stop)
-        done += 1
         if stop:
             break
     busy, wall = busy_cpu_s(), time.perf_counter() - timed_from
@@ -146,10 +144,9 @@ def echo_floor(peers: int, tokens: int, hidden: int = 128, layers: int = 1, rank
     ``min_time_s`` seconds after ``warmup`` untimed ones), and the machine's busy cores meanwhile."""
     ctx = multiprocessing.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
-    rank0 = ctx.Process(target=_rank0, args=(ports, peers, ranks, hidden, layers, min_steps, min_time_s,
-                                             warmup, results), daemon=True)
-    rank0.start()
-    procs = [rank0]
+    procs = [ctx.Process(target=_rank0, args=(ports, peers, ranks, hidden, layers, min_steps, min_time_s,
+                                              warmup, results), daemon=True)]
+    procs[0].start()
     try:
         port = ports.get(timeout=timeout_s)
         procs += [ctx.Process(target=_echo_rank, args=(port, r, hidden), daemon=True)

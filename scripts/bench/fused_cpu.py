@@ -2,9 +2,6 @@
 packed codes, ``--experts`` of them walked per call so the weights come from memory): the AVX2 build,
 the fused build this CPU gets and the batched path, against memcpy and torch's dense bf16 GEMM, per T
 and thread count. The page says more.
-
-Targets: best packed path's packed GB/s >= 0.9 x memcpy at T = 1; >= 0.5 x torch's bf16 GFLOP/s at
-T >= 64.
 """
 
 from __future__ import annotations
@@ -99,10 +96,9 @@ def row_cells(r: dict) -> list:
 
 def markdown(results: dict, json_rel: str, png_rel: str) -> str:
     per_expert, n = results["packed_bytes_per_expert"], results["experts"]
+    what = f"fused kernel build {results['isa']}; torch's bf16 GEMM on {results['gemm_engine']}"
     return "\n".join([
-        section_start(SECTION, "fused_cpu", results["argv"], results["machine"],
-                      f"fused kernel build {results['isa']}; torch's bf16 GEMM on {results['gemm_engine']}",
-                      json_rel, png_rel), "",
+        section_start(SECTION, "fused_cpu", results["argv"], results["machine"], what, json_rel, png_rel), "",
         f"{per_expert / 1e6:.1f} MB packed per expert; every timed call at T <= 64 walks {n} of them "
         f"({n * per_expert / 1e9:.2f} GB; 2 above T = 64). Rows marked * ran contended.", "",
         *table("threads | T | memcpy GB/s | avx2 ms | avx2 % memcpy | fused ms | fused % memcpy | batched ms "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import platform
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import ROOT
-from .docs import PAGES, write_results
+from .docs import PAGES, render_section
 
 CHECKPOINTS = ROOT / "checkpoints"
 
@@ -92,15 +93,31 @@ def model_record(cfg: Any) -> dict[str, int]:
 
 def report(args: argparse.Namespace, results: dict[str, Any], machine: dict[str, Any], markdown: Any,
            index_rows: Any, plot: Any = None, ok: bool = True, verdicts: Any = None) -> int:
-    """Write ``results`` (with the command and ``machine``, the load after added), its page and index
-    rows (``docs.write_results``): exit status 1 where not ``ok`` or, given ``verdicts`` (results ->
-    verdicts, kept under ``verdicts``), where one is not met."""
+    """Write ``results`` (with the command and ``machine``, the load after added) as NAME.json under
+    ``--out`` (NAME.png: ``plot``), then its page and index rows: exit status 1 where not ``ok`` or,
+    given ``verdicts`` (results -> verdicts, kept under ``verdicts``), where one is not met."""
     if verdicts is not None:
         results["verdicts"] = verdicts(results)
         ok = ok and all(v["met"] for v in results["verdicts"].values())
     results.update(argv=args.argv, machine=dict(machine, loadavg_after=loadavg()))
-    write_results(results, args.out, args.bench, plot, markdown, index_rows, args.docs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{args.bench}.json"
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    if plot is not None:
+        plot(results, json_path.with_suffix(".png"))
+    render_section(json_path, markdown, index_rows, args.docs, args.bench, results)
     return 0 if ok else 1
+
+
+def rank_runner(comm: Any, checkpoint: str | Path, layer: int, tail: str, dtype: Any, **options: Any) -> Any:
+    """This rank's runner of ``layer`` (``tp.runner.build_rank_runners``), ``tail`` resolved for its group."""
+    from moe_runtime.config import LatentMoEConfig
+    from moe_runtime.tp.plan import resolve_tail
+    from moe_runtime.tp.runner import build_rank_runners
+
+    cfg = LatentMoEConfig.from_pretrained(checkpoint)
+    plan = resolve_tail(tail, cfg, comm.world)
+    return build_rank_runners(checkpoint, cfg, [layer], comm, plan, dtype=dtype, **options)[layer]
 
 
 def synchronizer(device: Any) -> Callable[[], None] | None:

@@ -58,10 +58,9 @@ def index_rows(results: dict) -> list[Target]:
 
 def markdown(results: dict, json_path: str, png_path: str) -> str:
     sizes = ("forward_peak_growth_bytes", "activation_allowance_bytes", "workspace_bytes")
+    what = f"preset `{results['preset']}`, TP 1, one fresh process per row, 1 torch thread"
     return "\n".join([
-        section_start(SECTION, "memory", results["argv"], results["machine"],
-                      f"preset `{results['preset']}`, TP 1, one fresh process per row, 1 torch thread",
-                      json_path), "",
+        section_start(SECTION, "memory", results["argv"], results["machine"], what, json_path), "",
         *table("checkpoint | held | dtype | T | weights = plan | forward peak MB | allowance MB "
                "| workspace MB | ratio (peak / allowance)",
                ([r["checkpoint_format"], r["experts_held"], r["dtype"], r["tokens"], r["weights_exact"],

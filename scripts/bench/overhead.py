@@ -2,9 +2,6 @@
 checkpoint, TP 1 and 2, T in {1, 16, 128}, one call in flight, in rounds.
 
     python -m scripts.bench.overhead        # ~3 minutes on 2 cores
-
-Targets, every (TP, T) row: direct <= in-process + serve_actorP floor + 1.5 ms; app <= direct + 1 ms;
-HTTP <= direct + 3 ms.
 """
 
 from __future__ import annotations
@@ -27,21 +24,15 @@ APP, FLOOR_APP = "overhead", "floors"
 LAYER = 1
 TPS = (1, 2)
 SIZES = (1, 16, 128)  # within max_batch_tokens (2048) and max_tokens_per_request (8192)
-TARGETS_MS = {"direct_over_floor": 1.5, "app_over_direct": 1.0, "http_over_direct": 3.0}
-TARGET_TEXT = {"direct_over_floor": "direct - in-process forward - floor", "app_over_direct": "app - direct",
-               "http_over_direct": "HTTP - direct"}
+TARGETS_MS = {"direct_over_floor": (1.5, "direct - in-process forward - floor"),
+              "app_over_direct": (1.0, "app - direct"), "http_over_direct": (3.0, "HTTP - direct")}
 TIMEOUT_S = 120  # per call: a busy shared machine can stall one for longer than Ray's defaults (10 s)
 SECTION = "# Serve-path overhead (scripts/bench/overhead.py)"
 
 
 def _inprocess_rank(comm: Collectives, checkpoint: str, calls: int) -> dict[int, list[float]]:
-    from moe_runtime.tp.plan import resolve_tail
-    from moe_runtime.tp.runner import build_rank_runners
-
-    cfg = LatentMoEConfig.from_pretrained(checkpoint)
-    runner = build_rank_runners(checkpoint, cfg, [LAYER], comm, resolve_tail("auto", cfg, comm.world),
-                                dtype=torch.float32)[LAYER]
-    inputs = {T: harness.seeded_randn(T, cfg.hidden_size, seed=T) for T in SIZES}
+    runner = harness.rank_runner(comm, checkpoint, LAYER, "auto", torch.float32)
+    inputs = {T: harness.seeded_randn(T, runner.cfg.hidden_size, seed=T) for T in SIZES}
     with torch.inference_mode():
         return {T: harness.time_calls(lambda x=x: runner.forward(x), calls, warmup=10)
                 for T, x in inputs.items()}
@@ -125,7 +116,7 @@ def overheads(paths: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
 def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per target: every (TP, T) row's verdict; met only when every row met, the worst row named."""
     out = {}
-    for key, limit in TARGETS_MS.items():
+    for key, (limit, _) in TARGETS_MS.items():
         rows = [dict(verdict(r[f"{key}_ms"], "<=", limit), tp=r["tp"], T=r["T"])
                 for r in results["overheads"]]
         out[key] = {"rows": rows, "met": all(v["met"] for v in rows), "target": f"<= {limit} ms",
@@ -134,20 +125,17 @@ def targets(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def index_rows(results: dict[str, Any]) -> list[Target]:
-    return [Target(f"{TARGET_TEXT[key]} {t['target']}, every (TP, T) row",
+    return [Target(f"{TARGETS_MS[key][1]} {t['target']}, every (TP, T) row",
                    f"worst {t['worst']['value']:+.2f} ms (TP {t['worst']['tp']}, T = {t['worst']['T']})",
                    t["met"]) for key, t in targets(results).items()]
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     m, keys = results["machine"], ("inprocess", "direct", "app", "http", "floor")
+    what = (f"`tiny` preset (H = {m['hidden_size']}), float32, layer {LAYER}; {m['calls_per_path']} calls "
+            f"per path in {m['rounds']} interleaved rounds, one request in flight")
     return "\n".join([
-        section_start(SECTION, "overhead", results["argv"], m,
-                      f"`tiny` preset (H = {m['hidden_size']}), float32, layer {LAYER}; "
-                      f"{m['calls_per_path']} calls per path in {m['rounds']} interleaved rounds, one "
-                      "request in flight",
-                      json_path),
-        "", "Per call, ms:", "",
+        section_start(SECTION, "overhead", results["argv"], m, what, json_path), "", "Per call, ms:", "",
         *table("path | p50 ms | p90 ms | p99 ms",
                ([k, *(f"{v[q]:.2f}" for q in ("p50_ms", "p90_ms", "p99_ms"))]
                 for k, v in results["paths"].items()), "lrrr"),

@@ -1,13 +1,8 @@
-"""What an app's replicas cost to start and to keep: ours against Ray Serve's floor, side by side. In
-turns (``--reps`` rounds), each app deployed, called once over HTTP, its two replicas measured (CPU
-time since start, RSS and PSS), then deleted: ``ours`` (ingress + one TP-1 group, tiny checkpoint),
-``floor`` (a FastAPI ingress passing the body to a trivial backend) and ``floor_torch`` (the same,
-both replicas importing torch). The page says more.
+"""What an app's replicas cost to start and to keep, CPU time and memory: ours (ingress + one TP-1 group,
+tiny checkpoint) against Ray Serve's floor (``floor``, and ``floor_torch`` importing torch), deployed,
+called and measured in turns, ``--reps`` rounds. The page says more.
 
     python -m scripts.bench.replicas        # ~1 minute on 2 cores
-
-Targets (medians): each of ours uses <= 0.5 CPU-s more than its counterpart in the floor and holds
-<= 30 MB more PSS; against ``floor_torch``, each of ours uses less CPU and holds less PSS.
 """
 
 import statistics
@@ -85,7 +80,7 @@ def per_round(results: dict[str, Any], role: str, metric: str) -> dict[str, list
 
 
 def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The targets of the module docstring, from the medians of the measured rounds."""
+    """Ours against each floor, role by role, from the medians of the measured rounds."""
     out = {}
     for role in ROLES:
         cpu, pss = ({n: statistics.median(v) for n, v in per_round(results, role, m).items()}

@@ -2,14 +2,22 @@
 ``rss`` (RssAnon + RssShmem, what the kernel cannot drop; a page mapped by several processes counts in
 each, an upper bound) and ``pss`` (Pss_Anon + Pss_Shmem, shared pages divided among their mappers).
 Page cache (a checkpoint read through mmap) is not counted: it is reclaimable and not the tree's.
+Run as a script, it runs a command, samples its tree and prints the peak (and writes it to ``--json``):
+
+    python -m scripts.bench.rss [--interval 0.2] [--json OUT] -- python -m moe_runtime forward ...
+
+The exit status is the command's.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -139,3 +147,26 @@ def measure(cmd: list[str], interval_s: float = 0.2, **popen: Any) -> tuple[int,
         rc = proc.wait()
     return rc, {"command": cmd, "exit": rc, "seconds": round(time.perf_counter() - start, 2),
                 "loadavg_before": load_before, "loadavg_after": loadavg(), **sampler.to_dict()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv or argv[-1] == "--":
+        print(__doc__, file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
+    ap.add_argument("--json", type=Path, help="also write the measurement here")
+    args = ap.parse_args(argv[:argv.index("--")])
+    rc, result = measure(argv[argv.index("--") + 1:], args.interval)
+    print(f"peak anon+shmem RSS of the process tree: {result['peak_rss_gb']:.3f} GB "
+          f"(PSS {result['peak_pss_gb']:.3f} GB; {result['samples']} samples every {args.interval} s, "
+          f"up to {result['max_processes']} processes; command exit {rc})", file=sys.stderr)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,13 +1,9 @@
-"""Serving benchmark: closed-loop load on a local Serve app vs the in-process TP runner. Two TP-2
-deployments, ``batched`` (--max-batch-tokens) and ``unbatched`` (16), driven by N closed-loop clients
-through a ``handle``, the ``app``'s ingress and ``http``: tokens/s, requests/s, p50/p99; and the same
-batch sizes on the in-process runner (``local_group`` ranks, no Ray) in the same run.
+"""Serving benchmark: closed-loop load on a local Serve app (TP-2 deployments ``batched`` and
+``unbatched``; through a ``handle``, the ``app``'s ingress and ``http``) vs the in-process TP runner
+at the same batch sizes, in the same run. The page says more.
 
     python -m scripts.bench.serve                    # small preset, a few minutes on 2 cores
     python -m scripts.bench.serve --quick            # shorter windows, fewer scenarios
-
-Targets: handle path at 2048-token requests >= 0.8 x in-process throughput; 32 concurrent
-16-token clients with batching >= 3 x the throughput of max_batch_tokens = 16.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ import torch
 from moe_runtime.config import LatentMoEConfig
 from moe_runtime.tp.collectives import Collectives
 from moe_runtime.tp.local_group import run_local_group
+from moe_runtime.units import torch_dtype
 
 from . import harness
 from .docs import Target, section_start, table, target, verdict, verdict_text
@@ -35,17 +32,10 @@ LAYER = 1
 def _inprocess_rank(comm: Collectives, checkpoint: str, tail: str, dtype: str, sizes: list[int],
                     min_time_s: float) -> dict[int, float]:
     """Seconds per forward at each T on this rank (identical iteration counts on every rank)."""
-    from moe_runtime.tp.plan import resolve_tail
-    from moe_runtime.tp.runner import build_rank_runners
-    from moe_runtime.units import torch_dtype
-
-    cfg = LatentMoEConfig.from_pretrained(checkpoint)
-    runner = build_rank_runners(checkpoint, cfg, [LAYER], comm, resolve_tail(tail, cfg, comm.world),
-                                dtype=torch_dtype(dtype))[LAYER]
-    out = {}
+    runner, out = harness.rank_runner(comm, checkpoint, LAYER, tail, torch_dtype(dtype)), {}
     with torch.inference_mode():
         for T in sizes:
-            x = harness.seeded_randn(T, cfg.hidden_size, seed=T, dtype=torch_dtype(dtype))
+            x = harness.seeded_randn(T, runner.cfg.hidden_size, seed=T, dtype=torch_dtype(dtype))
             runner.forward(x)  # warm-up
             start = time.perf_counter()
             runner.forward(x)
@@ -115,13 +105,11 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     env, t, mbt = results["machine"], results["targets"], results["max_batch_tokens"]
     nice0 = t.get("batching_speedup_nice0")
+    what = (f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on "
+            f"logical GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, TP "
+            f"ranks +{env['worker_nice_increment']}; closed loop, {env['duration_s']} s per row")
     return "\n".join([
-        section_start(
-            SECTION, "serve", results["argv"], env,
-            f"`{env['preset']}` preset (H={env['hidden_size']}), {env['dtype']}, TP {env['tp_size']} on "
-            f"logical GPUs (gloo), tail `{env['tail']}`, Ray worker niceness {env['worker_niceness']}, "
-            f"TP ranks +{env['worker_nice_increment']}; closed loop, {env['duration_s']} s per row",
-            json_path),
+        section_start(SECTION, "serve", results["argv"], env, what, json_path),
         "", "In-process runner (moe_runtime `local_group`, no Ray), same TP size and batch sizes:", "",
         *table("T (tokens/forward) | forward ms | tokens/s",
                ([T, f"{r['forward_ms']:.1f}", f"{r['tokens_per_s']:.0f}"]
@@ -215,11 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--large-clients", type=int, default=2)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--duration", type=float, default=15.0, help="seconds per closed-loop row")
-    ap.add_argument("--worker-niceness", type=int, default=0, help="niceness of every Ray worker (Ray's "
-                    "default is 15; the driver and the in-process baseline run at 0)")
-    ap.add_argument("--worker-nice-increment", type=int, default=10, help="the TP ranks' "
-                    "DeploymentSpec.worker_nice_increment (CPU serving); the batching pair is measured "
-                    "again at 0 for comparison")
+    ap.add_argument("--worker-niceness", type=int, default=0, help="every Ray worker's (Ray's default: 15)")
+    ap.add_argument("--worker-nice-increment", type=int, default=10,
+                    help="the TP ranks' worker_nice_increment; the batching pair is measured again at 0")
     args = ap.parse_args(argv)
     if args.quick:
         args.duration = min(args.duration, 5.0)

@@ -1,6 +1,5 @@
 """One served layer end to end: ``serve run`` of a generated config, time to ready, one POST, its
-error against the CLI (``python -m moe_runtime forward``, same seeded input, TP size and dtype) and
-both process trees' peak memory (``bench.rss``). The page says more.
+error against the CLI (same seeded input, TP size and dtype) and both process trees' peak memory.
 
     python -m scripts.bench.served_real --preset tiny --tp 2            # seconds of compute, ~1-2 min
     python -m scripts.bench.served_real --checkpoint /work/ckpt/k3-1layer --tp 2 --dtype bfloat16 \\

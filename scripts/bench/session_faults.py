@@ -1,8 +1,6 @@
 """Session faults: a strict session's peers (4, 2 of them processes without Ray) step on through four
 faults in a row on 2 replicas of TP 2 -- rank 1 SIGKILLed, rank 1 of the next replica SIGSTOPped, a
-redeploy, a scale-down -- each checking every answer (a lane is a session of one peer). The page
-says more. Targets per fault: no caller error, step lost or wrong output; the worst step at most
-the call bound plus the replacement time measured here.
+redeploy, a scale-down -- each checking every answer. The page says more.
 
     python -m scripts.bench.session_faults     # tiny checkpoint, about 2 minutes on 2 cores
 """
@@ -123,11 +121,10 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str | None) -> s
     rows = [[name, f"{f['worst_step_s'] or 0:.2f} s", f"{f['replace_s']:.1f} s", f"{f['all_back_s']:.2f} s",
              str(f["steps"])] for name, f in results["faults"].items()]
     moves = ", ".join(f"{m['why']} {m['seconds']:.2f} s" for m in results["moves_of_peer_0"])
+    head = "fault | worst step | replacement | every peer stepped again after | steps in window"
     return "\n".join([
         section_start(SECTION, "session_faults", results["argv"], results["machine"], what, json_path,
-                      png_path),
-        "", *table("fault | worst step | replacement | every peer stepped again after | steps in window",
-                   rows), "",
+                      png_path), "", *table(head, rows), "",
         f"Caller errors {results['errors']}, steps lost {results['lost']}, wrong outputs {results['wrong']} "
         f"over {results['steps']} steps. Peer 0's moves: {moves}."])
 

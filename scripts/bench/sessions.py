@@ -2,9 +2,6 @@
 an open session costs when idle, the Serve path's p50 beside stepping sessions, and two 2-peer
 sessions stepping at once against one after the other. The page says more.
 
-Targets: each open state costs <= 0.01 cores over the app alone; Serve-path p50 with 1 and with 4
-sessions stepping <= 2x with none; at once >= 1.0x one after the other (medians of the rounds).
-
     python -m scripts.bench.sessions            # ~4 minutes on 2 cores
     python -m scripts.bench.sessions --quick    # ~1.5 minutes: shorter windows, 1 round
 """
@@ -56,7 +53,7 @@ def measure_idle(client: Any, seconds: float, rounds: int) -> dict[str, list[flo
 
 
 class Stepper:
-    """``peers`` peers of a session, each stepping every layer on a thread of its own until the
+    """``peers`` peers of a session, each stepping every layer on a thread of its own from now until the
     session is closed (the layer it waits on then ends as ``session_ended``)."""
 
     def __init__(self, client: Any, name: str, peers: int, layers: list[int], hidden: int):
@@ -65,6 +62,8 @@ class Stepper:
         self.x = [rows(i, hidden) for i in range(peers)]
         self.peers = [self.session.join(i) for i in range(peers)]
         self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(peers)]
+        for t in self.threads:
+            t.start()
 
     def _run(self, i: int) -> None:
         from deployments.client import SessionError
@@ -77,11 +76,6 @@ class Stepper:
         except SessionError as e:
             if e.failure.value != "session_ended":
                 raise
-
-    def start(self) -> Stepper:
-        for t in self.threads:
-            t.start()
-        return self
 
     def close(self) -> int:
         """Close the session, then its peers: the steps they finished."""
@@ -97,7 +91,7 @@ def measure_serve_path(client: Any, layers: list[int], hidden: int, calls: int) 
     """Handle-call latency with 0, 1 and 4 sessions stepping meanwhile."""
     x, out = rows(99, hidden), {}
     for n in STEPPING:
-        steppers = [Stepper(client, f"stepping-{i}", 1, layers, hidden).start() for i in range(n)]
+        steppers = [Stepper(client, f"stepping-{i}", 1, layers, hidden) for i in range(n)]
         try:
             times = harness.time_calls(lambda: client.forward(x, 1), calls)
         finally:
@@ -106,21 +100,19 @@ def measure_serve_path(client: Any, layers: list[int], hidden: int, calls: int) 
     return out
 
 
-def run_pair(client: Any, layers: list[int], hidden: int, seconds: float, together: bool) -> dict[str, Any]:
-    """Two 2-peer sessions stepping together, or each alone in turn."""
+def run_pair(client: Any, layers: list[int], hidden: int, seconds: float, mode: str) -> dict[str, Any]:
+    """Two 2-peer sessions stepping ``at_once``, or each alone in turn (``one_after_the_other``)."""
     snap0, wall0 = client.status()["sessions"]["group"], time.monotonic()
     steps = 0
-    batches = [["a", "b"]] if together else [["a"], ["b"]]
-    for names in batches:
-        steppers = [Stepper(client, f"pair-{n}", 2, layers, hidden).start() for n in names]
+    for names in [["a", "b"]] if mode == "at_once" else [["a"], ["b"]]:
+        steppers = [Stepper(client, f"pair-{n}", 2, layers, hidden) for n in names]
         time.sleep(seconds)
         steps += sum(s.close() for s in steppers)
     wall = time.monotonic() - wall0
     snap1 = client.status()["sessions"]["group"]
     forwards, busy = snap1["forwards"] - snap0["forwards"], snap1["busy_s"] - snap0["busy_s"]
     # a session step is one step of each of its 2 peers: forwards per step counts one per layer
-    session_steps = steps / 2
-    return {"worker_steps_per_s": steps / wall, "forwards_per_session_step": forwards / max(session_steps, 1),
+    return {"worker_steps_per_s": steps / wall, "forwards_per_session_step": forwards / max(steps / 2, 1),
             "busy_fraction": busy / wall, "wall_s": wall, "worker_steps": steps}
 
 
@@ -132,22 +124,18 @@ def verdicts(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     ratios = [a["worker_steps_per_s"] / b["worker_steps_per_s"]
               for a, b in zip(pair["at_once"], pair["one_after_the_other"], strict=True)]
     p50 = {n: serve[str(n)]["p50_ms"] / serve["0"]["p50_ms"] for n in STEPPING if n}
-    return {
-        **{f"idle_{state}": verdict(over[state], "<=", TARGETS["idle_cores"]) for state in over},
-        **{f"serve_{n}": verdict(ratio, "<=", TARGETS["serve_p50_ratio"]) for n, ratio in p50.items()},
-        "at_once": verdict(statistics.median(ratios), ">=", TARGETS["at_once_ratio"]),
-    }
+    return {**{f"idle_{state}": verdict(over[state], "<=", TARGETS["idle_cores"]) for state in over},
+            **{f"serve_{n}": verdict(ratio, "<=", TARGETS["serve_p50_ratio"]) for n, ratio in p50.items()},
+            "at_once": verdict(statistics.median(ratios), ">=", TARGETS["at_once_ratio"])}
 
 
 def index_rows(results: dict[str, Any]) -> list[Target]:
     v = results["verdicts"]
-    return [
-        target("cores of the app with 1 idle open session - the app alone", v["idle_1 session"], ".3f"),
-        target("cores of the app with 8 idle open sessions - the app alone", v["idle_8 sessions"], ".3f"),
-        target("Serve-path p50 with 1 stepping session / with none", v["serve_1"]),
-        target("Serve-path p50 with 4 stepping sessions / with none", v["serve_4"]),
-        target("two 2-peer sessions: worker-steps/s at once / one after the other", v["at_once"]),
-    ]
+    return [target("cores of the app with 1 idle open session - the app alone", v["idle_1 session"], ".3f"),
+            target("cores of the app with 8 idle open sessions - the app alone", v["idle_8 sessions"], ".3f"),
+            target("Serve-path p50 with 1 stepping session / with none", v["serve_1"]),
+            target("Serve-path p50 with 4 stepping sessions / with none", v["serve_4"]),
+            target("two 2-peer sessions: worker-steps/s at once / one after the other", v["at_once"])]
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
@@ -212,10 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the Serve path beside stepping sessions", flush=True)
         serve = measure_serve_path(client, layers, hidden, args.calls)
         print("two sessions at once and one after the other", flush=True)
-        pair = {"at_once": [], "one_after_the_other": []}
-        for _ in range(args.rounds):
-            pair["at_once"].append(run_pair(client, layers, hidden, args.seconds, True))
-            pair["one_after_the_other"].append(run_pair(client, layers, hidden, args.seconds, False))
+        pair = harness.in_turns(("at_once", "one_after_the_other"), args.rounds,
+                                lambda mode: run_pair(client, layers, hidden, args.seconds, mode))
     results = {"idle_cores": idle, "serve_path": serve, "pair": pair, "layers": layers, "idle_s": args.idle_s,
                "seconds": args.seconds, "calls": args.calls, "rounds": args.rounds, "pid": os.getpid()}
     results["verdicts"] = verdicts(results)

@@ -1,12 +1,8 @@
-"""How long deleting an idle app takes: ours against Ray Serve's own floor, side by side. In turns
-(``--reps`` rounds), each app deployed, called once, then deleted and timed: ``ours`` (ingress + one
-TP-2 group, tiny checkpoint), ``floor_default`` (two trivial deployments, one calling the other,
-Serve's defaults) and ``floor_fast`` (the same, polling its drain every ``DRAIN_POLL_S`` as ours do).
-The page says more.
+"""How long deleting an idle app takes: ours (ingress + one TP-2 group, tiny checkpoint) against Ray
+Serve's own floor (``floor_default``, and ``floor_fast`` polling its drain as ours do), deployed,
+called once and deleted in turns, ``--reps`` rounds. The page says more.
 
     python -m scripts.bench.shutdown        # ~1 minute on 2 cores
-
-Targets: deleting ours takes <= 0.5 s over ``floor_fast`` and less than ``floor_default`` (medians).
 """
 
 from __future__ import annotations
@@ -80,10 +76,9 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
             "floor_default": "Ray's floor: two trivial deployments, Serve's default options",
             "floor_fast": f"the same, graceful_shutdown_wait_loop_s = {results['drain_poll_s']:g} s"}
     rows = rounds_table("app", "serve.delete, s", results["delete_s"], what)
-    return "\n".join([
-        section_start(SECTION, "shutdown", results["argv"], results["machine"],
-                      f"each app deployed, called once, then deleted, in turns, {results['reps']} rounds",
-                      json_path), "", *rows, "", *target_lines(index_rows(results))])
+    how = f"each app deployed, called once, then deleted, in turns, {results['reps']} rounds"
+    return "\n".join([section_start(SECTION, "shutdown", results["argv"], results["machine"], how, json_path),
+                      "", *rows, "", *target_lines(index_rows(results))])
 
 
 def main(argv: list[str] | None = None) -> int:

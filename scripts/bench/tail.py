@@ -1,7 +1,6 @@
 """Tail benchmark: every legal tail (and the earlier wide single all-reduce) at several TP sizes and
-token counts, side by side: the tail alone and the whole layer, each with the stages of the same
-replay, the bytes each rank hands to the collectives, and the token-sharded routed input's
-down-projection per routed-input mode. The page says more.
+token counts, the tail alone and the whole layer, by stage, with the bytes each rank hands to the
+collectives, and the token-sharded routed input per mode. The page says more.
 
     python -m scripts.bench.tail --tp 1 2 --tokens 1 16 256 2048       # small preset, minutes
     python -m scripts.bench.tail --preset tiny --tp 1 2 --tokens 1 16 --docs ''   # seconds
@@ -60,9 +59,8 @@ def timed_replays(runner: LatentMoERunner, fn, reps: int) -> dict:
 
 
 def _replay_wide_single_allreduce(runner: LatentMoERunner, L, S, dtype) -> torch.Tensor:
-    """The earlier single all-reduce (for comparison only): RMSNorm is a per-row scale, so
-    ``R = ((gamma * L) Wup^T) / rms(L)`` and one fp32 all-reduce of
-    ``[S | (gamma * L) Wup^T | L]`` carries everything; the rms is applied after it."""
+    """The earlier single all-reduce of ``[S | (gamma * L) Wup^T | L]`` (RMSNorm is a per-row scale:
+    the rms is applied after it), for comparison only."""
     H, w = runner.cfg.hidden_size, runner.w
     PR_TH = runner._up(L if w.norm_D is None else L * w.norm_D, dtype).float()
     runner.timer.mark("up_proj")
@@ -173,14 +171,11 @@ def index_rows(result: dict) -> list[Target]:
 
 
 def tail_cells(r: dict) -> list:
-    def ms(v: float | None) -> str:
-        return "" if v is None else f"{v:.2f}"
-
     tail, layer = r["tail_stages_ms"], r["layer_stages_ms"]
-    return [r["P"], r["T"], r["tail"], ms(r["tail_ms"]), ms(tail.get("collectives")), ms(tail.get("up_proj")),
-            ms(r["tail_other_ms"]), ms(r["layer_ms"]),
-            *(ms(layer.get(s)) for s in ("down_proj", "experts", "collectives", "up_proj")),
-            ms(r["layer_other_ms"]), f"{r['collective_bytes_per_token']:.0f}"]
+    ms = [r["tail_ms"], tail.get("collectives"), tail.get("up_proj"), r["tail_other_ms"], r["layer_ms"],
+          *(layer.get(s) for s in ("down_proj", "experts", "collectives", "up_proj")), r["layer_other_ms"]]
+    return [r["P"], r["T"], r["tail"], *("" if v is None else f"{v:.2f}" for v in ms),
+            f"{r['collective_bytes_per_token']:.0f}"]
 
 
 def markdown(result: dict, json_path: str, png_path: str) -> str:
@@ -245,14 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     for P in args.tp:
         print(f"TP {P}: timing tails at T = {args.tokens} ...", flush=True)
         res = run_local_group(P, _rank_bench, str(ckpt), args.tokens, args.dtype, args.tail_reps,
-                              timeout_s=3600)
-        rows += res[0]["rows"]
-        routed += res[0]["routed_input"]
-    model = harness.model_record(LatentMoEConfig.from_pretrained(ckpt))
+                              timeout_s=3600)[0]
+        rows, routed = rows + res["rows"], routed + res["routed_input"]
     result = {"preset": args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}",
-              "tp": args.tp, "dtype": args.dtype, "model": model,
-              "rows": rows, "routed_input": routed, "crossovers": _crossovers(rows),
-              "targets": compute_targets(rows, routed, args.tp, args.tokens)}
+              "tp": args.tp, "dtype": args.dtype, "rows": rows, "routed_input": routed,
+              "model": harness.model_record(LatentMoEConfig.from_pretrained(ckpt)),
+              "crossovers": _crossovers(rows), "targets": compute_targets(rows, routed, args.tp, args.tokens)}
     return harness.report(args, result, machine, markdown, index_rows)
 
 
