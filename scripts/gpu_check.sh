@@ -18,7 +18,7 @@
 # --cpu-smoke runs every stage on the CPU with tiny shapes (the vLLM stages record themselves as
 # skipped: vLLM's CPU backend runs neither that model nor CUDA graphs): a dry run where no GPU is lent.
 # It uses $PYTHON (default python3) as it finds it: a GPU machine brings its own torch build and
-# nothing is installed here. Exit status (scripts/bench/gpu_check_summary.py): 0 when every stage passed
+# nothing is installed here. Exit status (scripts/bench/gpu_report.py --summary): 0 when every stage passed
 # (or, for a vLLM stage, was skipped: see "skipped" in summary.json) and, outside --cpu-smoke,
 # torch saw a GPU and at least one GPU-marked test ran rather than skipped; else 1, with the reasons
 # under "problems" in summary.json.
@@ -76,4 +76,4 @@ stage tail 40 "$PY" -m scripts.bench.gpu_timings tail --out "$OUT_DIR/tail.jsonl
 stage vllm_kimi 130 "$PY" -m scripts.bench.vllm_kimi_gpu --out "$OUT_DIR" --budget-s 115 "${SMOKE[@]}"
 stage vllm_graphs 120 "$PY" -m scripts.bench.vllm_graphs_gpu --out "$OUT_DIR" --budget-s 105 "${SMOKE[@]}"
 
-"$PY" -m scripts.bench.gpu_check_summary "$OUT_DIR" "${SMOKE[@]}" "${STAGES[@]}"
+"$PY" -m scripts.bench.gpu_report "$OUT_DIR" "${SMOKE[@]}" --summary "${STAGES[@]}"

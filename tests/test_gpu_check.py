@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh's verdict and its timings files, on the CPU.
 
-* ``gpu_check_summary.py`` (what gpu_check.sh runs last, its exit status the script's): a run that
+* ``gpu_report.py --summary`` (what gpu_check.sh runs last, its exit status the script's): a run that
   saw no GPU, or whose GPU-marked tests all skipped, fails unless it is a ``--cpu-smoke`` run;
   checked on fake result folders through the same command line.
 * ``gpu_timings.py`` writes each point as it is measured (JSON lines): a stage interrupted after
@@ -37,8 +37,9 @@ def fake_run(out: Path, gpu: bool, tests: int | None, skipped: int = 0) -> Path:
     return out
 
 
-def verdict(out: Path, *args: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_check_summary", str(out), *args],
+def verdict(out: Path, *stages: str, smoke: bool = False) -> tuple[int, dict]:
+    smoke_flag = ["--smoke"] if smoke else []
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.gpu_report", str(out), *smoke_flag, "--summary", *stages],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     return proc.returncode, json.loads((out / "summary.json").read_text())
 
@@ -58,7 +59,7 @@ def verdict(out: Path, *args: str) -> tuple[int, dict]:
 def test_summary_fails_a_run_that_checked_nothing_on_a_gpu(tmp_path, gpu, tests, skipped, smoke, passed,
                                                            problem) -> None:
     out = fake_run(tmp_path / "run", gpu, tests, skipped)
-    rc, summary = verdict(out, *(["--smoke"] if smoke else []), *OK_STAGES)
+    rc, summary = verdict(out, *OK_STAGES, smoke=smoke)
     assert (rc == 0) == passed == summary["passed"]
     if problem:
         assert any(problem in p for p in summary["problems"]), summary["problems"]

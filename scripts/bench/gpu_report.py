@@ -1,14 +1,21 @@
-"""The record of one scripts/gpu_check.sh run (OUT_DIR): its combined JSON (``--json``), a plot of the
-experts timings beside it, and the ``gpu_check`` page and index rows in ``--docs`` ('' skips them);
-every number and verdict of the page comes from the record (no GPU or torch needed here).
+"""scripts/gpu_check.sh's verdict and record of one run (OUT_DIR); no GPU or torch needed here.
 
+    python -m scripts.bench.gpu_report OUT_DIR [--smoke] --summary NAME:RC:SECONDS:LIMIT ...
     python -m scripts.bench.gpu_report OUT_DIR [--docs docs/benchmarks] [--json PATH]
+
+``--summary`` (what gpu_check.sh runs last, its exit status the script's) writes ``summary.json``:
+exit 0 only when every stage exited 0 and, unless ``--smoke``, torch saw a GPU and a GPU-marked
+test ran; ``problems`` says why not. A vLLM stage's own record (``vllm_kimi.json``,
+``vllm_graphs.json``) that says skipped is listed under ``skipped``; failed, or none, is a problem.
+Without it: the combined JSON (``--json``), a plot of the experts timings beside it, and the
+``gpu_check`` page and index rows in ``--docs`` ('' skips them), every number from the record.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
@@ -16,26 +23,38 @@ from typing import Any
 
 from . import ROOT, harness
 from .docs import Target, load_label, publish, repo_relative, table, target, verdict, verdict_text, yes_no
-from .gpu_check_summary import TIMING_STAGES, junit_counts
 from .rows import read_rows
 
 HEADING = "# GPU check (scripts/gpu_check.sh)"
 NAME = "gpu_check"  # its page: docs/benchmarks/gpu_check.md
 COMMAND = "`scripts/gpu_check.sh OUT` then `python -m scripts.bench.gpu_report OUT`"
+TIMING_STAGES = ("experts", "collectives", "tail")
+RECORD_STAGES = ("vllm_kimi", "vllm_graphs")  # each writes NAME.json: status passed/failed/skipped, reason
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def junit_counts(path: Path) -> dict[str, Any] | None:
+    """tests / failures / errors / skipped / passed of a pytest junit file and the skips' reasons."""
+    if not path.exists():
+        return None
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    counts: dict[str, Any] = {k: sum(int(s.get(k, 0)) for s in suites)
+                              for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    counts["skip_reasons"] = dict(Counter(s.get("message", "") for s in root.iter("skipped")))
+    return counts
 
 
 def collect(out: Path) -> dict[str, Any]:
     """The JSON files of the run in ``out``, its GPU tests' junit counts and each timing stage's rows."""
     record: dict[str, Any] = {"source": repo_relative(out.resolve())}
     for name in ("environment", "summary"):
-        path = out / f"{name}.json"
-        record[name] = json.loads(path.read_text()) if path.exists() else None
-    junit = out / "gpu_tests.xml"
-    record["gpu_tests"] = counts = junit_counts(junit)
-    if counts is not None:
-        skipped = Counter(s.get("message", "") for s in ET.parse(junit).getroot().iter("skipped"))
-        counts.update(passed=counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-                      skip_reasons=dict(skipped))
+        record[name] = read_json(out / f"{name}.json")
+    record["gpu_tests"] = junit_counts(out / "gpu_tests.xml")
     for name in TIMING_STAGES:
         path = out / f"{name}.jsonl"
         record[name] = None
@@ -44,6 +63,58 @@ def collect(out: Path) -> dict[str, Any]:
             record[name] = {"header": header, "rows": rows, "done": done, "complete": done is not None,
                             "skipped": header.get("skipped")}
     return record
+
+
+def gpu_problems(environment: dict[str, Any] | None, tests: dict[str, int] | None) -> list[str]:
+    """Why a (non-smoke) run did not check anything on a GPU; empty when it did."""
+    problems = []
+    if environment is None:
+        problems.append("no environment.json: the environment stage did not finish")
+    elif not environment.get("cuda_available") or not environment.get("gpus"):
+        problems.append("torch sees no GPU (cuda_available "
+                        f"{environment.get('cuda_available')}, gpus {environment.get('gpus')})")
+    if tests is None:
+        problems.append("no junit file from the GPU tests")
+    elif tests["tests"] == 0:
+        problems.append("no GPU test was collected")
+    elif tests["skipped"] >= tests["tests"]:
+        problems.append(f"every GPU test skipped ({tests['skipped']} of {tests['tests']}): "
+                        "nothing was checked on a GPU")
+    return problems
+
+
+def summarize(out: Path, smoke: bool, stages: list[str]) -> dict[str, Any]:
+    """``summary.json`` from the stages' NAME:RC:SECONDS:LIMIT and what they wrote under ``out``."""
+    record = collect(out)
+    summary: dict[str, Any] = {"cpu_smoke": smoke, "stages": {}, "skipped": []}
+    for item in stages:
+        name, rc, seconds, limit = item.split(":")
+        summary["stages"][name] = {"exit": int(rc), "seconds": int(seconds), "limit_s": int(limit),
+                                   "timed_out": int(rc) in (124, 137)}
+    if record["gpu_tests"] is not None:
+        summary["gpu_tests"] = record["gpu_tests"]
+    for name in TIMING_STAGES:
+        if stage := record[name]:
+            summary["stages"].setdefault(name, {}).update(
+                rows=len(stage["rows"]), complete=stage["complete"], skipped=stage["skipped"])
+    problems = [f"stage {n} exited {s['exit']}" + (" (time limit)" if s["timed_out"] else "")
+                for n, s in summary["stages"].items() if s.get("exit", 0) != 0]
+    for name in RECORD_STAGES:
+        if (stage := summary["stages"].get(name)) is None:
+            continue
+        if (result := read_json(out / f"{name}.json")) is None:
+            problems.append(f"stage {name} wrote no {name}.json")
+            continue
+        stage.update(result=result.get("status"), reason=result.get("reason"))
+        if result.get("status") == "skipped":
+            summary["skipped"].append(f"{name}: {result.get('reason')}")
+        elif result.get("status") != "passed":
+            problems.append(f"stage {name} {result.get('status')}: {result.get('reason')}")
+    if not smoke:
+        problems += gpu_problems(record["environment"], record["gpu_tests"])
+    summary.update(problems=problems, passed=not problems,
+                   total_seconds=sum(s.get("seconds", 0) for s in summary["stages"].values()))
+    return summary
 
 
 def experts_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -201,11 +272,21 @@ def markdown(record: dict[str, Any], json_path: str, png_path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", type=Path, help="a scripts/gpu_check.sh output folder")
+    ap.add_argument("--summary", nargs="*", metavar="NAME:RC:SECONDS:LIMIT",
+                    help="write OUT_DIR/summary.json from these stages; exit 1 when the run failed")
+    ap.add_argument("--smoke", action="store_true", help="with --summary: a --cpu-smoke run (no GPU wanted)")
     ap.add_argument("--docs", default=str(harness.PAGES),
                     help="the benchmark pages' folder whose page and index this run rewrites ('' for none)")
     ap.add_argument("--json", type=Path, default=ROOT / "artifacts" / NAME / f"{NAME}.json",
                     help="the combined record (a plot beside it)")
     args = ap.parse_args(argv)
+    if args.summary is not None:
+        summary = summarize(args.out_dir, args.smoke, args.summary)
+        (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(json.dumps(summary, indent=2))
+        for problem in summary["problems"]:
+            print(f"FAILED: {problem}", file=sys.stderr)
+        return 0 if summary["passed"] else 1
     record = collect(args.out_dir)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=1) + "\n")
