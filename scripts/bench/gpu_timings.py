@@ -1,15 +1,8 @@
-"""GPU timings for scripts/gpu_check.sh: one JSON-lines file per subcommand (``--out``, ``bench.rows``),
-each point written the moment it is measured, so that a stage cut off by its time limit keeps its points.
-
-* ``experts``: the ``torch`` and ``grouped`` backends (and vLLM's fused MoE, where installed) at
-  Kimi-K3 per-rank shapes (I_local = 3072 / P, default P = 8), dense bf16 and MXFP4, T = 1 ... 8192,
-  synthetic weights and routing: medians, the difference from torch relative to max|L|, and each
-  one's fraction of its HBM floor (the touched experts' bytes over a 1 GiB ``clone``'s copy
-  bandwidth); a vLLM that does not name the layer's SiTU runs plain SiLU for T <= 64.
-* ``collectives``: all-reduce and reduce-scatter of the latent ``[T, D]`` (bf16, fp32) over every GPU.
-* ``tail``: with two GPUs or more, every legal tail at TP 2 on a small checkpoint against one GPU.
-
-``--smoke`` runs the same code on the CPU with tiny shapes (gloo, two processes).
+"""GPU timings for scripts/gpu_check.sh (docs/benchmarks/gpu_check.md says what each times): one
+JSON-lines file per subcommand (``--out``, ``bench.rows``), each point written the moment it is
+measured, so that a stage cut off by its time limit keeps its points. ``experts``: the experts
+backends at Kimi-K3 per-rank shapes; ``collectives``: the latent's all-reduce and reduce-scatter;
+``tail``: the legal TP-2 tails against one GPU. ``--smoke``: the same code on the CPU, tiny shapes.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ from moe_runtime.tp.collectives import Collectives, free_port, init_group
 from moe_runtime.units import dtype_name
 from moe_runtime.weights import ExpertWeights
 
-from .harness import machine_record, rel_diff, synchronizer, time_calls
+from .harness import machine_record, rank_runner, rel_diff, synchronizer, time_calls
 from .rows import RowWriter, read_rows
 
 K3 = {"D": 3584, "E": 896, "K": 16, "I": 3072}
@@ -115,10 +108,10 @@ def experts_point(backends: dict, ex: ExpertWeights, fmt: str, T: int, shape: di
     tensors = [ex.w13, ex.w2] + ([ex.w13_scale, ex.w2_scale] if ex.packed else [])
     floor_ms = active * sum(t[0].numel() * t.element_size() for t in tensors) / 1e9 / floor_gbps * 1e3
     row = {"format": fmt, "T": T, "active_experts": active, "floor_ms": floor_ms}
-    outs, wants = {}, {}
+    outs = {}
     for name, be in backends.items():
         row[name], outs[name] = time_backend(be, h, ids, w, ex, SITU, device, args)
-        wants[name] = outs["torch"]
+    wants = dict.fromkeys(outs, outs["torch"])
     if "vllm" in backends and outs["vllm"] is None and T <= 64:  # its kernels on plain SiLU, against torch's
         silu = GatedActivation()
         row["vllm_silu"], outs["vllm_silu"] = time_backend(backends["vllm"], h, ids, w, ex, silu, device,
@@ -199,17 +192,14 @@ def _collectives_rank(rank: int, world: int, port: int, smoke: bool, reps: int, 
 def _tail_rank(rank: int, world: int, port: int, smoke: bool, ckpt: str, reps: int, out: str) -> None:
     from moe_runtime.checkpoint import load_layer_weights
     from moe_runtime.layer import moe_forward
-    from moe_runtime.tp.plan import TailPlan, legal_tails
-    from moe_runtime.tp.runner import build_rank_runners
+    from moe_runtime.tp.plan import legal_tails
 
     cfg = LatentMoEConfig.from_pretrained(ckpt)
-    layer = cfg.moe_layers[0]
-    dtype = torch.bfloat16
+    layer, dtype = cfg.moe_layers[0], torch.bfloat16
     with rank_group(rank, world, port, smoke, out, {"what": "tail", "checkpoint": cfg.to_dict()}) as (
             device, comm, writer):
         ref_w = load_layer_weights(ckpt, cfg, layer, dtype).to(device) if rank == 0 else None
-        runner = build_rank_runners(ckpt, cfg, [layer], comm, TailPlan.single("replicated", "gpu check"),
-                                    dtype=dtype, device=device)[layer]
+        runner = rank_runner(comm, ckpt, layer, "replicated", dtype, device=device)  # tail= per call
         for tail in legal_tails(cfg, world):
             for T in SMOKE_TOKENS if smoke else (1, 64, 1024):
                 gen = torch.Generator().manual_seed(T)
@@ -232,25 +222,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("what", choices=("experts", "collectives", "tail"))
     ap.add_argument("--out", type=Path, required=True, help="JSON-lines file to write (one record per point)")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run with tiny shapes")
-    ap.add_argument("--tp", type=int, default=8, help="TP size whose per-rank expert shapes are timed")
+    ap.add_argument("--tp", type=int, default=8, choices=[p for p in range(1, 65) if K3["I"] % p == 0],
+                    metavar="P", help="TP size whose per-rank expert shapes are timed (a divisor of K3's I)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--point-budget-s", type=float, default=3.0, help="stop repeating a point after this")
     args = ap.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if args.what == "experts":
-        if K3["I"] % args.tp:
-            ap.error(f"--tp {args.tp} does not divide K3's intermediate size {K3['I']}")
         run_experts(args)
     elif args.what == "collectives":
         world = 2 if args.smoke else max(1, torch.cuda.device_count())
         spawn(_collectives_rank, world, args.smoke, args.reps, str(args.out))
+    elif (gpus := 2 if args.smoke else torch.cuda.device_count()) < 2:
+        RowWriter(args.out, what="tail", skipped=f"{gpus} GPU(s): the TP-2 tail needs two").close()
+        print(f"tail: skipped, {gpus} GPU(s)")
     else:
-        gpus = 2 if args.smoke else torch.cuda.device_count()
-        if gpus < 2:
-            RowWriter(args.out, what="tail", skipped=f"{gpus} GPU(s): the TP-2 tail needs two").close()
-            print(f"tail: skipped, {gpus} GPU(s)")
-            return 0
         from moe_runtime.synthetic import preset_config, write_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
