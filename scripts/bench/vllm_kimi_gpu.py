@@ -1,19 +1,13 @@
-"""The vLLM plugin's Kimi-K3 alias on one GPU: scripts/gpu_check.sh's ``vllm_kimi`` stage.
+"""The vLLM plugin's Kimi-K3 alias on one GPU: scripts/gpu_check.sh's ``vllm_kimi`` stage (docs/vllm.md,
+"What stays GPU-only"), and the engine runner and judge the ``vllm_graphs`` stage shares.
 
     python -m scripts.bench.vllm_kimi_gpu --out DIR [--budget-s 150] [--smoke]
 
 Writes ``DIR/vllm_kimi.json`` (``status`` passed, failed or skipped, ``reason``, ``problems``) and
-each engine's log; exits 1 only when the check failed. Skipped: ``--smoke`` (vLLM's CPU backend runs
-neither KDA nor Kimi-K3's MLA), no vLLM, no GPU, or a vLLM without ``vllm.models.kimi_k3``.
-Otherwise two engines (``vllm.LLM``, eager, each in its own process) greedy-decode the same prompts
-on the tiny Kimi-K3 model (``make_vllm_model.py --arch kimi_k3``): ``tier``, the alias whose MoE
-blocks ``moe_runtime`` runs from the tiny tier checkpoint of the same tensors, and ``native``,
-vLLM's own model. The tier engine must build one ``TierMoE`` per MoE layer and no parameter under
-them, decode every token and call the tier's op once per MoE layer per model step; wherever both
-engines saw the same tokens (up to and including their first differing pick, a near-tie), the
-log-probabilities of the tokens both rank in their top ``TOP`` differ by at most ``TOLERANCE``
-and each engine's pick is in the other's top ``TOP`` (wrong MoE math moves them far more; the
-record keeps the measured maximum).
+each engine's log; exits 1 only when the check failed. Skipped: ``--smoke``, no vLLM, no GPU, or a
+vLLM without ``vllm.models.kimi_k3``. Otherwise two eager engines, each in its own process,
+greedy-decode the same prompts on the tiny Kimi-K3 model: ``tier``, the alias, and ``native``,
+vLLM's own model (:func:`tier_problems` and :func:`compare` judge them).
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORD = "vllm_kimi.json"
 ALIAS = "LatentMoeKimiK3ForConditionalGeneration"
 NATIVE = "KimiK3ForConditionalGeneration"
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304, 305], [42]]
@@ -40,9 +33,8 @@ MAX_TOKENS = 12
 TOP = 5
 TOLERANCE = 0.1
 NATIVE_RESERVE_S = 40.0  # kept for the native engine while the tier engine runs (its kernels are then cached)
-# In-process engine core: the script reaches the model object (apply_model) and hooks its forward.
-# Kimi-K3's GEMM + all-reduce fusion imports CUTLASS's DSL; at TP 1 it has nothing to fuse, so it
-# stays off rather than depend on that package.
+# In-process engine core (apply_model reaches the model to hook its forward); Kimi-K3's GEMM + all-reduce
+# fusion, which imports CUTLASS's DSL, off: at TP 1 it has nothing to fuse.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_KIMI_K3_GEMM_AR": "0"}
 # Small and bounded: four short prompts, no prefix cache (hybrid KDA state), half the GPU at most.
 ENGINE = {"enforce_eager": True, "language_model_only": True, "max_model_len": 128,
@@ -102,13 +94,15 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def engine_main(spec_path: Path, result_path: Path) -> None:
+def engine_main(spec_path: Path) -> None:
+    """The engine process: run its spec's engine, write the result where the spec says."""
+    spec = json.loads(spec_path.read_text())
     try:
-        result = run_engine(json.loads(spec_path.read_text()))
+        result = run_engine(spec)
     except Exception as exc:  # reported in the record; the traceback goes to the engine's log
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    result_path.write_text(json.dumps(result))
+    Path(spec["result"]).write_text(json.dumps(result))
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(0)  # the result is written; an engine's teardown has nothing left to say
@@ -117,13 +111,13 @@ def engine_main(spec_path: Path, result_path: Path) -> None:
 def start_engine(out: Path, name: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Run one engine process within ``timeout_s``; its result, or {"error": ...}."""
     spec_path, result_path = out / f"vllm_kimi_{name}.spec.json", out / f"vllm_kimi_{name}.result.json"
-    spec_path.write_text(json.dumps(spec))
+    spec_path.write_text(json.dumps(spec | {"result": str(result_path)}))
     result_path.unlink(missing_ok=True)
     log = out / f"vllm_kimi_{name}.log"
     start = time.monotonic()
     with log.open("w") as f:
-        cmd = [sys.executable, "-m", "scripts.bench.vllm_kimi_gpu", "--engine", str(spec_path),
-               "--result", str(result_path)]
+        cmd = [sys.executable, "-m", "scripts.bench.vllm_kimi_gpu", "--out", str(out), "--engine",
+               str(spec_path)]
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENGINE_ENV}, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -162,12 +156,10 @@ def tier_problems(tier: dict[str, Any], moe_layers: list[int]) -> list[str]:
 
 
 def compare(native: dict[str, Any], tier: dict[str, Any], tolerance: float = TOLERANCE) -> dict[str, Any]:
-    """Greedy tokens and log-probabilities of two engines on the same prompts. Positions compared:
-    each prompt's up to and including the first whose picks differ (both saw the same tokens).
-    Within tolerance: each engine's pick is in the other's top k there, and the log-probabilities
-    of the tokens both list differ by at most ``tolerance``; a differing pick then leads by at most
-    2 x ``tolerance`` in either engine (a near-tie). ``max_logprob_diff_same_picks``: the maximum
-    over the positions before each first difference alone."""
+    """Two engines' greedy tokens and top log-probabilities, at each prompt's positions up to and
+    including the first differing pick (both saw the same tokens): within tolerance when each pick
+    is in the other's top k and the log-probabilities both list differ by at most ``tolerance`` (a
+    differing pick is then a near-tie). ``max_logprob_diff_same_picks``: before the difference."""
     worst, same, compared, first_diff, outside = 0.0, 0.0, 0, [], []
     pairs = zip(native["tokens"], tier["tokens"], native["logprobs"], tier["logprobs"], strict=True)
     for prompt, (n_tok, t_tok, n_lp, t_lp) in enumerate(pairs):
@@ -220,43 +212,55 @@ def check(out: Path, budget_s: float) -> dict[str, Any]:
         if "skipped" in tier:
             return {"status": "skipped", "reason": tier["skipped"], "problems": []}
         native = start_engine(out, "native", spec | {"arch": NATIVE}, deadline - time.monotonic() - 2)
-    record: dict[str, Any] = {"moe_layers": moe_layers, "tier": tier, "native": native}
     problems = tier_problems(tier, moe_layers)
+    record: dict[str, Any] = {"moe_layers": moe_layers, "tier": tier, "native": native}
     if "error" in native:
         problems.append(f"native engine: {native['error']}")
     elif "error" not in tier:
-        record["comparison"] = c = compare(native, tier)
-        if not c["within_tolerance"]:
-            problems.append(f"tier and native Kimi-K3 disagree: log-probabilities differ by up to "
-                            f"{c['max_logprob_diff']:.3g} (tolerance {c['tolerance']}) over "
-                            f"{c['positions_compared']} positions; first differing picks "
-                            f"{c['first_difference']}")
+        record["comparison"] = agreement(native, tier, "tier and native Kimi-K3", problems)
+    return outcome(problems) | record
+
+
+def agreement(reference: dict[str, Any], report: dict[str, Any], who: str, problems: list[str]) -> dict:
+    """:func:`compare` of two engines' reports; a disagreement goes to ``problems``."""
+    c = compare(reference, report)
+    if not c["within_tolerance"]:
+        problems.append(f"{who} disagree: log-probabilities differ by up to {c['max_logprob_diff']:.3g} "
+                        f"(tolerance {c['tolerance']}) over {c['positions_compared']} positions; first "
+                        f"differing picks {c['first_difference']}; picks outside the top {TOP} "
+                        f"{c['picks_outside_top']}")
+    return c
+
+
+def outcome(problems: list[str]) -> dict[str, Any]:
     reason = "; ".join(problems)[:500] if problems else None
-    return {"status": "failed" if problems else "passed", "reason": reason, "problems": problems} | record
+    return {"status": "failed" if problems else "passed", "reason": reason, "problems": problems}
+
+
+def stage_parser(doc: str, budget_s: float) -> argparse.ArgumentParser:
+    """A vLLM stage's command line: ``--out``, ``--budget-s``, ``--smoke``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for the record and the engines' logs")
+    ap.add_argument("--budget-s", type=float, default=budget_s,
+                    help="time for the whole check (the stage's limit must be larger)")
+    ap.add_argument("--smoke", action="store_true", help="gpu_check.sh --cpu-smoke: record a skip")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, help="folder for vllm_kimi.json and the engines' logs")
-    ap.add_argument("--budget-s", type=float, default=150.0,
-                    help="time for the whole check (the stage's limit must be larger)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="gpu_check.sh --cpu-smoke: record the stage as skipped")
-    ap.add_argument("--engine", type=Path, help=argparse.SUPPRESS)  # one engine: the child process
-    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    ap = stage_parser(__doc__, 150.0)
+    ap.add_argument("--engine", type=Path, help=argparse.SUPPRESS)  # the child process of this spec
     args = ap.parse_args(argv)
     if args.engine:
-        engine_main(args.engine, args.result)
-    if args.out is None:
-        ap.error("--out is required")
-    return run_stage(args.out, "vllm_kimi", RECORD, skip_reason(args.smoke),
-                     lambda: check(args.out, args.budget_s))
+        engine_main(args.engine)
+    return run_stage(args.out, "vllm_kimi", skip_reason(args.smoke), lambda: check(args.out, args.budget_s))
 
 
-def run_stage(out: Path, stage: str, record_file: str, skip: str | None, run: Any) -> int:
-    """A vLLM stage's record: ``skip`` (a reason) or what ``run()`` found, with its seconds; exit 1
-    only when it failed. A run cut off by its limit leaves no record, not an old one."""
+def run_stage(out: Path, stage: str, skip: str | None, run: Any) -> int:
+    """A vLLM stage's record ``out/STAGE.json``: ``skip`` (a reason) or what ``run()`` found, with its
+    seconds; exit 1 only when it failed. A run cut off by its limit leaves no record, not an old one."""
     out.mkdir(parents=True, exist_ok=True)
+    record_file = f"{stage}.json"
     (out / record_file).unlink(missing_ok=True)
     start = time.monotonic()
     record = {"status": "skipped", "reason": skip, "problems": []} if skip else run()
