@@ -40,6 +40,8 @@ SKIP = {
     "docs/serving.md: # the opener: a process of the app's Ray cluster": _SERVER,
     "docs/serving.md: workers = [ray.remote(MyWorker).remote(...) for _ in range(M)]": _RAY + " (MyWorker, M)",
     "docs/vllm.md: from vllm import LLM, SamplingParams": "needs the vLLM lane's venv and a session's ticket",
+    'docs/vllm.md: LLM(model=..., additional_config={"latent_moe": {...}},':
+        "a fragment of the example above (its scheduler argument); needs the vLLM lane's venv",
 }
 
 

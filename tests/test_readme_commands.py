@@ -83,7 +83,8 @@ SKIP = {
     "python scripts/make_vllm_model.py --out models/tiny-qwen3-moe": _VLLM,
     "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model models/tiny-qwen3-moe "
     "--dtype float32 --max-model-len 128 --max-num-batched-tokens 64 --port 8100 "
-    "--additional-config '{\"latent_moe\": {\"ticket\": \"/tmp/ticket.json\", \"peer\": 0}}' &":
+    "--additional-config '{\"latent_moe\": {\"ticket\": \"/tmp/ticket.json\", \"peer\": 0}}' "
+    "--scheduler-cls deployments.vllm_plugin.idle.TierScheduler &":
         _VLLM + " (a server, with the tier and a session running)",
     "curl -s localhost:8100/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
     "\"models/tiny-qwen3-moe\", \"prompt\": \"w5 w6 w7 w8\", \"max_tokens\": 16, \"temperature\": 0}'":

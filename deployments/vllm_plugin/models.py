@@ -31,7 +31,7 @@ from torch import nn
 
 from moe_runtime.units import torch_dtype
 
-from . import tiers
+from . import idle, tiers
 from .settings import TierSettings
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -122,13 +122,18 @@ def open_tier(vllm_config: Any, blocks: list[TierMoE]) -> TierSettings:
     if tiers.tp_rank() > 0:
         tier = tiers.TPFollower()
     elif settings.ticket is not None:
-        peer = settings.peer if settings.peer is not None else vllm_config.parallel_config.data_parallel_rank
+        peer = idle.engine_peer(vllm_config, settings)
         device = torch.device(vllm_config.device_config.device)
         if device.type == "cuda" and device.index is None:  # this worker's own GPU
             device = torch.device("cuda", torch.cuda.current_device())
         tier = tiers.SessionTier(
             settings.ticket, peer, step, hidden, vllm_config.scheduler_config.max_num_batched_tokens,
             str(device))
+        tier.notices = idle.IdleListener(idle.address(settings.ticket, peer), tier.peer.idle)
+        if not idle.tells_idle(vllm_config):
+            log.info("latent-MoE tier: this engine's scheduler does not tell its session when it runs out of "
+                     "requests (an elastic session's other engines wait idle_after_s for it each time); "
+                     "scheduler_cls=deployments.vllm_plugin.idle.TierScheduler does (docs/vllm.md)")
     else:
         dtype = torch_dtype(settings.dtype) if settings.dtype else vllm_config.model_config.dtype
         tier = tiers.LocalTier(settings.checkpoint, step, dtype, settings.backend, hidden)

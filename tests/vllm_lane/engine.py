@@ -5,10 +5,11 @@
 SPEC: {"model": dir, "latent_moe": additional_config["latent_moe"], "prompts": [[token ids]...],
 "max_tokens": n, "start_after": path or null, "engine": {LLM arguments over ENGINE} or absent,
 "logprobs": k or absent (then it also writes "logprobs": per prompt and position, {token id:
-log-probability} of the top k and the pick)}.
+log-probability} of the top k and the pick), "bursts": n and "pause_s": s or absent (then it
+decodes the prompts n times, idle for s seconds after each)}.
 Builds ``vllm.LLM`` (CPU, float32, vLLM's default compilation unless "engine" says otherwise),
 waits for ``start_after`` to exist when given (so several engines decode at once), greedy-decodes
-every prompt and writes {"tokens": [[ids]...], "seconds": decode time, "tier_stats": the engine's
+every prompt and writes {"tokens": [[ids]...], "seconds": decode time (pauses not counted), "tier_stats": the engine's
 tier calls per layer ({layer: {"calls", "rows", "seconds", "p50_ms", "p99_ms"}}, from
 ``deployments.vllm_plugin.tier_stats``; {} for a model without tier blocks)}.
 """
@@ -38,9 +39,13 @@ def main(spec_path: str, out_path: str) -> None:
             time.sleep(0.01)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True,
                             logprobs=spec.get("logprobs"))
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, outs = 0.0, []
+    for burst in range(spec.get("bursts", 1)):
+        if burst:
+            time.sleep(spec["pause_s"])
+        start = time.perf_counter()
+        outs += llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+        seconds += time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     out = {"tokens": tokens, "seconds": seconds, "tier_stats": tier_stats(llm)}
     if spec.get("logprobs"):
