@@ -28,7 +28,7 @@ from examples.rows import RowsWorker
 from . import ROOT, harness
 from .docs import Target, section_start, table, target, target_lines, verdict, yes_no
 from .floor import echo_floor
-from .rss import cpu_seconds, serve_replica_pid
+from .rss import Cores, Roles, serve_replica_pid
 
 APP, NAME = "dataplanebench", "moe"
 SECTION = "# Data plane vs the transport's floor (scripts/bench/dataplane.py)"
@@ -101,25 +101,6 @@ class SyntheticWorker(RowsWorker):
         return {"steps": steps, "window": window,
                 "lane_calls": sum(c["session_calls"] for c in counts.values()),
                 "serve_calls": sum(c["serve_calls"] for c in counts.values())}
-
-
-Roles = dict[str, list[int]]  # a part the processes play (replica, rank0, workers, driver) -> their pids
-
-
-class Cores:
-    """The cores busy from now on: the machine's, and the processes of ``roles`` together and by role."""
-
-    def __init__(self, roles: Roles):
-        self.roles = roles
-        self.machine, self.when = harness.busy_cpu_s(), time.monotonic()
-        self.own = {role: cpu_seconds(pids) for role, pids in roles.items()}
-
-    def read(self) -> dict[str, Any]:
-        wall = time.monotonic() - self.when
-        by_role = {role: round((cpu_seconds(pids) - self.own[role]) / wall, 4)
-                   for role, pids in self.roles.items()}
-        return {"cores_busy": round((harness.busy_cpu_s() - self.machine) / wall, 3),
-                "cores_used": round(sum(by_role.values()), 4), "by_role": by_role}
 
 
 def counters(client: Any) -> dict[str, Any]:

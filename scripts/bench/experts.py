@@ -11,7 +11,6 @@ import os
 import platform
 import re
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from moe_runtime.weights import ExpertWeights
 
 from . import harness
 from .docs import Target, section_start, table, table_row, target, target_lines, verdict
+from .rss import Cores
 
 SECTION = "# Experts backends: `torch` and `grouped` against a dense GEMM (scripts/bench/experts.py)"
 TARGET_FRACTION = 0.40  # issue target: at T = 4096 the backend reaches >= 40% of dense GFLOP/s
@@ -106,20 +106,6 @@ def timing_row(T: int, dtype: torch.dtype, fmt: str, K: int, active: int, flops:
         "torch_vs_naive": med["naive"] / med["torch"], "grouped_speedup": med["torch"] / med["grouped"],
         "grouped_speedup_best": best["torch"] / best["grouped"], "reps": {k: len(times[k]) for k in PATHS},
         "min_ms": {k: 1e3 * best[k] for k in PATHS[:3]}, **diffs}
-
-
-def cpu_snapshot() -> tuple[float, float, float] | None:
-    """(wall s, busy CPU-s of the whole machine, CPU-s of this process), Linux only."""
-    busy = harness.busy_cpu_s()
-    return None if busy is None else (time.time(), busy, time.process_time())
-
-
-def other_load(start, end) -> float | None:
-    """The share of the machine's CPU time (all its CPUs) *other* processes used between two snapshots."""
-    if start is None or end is None:
-        return None
-    others = (end[1] - start[1]) - (end[2] - start[2])
-    return max(0.0, others / ((end[0] - start[0]) * (os.cpu_count() or 1)))
 
 
 def machine_info(device: torch.device) -> dict:
@@ -215,14 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = harness.ensure_checkpoint(args.checkpoint or harness.CHECKPOINTS / args.preset, args.preset)
     cfg = LatentMoEConfig.from_pretrained(ckpt)
     layer = args.layer if args.layer is not None else cfg.moe_layers[0]
-    info, rows, snap0 = machine_info(device), [], cpu_snapshot()
+    info, rows, cores = machine_info(device), [], Cores({"this process": [os.getpid()]})
     for dtype in dtypes:
         w = load_layer_weights(ckpt, cfg, layer, dtype=DTYPES[dtype]).to(device)
         for fmt in formats:
             for T in harness.int_list(args.tokens):
                 rows.append(bench_one(cfg, w, in_format(w.experts, fmt), fmt, T, DTYPES[dtype], device, args))
                 print(table_row(row_cells(rows[-1])), flush=True)
-    info["other_processes_cpu_fraction"] = other_load(snap0, cpu_snapshot())
+    busy = cores.read()  # the share of the machine's CPU time (all its CPUs) other processes used
+    info["other_processes_cpu_fraction"] = max(0.0, busy["cores_busy"] - busy["cores_used"]) / os.cpu_count()
     results = {"preset": args.preset, "layer": layer, "config": cfg.to_dict(), "rows": rows}
     return harness.report(args, results, info, markdown, index_rows, plot)
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .harness import loadavg
+from .harness import busy_cpu_s, loadavg
 
 KB = 1024
 
@@ -45,6 +45,25 @@ def stat_fields(pid: int) -> list[str]:
 
 def cpu_seconds(pids: list[int]) -> float:
     return sum(int(f[11]) + int(f[12]) for f in map(stat_fields, pids)) / os.sysconf("SC_CLK_TCK")
+
+
+Roles = dict[str, list[int]]  # a part the processes play (replica, rank0, workers, driver) -> their pids
+
+
+class Cores:
+    """The cores busy from now on: the machine's, and the processes of ``roles`` together and by role."""
+
+    def __init__(self, roles: Roles):
+        self.roles = roles
+        self.machine, self.when = busy_cpu_s(), time.monotonic()
+        self.own = {role: cpu_seconds(pids) for role, pids in roles.items()}
+
+    def read(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.when
+        by_role = {role: round((cpu_seconds(pids) - self.own[role]) / wall, 4)
+                   for role, pids in self.roles.items()}
+        return {"cores_busy": round((busy_cpu_s() - self.machine) / wall, 3),
+                "cores_used": round(sum(by_role.values()), 4), "by_role": by_role}
 
 
 def serve_replica_pid(app: str, deployment: str) -> int:

@@ -72,8 +72,7 @@ def windows(reports: list[dict], faults: dict[str, dict]) -> dict[str, dict]:
 
 
 def measure(stepping: Any, session: Any, client: Any) -> tuple[dict[str, dict], list[dict]]:
-    stopped: list[int] = []
-    faults = {}
+    stopped, faults = [], {}  # the pids of SIGSTOPped ranks; per fault, when and its replacement time
     try:
         stepping.steps_again(3, RECOVERY_S)
         for fault in FAULTS:
@@ -130,8 +129,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str | None) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = harness.bench_parser(__doc__, "session_faults")
-    args = ap.parse_args(argv)
+    args = harness.bench_parser(__doc__, "session_faults").parse_args(argv)
     import numpy as np
 
     from deployments.client import MoEClient

@@ -2,9 +2,6 @@
 plan reused), and from a rank's SIGKILL to the next answer; each phase deploys the same app (TP --tp,
 tail auto) and sends one --tokens forward, whose answer must equal the first phase's bit for bit.
 
-Targets: the warm start and the replaced replica reuse the plan; answered again after the SIGKILL
-within 1.5x the warm start; no call hung (ran into the client's timeout); no answer wrong.
-
     python -m scripts.bench.warmup                                   # small preset, ~2 min
     python -m scripts.bench.warmup --checkpoint /work/ckpt/k3-1layer --dtype bfloat16 --layers 1 \\
         --max-tokens 64                                              # real size (heavy demo)
@@ -81,10 +78,10 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
     cold, warm, rep = results["cold"], results["warm"], results["replaced"]
     failed, errors = rep["failed"], sorted({c["error"].split(":")[0] for c in rep["failed"]})
     slowest = max([0.0, *(c["s"] for c in failed)])
+    what = f"checkpoint `{results['checkpoint_name']}`, TP {results['tp']}, {results['dtype']}, CPU ranks"
+    seen = f"; errors the failed calls saw: {errors}." if errors else "."
     return "\n".join([
-        section_start(SECTION, "warmup", results["argv"], results["machine"],
-                      f"checkpoint `{results['checkpoint_name']}`, TP {results['tp']}, {results['dtype']}, "
-                      "CPU ranks", json_path), "",
+        section_start(SECTION, "warmup", results["argv"], results["machine"], what, json_path), "",
         *table("phase | plan | ready (s) | first answer (s) | / cold's", [
             *([name, p["plan_source"], f"{p['ready_s']:.1f}", f"{p['answered_s']:.1f}",
                f"{p['answered_s'] / cold['answered_s']:.2f}"]
@@ -93,8 +90,7 @@ def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
              f"({len(failed)} failed call(s) before, the slowest {slowest:.1f} s)",
              f"{rep['answered_s'] / cold['answered_s']:.2f}"]]), "",
         f"Measured tail plan: {cold['plan']}. Hung calls (reaching the {CALL_TIMEOUT_S:.0f} s client "
-        f"timeout): {sum(c['hung'] for c in failed)}" + (f"; errors the failed calls saw: {errors}." if errors
-                                                          else "."), "",
+        f"timeout): {sum(c['hung'] for c in failed)}{seen}", "",
         *target_lines(index_rows(results))])
 
 
@@ -111,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.client import MoEClient
     from deployments.cluster import kv
     from moe_runtime.config import LatentMoEConfig
+    from moe_runtime.units import torch_dtype
 
     ckpt = args.checkpoint or harness.preset_checkpoint("small")
     cfg = LatentMoEConfig.from_pretrained(ckpt)
@@ -120,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
            **({} if args.layers is None else {"layers": args.layers}),
            **({} if args.max_tokens is None else {"max_tokens_per_request": args.max_tokens,
                                                   "max_batch_tokens": args.max_tokens})}
-    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=0,
-                             dtype=torch.float32 if args.dtype == "float32" else torch.bfloat16)
+    x = harness.seeded_randn(args.tokens, cfg.hidden_size, seed=0, dtype=torch_dtype(args.dtype))
     machine = harness.machine_record(with_ray=True)
     with harness.local_serve(num_cpus=4):
         for key in kv.entries(kv.PLAN_PREFIX):  # cold: nothing stored
