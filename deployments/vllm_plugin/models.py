@@ -129,8 +129,9 @@ def open_tier(vllm_config: Any, blocks: list[TierMoE]) -> TierSettings:
         tier = tiers.SessionTier(
             settings.ticket, peer, step, hidden, vllm_config.scheduler_config.max_num_batched_tokens,
             str(device))
-        tier.notices = idle.IdleListener(idle.address(settings.ticket, peer), tier.peer.idle)
-        if not idle.tells_idle(vllm_config):
+        if idle.tells_idle(vllm_config):  # its scheduler's notices come to this listener
+            tier.notices = idle.IdleListener(idle.address(settings.ticket, peer), tier.peer.idle)
+        else:
             log.info("latent-MoE tier: this engine's scheduler does not tell its session when it runs out of "
                      "requests (an elastic session's other engines wait idle_after_s for it each time); "
                      "scheduler_cls=deployments.vllm_plugin.idle.TierScheduler does (docs/vllm.md)")
