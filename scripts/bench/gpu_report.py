@@ -3,10 +3,7 @@
     python -m scripts.bench.gpu_report OUT_DIR [--smoke] --summary NAME:RC:SECONDS:LIMIT ...
     python -m scripts.bench.gpu_report OUT_DIR [--docs docs/benchmarks] [--json PATH]
 
-``--summary`` (what gpu_check.sh runs last, its exit status the script's) writes ``summary.json``:
-exit 0 only when every stage exited 0 and, unless ``--smoke``, torch saw a GPU and a GPU-marked
-test ran; ``problems`` says why not. A vLLM stage's own record (``vllm_kimi.json``,
-``vllm_graphs.json``) that says skipped is listed under ``skipped``; failed, or none, is a problem.
+``--summary``: gpu_check.sh's last command, whose exit status is the script's (:func:`summarize`).
 Without it: the combined JSON (``--json``), a plot of the experts timings beside it, and the
 ``gpu_check`` page and index rows in ``--docs`` ('' skips them), every number from the record.
 """
@@ -52,7 +49,7 @@ def junit_counts(path: Path) -> dict[str, Any] | None:
 def collect(out: Path) -> dict[str, Any]:
     """The JSON files of the run in ``out``, its GPU tests' junit counts and each timing stage's rows."""
     record: dict[str, Any] = {"source": repo_relative(out.resolve())}
-    for name in ("environment", "summary"):
+    for name in ("environment", "summary", *RECORD_STAGES):
         record[name] = read_json(out / f"{name}.json")
     record["gpu_tests"] = junit_counts(out / "gpu_tests.xml")
     for name in TIMING_STAGES:
@@ -84,7 +81,10 @@ def gpu_problems(environment: dict[str, Any] | None, tests: dict[str, int] | Non
 
 
 def summarize(out: Path, smoke: bool, stages: list[str]) -> dict[str, Any]:
-    """``summary.json`` from the stages' NAME:RC:SECONDS:LIMIT and what they wrote under ``out``."""
+    """``summary.json`` from the stages' NAME:RC:SECONDS:LIMIT and what they wrote under ``out``: passed
+    when every stage exited 0 and, unless ``smoke``, torch saw a GPU and a GPU-marked test ran;
+    ``problems`` says why not. A vLLM stage whose own record says skipped is listed under ``skipped``;
+    one that says failed, or wrote none, is a problem."""
     record = collect(out)
     summary: dict[str, Any] = {"cpu_smoke": smoke, "stages": {}, "skipped": []}
     for item in stages:
@@ -102,14 +102,14 @@ def summarize(out: Path, smoke: bool, stages: list[str]) -> dict[str, Any]:
     for name in RECORD_STAGES:
         if (stage := summary["stages"].get(name)) is None:
             continue
-        if (result := read_json(out / f"{name}.json")) is None:
+        if (result := record[name]) is None:
             problems.append(f"stage {name} wrote no {name}.json")
             continue
-        stage.update(result=result.get("status"), reason=result.get("reason"))
-        if result.get("status") == "skipped":
-            summary["skipped"].append(f"{name}: {result.get('reason')}")
-        elif result.get("status") != "passed":
-            problems.append(f"stage {name} {result.get('status')}: {result.get('reason')}")
+        stage.update(result=result["status"], reason=result["reason"])
+        if result["status"] == "skipped":
+            summary["skipped"].append(f"{name}: {result['reason']}")
+        elif result["status"] != "passed":
+            problems.append(f"stage {name} {result['status']}: {result['reason']}")
     if not smoke:
         problems += gpu_problems(record["environment"], record["gpu_tests"])
     summary.update(problems=problems, passed=not problems,
@@ -131,8 +131,7 @@ def plot(record: dict[str, Any], path: Path) -> None:
                     markersize=3, label=f"{backend}, {fmt}")
     ax.set_xscale("log", base=2)
     ax.set(yscale="log", xlabel="tokens T", ylabel="median ms")
-    ax.set_title(f"routed experts, {((record.get('environment') or {}).get('gpus') or ['no GPU'])[0]}",
-                 fontsize=10)
+    ax.set_title(f"routed experts, {gpus_text(record)}", fontsize=10)
     if rows:
         ax.legend(fontsize=7)
     harness.save_figure(fig, path, dpi=80)

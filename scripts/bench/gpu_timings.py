@@ -1,8 +1,6 @@
-"""GPU timings for scripts/gpu_check.sh (docs/benchmarks/gpu_check.md says what each times): one
-JSON-lines file per subcommand (``--out``, ``bench.rows``), each point written the moment it is
-measured, so that a stage cut off by its time limit keeps its points. ``experts``: the experts
-backends at Kimi-K3 per-rank shapes; ``collectives``: the latent's all-reduce and reduce-scatter;
-``tail``: the legal TP-2 tails against one GPU. ``--smoke``: the same code on the CPU, tiny shapes.
+"""GPU timings for scripts/gpu_check.sh, one subcommand a stage (docs/benchmarks/gpu_check.md says what
+each times): each point appended to ``--out`` (``bench.rows``) the moment it is measured, so that a
+stage cut off by its time limit keeps its points. ``--smoke``: the same code on the CPU, tiny shapes.
 """
 
 from __future__ import annotations
