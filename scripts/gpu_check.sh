@@ -7,7 +7,7 @@
 # and a TP-2 tail comparison when two GPUs exist; last, the vLLM plugin's Kimi-K3 alias on the GPU
 # (scripts/bench/vllm_kimi_gpu.py: a tiny Kimi-K3 with its MoE blocks on the tier against vLLM's own
 # Kimi-K3 with the same experts; skipped, and listed as such, where this Python has no vLLM) and the
-# plugin under CUDA graphs (scripts/bench/vllm_graphs_gpu.py: a tiny Qwen3-MoE with piecewise CUDA
+# plugin under CUDA graphs (the same script's vllm_graphs stage: a tiny Qwen3-MoE with piecewise CUDA
 # graphs split at the tier's op, against the same engine eager and vLLM's own model; tokens/s of each).
 # Writes under OUT_DIR each stage's log, the timings as JSON lines (experts.jsonl, collectives.jsonl,
 # tail.jsonl: one record per point, written the moment it is measured, so a stage cut off by its
@@ -74,6 +74,7 @@ stage collectives 40 "$PY" -m scripts.bench.gpu_timings collectives --out "$OUT_
 stage tail 40 "$PY" -m scripts.bench.gpu_timings tail --out "$OUT_DIR/tail.jsonl" --reps "$REPS" "${SMOKE[@]}"
 # Its own budget leaves the stage's limit 15 s to write its record after a slow engine.
 stage vllm_kimi 130 "$PY" -m scripts.bench.vllm_kimi_gpu --out "$OUT_DIR" --budget-s 115 "${SMOKE[@]}"
-stage vllm_graphs 120 "$PY" -m scripts.bench.vllm_graphs_gpu --out "$OUT_DIR" --budget-s 105 "${SMOKE[@]}"
+stage vllm_graphs 120 "$PY" -m scripts.bench.vllm_kimi_gpu --stage vllm_graphs --out "$OUT_DIR" --budget-s 105 \
+  "${SMOKE[@]}"
 
 "$PY" -m scripts.bench.gpu_report "$OUT_DIR" "${SMOKE[@]}" --summary "${STAGES[@]}"

@@ -1,13 +1,15 @@
-"""The vLLM plugin's Kimi-K3 alias on one GPU: scripts/gpu_check.sh's ``vllm_kimi`` stage (docs/vllm.md,
-"What stays GPU-only"), and the engine runner and judge the ``vllm_graphs`` stage shares.
+"""The vLLM plugin on one GPU, scripts/gpu_check.sh's two vLLM stages: ``vllm_kimi``, the Kimi-K3 alias
+(docs/vllm.md, "What stays GPU-only"), and ``vllm_graphs``, the plugin under CUDA graphs (docs/vllm.md,
+"Compilation, CUDA graphs and tensor-parallel engines").
 
-    python -m scripts.bench.vllm_kimi_gpu --out DIR [--budget-s 150] [--smoke]
+    python -m scripts.bench.vllm_kimi_gpu --out DIR [--stage vllm_graphs] [--budget-s S] [--smoke | --on-cpu]
 
-Writes ``DIR/vllm_kimi.json`` (``status`` passed, failed or skipped, ``reason``, ``problems``) and
-each engine's log; exits 1 only when the check failed. Skipped: ``--smoke``, no vLLM, no GPU, or a
-vLLM without ``vllm.models.kimi_k3``. Otherwise two eager engines, each in its own process,
-greedy-decode the same prompts on the tiny Kimi-K3 model: ``tier``, the alias, and ``native``,
-vLLM's own model (:func:`tier_problems` and :func:`compare` judge them).
+Writes ``DIR/STAGE.json`` (``status`` passed, failed or skipped, ``reason``, ``problems``, the engines'
+reports, their comparisons and decode tokens/s) and each engine's log; exits 1 only when the check
+failed. Skipped: ``--smoke``, no vLLM, no GPU, or a vLLM without ``vllm.models.kimi_k3``. The stage's
+engines (:func:`kimi_engines`, :func:`graphs_engines`) greedy-decode the same prompts in turn, each in
+its own process; the first, on the tier, is judged by :func:`tier_problems` and compared with each
+other one (:func:`compare`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-ALIAS = "LatentMoeKimiK3ForConditionalGeneration"
-NATIVE = "KimiK3ForConditionalGeneration"
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304, 305], [42]]
 MAX_TOKENS = 12
 TOP = 5
 TOLERANCE = 0.1
-NATIVE_RESERVE_S = 40.0  # kept for the native engine while the tier engine runs (its kernels are then cached)
 # In-process engine core (apply_model reaches the model to hook its forward); Kimi-K3's GEMM + all-reduce
 # fusion, which imports CUTLASS's DSL, off: at TP 1 it has nothing to fuse.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_KIMI_K3_GEMM_AR": "0"}
@@ -109,11 +108,11 @@ def engine_main(spec_path: Path) -> None:
 
 
 def start_engine(out: Path, name: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Run one engine process within ``timeout_s``; its result, or {"error": ...}."""
-    spec_path, result_path = out / f"vllm_kimi_{name}.spec.json", out / f"vllm_kimi_{name}.result.json"
+    """Run one engine process within ``timeout_s`` (files ``out/NAME.*``); its result, or {"error": ...}."""
+    spec_path, result_path = out / f"{name}.spec.json", out / f"{name}.result.json"
     spec_path.write_text(json.dumps(spec | {"result": str(result_path)}))
     result_path.unlink(missing_ok=True)
-    log = out / f"vllm_kimi_{name}.log"
+    log = out / f"{name}.log"
     start = time.monotonic()
     with log.open("w") as f:
         cmd = [sys.executable, "-m", "scripts.bench.vllm_kimi_gpu", "--out", str(out), "--engine",
@@ -134,20 +133,21 @@ def start_engine(out: Path, name: str, spec: dict[str, Any], timeout_s: float) -
     return {"error": f"the engine process {why} without a result; log tail: {tail}", "seconds": seconds}
 
 
-def tier_problems(tier: dict[str, Any], moe_layers: list[int]) -> list[str]:
-    """What the tier engine got wrong: its blocks, their parameters, its tokens, its op calls."""
+def tier_problems(tier: dict[str, Any], moe_layers: list[int], who: str = "tier") -> list[str]:
+    """What the engine on the tier (``who``) got wrong: its blocks, their parameters, its tokens, its op
+    calls (a CUDA-graph replay that skipped the tier would call it less than once per step)."""
     if "error" in tier:
-        return [f"tier engine: {tier['error']}"]
+        return [f"{who} engine: {tier['error']}"]
     problems = []
     if tier["tier_blocks"] != moe_layers:
-        problems.append(f"tier engine built TierMoE blocks at layers {tier['tier_blocks']}, expected one "
+        problems.append(f"{who} engine built TierMoE blocks at layers {tier['tier_blocks']}, expected one "
                         f"per MoE layer {moe_layers}")
     if tier["tier_block_params"] or tier["moe_params"]:
-        problems.append(f"tier engine holds MoE parameters ({tier['tier_block_params']} under its TierMoE "
+        problems.append(f"{who} engine holds MoE parameters ({tier['tier_block_params']} under its TierMoE "
                         f"blocks, {tier['moe_params']} under block_sparse_moe)")
     short = [i for i, t in enumerate(tier["tokens"]) if len(t) != MAX_TOKENS]
     if short:
-        problems.append(f"tier engine decoded fewer than {MAX_TOKENS} tokens for prompt(s) {short}")
+        problems.append(f"{who} engine decoded fewer than {MAX_TOKENS} tokens for prompt(s) {short}")
     calls = {int(k): v for k, v in tier["calls"].items()}
     if tier["steps"] < 1 or calls != dict.fromkeys(moe_layers, tier["steps"]):
         problems.append(f"tier op calls per layer {calls} over {tier['steps']} model steps: expected "
@@ -178,18 +178,6 @@ def compare(native: dict[str, Any], tier: dict[str, Any], tolerance: float = TOL
             "within_tolerance": worst <= tolerance and compared >= len(first_diff) and not outside}
 
 
-def skip_reason(smoke: bool) -> str | None:
-    if smoke:
-        return "cpu-smoke: vLLM's CPU backend runs neither KDA nor Kimi-K3's MLA"
-    if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed in this Python ({sys.executable})"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "no GPU visible to torch"
-    return None
-
-
 def make_inputs(folder: Path) -> tuple[Path, Path, list[int]]:
     """The tiny Kimi-K3 model, its tier checkpoint (the same MoE tensors) and its MoE layers."""
     from moe_runtime.config import LatentMoEConfig
@@ -201,71 +189,101 @@ def make_inputs(folder: Path) -> tuple[Path, Path, list[int]]:
     return model, ckpt, LatentMoEConfig.from_pretrained(ckpt).moe_layers
 
 
-def check(out: Path, budget_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + budget_s
-    with tempfile.TemporaryDirectory(prefix="vllm-kimi-") as tmp:
-        model, ckpt, moe_layers = make_inputs(Path(tmp))
-        spec = {"model": str(model), "requires": "vllm.models.kimi_k3"}
-        tier = start_engine(out, "tier", spec | {"arch": ALIAS, "additional_config": {
-            "latent_moe": {"checkpoint": str(ckpt), "dtype": "float32"}}},
-            deadline - time.monotonic() - NATIVE_RESERVE_S)
-        if "skipped" in tier:
-            return {"status": "skipped", "reason": tier["skipped"], "problems": []}
-        native = start_engine(out, "native", spec | {"arch": NATIVE}, deadline - time.monotonic() - 2)
-    problems = tier_problems(tier, moe_layers)
-    record: dict[str, Any] = {"moe_layers": moe_layers, "tier": tier, "native": native}
-    if "error" in native:
-        problems.append(f"native engine: {native['error']}")
-    elif "error" not in tier:
-        record["comparison"] = agreement(native, tier, "tier and native Kimi-K3", problems)
-    return outcome(problems) | record
+def kimi_engines(folder: Path) -> tuple[list[tuple[str, dict[str, Any], float]], list[int]]:
+    """The ``vllm_kimi`` stage's engines on the tiny Kimi-K3 model, each with its share of the time left
+    when it starts (at gpu_check.sh's 115 s, 40 s stay for the native engine, whose kernels are then
+    cached), and the model's MoE layers."""
+    model, ckpt, moe_layers = make_inputs(folder)
+    spec = {"model": str(model), "requires": "vllm.models.kimi_k3"}
+    latent = {"latent_moe": {"checkpoint": str(ckpt), "dtype": "float32"}}
+    tier = spec | {"arch": "LatentMoeKimiK3ForConditionalGeneration", "additional_config": latent}
+    native = spec | {"arch": "KimiK3ForConditionalGeneration"}
+    return [("tier", tier, 0.65), ("native", native, 1.0)], moe_layers
 
 
-def agreement(reference: dict[str, Any], report: dict[str, Any], who: str, problems: list[str]) -> dict:
-    """:func:`compare` of two engines' reports; a disagreement goes to ``problems``."""
-    c = compare(reference, report)
-    if not c["within_tolerance"]:
-        problems.append(f"{who} disagree: log-probabilities differ by up to {c['max_logprob_diff']:.3g} "
-                        f"(tolerance {c['tolerance']}) over {c['positions_compared']} positions; first "
-                        f"differing picks {c['first_difference']}; picks outside the top {TOP} "
-                        f"{c['picks_outside_top']}")
-    return c
+def graphs_engines(folder: Path) -> tuple[list[tuple[str, dict[str, Any], float]], list[int]]:
+    """The ``vllm_graphs`` stage's engines on the tiny Qwen3-MoE model (a text model, compared in float32;
+    make_vllm_model.py's qwen3 default has layer 0 dense): compiling and capturing graphs takes the
+    graphs engine most of the budget; the references run eager (:data:`ENGINE`'s default)."""
+    from scripts import make_vllm_model
+
+    model = folder / "model"
+    make_vllm_model.main(["--out", str(model)])
+    text = {"language_model_only": False, "dtype": "float32"}
+    spec = {"model": str(model), "additional_config": {"latent_moe": {"checkpoint": str(model)}}}
+    alias = spec | {"arch": "LatentMoeQwen3MoeForCausalLM"}
+    graphs = text | {"enforce_eager": False, "compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+    return [("graphs", alias | {"engine": graphs}, 0.6), ("eager", alias | {"engine": text}, 0.5),
+            ("native", spec | {"arch": "Qwen3MoeForCausalLM", "engine": text}, 1.0)], [1, 2]
 
 
-def outcome(problems: list[str]) -> dict[str, Any]:
-    reason = "; ".join(problems)[:500] if problems else None
-    return {"status": "failed" if problems else "passed", "reason": reason, "problems": problems}
+def check(out: Path, stage: str, budget_s: float) -> dict[str, Any]:
+    """Run the stage's engines in turn; the first (on the tier) must pass :func:`tier_problems` and agree
+    with each other one."""
+    deadline, reports = time.monotonic() + budget_s, {}
+    with tempfile.TemporaryDirectory(prefix=f"{stage}-") as tmp:
+        engines, moe_layers = STAGES[stage][0](Path(tmp))
+        for name, spec, share in engines:
+            reports[name] = start_engine(out, f"{stage}_{name}", spec, share * (deadline - time.monotonic()))
+            if "skipped" in reports[name]:
+                return {"status": "skipped", "reason": reports[name]["skipped"], "problems": []}
+    (first, tier), *others = reports.items()
+    problems = tier_problems(tier, moe_layers, first)
+    problems += [f"{n} engine: {r['error']}" for n, r in others if "error" in r]
+    comparisons = {n: compare(r, tier) for n, r in others if "error" not in r and "error" not in tier}
+    problems += [f"{first} and {n} engines disagree: log-probabilities differ by up to "
+                 f"{c['max_logprob_diff']:.3g} (tolerance {c['tolerance']}) over {c['positions_compared']} "
+                 f"positions; first differing picks {c['first_difference']}; picks outside the top {TOP} "
+                 f"{c['picks_outside_top']}" for n, c in comparisons.items() if not c["within_tolerance"]]
+    speed = {n: len(PROMPTS) * MAX_TOKENS / r["decode_s"] for n, r in reports.items() if "decode_s" in r}
+    return {"status": "failed" if problems else "passed", "reason": "; ".join(problems)[:500] or None,
+            "problems": problems, "moe_layers": moe_layers, "engines": reports, "comparisons": comparisons,
+            "tokens_per_s": speed}
 
 
-def stage_parser(doc: str, budget_s: float) -> argparse.ArgumentParser:
-    """A vLLM stage's command line: ``--out``, ``--budget-s``, ``--smoke``."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="folder for the record and the engines' logs")
-    ap.add_argument("--budget-s", type=float, default=budget_s,
-                    help="time for the whole check (the stage's limit must be larger)")
-    ap.add_argument("--smoke", action="store_true", help="gpu_check.sh --cpu-smoke: record a skip")
-    return ap
+# stage -> (its engines, its default budget s, its --smoke skip)
+STAGES = {"vllm_kimi": (kimi_engines, 150.0, "cpu-smoke: vLLM's CPU backend runs neither KDA nor "
+                        "Kimi-K3's MLA"),
+          "vllm_graphs": (graphs_engines, 100.0, "cpu-smoke: CUDA graphs need a GPU")}
+
+
+def skip_reason(stage: str, smoke: bool, on_cpu: bool) -> str | None:
+    if smoke:
+        return STAGES[stage][2]
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed in this Python ({sys.executable})"
+    import torch
+
+    if not (on_cpu or torch.cuda.is_available()):
+        return "no GPU visible to torch"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = stage_parser(__doc__, 150.0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for the record and the engines' logs")
+    ap.add_argument("--stage", choices=STAGES, default="vllm_kimi", help="the check (default vllm_kimi)")
+    ap.add_argument("--budget-s", type=float, help="time for the whole check (the stage's limit must be "
+                    "larger; default 150 s for vllm_kimi, 100 s for vllm_graphs)")
+    ap.add_argument("--smoke", action="store_true", help="gpu_check.sh --cpu-smoke: record a skip")
+    ap.add_argument("--on-cpu", action="store_true",
+                    help="run without a GPU (the lane's check of the vllm_graphs stage: no CUDA graphs)")
     ap.add_argument("--engine", type=Path, help=argparse.SUPPRESS)  # the child process of this spec
     args = ap.parse_args(argv)
     if args.engine:
         engine_main(args.engine)
-    return run_stage(args.out, "vllm_kimi", skip_reason(args.smoke), lambda: check(args.out, args.budget_s))
-
-
-def run_stage(out: Path, stage: str, skip: str | None, run: Any) -> int:
-    """A vLLM stage's record ``out/STAGE.json``: ``skip`` (a reason) or what ``run()`` found, with its
-    seconds; exit 1 only when it failed. A run cut off by its limit leaves no record, not an old one."""
-    out.mkdir(parents=True, exist_ok=True)
-    record_file = f"{stage}.json"
-    (out / record_file).unlink(missing_ok=True)
+    if args.on_cpu:  # vLLM's CPU backend would reserve most of the machine's memory for its KV cache
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record_path = args.out / f"{args.stage}.json"
+    record_path.unlink(missing_ok=True)  # a run cut off by its limit leaves no record, not an old one
     start = time.monotonic()
-    record = {"status": "skipped", "reason": skip, "problems": []} if skip else run()
-    record = {"stage": stage, **record, "seconds": round(time.monotonic() - start, 1)}
-    (out / record_file).write_text(json.dumps(record, indent=1) + "\n")
+    if skip := skip_reason(args.stage, args.smoke, args.on_cpu):
+        record = {"status": "skipped", "reason": skip, "problems": []}
+    else:
+        record = check(args.out, args.stage, args.budget_s or STAGES[args.stage][1])
+    record = {"stage": args.stage, **record, "seconds": round(time.monotonic() - start, 1)}
+    record_path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"{record['status']}" + (f": {record['reason']}" if record["reason"] else ""))
     return 1 if record["status"] == "failed" else 0
 

@@ -127,23 +127,19 @@ def make_models(folder: Path) -> dict[str, Path]:
     return {"tier": tier, "model": model}
 
 
-def start_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]], max_tokens: int,
-                 start_after: Path | None = None, env: dict[str, str] | None = None,
-                 engine: dict | None = None, logprobs: int | None = None,
-                 extra: dict | None = None) -> subprocess.Popen:
-    """``env``: settings over :data:`ENGINE_ENV` for this engine; ``engine``: ``LLM`` arguments over
-    the engine script's defaults (e.g. ``{"enforce_eager": True}``); ``logprobs``: k, to have each
-    token's top-k log-probabilities in the output; ``extra``: more of the engine script's spec."""
-    spec = folder / "spec.json"
-    spec.write_text(json.dumps({"model": str(model), "latent_moe": latent_moe, "prompts": prompts,
-                                "max_tokens": max_tokens,
-                                "start_after": str(start_after) if start_after else None,
-                                "engine": engine or {}, "logprobs": logprobs, **(extra or {})}))
-    env = {**os.environ, **ENGINE_ENV, **(env or {})}
+def start_engine(folder: Path, model: Path, spec: dict, start_after: Path | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The engine script on ``model`` with ``spec`` (``latent_moe``, ``prompts``, ``max_tokens``, and
+    ``engine``: ``LLM`` arguments over the script's defaults, ``logprobs``: k for each token's top-k
+    log-probabilities, ...); ``env``: settings over :data:`ENGINE_ENV` for this engine."""
+    path = folder / "spec.json"
+    start = str(start_after) if start_after else None
+    path.write_text(json.dumps({"model": str(model), **spec, "start_after": start}))
     with (folder / "engine.log").open("w") as out:
         # A session of its own: the engine's vLLM processes are one group to kill.
-        return subprocess.Popen([sys.executable, str(ENGINE), str(spec), str(folder / "out.json")], cwd=ROOT,
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen([sys.executable, str(ENGINE), str(path), str(folder / "out.json")], cwd=ROOT,
+                                env={**os.environ, **ENGINE_ENV, **(env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def finish_engine(folder: Path, proc: subprocess.Popen) -> dict:
@@ -155,30 +151,12 @@ def finish_engine(folder: Path, proc: subprocess.Popen) -> dict:
     return json.loads((folder / "out.json").read_text())
 
 
-def run_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]],
-               max_tokens: int, engine: dict | None = None, logprobs: int | None = None) -> dict:
-    folder.mkdir(parents=True, exist_ok=True)
-    return finish_engine(folder, start_engine(folder, model, latent_moe, prompts, max_tokens, engine=engine,
-                                              logprobs=logprobs))
-
-
-def tier_calls(out: dict) -> dict[int, int]:
-    """An engine's tier calls per layer, from its out.json (the plugin's ``tier_stats``)."""
-    return {int(layer): s["calls"] for layer, s in out["tier_stats"].items()}
-
-
 def kill_engine(proc: subprocess.Popen) -> None:
     """The process group of ``proc`` (an engine's vLLM engine core and worker too), if still there."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-
-
-def group_forwards(counters_path: Path) -> int:
-    """The group forwards of every deployment between the session's open and close."""
-    counts = json.loads(counters_path.read_text())
-    return sum(c["forwards"] - counts["opened"][name]["forwards"] for name, c in counts["closed"].items())
 
 
 def status_counts(tier: Tier) -> tuple[int, int]:
@@ -188,11 +166,6 @@ def status_counts(tier: Tier) -> tuple[int, int]:
         status = json.loads(r.read())
     counters = [d["counters"] for d in status["deployments"].values()]
     return sum(c["forwards"] for c in counters), sum(c["sessions"]["steps"] for c in counters)
-
-
-def status_forwards(tier: Tier) -> int:
-    """The group forwards of every deployment so far."""
-    return status_counts(tier)[0]
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
@@ -217,8 +190,9 @@ def start_engines(folder: Path, model: Path, specs: list[tuple],
     for i, (latent_moe, prompts, max_tokens, *extra) in enumerate(specs):
         f = folder / f"engine{i}"
         f.mkdir(parents=True)
-        proc = start_engine(f, model, latent_moe, prompts, max_tokens, go, env, engine, None, *extra)
-        procs.append((f, proc))
+        spec = {"latent_moe": latent_moe, "prompts": prompts, "max_tokens": max_tokens,
+                "engine": engine or {}, **(extra[0] if extra else {})}
+        procs.append((f, start_engine(f, model, spec, go, env)))
     deadline = time.monotonic() + ENGINE_S
     while not all((f / "spec.json.ready").exists() for f, _ in procs):
         for f, p in procs:

@@ -31,14 +31,12 @@ from scripts.bench.vllm_tier import (  # noqa: E402
     VENV,
     Tier,
     finish_engine,
-    group_forwards,
     kill_engine,
     make_models,
-    run_engine,
+    start_engine,
     start_engines,
-    status_forwards,
+    status_counts,
     stop,
-    tier_calls,
 )
 
 # The fixtures live here, not in a conftest.py: the default suite's modules import names from
@@ -59,6 +57,30 @@ def tier(models, tmp_path_factory) -> Iterator[Tier]:
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 301, 302, 303, 304, 305], [42]]
 MAX_TOKENS = 16
+
+
+def run_engine(folder: Path, model: Path, latent_moe: dict, prompts: list[list[int]],
+               max_tokens: int, engine: dict | None = None, logprobs: int | None = None) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {"latent_moe": latent_moe, "prompts": prompts, "max_tokens": max_tokens, "engine": engine or {},
+            "logprobs": logprobs}
+    return finish_engine(folder, start_engine(folder, model, spec))
+
+
+def tier_calls(out: dict) -> dict[int, int]:
+    """An engine's tier calls per layer, from its out.json (the plugin's ``tier_stats``)."""
+    return {int(layer): s["calls"] for layer, s in out["tier_stats"].items()}
+
+
+def group_forwards(counters_path: Path) -> int:
+    """The group forwards of every deployment between the session's open and close."""
+    counts = json.loads(counters_path.read_text())
+    return sum(c["forwards"] - counts["opened"][name]["forwards"] for name, c in counts["closed"].items())
+
+
+def status_forwards(tier: Tier) -> int:
+    """The group forwards of every deployment so far (the app's GET /v1/status)."""
+    return status_counts(tier)[0]
 
 
 def local(models) -> dict:
@@ -430,13 +452,15 @@ def test_the_cuda_graphs_stage_passes_where_it_can_run_here(tmp_path):
     """gpu_check.sh's vllm_graphs stage, run on the CPU (one compiled graph, no CUDA graphs): its
     three engines decode, the alias's op runs once per MoE layer per step, the three agree, and the
     record has each engine's tokens/s. On a GPU the same script captures piecewise CUDA graphs."""
-    from scripts.bench import vllm_graphs_gpu
+    from scripts.bench import vllm_kimi_gpu
 
-    assert vllm_graphs_gpu.main(["--out", str(tmp_path), "--on-cpu", "--budget-s", str(ENGINE_S)]) == 0
-    record = json.loads((tmp_path / vllm_graphs_gpu.RECORD).read_text())
+    stage = ["--stage", "vllm_graphs", "--out", str(tmp_path)]
+    assert vllm_kimi_gpu.main([*stage, "--on-cpu", "--budget-s", str(ENGINE_S)]) == 0
+    record = json.loads((tmp_path / "vllm_graphs.json").read_text())
     assert record["status"] == "passed" and set(record["comparisons"]) == {"eager", "native"}, record["problems"]
+    assert set(record["tokens_per_s"]) == {"graphs", "eager", "native"}
     assert all(v > 0 for v in record["tokens_per_s"].values())
-    assert vllm_graphs_gpu.main(["--out", str(tmp_path), "--smoke"]) == 0  # --cpu-smoke records a skip
+    assert vllm_kimi_gpu.main([*stage, "--smoke"]) == 0  # --cpu-smoke records a skip
 
 
 # ---- Kimi-K3: what CPU allows (scripts/gpu_check.sh's vllm_kimi stage runs it on a GPU) ----------
