@@ -74,7 +74,7 @@ class TellsIdle:
         super().__init__(*args, **kwargs)
         config = self.vllm_config
         settings = TierSettings.parse(config.additional_config)
-        self.latent_moe_busy = False
+        self.latent_moe_busy = self.latent_moe_warned = False
         self.latent_moe_idle = None  # where the engine's peer listens (None: in-process tier)
         if settings.ticket is not None:
             self.latent_moe_idle = address(settings.ticket, engine_peer(config, settings))
@@ -101,8 +101,11 @@ class TellsIdle:
         if self.latent_moe_idle is not None:
             try:
                 self.latent_moe_sock.sendto(b"idle", self.latent_moe_idle)
-            except OSError as e:  # the peer's worker is gone: the engine fails at its next step anyway
-                log.warning("latent-MoE tier: the engine's idle notice found no peer listening (%s)", e)
+            except OSError as e:  # no listener on this node (rank 0's worker elsewhere, or gone)
+                if not self.latent_moe_warned:
+                    self.latent_moe_warned = True
+                    log.warning("latent-MoE tier: the engine's idle notice found no peer listening on this "
+                                "node (%s); the session's other engines wait idle_after_s for it", e)
 
 
 class TierScheduler(TellsIdle, Scheduler):
