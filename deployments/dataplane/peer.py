@@ -254,7 +254,7 @@ class Peer:
         try:
             if self.closed is not None:
                 return False
-            for sock in self.socks.values():
+            for sock in list(self.socks.values()):  # a copy: close() may drop one meanwhile
                 with contextlib.suppress(OSError):  # a failed group: the next call finds out and moves
                     frames.send(sock, Kind.IDLE, index=self.index)
             return True

@@ -61,7 +61,10 @@ class IdleListener:
                 self.sock.recv(16)
             except OSError:  # closed
                 return
-            self.on_idle()
+            try:
+                self.on_idle()
+            except Exception:  # one lost notice must not stop the ones after it
+                log.exception("latent-MoE tier: an idle notice could not be passed on")
 
     def close(self) -> None:
         self.sock.close()
