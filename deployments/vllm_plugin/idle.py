@@ -59,15 +59,12 @@ class IdleListener:
         while True:
             try:
                 self.sock.recv(16)
-            except OSError:  # closed
+            except OSError:  # the socket is gone: no more notices
                 return
             try:
                 self.on_idle()
             except Exception:  # one lost notice must not stop the ones after it
                 log.exception("latent-MoE tier: an idle notice could not be passed on")
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class TellsIdle:

@@ -85,9 +85,7 @@ def counted_after(tier: vt.Tier, before: tuple[int, int], settle_s: float = 2.0)
 
 def open_sessions(tier: vt.Tier) -> list[dict[str, Any]]:
     """Every open client session of the app, as its GET /v1/status has it (rank 0's counts)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
-        status = json.loads(r.read())
-    return [s for d in status["deployments"].values() for s in d["sessions"]["open"]]
+    return [s for d in vt.app_status(tier)["deployments"].values() for s in d["sessions"]["open"]]
 
 
 def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool,

@@ -159,12 +159,16 @@ def kill_engine(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
+def app_status(tier: Tier) -> dict:
+    """The app's GET /v1/status."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
+        return json.loads(r.read())
+
+
 def status_counts(tier: Tier) -> tuple[int, int]:
     """Every deployment's group forwards so far, and the steps its leased sessions started (the
     app's GET /v1/status)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{tier.port}/v1/status", timeout=30) as r:
-        status = json.loads(r.read())
-    counters = [d["counters"] for d in status["deployments"].values()]
+    counters = [d["counters"] for d in app_status(tier)["deployments"].values()]
     return sum(c["forwards"] for c in counters), sum(c["sessions"]["steps"] for c in counters)
 
 
