@@ -1,6 +1,6 @@
 """The routed-experts stage: the ``torch`` and ``grouped`` backends against a dense GEMM of the same
 FLOPs (6·T·K·D·I) and a naive per-token loop, per token count T, dtype and experts format (dense, or
-MXFP4 decoded per batch); the page says more. Packed CPU experts at real size: ``real``, ``fused_cpu``.
+MXFP4 decoded per batch); the page says more. Packed CPU experts at real size: ``real``.
 Target: ``torch`` >= 40 % of dense at T = 4096.
 """
 
