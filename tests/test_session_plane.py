@@ -514,10 +514,18 @@ def frames_waiting(host: GroupHost, n: int) -> None:
 
 def hold_loop(host: GroupHost) -> threading.Event:
     """Hold rank 0's loop (a command that waits) until the event is set: frames sent meanwhile
-    wait in its sockets and are all read in its next round."""
-    gate = threading.Event()
-    host._commands.put(lambda: gate.wait(5))
+    wait in its sockets and are all read in its next round. Returns once the loop is held: a frame
+    sent before that could land in the same round as the wake-up and be read on its own."""
+    gate, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        gate.wait(5)
+
+    host._commands.put(hold)
     host._wake()
+    if not held.wait(5):
+        raise TimeoutError("rank 0's loop did not run the holding command within 5 s")
     return gate
 
 
