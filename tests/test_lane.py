@@ -94,10 +94,13 @@ def direct(name: str, timeout_s: float = 60):
     return MoEClient.direct(name, APP, timeout_s=timeout_s)
 
 
-def sessions_if_none_open(name: str) -> dict | None:
-    """The replica's ``sessions`` status once none is open, else None."""
+def sessions_once_ended(name: str, client: str) -> dict | None:
+    """The replica's ``sessions`` status once none is open and ``client``'s session is the last
+    ended, else None. Both: rank 0 drops an ended session from its snapshot (so from "open") a
+    moment before its pushed end reaches the replica's history."""
     sessions = direct(name).status()["sessions"]
-    return sessions if not sessions["open"] else None
+    ended = sessions["history"][-1:]
+    return sessions if not sessions["open"] and ended and ended[0]["client"] == client else None
 
 
 @pytest.mark.parametrize("name", [d["name"] for d in EXACT_DEPLOYMENTS if d["name"].startswith(("tp2", "sp"))])
@@ -297,7 +300,7 @@ def test_a_lane_dropped_without_close_closes_its_session(fault_app):
     del lane
     gc.collect()
     sessions = wait_until(
-        lambda: sessions_if_none_open("solo"), timeout_s=30, every_s=0.25,
+        lambda: sessions_once_ended("solo", "forgotten"), timeout_s=30, every_s=0.25,
         what=lambda: f"the dropped lane's session closed; {direct('solo').status()['sessions']}")
     last = sessions["history"][-1]
     assert last["client"] == "forgotten" and last["failure"] == "session_ended", last
@@ -415,7 +418,7 @@ while True:  # a busy client, killed mid-work
         child.kill()
         child.wait()
     sessions = wait_until(
-        lambda: sessions_if_none_open("solo"), timeout_s=30, every_s=0.25,
+        lambda: sessions_once_ended("solo", "doomed"), timeout_s=30, every_s=0.25,
         what=lambda: f"the dead client's session ended; {direct('solo').status()['sessions']}")
     ended = sessions["history"][-1]
     assert ended["client"] == "doomed" and ended["failure"] == "peer_gone", ended

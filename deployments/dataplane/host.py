@@ -267,8 +267,8 @@ class GroupHost:
         return session.state() if session is not None else self.ended.get(number)
 
     def snapshot(self, wait_s: float) -> dict[str, Any]:
-        """Every open session's state and the group's counters, read on the loop thread between
-        forwards: exact at the moment of reading."""
+        """Every open session's state, the last ended ones', and the group's counters, read on the
+        loop thread between forwards: exact at the moment of reading."""
         return self._call(self._snapshot, wait_s)
 
     def health(self) -> dict[str, Any]:
@@ -381,7 +381,10 @@ class GroupHost:
         return round(self.group.busy_s / elapsed, 4) if elapsed > 0 else 0.0
 
     def _snapshot(self) -> dict[str, Any]:
-        return {"sessions": {n: s.state() for n, s in self.sessions.items()}, "served": self.served.to_dict(),
+        # "ended": the last ended sessions' states, so that a reader whose pushed end is still on its
+        # way sees the session ended, not gone
+        return {"sessions": {n: s.state() for n, s in self.sessions.items()}, "ended": dict(self.ended),
+                "served": self.served.to_dict(),
                 "group": {**self.group.to_dict(), "recent_ms": list(self.recent_ms),
                           "busy_fraction": self._busy_fraction()},
                 **self.health()}

@@ -18,7 +18,8 @@ while the session lives:
   ``EVENTS_PUSH_S``, nothing while idle) on the replica's watch connection (``serve.group``);
   they feed the replica's counters, metrics and the autoscaler's tokens/s.
 * **Live.** :meth:`GroupSessions.status` reads rank 0 at the moment of the call: every open
-  session's peers, layers, forwards, rows and the group's busy fraction, exact.
+  session's peers, layers, forwards, rows and the group's busy fraction, exact; a session rank 0
+  has ended is in the history at that read, even while its pushed end is still on its way.
 """
 
 from __future__ import annotations
@@ -136,15 +137,20 @@ class GroupSessions:
             self._joined.update({int(n): st["joined"] for n, st in event["sessions"].items()})
             self._busy = event["busy_fraction"]
         elif kind == "ended":
-            known = self.open_now.pop(event["session"], None)
-            self._joined.pop(event["session"], None)
-            if known is not None:
-                self.history.append({**known, **_public(event["state"]),
-                                     "ended_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-                if event["state"].get("failure") not in MOVES_ON:  # over for good: no move finds it
-                    asyncio.get_running_loop().run_in_executor(
-                        None, moves.forget, known["client"], self.spec().name, known["id"])
+            self._ended(event["session"], event["state"])
         self._gauges()
+
+    def _ended(self, number: int, state: dict[str, Any]) -> None:
+        """Session ``number`` ended on rank 0 with ``state``: into the history (once: its pushed end
+        and a status read that saw it ended first may both bring it)."""
+        known = self.open_now.pop(number, None)
+        self._joined.pop(number, None)
+        if known is not None:
+            self.history.append({**known, **_public(state),
+                                 "ended_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            if state.get("failure") not in MOVES_ON:  # over for good: no move finds it
+                asyncio.get_running_loop().run_in_executor(
+                    None, moves.forget, known["client"], self.spec().name, known["id"])
 
     def _gauges(self) -> None:
         joined = sum(n for number, n in self._joined.items() if number in self.open_now)
@@ -171,6 +177,8 @@ class GroupSessions:
         and the last ended sessions."""
         snap = await asyncio.wait_for(self.group.workers[0].sessions_snapshot.remote(), RANK_POLL_S)
         self._account(snap["served"])  # the replica's counters exact at this read too
+        for number, state in snap["ended"].items():  # ended, its pushed end not here yet
+            self._ended(int(number), state)
         sessions = [{**self.open_now[int(n)], **_public(state)} for n, state in snap["sessions"].items()
                     if int(n) in self.open_now]
         self._joined = {int(n): state["joined"] for n, state in snap["sessions"].items()}
