@@ -77,12 +77,29 @@ def test_timed_replays_reports_the_median_replay_and_its_own_stages(monkeypatch)
         if Runner.timer.enabled and stage_ms is not None:
             Runner.timer.totals["collectives"] = stage_ms / 1e3
 
-    t = bench_tail.timed_replays(Runner(), replay, 3)
+    t = bench_tail.timed_replays({"one": (Runner(), replay)}, 3)["one"]
     assert t["all_ms"] == pytest.approx([9.0, 4.0, 6.0])
     assert t["ms"] == pytest.approx(6.0)  # the median replay by total ...
     assert t["stages_ms"] == pytest.approx({"collectives": 3.0})  # ... with its own stages
     assert t["other_ms"] == pytest.approx(3.0)
     assert not Runner.timer.enabled and Runner.timer.totals == {}
+
+
+def test_timed_replays_replay_the_calls_in_turns() -> None:
+    """Every call once, then round by round: a load spike lands on one replay of each, not on one
+    call's whole block."""
+    class Runner:
+        timer = _FakeTimer()
+
+    calls = []
+    t = bench_tail.timed_replays({name: (Runner(), lambda n=name: calls.append(n)) for name in "ab"}, 3)
+    assert calls == ["a", "b"] * 4 and set(t) == {"a", "b"} and len(t["a"]["all_ms"]) == 3
+
+
+def test_targets_are_the_median_of_the_rounds_with_the_bound_as_written() -> None:
+    rounds = [{"r": bench_tail.verdict(v, "<", 1), "s": bench_tail.verdict(v, ">=", 1.6)} for v in (0.5, 1.7, 0.6)]
+    assert bench_tail.median_targets(rounds) == {"r": {"value": 0.6, "target": "< 1", "met": True},
+                                                 "s": {"value": 0.6, "target": ">= 1.6", "met": False}}
 
 
 def test_targets_and_routed_input_names_in_the_section() -> None:

@@ -8,7 +8,9 @@ collectives, and the token-sharded routed input per mode. The page says more.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -33,29 +35,31 @@ ROUTED_INPUT_MODES = ("off", "none", "fp8-approx", "mxfp4-approx")  # dense expe
 WIDE = "single_allreduce_wide"
 
 
-def timed_replays(runner: LatentMoERunner, fn, reps: int) -> dict:
-    """``fn`` once, then ``reps`` replays timed whole and by stage in the same call: the median (lower
-    middle) replay's ``ms``, its own ``stages_ms`` and ``other_ms`` (the rest), every replay's ``all_ms``."""
-    timer = runner.timer
-    fn()
-    replays = []
-    timer.enabled = True
-    try:
-        for _ in range(reps):
-            timer.totals.clear()
+def timed_replays(calls: dict[str, tuple[LatentMoERunner, Callable]], reps: int) -> dict[str, dict]:
+    """Each ``(runner, fn)`` once, then ``reps`` rounds of all in turn, timed whole and by stage: per
+    call the median (lower middle) replay's ``ms``, its ``stages_ms``, ``other_ms`` (the rest), ``all_ms``."""
+    def replay(name: str) -> tuple[float, dict[str, float]]:
+        timer, fn = calls[name][0].timer, calls[name][1]
+        timer.enabled = True  # its totals are empty: a disabled timer records nothing
+        try:
             timer.sync()
             start = time.perf_counter()
             timer.start()
             fn()
             timer.sync()
-            total = (time.perf_counter() - start) * 1e3
-            replays.append((total, {stage: secs * 1e3 for stage, secs in timer.totals.items()}))
-    finally:
-        timer.enabled = False
-        timer.totals.clear()
-    total, stages = sorted(replays, key=lambda r: r[0])[(len(replays) - 1) // 2]
-    return {"ms": total, "stages_ms": stages, "other_ms": total - sum(stages.values()),
-            "all_ms": [r[0] for r in replays]}
+            return (time.perf_counter() - start) * 1e3, {s: secs * 1e3 for s, secs in timer.totals.items()}
+        finally:
+            timer.enabled = False
+            timer.totals.clear()
+
+    for _, fn in calls.values():
+        fn()
+    out = {}
+    for name, runs in harness.in_turns(calls, reps, replay).items():
+        total, stages = sorted(runs, key=lambda r: r[0])[(len(runs) - 1) // 2]
+        out[name] = {"ms": total, "stages_ms": stages, "other_ms": total - sum(stages.values()),
+                     "all_ms": [r[0] for r in runs]}
+    return out
 
 
 def _replay_wide_single_allreduce(runner: LatentMoERunner, L, S, dtype) -> torch.Tensor:
@@ -84,11 +88,12 @@ def _tail_rows(comm: Collectives, runners: dict, base: LatentMoERunner, x: torch
                  t, L.clone(), None if S is None else S.clone(), dtype)) for tail, runner in runners.items()}
     if "single_allreduce" in tails:
         tails[WIDE] = (base, partial(_replay_wide_single_allreduce, base, L.clone(), S, dtype))
+    tail_ts = timed_replays(tails, tail_reps if T < 4096 else max(3, tail_reps // 2))
+    layer_ts = timed_replays({tail: (runner, partial(runner.forward, x, tail=tail)) for tail, runner
+                              in runners.items()}, 1 if T >= 4096 else 3)
     rows = []
-    for tail, (runner, run_tail) in tails.items():
-        tail_t = timed_replays(runner, run_tail, tail_reps if T < 4096 else max(3, tail_reps // 2))
-        layer_t = None if tail == WIDE else timed_replays(runner, partial(runner.forward, x, tail=tail),
-                                                          1 if T >= 4096 else 3)
+    for tail, (_, run_tail) in tails.items():
+        tail_t, layer_t = tail_ts[tail], layer_ts.get(tail)
         comm.nbytes.clear()
         run_tail()
         rows.append({"P": comm.world, "T": T, "tail": tail, "tail_ms": tail_t["ms"],
@@ -106,7 +111,7 @@ def _routed_input_rows(comm: Collectives, base: LatentMoERunner, x: torch.Tensor
     for quant in ROUTED_INPUT_MODES:
         ri = RoutedInputConfig(quant != "off", "none" if quant == "off" else quant, 1)
         r = LatentMoERunner(base.cfg, base.w, comm, base.plan, base.shard, routed_input=ri)
-        st = timed_replays(r, partial(r.routed_input_latent, x), reps)
+        st = timed_replays({quant: (r, partial(r.routed_input_latent, x))}, reps)[quant]
         rows.append({"P": comm.world, "T": x.shape[0], "routed_input": quant, "total_ms": st["ms"],
                      "down_proj_ms": st["stages_ms"].get("down_proj", 0.0),
                      "gather_ms": st["stages_ms"].get("collectives", 0.0), "other_ms": st["other_ms"]})
@@ -166,6 +171,14 @@ def compute_targets(rows: list[dict], routed: list[dict], tp: list[int], tokens:
     return targets
 
 
+def median_targets(rounds: list[dict]) -> dict:
+    """Each target's median over the rounds' ratios: at T = 1 a ratio swings 3x between runs here."""
+    bounds = {name: v["target"].split() for name, v in rounds[0].items()}  # "< 1" -> "<", 1
+    return {name: verdict(statistics.median(r[name]["value"] for r in rounds), op,
+                          int(limit) if limit.isdigit() else float(limit))
+            for name, (op, limit) in bounds.items()}
+
+
 def index_rows(result: dict) -> list[Target]:
     return [target(name, v) for name, v in result["targets"].items()]
 
@@ -195,8 +208,10 @@ def markdown(result: dict, json_path: str, png_path: str) -> str:
                          ([x["P"], x["T"], x["routed_input"], *(f"{x[k]:.2f}" for k in (
                              "total_ms", "down_proj_ms", "gather_ms", "other_ms"))]
                           for x in result["routed_input"]), "rrlrrrr")]
-    return "\n".join([*lines, "", "Targets (ratios of the medians above):", "",
-                      *([f"- {name}: {verdict_text(t)}" for name, t in result["targets"].items()]
+    rounds = result.get("rounds", [])
+    return "\n".join([*lines, "", f"Targets (median of {len(rounds)} rounds' ratios; tables: the last):", "",
+                      *([f"- {name}: {verdict_text(t)}; rounds " + ", ".join(f"{r[name]:.2f}" for r in rounds)
+                         for name, t in result["targets"].items()]
                         or ["- none measurable with these TP sizes and token counts"]), "", *reading(result)])
 
 
@@ -230,22 +245,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048, 8192])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--tail-reps", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=3, help="runs of every TP size (targets: their median)")
     ap.add_argument("--render", type=Path, help="measure nothing: rewrite the page from this JSON")
     args = ap.parse_args(argv)
     if args.render:
         render_section(args.render, markdown, index_rows, args.docs, "tail")
         return 0
     ckpt = args.checkpoint or harness.preset_checkpoint(args.preset)
-    machine, rows, routed = harness.machine_record(), [], []
-    for P in args.tp:
-        print(f"TP {P}: timing tails at T = {args.tokens} ...", flush=True)
-        res = run_local_group(P, _rank_bench, str(ckpt), args.tokens, args.dtype, args.tail_reps,
-                              timeout_s=3600)[0]
-        rows, routed = rows + res["rows"], routed + res["routed_input"]
+    machine, rounds = harness.machine_record(), []
+    for i in range(args.rounds):
+        rows, routed = [], []
+        for P in args.tp:
+            print(f"round {i + 1}/{args.rounds}, TP {P}: timing tails at T = {args.tokens} ...", flush=True)
+            res = run_local_group(P, _rank_bench, str(ckpt), args.tokens, args.dtype, args.tail_reps,
+                                  timeout_s=3600)[0]
+            rows, routed = rows + res["rows"], routed + res["routed_input"]
+        rounds.append(compute_targets(rows, routed, args.tp, args.tokens))
     result = {"preset": args.preset if args.checkpoint is None else f"checkpoint {args.checkpoint}",
               "tp": args.tp, "dtype": args.dtype, "rows": rows, "routed_input": routed,
               "model": harness.model_record(LatentMoEConfig.from_pretrained(ckpt)),
-              "crossovers": _crossovers(rows), "targets": compute_targets(rows, routed, args.tp, args.tokens)}
+              "crossovers": _crossovers(rows), "targets": median_targets(rounds),
+              "rounds": [{name: v["value"] for name, v in r.items()} for r in rounds]}
     return harness.report(args, result, machine, markdown, index_rows)
 
 
