@@ -67,10 +67,9 @@ def test_a_session_ended_on_rank_0_is_in_the_history_at_the_next_read_once(repli
             sessions.on_event({"event": "ended", "session": grant["session"], "state": state})
         status = await sessions.status()  # the pushed end may still be on its way: the read settles it
         sessions.on_event({"event": "ended", "session": grant["session"], "state": state})  # late: no-op
-        await asyncio.sleep(0)  # the forget runs in the loop's executor
         return status, other, await sessions.status()
 
-    status, other, later = asyncio.run(scenario())
+    status, other, later = asyncio.run(scenario())  # returns once the executor's forgets ran
     assert [s["client"] for s in status["open"]] == ["alive"]
     assert [(h["client"], h["failure"]) for h in status["history"]] == [("doomed", "peer_gone")]
     assert later["history"] == status["history"]  # the late push added nothing
