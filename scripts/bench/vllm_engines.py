@@ -79,7 +79,6 @@ def counted_after(tier: vt.Tier, before: tuple[int, int], settle_s: float = 2.0)
         time.sleep(0.5)
 
 
-
 def row(mode: str, engines: int, runs: list[dict[str, Any]], together: bool,
         core: str = CORE_IN_PROCESS) -> dict[str, Any]:
     """``runs``: one decode, or several engines' in turn (not ``together``) or rounds of one."""
@@ -149,9 +148,6 @@ def shared_rows(tier: vt.Tier, work: Path, model: Path, args: Any) -> list[dict[
                 turns.append(decode(tier, work / f"separate{name}-{i}" / "run", model, specs, core))
         rows.append(row("separate", k, turns, False, core))
     return rows
-
-
-
 
 
 def serve_decode(tier: vt.Tier, folder: Path, model: Path, latent: list[dict], args: Any) -> dict[str, Any]:
